@@ -1,0 +1,151 @@
+"""Array backends: NumPy/SciPy on the host, CuPy/cupyx on CUDA GPUs.
+
+This is the only module that imports cupy (and the one place that imports
+torch and ray lazily for the rest of the package). Solvers ask
+:func:`array_module` for ``xp`` and never branch on "is this cupy" in their
+bodies, as CuPy's ``get_array_module`` does.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("managed_solve")
+
+_EXTRA_FOR = {
+    "cupy": 'pip install "managed-solve[cuda12]" (or [cuda13] for CUDA 13 drivers)',
+    "cupyx": 'pip install "managed-solve[cuda12]" (or [cuda13] for CUDA 13 drivers)',
+    "torch": 'pip install "managed-solve[torch]"',
+    "ray": 'pip install "managed-solve[ray]"',
+    "meshio": 'pip install "managed-solve[mesh]"',
+    "pynvml": 'pip install "managed-solve[nvml]"',
+    "matplotlib": 'pip install "managed-solve[plot]"',
+    "tqdm": 'pip install "managed-solve[progress]"',
+}
+
+
+def require(name: str, what: str = "this call") -> ModuleType:
+    """Import an optional dependency or raise ``ModuleNotFoundError`` naming the extra."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        root = name.split(".")[0]
+        hint = _EXTRA_FOR.get(root, f"pip install {root}")
+        raise ModuleNotFoundError(
+            f"{what} needs the optional package '{root}', which could not be imported "
+            f"({exc}). Install it with: {hint}"
+        ) from exc
+
+
+def _maybe(name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(name)
+    except Exception:  # ImportError, or a broken CUDA library raising at import
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_probe() -> tuple[int, str]:
+    """(number of usable CUDA GPUs, reason when 0). Never raises.
+
+    CuPy installs and imports on machines without a driver: then
+    ``getDeviceCount`` raises ``CUDARuntimeError`` and
+    ``import cupyx.scipy.sparse.linalg`` raises ImportError. Both mean "no GPU".
+    """
+    cp = _maybe("cupy")
+    if cp is None:
+        return 0, "CuPy is not installed"
+    try:
+        n = int(cp.cuda.runtime.getDeviceCount())
+    except Exception as exc:  # CUDARuntimeError without a driver
+        return 0, f"CuPy found no usable CUDA driver ({type(exc).__name__}: {exc})"
+    if n == 0:
+        return 0, "CuPy reports no CUDA devices"
+    try:
+        importlib.import_module("cupyx.scipy.sparse.linalg")
+    except Exception as exc:
+        return 0, f"cupyx.scipy.sparse.linalg failed to import ({exc})"
+    return n, ""
+
+
+def cuda_usable() -> bool:
+    """True when CuPy can run kernels on at least one CUDA GPU."""
+    return cuda_probe()[0] > 0
+
+
+def cupy() -> ModuleType:
+    """The cupy module, or ``ModuleNotFoundError`` naming the extra."""
+    return require("cupy", "running on a CUDA GPU")
+
+
+def cupyx_sparse() -> ModuleType:
+    return require("cupyx.scipy.sparse", "a sparse matrix on a CUDA GPU")
+
+
+def torch_module() -> ModuleType:
+    return require("torch", "torch interop")
+
+
+def is_cupy_array(x: Any) -> bool:
+    mod = type(x).__module__
+    return mod.startswith("cupy") and hasattr(x, "device") and hasattr(x, "data")
+
+
+def is_cupy_sparse(x: Any) -> bool:
+    return type(x).__module__.startswith("cupyx.scipy.sparse")
+
+
+def is_torch_tensor(x: Any) -> bool:
+    torch = __import__("sys").modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def is_scipy_sparse(x: Any) -> bool:
+    import scipy.sparse as sp
+
+    return sp.issparse(x)
+
+
+def array_module(*arrays: Any) -> ModuleType:
+    """``numpy`` or ``cupy``, from the arrays given (CuPy's ``get_array_module``)."""
+    for a in arrays:
+        if is_cupy_array(a) or is_cupy_sparse(a):
+            return cupy()
+    return np
+
+
+def sparse_module(xp: ModuleType) -> ModuleType:
+    """``scipy.sparse`` for numpy, ``cupyx.scipy.sparse`` for cupy."""
+    if xp is np:
+        import scipy.sparse
+
+        return scipy.sparse
+    return cupyx_sparse()
+
+
+def to_host(x: Any) -> Any:
+    """A NumPy array (or SciPy sparse matrix) holding x; copies only from a GPU."""
+    if is_cupy_array(x):
+        return x.get()  # sync: copies device -> host
+    if is_cupy_sparse(x):
+        return x.get()
+    if is_torch_tensor(x):
+        return x.detach().cpu().numpy()
+    return x
+
+
+def synchronize(device: Any = None) -> None:
+    """Wait for queued GPU work (no-op on the CPU)."""
+    if cuda_usable():
+        cp = cupy()
+        if device is None:
+            cp.cuda.get_current_stream().synchronize()
+        else:
+            with cp.cuda.Device(device):
+                cp.cuda.get_current_stream().synchronize()

@@ -1,0 +1,380 @@
+"""Devices and discovery: CUDA GPUs (CuPy, NVML), the CPU, simulated GPUs.
+
+Discovery never crashes: no CuPy, no driver, no NVML or a broken CUDA library
+each give a CPU-only inventory with one log line saying why. Free memory is
+read device-wide (NVML, else ``cudaMemGetInfo``), not from this process's
+allocator pool, so memory held by other processes counts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import ModuleType
+
+import numpy as np
+
+from . import _backend
+
+log = logging.getLogger("managed_solve")
+
+ENV_DEVICES = "MANAGED_SOLVE_DEVICES"
+ENV_SIMULATE = "MANAGED_SOLVE_SIMULATE"
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1 << 10,
+    "KB": 1000,
+    "KIB": 1 << 10,
+    "M": 1 << 20,
+    "MB": 1000**2,
+    "MIB": 1 << 20,
+    "G": 1 << 30,
+    "GB": 1000**3,
+    "GIB": 1 << 30,
+    "T": 1 << 40,
+    "TB": 1000**4,
+    "TIB": 1 << 40,
+}
+
+# Relative speed used to predict time before anything has been measured:
+# bytes per second a memory-bound sparse solve streams. Learned hints refine it.
+_DEFAULT_CPU_BANDWIDTH = 10e9
+_DEFAULT_GPU_BANDWIDTH = 2.0e12
+
+
+def parse_bytes(text: str, *, what: str = "size") -> int:
+    """``"2GiB"`` -> 2147483648. Binary (KiB, MiB, GiB) and decimal (KB, MB, GB) units."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(
+            f"{what}: cannot read {text!r} as a size; write a number with a unit, "
+            "for example '2GiB', '512MiB' or '4GB'."
+        )
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass(eq=False)
+class Device:
+    """One place where arrays live and solvers run.
+
+    Parameters
+    ----------
+    kind : {"cpu", "cuda", "sim"}
+        ``"sim"`` devices are simulated GPUs: they run on the CPU backend with a
+        memory budget, so placement, dispersal, spill and out-of-memory handling
+        can be tested on machines without GPUs.
+    index : int
+        CUDA ordinal for ``"cuda"``; position for ``"sim"``; 0 for the CPU.
+    name : str
+        Human-readable name (``"NVIDIA H200"``).
+    total_bytes : int
+        Memory capacity.
+    bandwidth : float
+        Bytes per second a memory-bound solve streams; used to predict time
+        before measurements exist.
+
+    Examples
+    --------
+    >>> from managed_solve.devices import cpu_device
+    >>> str(cpu_device())
+    'cpu'
+    """
+
+    kind: str
+    index: int
+    name: str
+    total_bytes: int
+    bandwidth: float = _DEFAULT_CPU_BANDWIDTH
+    pci_bus_id: str | None = None
+    _nvml_handle: object = field(default=None, repr=False)
+    # Simulated devices: bytes "allocated" on them (tests set it), and an
+    # optional fault hook called before each piece of work placed there.
+    sim_used_bytes: int = 0
+    fault: Callable[[Device, int], None] | None = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __str__(self) -> str:
+        return "cpu" if self.kind == "cpu" else f"{self.kind}:{self.index}"
+
+    def __repr__(self) -> str:
+        return f"Device({str(self)!r}, {self.name!r}, total={format_bytes(self.total_bytes)})"
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Device):
+            return str(self) == str(other)
+        if isinstance(other, str):
+            return str(self) == other
+        return NotImplemented
+
+    @property
+    def is_gpu(self) -> bool:
+        """True for CUDA and simulated GPUs (the devices work is dispersed over)."""
+        return self.kind in ("cuda", "sim")
+
+    @property
+    def backend(self) -> ModuleType:
+        """The array module: numpy for cpu and sim, cupy for cuda."""
+        return _backend.cupy() if self.kind == "cuda" else np
+
+    def free_bytes(self) -> int:
+        """Device-wide free memory now (other processes' allocations count)."""
+        if self.kind == "cpu":
+            return _host_available_bytes()
+        if self.kind == "sim":
+            return max(0, self.total_bytes - self.sim_used_bytes)
+        return _cuda_free_bytes(self)
+
+    def context(self):
+        """A context manager making this device current (a no-op off CUDA)."""
+        if self.kind == "cuda":
+            return _backend.cupy().cuda.Device(self.index)
+        return _NullContext()
+
+    def check_fault(self, nbytes: int) -> None:
+        """Raise the injected fault, if any (simulated devices only)."""
+        if self.fault is not None:
+            self.fault(self, nbytes)
+
+
+class _NullContext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class SimulatedOutOfMemory(MemoryError):
+    """Raised by simulated devices to mimic a GPU allocation failure."""
+
+
+def _host_total_bytes() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+def _host_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return _host_total_bytes() // 2
+
+
+_cpu_singleton: Device | None = None
+
+
+def cpu_device() -> Device:
+    """The host CPU (always present)."""
+    global _cpu_singleton
+    if _cpu_singleton is None:
+        import platform
+
+        name = platform.processor() or platform.machine() or "CPU"
+        _cpu_singleton = Device(
+            "cpu", 0, f"{name} ({os.cpu_count()} cores)", _host_total_bytes(),
+            bandwidth=_DEFAULT_CPU_BANDWIDTH,
+        )
+    return _cpu_singleton
+
+
+def _nvml():
+    """pynvml initialised, or None (no package, no driver)."""
+    mod = _backend._maybe("pynvml")
+    if mod is None:
+        return None
+    try:
+        mod.nvmlInit()
+    except Exception as exc:
+        log.debug("NVML unavailable: %s", exc)
+        return None
+    return mod
+
+
+def _cuda_free_bytes(dev: Device) -> int:
+    nvml = _nvml() if dev._nvml_handle is not None else None
+    if nvml is not None:
+        try:
+            return int(nvml.nvmlDeviceGetMemoryInfo(dev._nvml_handle).free)
+        except Exception as exc:
+            log.debug("NVML memory query failed on %s: %s", dev, exc)
+    cp = _backend.cupy()
+    with cp.cuda.Device(dev.index):
+        free, _total = cp.cuda.runtime.memGetInfo()
+    return int(free)
+
+
+def cuda_free_bytes_including_pool(dev: Device) -> int:
+    """Free bytes plus what CuPy's pool holds cached on that device (reusable by us)."""
+    free = dev.free_bytes()
+    cp = _backend.cupy()
+    with cp.cuda.Device(dev.index):
+        return free + int(cp.get_default_memory_pool().free_bytes())
+
+
+def discover_cuda() -> tuple[list[Device], str]:
+    """CUDA GPUs visible to CuPy, with names, memory and NVML handles. Never raises."""
+    n, why = _backend.cuda_probe()
+    if n == 0:
+        return [], why
+    cp = _backend.cupy()
+    nvml = _nvml()
+    out = []
+    for i in range(n):
+        try:
+            props = cp.cuda.runtime.getDeviceProperties(i)
+            name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+            total = int(props["totalGlobalMem"])
+            bw = _DEFAULT_GPU_BANDWIDTH
+            clock, width = props.get("memoryClockRate", 0), props.get("memoryBusWidth", 0)
+            if clock and width:  # kHz, bits; DDR: two transfers a clock
+                bw = 2.0 * clock * 1e3 * width / 8 * 0.8
+            pci = None
+            handle = None
+            try:
+                pci = cp.cuda.Device(i).pci_bus_id
+                if nvml is not None:
+                    handle = nvml.nvmlDeviceGetHandleByPciBusId(pci.encode())
+            except Exception as exc:  # NVML and CUDA may disagree on order: match by bus id
+                log.debug("no NVML handle for cuda:%d: %s", i, exc)
+            out.append(Device("cuda", i, name, total, bandwidth=bw, pci_bus_id=pci,
+                              _nvml_handle=handle))
+        except Exception as exc:
+            log.warning("managed_solve: skipping cuda:%d (%s)", i, exc)
+    return out, ""
+
+
+def parse_simulate(spec: str, *, var: str = ENV_SIMULATE) -> list[Device]:
+    """``"4x2GiB"`` -> four simulated GPUs of 2 GiB; ``"2GiB,1GiB"`` -> two of those sizes."""
+    spec = spec.strip()
+    example = "for example '4x2GiB' (four GPUs of 2 GiB) or '2GiB,1GiB'"
+    if not spec:
+        raise ValueError(f"{var} is empty; {example}.")
+    sizes: list[int] = []
+    for part in spec.split(","):
+        part = part.strip()
+        m = re.fullmatch(r"(\d+)\s*[xX*]\s*(.+)", part)
+        try:
+            if m:
+                count, size = int(m.group(1)), parse_bytes(m.group(2), what=var)
+                if count < 1:
+                    raise ValueError
+                sizes += [size] * count
+            else:
+                sizes.append(parse_bytes(part, what=var))
+        except ValueError:
+            raise ValueError(f"{var}={spec!r} is not a valid device simulation; {example}.") from None
+    if any(s <= 0 for s in sizes):
+        raise ValueError(f"{var}={spec!r}: sizes must be positive; {example}.")
+    return [
+        Device("sim", i, f"simulated GPU {i}", s, bandwidth=_DEFAULT_GPU_BANDWIDTH)
+        for i, s in enumerate(sizes)
+    ]
+
+
+def parse_device_name(name: str, *, what: str = "device") -> tuple[str, int]:
+    """``"cuda:1"`` -> ("cuda", 1); ``"cpu"`` -> ("cpu", 0); ``"sim:2"`` -> ("sim", 2)."""
+    s = str(name).strip().lower()
+    if s == "cpu":
+        return "cpu", 0
+    if s in ("cuda", "gpu"):
+        return "cuda", 0
+    m = re.fullmatch(r"(cuda|sim|gpu|cpu):(\d+)", s)
+    if not m:
+        raise ValueError(
+            f"{what}={name!r} is not a device name; use 'cpu', 'cuda:0', 'cuda:1', ... "
+            "or 'sim:0' for a simulated GPU."
+        )
+    kind = "cuda" if m.group(1) == "gpu" else m.group(1)
+    return kind, int(m.group(2))
+
+
+def discover(devices: str | Sequence[str] | None = None, simulate: str | None = None) -> list[Device]:
+    """The device inventory: accelerators first, the CPU last (always present).
+
+    Parameters
+    ----------
+    devices : str or list of str, optional
+        Subset to use (``"cuda:1,cpu"``). Default: ``$MANAGED_SOLVE_DEVICES``, else all.
+    simulate : str, optional
+        Simulated GPUs (``"4x2GiB"``) instead of real ones. Default:
+        ``$MANAGED_SOLVE_SIMULATE``.
+
+    Examples
+    --------
+    >>> [str(d) for d in discover(simulate="2x1GiB")]
+    ['sim:0', 'sim:1', 'cpu']
+    """
+    var_dev = "devices" if devices is not None else ENV_DEVICES
+    if devices is None:
+        devices = os.environ.get(ENV_DEVICES) or None
+    var_sim = "simulate" if simulate is not None else ENV_SIMULATE
+    if simulate is None:
+        simulate = os.environ.get(ENV_SIMULATE) or None
+
+    if simulate:
+        accel = parse_simulate(simulate, var=var_sim)
+        mode = "simulated"
+    else:
+        accel, why = discover_cuda()
+        mode = "GPU" if accel else "CPU-only"
+        if not accel:
+            log.info("managed_solve: CPU-only inventory: %s", why)
+    cpu = cpu_device()
+    inventory = [*accel, cpu]
+    if devices is None:
+        return inventory
+
+    names = devices.split(",") if isinstance(devices, str) else list(devices)
+    chosen: list[Device] = []
+    by_name = {str(d): d for d in inventory}
+    for raw in names:
+        raw = str(raw).strip()
+        if not raw:
+            continue
+        kind, idx = parse_device_name(raw, what=var_dev)
+        key = "cpu" if kind == "cpu" else f"{kind}:{idx}"
+        if key not in by_name:
+            have = ", ".join(by_name) or "none"
+            raise ValueError(
+                f"{var_dev}={devices!r} names {key!r}, which this machine does not have "
+                f"({mode} inventory: {have}). Example of a valid value: 'cuda:0,cpu'."
+            )
+        if by_name[key] not in chosen:
+            chosen.append(by_name[key])
+    if not chosen:
+        raise ValueError(f"{var_dev}={devices!r} selects no device; example: 'cuda:0,cpu'.")
+    return chosen
+
+
+def inventory_mode(devices: Sequence[Device]) -> str:
+    kinds = {d.kind for d in devices}
+    if "sim" in kinds:
+        return "simulated"
+    if "cuda" in kinds:
+        return "GPU"
+    return "CPU-only"

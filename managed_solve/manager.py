@@ -1,0 +1,620 @@
+"""DeviceManager: a thread-safe ledger of reserved memory, placement, pinning, spill, hints.
+
+The manager knows devices and predicted costs, never solvers. Placement is
+deterministic (no random choice, unlike the bridgesign/managed prototype):
+
+* ``disperse=True``: the device with the earliest predicted finish (work
+  already reserved there plus this work, over the device's learned speed)
+  among those where the bytes fit;
+* ``disperse=False``: the device already holding the most reserved bytes where
+  the bytes fit (pack), else the one with the most room.
+
+Bytes fit on a device when they are at most
+``min(total * (1 - reserved) - ledger, live free bytes)``: the ledger stops
+two placements from promising the same memory, the live reading sees what
+other processes and not-yet-released allocations hold.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .devices import Device, discover, format_bytes, parse_device_name
+
+log = logging.getLogger("managed_solve")
+
+_EMA = 0.5  # weight of the newest measurement in learned hints
+
+
+def default_heuristic(size: int) -> int:
+    """The prototype's sizing rule: bytes plus a margin growing like sqrt(bytes)."""
+    return size + int(1.5 * size**0.5)
+
+
+def _package_setting(name: str, default: Any) -> Any:
+    # Users set `managed_solve.USE_HEURISTIC = False` on the package itself, so the
+    # value is read from the package module at call time (an upward lookup by
+    # name through sys.modules, not an import, so no cycle).
+    pkg = sys.modules.get("managed_solve")
+    return getattr(pkg, name, default) if pkg is not None else default
+
+
+def raw_size_of(obj: Any) -> int:
+    """Bytes an object occupies: stored bytes for sparse data, never dense shape.
+
+    Accepts ints (taken as bytes), NumPy/CuPy arrays, SciPy/cupyx sparse
+    matrices, torch tensors (dense, sparse COO/CSR, meta), torch modules
+    (parameters, buffers and as many bytes again for gradients), objects with
+    ``nbytes`` (``LinearSystem``), and sequences of these.
+    """
+    if isinstance(obj, bool):
+        raise TypeError("size_of(obj=True): expected bytes, an array, a tensor or a module")
+    if isinstance(obj, int):
+        if obj < 0:
+            raise ValueError(f"size_of(obj={obj}): a byte count cannot be negative")
+        return obj
+    if isinstance(obj, float) and obj >= 0 and math.isfinite(obj):
+        return int(obj)
+    mod = type(obj).__module__
+    if mod.startswith("torch"):
+        return _torch_size(obj)
+    if hasattr(obj, "parameters") and hasattr(obj, "buffers"):
+        return _torch_size(obj)
+    if hasattr(obj, "indptr") and hasattr(obj, "indices") and hasattr(obj, "data"):
+        return int(obj.data.nbytes + obj.indices.nbytes + obj.indptr.nbytes)
+    if hasattr(obj, "row") and hasattr(obj, "col") and hasattr(obj, "data"):
+        return int(obj.data.nbytes + obj.row.nbytes + obj.col.nbytes)
+    nb = getattr(obj, "nbytes", None)
+    if nb is not None:
+        return int(nb)
+    if isinstance(obj, (list, tuple)):
+        return sum(raw_size_of(o) for o in obj)
+    raise TypeError(
+        f"size_of(obj=...): cannot size a {type(obj).__name__}; pass a byte count, an array, "
+        "a sparse matrix, a tensor, a module or a LinearSystem."
+    )
+
+
+def _tensor_bytes(t: Any) -> int:
+    layout = str(getattr(t, "layout", "torch.strided"))
+    if layout == "torch.sparse_coo":
+        t = t.coalesce() if not t.is_coalesced() else t
+        return int(t._values().numel() * t.element_size() + t._indices().numel() * 8)
+    if layout in ("torch.sparse_csr", "torch.sparse_csc", "torch.sparse_bsr", "torch.sparse_bsc"):
+        comp = t.crow_indices() if layout in ("torch.sparse_csr", "torch.sparse_bsr") else t.ccol_indices()
+        plain = t.col_indices() if layout in ("torch.sparse_csr", "torch.sparse_bsr") else t.row_indices()
+        return int(
+            t.values().numel() * t.element_size()
+            + comp.numel() * comp.element_size()
+            + plain.numel() * plain.element_size()
+        )
+    return int(t.numel() * t.element_size())
+
+
+def _torch_size(obj: Any) -> int:
+    if hasattr(obj, "parameters") and hasattr(obj, "buffers"):
+        params = sum(_tensor_bytes(p) for p in obj.parameters())
+        grads = sum(_tensor_bytes(p) for p in obj.parameters() if p.requires_grad)
+        return params + grads + sum(_tensor_bytes(b) for b in obj.buffers())
+    return _tensor_bytes(obj)
+
+
+@dataclass
+class Prediction:
+    """Predicted cost of a piece of work on one device."""
+
+    seconds: float
+    nbytes: int
+    source: str  # "model" (size-based) or "measured" (from hints)
+
+
+@dataclass
+class Placement:
+    """Where ``plan`` would put an item."""
+
+    item: Any
+    device: Device
+    nbytes: int
+    seconds: float
+    spilled: bool = False
+
+
+@dataclass
+class _Ledger:
+    reserved_bytes: int = 0
+    busy_seconds: float = 0.0  # predicted seconds of work reserved and not released
+    active: int = 0
+    placed: int = 0  # cumulative
+    predicted_total: float = 0.0  # cumulative predicted seconds
+    measured_total: float = 0.0  # cumulative measured seconds (record(device=...))
+
+
+@dataclass
+class _Hint:
+    seconds: float
+    peak_bytes: int
+    count: int
+    device: str
+
+
+class Reservation:
+    """Bytes (and predicted seconds) held on a device until released.
+
+    Use as a context manager; release happens on exit, also on exceptions.
+    """
+
+    def __init__(self, manager: DeviceManager, device: Device, nbytes: int, seconds: float,
+                 signature: Any = None):
+        self.manager = manager
+        self.device = device
+        self.nbytes = int(nbytes)
+        self.seconds = float(seconds)
+        self.signature = signature
+        self.released = False
+        self._t0 = time.perf_counter()
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.release()
+        return False
+
+    def release(self) -> None:
+        """Return the bytes to the ledger (idempotent)."""
+        self.manager._release(self)
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else "held"
+        return f"Reservation({self.device}, {format_bytes(self.nbytes)}, {state})"
+
+
+class DeviceManager:
+    """Knows the devices, reserves memory for placed work, places it, learns from it.
+
+    Parameters
+    ----------
+    devices : list of Device or str, optional
+        Inventory to manage; default: :func:`managed_solve.devices.discover`
+        (environment variables ``MANAGED_SOLVE_DEVICES``, ``MANAGED_SOLVE_SIMULATE``).
+        The CPU is always kept as the spill target.
+    reserved : float
+        Fraction of each device's memory never promised to work (head room for
+        libraries, fragmentation, other processes).
+    wait_timeout : float
+        Seconds ``reserve`` waits for a release when nothing fits, before
+        spilling to the CPU.
+    hints_path : str, optional
+        JSON file hints are loaded from (if it exists) and saved to by
+        :meth:`save_hints`.
+    max_hints : int
+        Bound on remembered work signatures (least recently used dropped).
+
+    Examples
+    --------
+    >>> from managed_solve.manager import DeviceManager
+    >>> dm = DeviceManager(simulate="2x1GiB")
+    >>> with dm.reserve(100 << 20, disperse=True) as r:
+    ...     str(r.device)
+    'sim:0'
+    """
+
+    def __init__(self, devices: Sequence[Device | str] | str | None = None, *,
+                 reserved: float = 0.1, wait_timeout: float = 0.0,
+                 simulate: str | None = None, hints_path: str | None = None,
+                 max_hints: int = 4096):
+        if not 0.0 <= reserved < 1.0:
+            raise ValueError(f"DeviceManager(reserved={reserved}): expected a fraction in [0, 1), e.g. 0.1")
+        if wait_timeout < 0:
+            raise ValueError(f"DeviceManager(wait_timeout={wait_timeout}): expected seconds >= 0")
+        if devices is None or isinstance(devices, str) or any(isinstance(d, str) for d in devices):
+            names = devices if devices is None or isinstance(devices, str) else [str(d) for d in devices]
+            inv = discover(names, simulate=simulate)
+        else:
+            inv = list(devices)
+            if not inv:
+                raise ValueError("DeviceManager(devices=[]): give at least one device, or None to discover")
+        if not any(d.kind == "cpu" for d in inv):
+            from .devices import cpu_device
+
+            self._cpu = cpu_device()
+        else:
+            self._cpu = next(d for d in inv if d.kind == "cpu")
+        self.devices: list[Device] = inv
+        self.reserved = float(reserved)
+        self.wait_timeout = float(wait_timeout)
+        self.hints_path = hints_path
+        self.max_hints = int(max_hints)
+        self._cond = threading.Condition(threading.RLock())
+        self._ledger: dict[Device, _Ledger] = {d: _Ledger() for d in [*inv, self._cpu]}
+        self._speed: dict[str, float] = {str(d): d.bandwidth for d in [*inv, self._cpu]}
+        self._hints: OrderedDict[str, _Hint] = OrderedDict()
+        self._pins: dict[int, tuple[Device, Any]] = {}
+        if hints_path:
+            import os
+
+            if os.path.exists(hints_path):
+                self.load_hints(hints_path)
+
+    # ------------------------------------------------------------------ inventory
+    @property
+    def accelerators(self) -> list[Device]:
+        """The GPUs (real or simulated) work is dispersed over."""
+        return [d for d in self.devices if d.is_gpu]
+
+    @property
+    def cpu(self) -> Device:
+        return self._cpu
+
+    def get_device(self, device: Device | str) -> Device:
+        """The managed :class:`Device` for ``"cuda:1"``, ``"cpu"`` or a Device."""
+        name = str(device)
+        kind, idx = parse_device_name(name, what="device")
+        key = "cpu" if kind == "cpu" else f"{kind}:{idx}"
+        for d in [*self.devices, self._cpu]:
+            if str(d) == key:
+                return d
+        have = ", ".join(str(d) for d in self.devices)
+        raise ValueError(f"device={name!r} is not managed here (devices: {have}).")
+
+    # ------------------------------------------------------------------ sizing
+    def size_of(self, obj: Any) -> int:
+        """Bytes to reserve for ``obj``: its stored size, through the heuristic if enabled.
+
+        ``managed_solve.USE_HEURISTIC`` and ``managed_solve.HEURISTIC_FUNCTION``
+        are read at every call, so setting them takes effect at once.
+        """
+        size = raw_size_of(obj)
+        if _package_setting("USE_HEURISTIC", True):
+            fn = _package_setting("HEURISTIC_FUNCTION", default_heuristic)
+            size = int(fn(size))
+        return size
+
+    # ------------------------------------------------------------------ capacity
+    def capacity(self, device: Device) -> int:
+        """Bytes the manager may promise on a device: total less the reserved fraction."""
+        return int(device.total_bytes * (1.0 - self.reserved))
+
+    def available_bytes(self, device: Device) -> int:
+        """Bytes a new reservation may take on ``device`` now."""
+        with self._cond:
+            led = self._ledger[device]
+            return max(0, min(self.capacity(device) - led.reserved_bytes, device.free_bytes()))
+
+    def speed(self, device: Device) -> float:
+        """Learned throughput of a device, in cost units (bytes streamed) per second."""
+        return self._speed[str(device)]
+
+    def predicted_finish(self, device: Device, seconds: float = 0.0) -> float:
+        with self._cond:
+            return self._ledger[device].busy_seconds + seconds
+
+    # ------------------------------------------------------------------ hints
+    def predict(self, signature: Any = None, *, nbytes: int = 0, cost: float | None = None,
+                device: Device | str | None = None) -> Prediction:
+        """Predicted seconds and peak bytes of a piece of work on a device.
+
+        ``cost`` is the work in bytes streamed (for a Krylov solve: bytes per
+        iteration times expected iterations); without measurements the time is
+        ``cost / speed(device)``. A signature recorded before overrides it with
+        the measured time (scaled to the device's speed) and raises ``nbytes``
+        to the measured peak.
+        """
+        dev = self.get_device(device) if device is not None else (self.accelerators or [self._cpu])[0]
+        if cost is None:
+            cost = float(nbytes)
+        key = _sig_key(signature) if signature is not None else None
+        with self._cond:
+            hint = self._hints.get(key) if key is not None else None
+            if hint is not None:
+                self._hints.move_to_end(key)
+                scale = self._speed.get(hint.device, self._speed[str(dev)]) / self._speed[str(dev)]
+                return Prediction(hint.seconds * scale, max(int(nbytes), hint.peak_bytes), "measured")
+            return Prediction(float(cost) / self._speed[str(dev)], int(nbytes), "model")
+
+    def record(self, signature: Any, seconds: float, peak_bytes: int = 0, *,
+               device: Device | str | None = None, cost: float | None = None) -> None:
+        """Learn from a finished piece of work.
+
+        Updates the hint for ``signature`` (time, peak memory) and, given the
+        device and the work's ``cost``, that device's learned speed, which
+        generalises to work never seen before.
+        """
+        if not (seconds >= 0 and math.isfinite(seconds)):
+            raise ValueError(f"record(seconds={seconds}): expected a finite time >= 0")
+        dev = self.get_device(device) if device is not None else None
+        key = _sig_key(signature)
+        with self._cond:
+            hint = self._hints.get(key)
+            dname = str(dev) if dev is not None else (hint.device if hint else str(self._cpu))
+            if hint is None:
+                self._hints[key] = _Hint(float(seconds), int(peak_bytes), 1, dname)
+            else:
+                if hint.device != dname:  # rescale the old estimate to the new device
+                    hint.seconds *= self._speed.get(hint.device, 1.0) / self._speed.get(dname, 1.0)
+                    hint.device = dname
+                hint.seconds = (1 - _EMA) * hint.seconds + _EMA * float(seconds)
+                hint.peak_bytes = max(hint.peak_bytes, int(peak_bytes))
+                hint.count += 1
+                self._hints.move_to_end(key)
+            while len(self._hints) > self.max_hints:
+                self._hints.popitem(last=False)
+            if dev is not None:
+                self._ledger[dev].measured_total += float(seconds)
+                if cost is not None and seconds > 0:
+                    observed = float(cost) / float(seconds)
+                    self._speed[str(dev)] = (1 - _EMA) * self._speed[str(dev)] + _EMA * observed
+
+    def hints(self) -> dict[str, dict]:
+        """A copy of the learned hints (signature -> seconds, peak_bytes, count, device)."""
+        with self._cond:
+            return {k: vars(h).copy() for k, h in self._hints.items()}
+
+    def save_hints(self, path: str | None = None) -> None:
+        """Write hints and learned device speeds to a JSON file."""
+        path = path or self.hints_path
+        if not path:
+            raise ValueError("save_hints(path=None): give a path or DeviceManager(hints_path=...)")
+        with self._cond:
+            data = {"hints": {k: vars(h) for k, h in self._hints.items()}, "speed": dict(self._speed)}
+        with open(path, "w") as fh:
+            json.dump(data, fh, indent=1)
+
+    def load_hints(self, path: str) -> None:
+        """Read hints saved by :meth:`save_hints` (unknown devices' speeds are ignored)."""
+        with open(path) as fh:
+            data = json.load(fh)
+        try:
+            hints = {k: _Hint(float(v["seconds"]), int(v["peak_bytes"]), int(v["count"]), str(v["device"]))
+                     for k, v in data.get("hints", {}).items()}
+            speeds = {k: float(v) for k, v in data.get("speed", {}).items()}
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"load_hints(path={path!r}): not a hints file written by save_hints ({exc})") from exc
+        with self._cond:
+            self._hints.update(hints)
+            for k, v in speeds.items():
+                if k in self._speed and v > 0:
+                    self._speed[k] = v
+            while len(self._hints) > self.max_hints:
+                self._hints.popitem(last=False)
+
+    # ------------------------------------------------------------------ pinning
+    def pin(self, obj: Any, device: Device | str) -> Device:
+        """Always place ``obj`` on ``device`` from now on."""
+        dev = self.get_device(device)
+        key = id(obj)
+        try:
+            ref = weakref.ref(obj, lambda _r, k=key: self._pins.pop(k, None))
+        except TypeError:  # not weak-referenceable: hold it
+            ref = obj
+        with self._cond:
+            self._pins[key] = (dev, ref)
+        return dev
+
+    def unpin(self, obj: Any) -> None:
+        with self._cond:
+            self._pins.pop(id(obj), None)
+
+    def pinned(self, obj: Any) -> Device | None:
+        """The device ``obj`` is pinned to, or None."""
+        with self._cond:
+            entry = self._pins.get(id(obj))
+        if entry is None:
+            return None
+        dev, ref = entry
+        target = ref() if isinstance(ref, weakref.ref) else ref
+        return dev if target is obj else None
+
+    # ------------------------------------------------------------------ placement
+    def _choose(self, nbytes: int, seconds: float | None, cost: float | None, disperse: bool,
+                exclude: Iterable[Device | str], candidates: Sequence[Device] | None = None,
+                ledger: dict[Device, _Ledger] | None = None) -> Device | None:
+        excl = {str(e) for e in exclude}
+        cands = [d for d in (candidates if candidates is not None else self.accelerators)
+                 if str(d) not in excl]
+        led = ledger if ledger is not None else self._ledger
+        fits = []
+        for d in cands:
+            room = min(self.capacity(d) - led[d].reserved_bytes, d.free_bytes())
+            if nbytes <= room:
+                fits.append((d, room))
+        if not fits:
+            return None
+        order = {str(d): i for i, d in enumerate(self.devices)}
+        if disperse:
+            def finish(dr):
+                d, room = dr
+                t = seconds if seconds is not None else (cost if cost is not None else nbytes) / self._speed[str(d)]
+                return (led[d].busy_seconds + t, -room, order.get(str(d), 0))
+            return min(fits, key=finish)[0]
+        return min(fits, key=lambda dr: (-led[dr[0]].reserved_bytes, -dr[1], order.get(str(dr[0]), 0)))[0]
+
+    def find_device(self, nbytes: int | Any = 0, *, disperse: bool = False,
+                    exclude: Iterable[Device | str] = (), seconds: float | None = None,
+                    cost: float | None = None, obj: Any = None) -> Device:
+        """The device new work of ``nbytes`` should go to (nothing is reserved).
+
+        A pinned ``obj`` goes to its pinned device. When no accelerator fits,
+        the CPU is returned (and the spill logged).
+        """
+        n = nbytes if isinstance(nbytes, int) and not isinstance(nbytes, bool) else self.size_of(nbytes)
+        pinned = self.pinned(obj) if obj is not None else None
+        with self._cond:
+            if pinned is not None:
+                return pinned
+            dev = self._choose(n, seconds, cost, disperse, exclude)
+        if dev is None:
+            log.info("managed_solve: %s fit on no accelerator; placing on the CPU", format_bytes(n))
+            return self._cpu
+        return dev
+
+    def reserve(self, nbytes: int | Any, device: Device | str | None = None, *,
+                disperse: bool = True, exclude: Iterable[Device | str] = (),
+                seconds: float | None = None, cost: float | None = None,
+                signature: Any = None, timeout: float | None = None, obj: Any = None,
+                spill: bool = True) -> Reservation:
+        """Reserve memory on a device (given, pinned, or chosen) until released.
+
+        Parameters
+        ----------
+        nbytes : int or object
+            Bytes, or anything :meth:`size_of` can size.
+        device : Device or str, optional
+            Reserve there (error if it cannot give the bytes after waiting).
+        disperse : bool
+            Placement policy when ``device`` is None (see the module docstring).
+        seconds, cost : float, optional
+            Predicted time (or cost in bytes streamed) of the work, for dispersal.
+        timeout : float, optional
+            Seconds to wait for a release when nothing fits; default ``wait_timeout``.
+        spill : bool
+            When nothing fits after waiting: True places on the CPU (logged),
+            False raises ``MemoryError``.
+
+        Raises
+        ------
+        MemoryError
+            A given or pinned device cannot give the bytes, or nothing fits and
+            ``spill`` is False.
+        """
+        n = nbytes if isinstance(nbytes, int) and not isinstance(nbytes, bool) else self.size_of(nbytes)
+        if n < 0:
+            raise ValueError(f"reserve(nbytes={n}): expected a byte count >= 0")
+        target = self.get_device(device) if device is not None else (self.pinned(obj) if obj is not None else None)
+        wait = self.wait_timeout if timeout is None else float(timeout)
+        deadline = time.monotonic() + wait
+        with self._cond:
+            while True:
+                if target is not None:
+                    cands = [target]
+                    dev = self._choose(n, seconds, cost, True, (), candidates=cands)
+                else:
+                    dev = self._choose(n, seconds, cost, disperse, exclude)
+                if dev is not None:
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            if dev is None:
+                if target is not None:
+                    why = "pinned to" if device is None else "asked for"
+                    raise MemoryError(
+                        f"reserve(nbytes={format_bytes(n)}): {why} {target}, which can give only "
+                        f"{format_bytes(self.available_bytes(target))} now. Free memory there, "
+                        "unpin the object, or let the manager choose (device=None)."
+                    )
+                room = min(self.capacity(self._cpu) - self._ledger[self._cpu].reserved_bytes,
+                           self._cpu.free_bytes())
+                if not spill or n > room:
+                    have = ", ".join(f"{d}: {format_bytes(self.available_bytes(d))}" for d in self.devices)
+                    raise MemoryError(
+                        f"reserve(nbytes={format_bytes(n)}): no device can give that much ({have}). "
+                        "Split the work, wait for running work (timeout=...), or free memory."
+                    )
+                log.info("managed_solve: %s fit on no accelerator; spilling to the CPU", format_bytes(n))
+                dev = self._cpu
+            t = seconds if seconds is not None else (cost if cost is not None else n) / self._speed[str(dev)]
+            led = self._ledger[dev]
+            led.reserved_bytes += n
+            led.busy_seconds += t
+            led.active += 1
+            led.placed += 1
+            led.predicted_total += t
+            return Reservation(self, dev, n, t, signature)
+
+    def _release(self, r: Reservation) -> None:
+        with self._cond:
+            if r.released:
+                return
+            r.released = True
+            led = self._ledger[r.device]
+            led.reserved_bytes -= r.nbytes
+            led.busy_seconds = max(0.0, led.busy_seconds - r.seconds)
+            led.active -= 1
+            self._cond.notify_all()
+
+    def reserved_bytes(self, device: Device | str) -> int:
+        with self._cond:
+            return self._ledger[self.get_device(device)].reserved_bytes
+
+    # ------------------------------------------------------------------ planning
+    def plan(self, items: Iterable[Any], *, disperse: bool = True,
+             seconds: Sequence[float] | None = None) -> list[Placement]:
+        """Where each item would go, in order, without reserving or allocating.
+
+        Items are anything :meth:`size_of` sizes (a module built on the meta
+        device is sized from shapes alone). Later items see the earlier ones'
+        bytes and predicted time, as real reservations would.
+        """
+        items = list(items)
+        with self._cond:
+            ledger = {d: _Ledger(l.reserved_bytes, l.busy_seconds) for d, l in self._ledger.items()}
+        out = []
+        for i, item in enumerate(items):
+            n = self.size_of(item)
+            s = seconds[i] if seconds is not None else None
+            pinned = self.pinned(item)
+            dev = pinned or self._choose(n, s, None, disperse, (), ledger=ledger)
+            spilled = dev is None
+            dev = dev or self._cpu
+            t = s if s is not None else n / self._speed[str(dev)]
+            ledger[dev].reserved_bytes += n
+            ledger[dev].busy_seconds += t
+            out.append(Placement(item, dev, n, t, spilled))
+        return out
+
+    def report(self) -> str:
+        """A text table: device, name, total, free, reserved, items placed, busy seconds."""
+        rows = [("device", "name", "total", "free", "reserved", "placed", "pred. busy s", "meas. s")]
+        with self._cond:
+            for d in [*self.devices] + ([] if self._cpu in self.devices else [self._cpu]):
+                led = self._ledger[d]
+                try:
+                    free = format_bytes(d.free_bytes())
+                except Exception as exc:  # a device that stopped answering still gets a row
+                    free = f"? ({type(exc).__name__})"
+                rows.append((str(d), d.name[:28], format_bytes(d.total_bytes), free,
+                             format_bytes(led.reserved_bytes), str(led.placed),
+                             f"{led.predicted_total:.3g}", f"{led.measured_total:.3g}"))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"DeviceManager(devices={[str(d) for d in self.devices]}, reserved={self.reserved})"
+
+
+def _sig_key(signature: Any) -> str:
+    return signature if isinstance(signature, str) else repr(signature)
+
+
+_default: DeviceManager | None = None
+_default_lock = threading.Lock()
+
+
+def default_manager() -> DeviceManager:
+    """The process-wide manager (``managed_solve.device_manager``), made on first use."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = DeviceManager()
+        return _default
+
+
+def set_default_manager(manager: DeviceManager | None) -> None:
+    """Replace the process-wide manager (None: rediscover on next use)."""
+    global _default
+    with _default_lock:
+        _default = manager

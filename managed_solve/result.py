@@ -1,0 +1,133 @@
+"""SolveResult and Status: what a solve returns. Not converging is a status, not an exception."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import _backend
+
+
+class Status(enum.Enum):
+    """Outcome of one solve, with a readable message (Lineax's ``RESULTS``)."""
+
+    CONVERGED = "converged"
+    MAXITER = "maxiter"
+    BREAKDOWN = "breakdown"
+    INVALID_INPUT = "invalid_input"
+    DEVICE_ERROR = "device_error"
+
+    @property
+    def message(self) -> str:
+        return {
+            Status.CONVERGED: "the residual met the requested tolerance",
+            Status.MAXITER: "the iteration limit was reached before the tolerance was met; "
+            "raise maxiter, loosen rtol, or add a preconditioner (M='jacobi')",
+            Status.BREAKDOWN: "the method broke down (a zero or negative curvature or a "
+            "vanishing inner product); for an indefinite or non-symmetric matrix use "
+            "method='minres' or method='gmres'",
+            Status.INVALID_INPUT: "the system was rejected before solving",
+            Status.DEVICE_ERROR: "the device failed while solving (out of memory or a driver error)",
+        }[self]
+
+
+class SolveError(RuntimeError):
+    """Raised by :meth:`SolveResult.raise_for_status` for a result that did not converge."""
+
+    def __init__(self, message: str, result: SolveResult | None = None):
+        super().__init__(message)
+        self.result = result
+
+
+@dataclass
+class SolveResult:
+    """The solution of one linear system and how it was obtained.
+
+    Attributes
+    ----------
+    x : array
+        The solution, on the device where it was solved (NumPy on the CPU,
+        CuPy on a GPU). None for an ``INVALID_INPUT`` result.
+    status : Status
+    iterations : int
+    residual_norm : float
+        True residual ``||b - A x||`` checked after the solve (not the
+        recursively updated one).
+    device : str
+        ``"cpu"``, ``"cuda:1"``, ...
+    seconds : float
+        Wall time of the solve on that device.
+    message : str
+        What happened, with the fix where there is one.
+    """
+
+    x: Any
+    status: Status
+    iterations: int = 0
+    residual_norm: float = float("nan")
+    b_norm: float = float("nan")
+    device: str = "cpu"
+    seconds: float = 0.0
+    method: str = ""
+    message: str = ""
+    name: str | None = None
+    info: dict = field(default_factory=dict)
+
+    @property
+    def converged(self) -> bool:
+        return self.status is Status.CONVERGED
+
+    @property
+    def relative_residual(self) -> float:
+        """``||b - A x|| / ||b||`` (the norm itself when b is zero)."""
+        if not np.isfinite(self.b_norm) or self.b_norm == 0:
+            return self.residual_norm
+        return self.residual_norm / self.b_norm
+
+    def raise_for_status(self) -> SolveResult:
+        """Return self if converged, else raise :class:`SolveError` with the message."""
+        if not self.converged:
+            who = f" ({self.name})" if self.name else ""
+            raise SolveError(
+                f"solve{who}: {self.status.name}: {self.message or self.status.message}", self
+            )
+        return self
+
+    def to_numpy(self) -> np.ndarray:
+        """x as a NumPy array (a copy only when x is on a GPU)."""
+        self._need_x("to_numpy")
+        return np.asarray(_backend.to_host(self.x))
+
+    def to_cupy(self, device: int | None = None):
+        """x as a CuPy array (no copy when already on that GPU)."""
+        self._need_x("to_cupy")
+        cp = _backend.cupy()
+        if device is None:
+            return cp.asarray(self.x)
+        with cp.cuda.Device(device):
+            return cp.asarray(self.x)
+
+    def to_torch(self):
+        """x as a torch tensor sharing memory with ``x`` (DLPack, zero-copy, same device)."""
+        self._need_x("to_torch")
+        from .dlpack import as_torch
+
+        return as_torch(self.x)
+
+    def _need_x(self, what: str) -> None:
+        if self.x is None:
+            raise ValueError(
+                f"SolveResult.{what}(): this result has no solution (status {self.status.name}: "
+                f"{self.message or self.status.message})"
+            )
+
+    def __repr__(self) -> str:
+        n = None if self.x is None else getattr(self.x, "shape", (None,))[0]
+        return (
+            f"SolveResult(status={self.status.name}, n={n}, iterations={self.iterations}, "
+            f"relative_residual={self.relative_residual:.3g}, device={self.device!r}, "
+            f"seconds={self.seconds:.3g})"
+        )

@@ -1,0 +1,326 @@
+"""LinearSystem: one validated ``A x = b`` with its solver options.
+
+Inputs are taken where they lie: SciPy sparse stays on the host, cupyx sparse
+and CuPy arrays stay on their GPU, torch tensors come through DLPack without
+copies (CPU tensors as NumPy views, CUDA tensors as CuPy views). Validation
+happens once, here, with errors naming the argument, what was expected, what
+arrived and the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _backend
+
+METHODS = ("auto", "cg", "bicgstab", "gmres", "minres", "direct")
+PRECONDITIONERS = ("jacobi", "chebyshev", "neumann")
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _where(what: str) -> str:
+    return f"{what}(...)"
+
+
+def result_dtype(*dtypes: Any) -> np.dtype:
+    """float32 only when every input is float32; integers promote to float64."""
+    dts = [np.dtype(d) for d in dtypes if d is not None]
+    return np.dtype(np.float32) if dts and all(d == np.float32 for d in dts) else np.dtype(np.float64)
+
+
+def check_dtype(dtype: Any, *, call: str, arg: str) -> np.dtype:
+    dt = np.dtype(dtype)
+    if dt.kind == "c":
+        raise TypeError(
+            f"{call}: {arg} has complex dtype {dt}; managed-solve solves real systems "
+            "(float32 or float64). Split a complex system into its real 2x2 block form."
+        )
+    if dt.kind not in "fiub" or dt.itemsize > 8:
+        raise TypeError(
+            f"{call}: {arg} has dtype {dt}; expected float32 or float64 "
+            "(integers are promoted to float64)."
+        )
+    return dt
+
+
+def _torch_to_array(t: Any, *, call: str, arg: str) -> Any:
+    """A torch tensor as a NumPy (CPU) or CuPy (CUDA) view, through DLPack."""
+    if t.requires_grad:
+        t = t.detach()  # the solver does not differentiate through A or b
+    if t.device.type == "cpu":
+        return t.resolve_conj().numpy()
+    if t.device.type == "cuda":
+        cp = _backend.cupy()
+        return cp.from_dlpack(t)
+    raise TypeError(f"{call}: {arg} is a torch tensor on {t.device}; expected a CPU or CUDA tensor")
+
+
+def _torch_sparse(t: Any, *, call: str) -> Any:
+    layout = str(t.layout)
+    if layout == "torch.sparse_coo":
+        t = t.coalesce().to_sparse_csr()
+    elif layout != "torch.sparse_csr":
+        raise TypeError(f"{call}: A is a torch tensor with layout {layout}; expected dense, sparse_coo or sparse_csr")
+    shape = tuple(t.shape)
+    crow = _torch_to_array(t.crow_indices(), call=call, arg="A.crow_indices()")
+    col = _torch_to_array(t.col_indices(), call=call, arg="A.col_indices()")
+    val = _torch_to_array(t.values(), call=call, arg="A.values()")
+    xp = _backend.array_module(val)
+    sparse = _backend.sparse_module(xp)
+    return sparse.csr_matrix((val, col, crow), shape=shape)
+
+
+def as_operator(A: Any, *, call: str = "solve") -> tuple[Any, str]:
+    """Normalise A: (matrix, kind) with kind in {"csr", "dense", "operator"}."""
+    if A is None:
+        raise TypeError(f"{call}: A is None; expected a sparse matrix, a dense array or an operator")
+    if _backend.is_torch_tensor(A):
+        if A.layout != __import__("torch").strided:
+            return _torch_sparse(A, call=call), "csr"
+        A = _torch_to_array(A, call=call, arg="A")
+    if _backend.is_scipy_sparse(A) or _backend.is_cupy_sparse(A):
+        if A.ndim != 2:
+            raise ValueError(f"{call}: A must be 2-D, got {A.ndim}-D")
+        A = A.tocsr()
+        A.sum_duplicates()
+        return A, "csr"
+    if isinstance(A, np.ndarray) or _backend.is_cupy_array(A):
+        if A.ndim != 2:
+            raise ValueError(f"{call}: A must be a 2-D matrix, got an array of shape {A.shape}")
+        return A, "dense"
+    if hasattr(A, "shape") and (hasattr(A, "matvec") or hasattr(A, "__matmul__")):
+        if len(A.shape) != 2:
+            raise ValueError(f"{call}: A.shape must have two entries, got {A.shape}")
+        return A, "operator"
+    raise TypeError(
+        f"{call}: A is a {type(A).__module__}.{type(A).__name__}; expected a SciPy or cupyx sparse "
+        "matrix, a torch sparse CSR/COO tensor, a dense NumPy/CuPy/torch array, or an object "
+        "with `shape` and `matvec`."
+    )
+
+
+def as_vector(v: Any, n: int, *, call: str, arg: str, xp: Any = None) -> Any:
+    """A 1-D array of length n, on the device v lies on."""
+    if _backend.is_torch_tensor(v):
+        v = _torch_to_array(v, call=call, arg=arg)
+    elif not (isinstance(v, np.ndarray) or _backend.is_cupy_array(v)):
+        try:
+            v = np.asarray(v)
+        except Exception as exc:
+            raise TypeError(f"{call}: {arg} must be an array, got {type(v).__name__}") from exc
+    if v.ndim == 2 and v.shape[1] == 1:
+        v = v.reshape(-1)
+    if v.ndim != 1 or v.shape[0] != n:
+        raise ValueError(
+            f"{call}: {arg} must have shape ({n},) to match A of shape ({n}, {n}), got shape "
+            f"{tuple(v.shape)}. For several right-hand sides, solve them as separate systems "
+            "with solve_many."
+        )
+    check_dtype(v.dtype, call=call, arg=arg)
+    return v
+
+
+def _all_finite(a: Any) -> bool:
+    xp = _backend.array_module(a)
+    return bool(xp.isfinite(a).all())  # sync: one host read at validation
+
+
+class LinearSystem:
+    """One linear system ``A x = b`` with its solver options, validated once.
+
+    Parameters
+    ----------
+    A : sparse matrix, dense array, torch tensor or operator
+        SciPy/cupyx sparse, torch sparse CSR/COO, dense NumPy/CuPy/torch, or an
+        object with ``shape`` and ``matvec``. Square.
+    b : array
+        NumPy, CuPy or torch, shape ``(n,)``.
+    x0 : array, optional
+        Initial guess, shape ``(n,)``.
+    rtol, atol : float
+        Converged when ``||b - A x|| <= max(rtol * ||b||, atol)`` (SciPy's rule).
+    maxiter : int, optional
+        Iteration limit; default ``10 * n`` (at least 100).
+    method : {"auto", "cg", "bicgstab", "gmres", "minres", "direct"}
+    M : {"jacobi", "chebyshev", "neumann"} or operator, optional
+        Preconditioner.
+    name : str, optional
+        Shown in results and errors.
+
+    Examples
+    --------
+    >>> import numpy as np, scipy.sparse as sp
+    >>> from managed_solve import LinearSystem
+    >>> A = sp.diags([2.0, 3.0, 4.0]).tocsr()
+    >>> s = LinearSystem(A, np.ones(3))
+    >>> s.n, s.nnz, str(s.dtype)
+    (3, 3, 'float64')
+    """
+
+    def __init__(self, A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 0.0,
+                 maxiter: int | None = None, method: str = "auto", M: Any = None,
+                 name: str | None = None, dtype: Any = None, check_finite: bool = True):
+        call = f"LinearSystem({name!r})" if name else "LinearSystem(A, b)"
+        A, kind = as_operator(A, call=call)
+        shape = tuple(int(s) for s in A.shape)
+        if shape[0] != shape[1]:
+            raise ValueError(
+                f"{call}: A must be square, got shape {shape}. For a least-squares problem, "
+                "solve the normal equations (A.T @ A) x = A.T @ b."
+            )
+        n = shape[0]
+        if n == 0:
+            raise ValueError(f"{call}: A is empty (shape {shape}); there is nothing to solve")
+        a_dtype = check_dtype(getattr(A, "dtype", np.float64), call=call, arg="A")
+        b = as_vector(b, n, call=call, arg="b")
+        if x0 is not None:
+            x0 = as_vector(x0, n, call=call, arg="x0")
+        if not (np.isfinite(rtol) and rtol >= 0):
+            raise ValueError(f"{call}: rtol must be a finite number >= 0, got {rtol}")
+        if not (np.isfinite(atol) and atol >= 0):
+            raise ValueError(f"{call}: atol must be a finite number >= 0, got {atol}")
+        if rtol == 0 and atol == 0:
+            raise ValueError(f"{call}: rtol and atol are both 0, so no iterate can converge; set rtol=1e-8")
+        if maxiter is not None and (int(maxiter) != maxiter or maxiter < 1):
+            raise ValueError(f"{call}: maxiter must be a positive integer, got {maxiter!r}")
+        if method not in METHODS:
+            raise ValueError(f"{call}: method={method!r} is not known; choose one of {', '.join(METHODS)}")
+        if isinstance(M, str) and M not in PRECONDITIONERS:
+            raise ValueError(f"{call}: M={M!r} is not a known preconditioner; use one of "
+                             f"{', '.join(PRECONDITIONERS)}, an operator, or None")
+        if kind == "operator" and method == "direct":
+            raise ValueError(f"{call}: method='direct' needs the matrix entries; A is an operator. "
+                             "Use method='gmres' or pass A as a sparse matrix.")
+        if kind == "operator" and M == "jacobi" and not hasattr(A, "diagonal"):
+            raise ValueError(f"{call}: M='jacobi' needs A's diagonal; A is an operator without "
+                             "diagonal(). Pass M as an operator instead.")
+
+        dt = check_dtype(dtype, call=call, arg="dtype") if dtype is not None else result_dtype(a_dtype, b.dtype)
+        if dt not in _FLOATS:
+            raise TypeError(f"{call}: dtype={dt} is not supported; use float32 or float64")
+        xp = _backend.array_module(b)
+        a_xp = _backend.array_module(A) if kind != "operator" else xp
+        if a_xp is not xp:
+            raise ValueError(
+                f"{call}: A is on {'a GPU' if a_xp is not np else 'the host'} but b is on "
+                f"{'a GPU' if xp is not np else 'the host'}; put both on one device "
+                "(LinearSystem(...).to(device) moves both)."
+            )
+        if kind == "csr":
+            if A.dtype != dt:
+                A = A.astype(dt)
+            if check_finite and A.nnz and not _all_finite(A.data):
+                raise ValueError(f"{call}: A has NaN or Inf entries; clean the matrix before solving")
+        elif kind == "dense":
+            A = A.astype(dt, copy=False)
+            if check_finite and not _all_finite(A):
+                raise ValueError(f"{call}: A has NaN or Inf entries; clean the matrix before solving")
+        b = b.astype(dt, copy=False)
+        if check_finite and not _all_finite(b):
+            raise ValueError(f"{call}: b has NaN or Inf entries")
+        if x0 is not None:
+            x0 = xp.asarray(x0).astype(dt, copy=False)
+            if check_finite and not _all_finite(x0):
+                raise ValueError(f"{call}: x0 has NaN or Inf entries")
+
+        self.A, self.kind, self.b, self.x0 = A, kind, b, x0
+        self.rtol, self.atol = float(rtol), float(atol)
+        self.maxiter = int(maxiter) if maxiter is not None else None
+        self.method, self.M, self.name = method, M, name
+        self.dtype = dt
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def n(self) -> int:
+        return int(self.A.shape[0])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.n)
+
+    @property
+    def nnz(self) -> int:
+        if self.kind == "csr":
+            return int(self.A.nnz)
+        if self.kind == "dense":
+            return self.n * self.n
+        return 0
+
+    @property
+    def index_dtype(self) -> np.dtype:
+        return np.dtype(self.A.indices.dtype) if self.kind == "csr" else np.dtype(np.int64)
+
+    @property
+    def nbytes(self) -> int:
+        """Stored bytes of A, b and x0 (sparse A by its stored entries, never dense shape)."""
+        if self.kind == "csr":
+            a = self.A.data.nbytes + self.A.indices.nbytes + self.A.indptr.nbytes
+        elif self.kind == "dense":
+            a = self.A.nbytes
+        else:
+            a = 0
+        return int(a + self.b.nbytes + (self.x0.nbytes if self.x0 is not None else 0))
+
+    def workspace_bytes(self, method: str | None = None) -> int:
+        """Extra bytes a Krylov solve needs: x plus the method's work vectors."""
+        method = method or self.method
+        vectors = {"cg": 4, "bicgstab": 7, "gmres": 30 + 3, "minres": 8, "direct": 0}.get(method, 7)
+        extra = 1 if self.M is not None else 0
+        if method == "direct":  # fill-in of a sparse LU: a rough bound of 20 x nnz
+            return int(20 * self.nnz * (self.dtype.itemsize + 4))
+        return int((vectors + extra) * self.n * self.dtype.itemsize)
+
+    @property
+    def device(self) -> str:
+        """Where the arrays lie: ``"cpu"`` or ``"cuda:i"``."""
+        if _backend.is_cupy_array(self.b):
+            return f"cuda:{self.b.device.id}"
+        return "cpu"
+
+    @property
+    def signature(self) -> tuple:
+        """What predicts cost: (n, nnz, dtype, method, kind)."""
+        return (self.n, self.nnz, str(self.dtype), self.method, self.kind)
+
+    @property
+    def is_symmetric_hint(self) -> bool | None:
+        """Symmetry of a sparse A, checked structurally and numerically (host, small cost)."""
+        if self.kind != "csr":
+            return None
+        d = self.A - self.A.T
+        if d.nnz == 0:
+            return True
+        xp = _backend.array_module(d)
+        return bool(abs(d).max() <= 1e-12 * max(1.0, float(abs(self.A).max())))  # sync
+
+    def to(self, device: Any) -> LinearSystem:
+        """The same system with its arrays on ``device`` (``"cpu"``, ``"cuda:1"``, a Device)."""
+        from .devices import parse_device_name
+
+        kind, idx = parse_device_name(str(device), what="device")
+        if kind in ("cpu", "sim"):
+            A = _backend.to_host(self.A) if self.kind != "operator" else self.A
+            b, x0 = _backend.to_host(self.b), _backend.to_host(self.x0) if self.x0 is not None else None
+        else:
+            cp = _backend.cupy()
+            with cp.cuda.Device(idx):
+                if self.kind == "csr":
+                    A = _backend.cupyx_sparse().csr_matrix(self.A) if not (
+                        _backend.is_cupy_sparse(self.A) and self.A.data.device.id == idx) else self.A
+                elif self.kind == "dense":
+                    A = cp.asarray(self.A)
+                else:
+                    A = self.A
+                b = cp.asarray(self.b)
+                x0 = cp.asarray(self.x0) if self.x0 is not None else None
+        out = object.__new__(LinearSystem)
+        out.__dict__.update(self.__dict__)
+        out.A, out.b, out.x0 = A, b, x0
+        return out
+
+    def __repr__(self) -> str:
+        nm = f"{self.name!r}, " if self.name else ""
+        return (f"LinearSystem({nm}n={self.n}, nnz={self.nnz}, dtype={self.dtype}, "
+                f"method={self.method!r}, device={self.device!r})")
