@@ -26,7 +26,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .devices import Device, discover, format_bytes, parse_device_name
@@ -588,7 +588,7 @@ class DeviceManager:
                              format_bytes(led.reserved_bytes), str(led.placed),
                              f"{led.predicted_total:.3g}", f"{led.measured_total:.3g}"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
         return "\n".join(lines)
 

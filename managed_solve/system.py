@@ -292,7 +292,6 @@ class LinearSystem:
         d = self.A - self.A.T
         if d.nnz == 0:
             return True
-        xp = _backend.array_module(d)
         return bool(abs(d).max() <= 1e-12 * max(1.0, float(abs(self.A).max())))  # sync
 
     def to(self, device: Any) -> LinearSystem:

@@ -1,0 +1,218 @@
+"""Devices and discovery: parsing, selection, never-crashing discovery, device-wide free memory."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import types
+
+import numpy as np
+import pytest
+
+from managed_solve import _backend
+from managed_solve.devices import (
+    ENV_DEVICES,
+    ENV_SIMULATE,
+    Device,
+    cpu_device,
+    discover,
+    format_bytes,
+    parse_bytes,
+    parse_device_name,
+    parse_simulate,
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("2GiB", 2 << 30), ("512MiB", 512 << 20), ("4GB", 4 * 10**9), ("1.5KiB", 1536), ("100", 100),
+     ("3 gib", 3 << 30)],
+)
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "2 parsecs", "-1GiB", "1e3GiB?"])
+def test_parse_bytes_rejects_with_example(text):
+    with pytest.raises(ValueError, match="2GiB"):
+        parse_bytes(text)
+
+
+def test_format_bytes_round_trip():
+    assert format_bytes(2 << 30) == "2.0 GiB"
+    assert format_bytes(512) == "512 B"
+
+
+def test_parse_simulate_counts_and_sizes():
+    devs = parse_simulate("4x2GiB")
+    assert [str(d) for d in devs] == ["sim:0", "sim:1", "sim:2", "sim:3"]
+    assert all(d.total_bytes == 2 << 30 and d.kind == "sim" and d.is_gpu for d in devs)
+    mixed = parse_simulate("2GiB, 1x512MiB")
+    assert [d.total_bytes for d in mixed] == [2 << 30, 512 << 20]
+
+
+@pytest.mark.parametrize("spec", ["", "4x", "x2GiB", "0x2GiB", "four GPUs", "4x2Gibibytes"])
+def test_parse_simulate_malformed_names_variable_and_example(spec):
+    with pytest.raises(ValueError) as err:
+        parse_simulate(spec)
+    assert ENV_SIMULATE in str(err.value) and "4x2GiB" in str(err.value)
+
+
+def test_env_simulate_is_read(monkeypatch):
+    monkeypatch.setenv(ENV_SIMULATE, "3x1GiB")
+    monkeypatch.delenv(ENV_DEVICES, raising=False)
+    inv = discover()
+    assert [str(d) for d in inv] == ["sim:0", "sim:1", "sim:2", "cpu"]
+
+
+def test_env_simulate_malformed(monkeypatch):
+    monkeypatch.setenv(ENV_SIMULATE, "lots")
+    with pytest.raises(ValueError, match=ENV_SIMULATE):
+        discover()
+
+
+def test_env_devices_selects_subset_in_order(monkeypatch):
+    monkeypatch.setenv(ENV_SIMULATE, "3x1GiB")
+    monkeypatch.setenv(ENV_DEVICES, "sim:2, cpu,sim:0")
+    assert [str(d) for d in discover()] == ["sim:2", "cpu", "sim:0"]
+
+
+@pytest.mark.parametrize("value", ["cuda:7", "tpu:0", "cuda:x", ","])
+def test_env_devices_invalid_value(monkeypatch, value):
+    monkeypatch.delenv(ENV_SIMULATE, raising=False)
+    monkeypatch.setenv(ENV_DEVICES, value)
+    with pytest.raises(ValueError) as err:
+        discover()
+    assert ENV_DEVICES in str(err.value)
+    assert "cuda:0" in str(err.value)  # an example of a valid value
+
+
+def test_argument_overrides_environment(monkeypatch):
+    monkeypatch.setenv(ENV_SIMULATE, "garbage")
+    inv = discover(devices="cpu", simulate="1x1GiB")
+    assert [str(d) for d in inv] == ["cpu"]
+
+
+def test_parse_device_name():
+    assert parse_device_name("cuda:1") == ("cuda", 1)
+    assert parse_device_name("CPU") == ("cpu", 0)
+    assert parse_device_name("gpu:2") == ("cuda", 2)
+    assert parse_device_name("cuda") == ("cuda", 0)
+    with pytest.raises(ValueError, match="'cuda:0'"):
+        parse_device_name("cuda1")
+
+
+def test_cpu_device_facts():
+    cpu = cpu_device()
+    assert str(cpu) == "cpu" and not cpu.is_gpu
+    assert cpu.backend is np
+    assert 0 < cpu.free_bytes() <= cpu.total_bytes
+
+
+def test_sim_device_free_bytes_follow_usage():
+    dev = parse_simulate("1x1GiB")[0]
+    assert dev.free_bytes() == 1 << 30
+    dev.sim_used_bytes = 300 << 20
+    assert dev.free_bytes() == (1 << 30) - (300 << 20)
+    assert dev.backend is np
+
+
+def test_device_equality_and_hash():
+    a, b = parse_simulate("1GiB")[0], parse_simulate("1GiB")[0]
+    assert a == b and hash(a) == hash(b) and a == "sim:0"
+    assert {a: 1}[b] == 1
+    assert Device("cuda", 1, "x", 1) == "cuda:1"
+
+
+# -------------------------------------------------------------- never-crashing discovery
+def _reprobe(monkeypatch, fake_maybe):
+    monkeypatch.setattr(_backend, "_maybe", fake_maybe)
+    _backend.cuda_probe.cache_clear()
+
+
+@pytest.fixture
+def fresh_probe():
+    _backend.cuda_probe.cache_clear()
+    yield
+    _backend.cuda_probe.cache_clear()
+
+
+def test_discovery_without_cupy(monkeypatch, fresh_probe, caplog):
+    _reprobe(monkeypatch, lambda name: None)
+    monkeypatch.delenv(ENV_SIMULATE, raising=False)
+    monkeypatch.delenv(ENV_DEVICES, raising=False)
+    with caplog.at_level("INFO", logger="managed_solve"):
+        inv = discover()
+    assert [str(d) for d in inv] == ["cpu"]
+    assert any("CuPy is not installed" in r.getMessage() for r in caplog.records)
+
+
+def test_discovery_with_broken_driver(monkeypatch, fresh_probe):
+    def get_count():
+        raise RuntimeError("cudaErrorInsufficientDriver")
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=get_count)))
+    _reprobe(monkeypatch, lambda name: fake if name == "cupy" else None)
+    n, why = _backend.cuda_probe()
+    assert n == 0 and "cudaErrorInsufficientDriver" in why
+    monkeypatch.delenv(ENV_SIMULATE, raising=False)
+    monkeypatch.delenv(ENV_DEVICES, raising=False)
+    assert [str(d) for d in discover()] == ["cpu"]
+
+
+def test_discovery_with_failing_cupyx(monkeypatch, fresh_probe):
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=lambda: 2)))
+    _reprobe(monkeypatch, lambda name: fake if name == "cupy" else None)
+    real_import = _backend.importlib.import_module
+
+    def fail_cupyx(name, *a):
+        if name.startswith("cupyx"):
+            raise ImportError("libcusparse.so not found")
+        return real_import(name, *a)
+
+    monkeypatch.setattr(_backend.importlib, "import_module", fail_cupyx)
+    n, why = _backend.cuda_probe()
+    assert n == 0 and "cupyx" in why
+
+
+def test_optional_dependency_error_names_extra():
+    with pytest.raises(ModuleNotFoundError, match=r"managed-solve\[mesh\]"):
+        _backend.require("meshio._no_such_module")
+
+
+# -------------------------------------------------------------- real GPUs
+@pytest.mark.gpu
+def test_cuda_discovery_reports_real_devices():
+    inv = discover(devices=None, simulate=None)
+    gpus = [d for d in inv if d.kind == "cuda"]
+    assert gpus, "a usable GPU exists but discovery found none"
+    cp = _backend.cupy()
+    for d in gpus:
+        with cp.cuda.Device(d.index):
+            free, total = cp.cuda.runtime.memGetInfo()
+        assert d.total_bytes == total
+        assert abs(d.free_bytes() - free) < (512 << 20)
+        assert d.backend is cp
+
+
+@pytest.mark.gpu
+def test_free_bytes_are_device_wide():
+    """Memory another process allocates on the GPU must show in free_bytes (NVML / cudaMemGetInfo)."""
+    gpus = [d for d in discover(devices=None, simulate=None) if d.kind == "cuda"]
+    dev = gpus[-1]
+    before = dev.free_bytes()
+    code = (
+        "import cupy, sys, time\n"
+        f"cupy.cuda.Device({dev.index}).use()\n"
+        "a = cupy.empty(2 << 30, dtype=cupy.uint8); a.fill(1)\n"
+        "cupy.cuda.Device().synchronize(); print('ready', flush=True); sys.stdin.readline()\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(0.2)
+        during = dev.free_bytes()
+    finally:
+        proc.communicate("done\n", timeout=60)
+    assert before - during >= (2 << 30) * 0.95, (before, during)

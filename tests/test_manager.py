@@ -1,0 +1,331 @@
+"""DeviceManager on simulated devices: dispersal, packing, admission, pinning, waiting,
+spilling, concurrency, heuristic names, hints, planning, report."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+import managed_solve
+from managed_solve.devices import parse_simulate
+from managed_solve.manager import DeviceManager, default_heuristic, raw_size_of
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+@pytest.fixture
+def dm():
+    return DeviceManager(simulate="4x1GiB", reserved=0.0)
+
+
+@pytest.fixture
+def no_heuristic(monkeypatch):
+    monkeypatch.setattr(managed_solve, "USE_HEURISTIC", False)
+
+
+def test_dispersal_spreads_equal_work_evenly(dm):
+    held = [dm.reserve(100 * MiB, disperse=True) for _ in range(12)]
+    counts = {str(d): sum(r.device == d for r in held) for d in dm.accelerators}
+    assert counts == {"sim:0": 3, "sim:1": 3, "sim:2": 3, "sim:3": 3}
+    for r in held:
+        r.release()
+    assert all(dm.reserved_bytes(d) == 0 for d in dm.accelerators)
+
+
+def test_dispersal_uses_predicted_time_not_only_bytes(dm):
+    # One long job on sim:0; short jobs must avoid sim:0 until the others catch up.
+    long = dm.reserve(10 * MiB, seconds=10.0)
+    assert str(long.device) == "sim:0"
+    short = [dm.reserve(10 * MiB, seconds=1.0) for _ in range(9)]
+    assert all(str(r.device) != "sim:0" for r in short)
+
+
+def test_pack_fills_one_device_first(dm):
+    held = [dm.reserve(300 * MiB, disperse=False) for _ in range(5)]
+    assert [str(r.device) for r in held] == ["sim:0"] * 3 + ["sim:1"] * 2
+
+
+def test_admission_never_exceeds_capacity():
+    dm = DeviceManager(simulate="2x1GiB", reserved=0.25)
+    rng = np.random.default_rng(0)
+    held = []
+    for size in rng.integers(1, 200, size=60) * MiB:
+        try:
+            held.append(dm.reserve(int(size), spill=False))
+        except MemoryError:
+            pass
+        for d in dm.accelerators:
+            assert dm.reserved_bytes(d) <= dm.capacity(d) == int(0.75 * GiB)
+    assert {str(r.device) for r in held} == {"sim:0", "sim:1"}
+
+
+def test_live_free_memory_limits_admission(dm):
+    dev = dm.get_device("sim:0")
+    dev.sim_used_bytes = 900 * MiB  # another process holds most of sim:0
+    r = dm.reserve(200 * MiB, disperse=False)
+    assert str(r.device) != "sim:0"
+    assert dm.available_bytes(dev) == 124 * MiB
+
+
+def test_exclude(dm):
+    assert str(dm.find_device(MiB, disperse=True, exclude=["sim:0", "sim:1"])) == "sim:2"
+
+
+def test_pinning_wins_and_errors_clearly(dm):
+    obj = np.zeros(10)
+    dm.pin(obj, "sim:2")
+    assert dm.pinned(obj) == "sim:2"
+    assert str(dm.find_device(MiB, disperse=True, obj=obj)) == "sim:2"
+    with dm.reserve(MiB, obj=obj) as r:
+        assert str(r.device) == "sim:2"
+    with pytest.raises(MemoryError, match="pinned to sim:2"):
+        dm.reserve(2 * GiB, obj=obj)
+    dm.unpin(obj)
+    assert dm.pinned(obj) is None
+
+
+def test_pin_forgets_collected_objects(dm):
+    class Thing:
+        pass
+
+    t = Thing()
+    dm.pin(t, "sim:1")
+    assert len(dm._pins) == 1
+    del t
+    import gc
+
+    gc.collect()
+    assert len(dm._pins) == 0
+
+
+def test_explicit_device_too_small_is_clear_error(dm):
+    with pytest.raises(MemoryError, match="asked for sim:1"):
+        dm.reserve(3 * GiB, device="sim:1")
+    with pytest.raises(ValueError, match="not managed"):
+        dm.reserve(1, device="sim:9")
+
+
+def test_waits_for_a_release_then_places():
+    dm = DeviceManager(simulate="1x1GiB", reserved=0.0)
+    first = dm.reserve(800 * MiB)
+    threading.Timer(0.1, first.release).start()
+    t0 = time.monotonic()
+    second = dm.reserve(800 * MiB, timeout=5.0)
+    waited = time.monotonic() - t0
+    assert str(second.device) == "sim:0"
+    assert 0.05 < waited < 5.0
+
+
+def test_spills_to_cpu_after_timeout(caplog):
+    dm = DeviceManager(simulate="1x1GiB", reserved=0.0)
+    dm.reserve(800 * MiB)
+    with caplog.at_level("INFO", logger="managed_solve"):
+        r = dm.reserve(800 * MiB, timeout=0.05)
+    assert str(r.device) == "cpu"
+    assert any("spilling to the CPU" in rec.getMessage() for rec in caplog.records)
+    with pytest.raises(MemoryError, match="no device can give"):
+        dm.reserve(800 * MiB, timeout=0.0, spill=False)
+
+
+def test_release_on_exception(dm):
+    with pytest.raises(RuntimeError):
+        with dm.reserve(500 * MiB, device="sim:0"):
+            raise RuntimeError("work failed")
+    assert dm.reserved_bytes("sim:0") == 0
+
+
+def test_release_is_idempotent(dm):
+    r = dm.reserve(MiB, device="sim:0")
+    r.release()
+    r.release()
+    assert dm.reserved_bytes("sim:0") == 0
+
+
+def test_32_threads_never_overcommit():
+    dm = DeviceManager(simulate="2x256MiB", reserved=0.0, wait_timeout=2.0)
+    over = []
+    errors = []
+    barrier = threading.Barrier(32)
+
+    def worker(seed):
+        rng = np.random.default_rng(seed)
+        barrier.wait()
+        for _ in range(40):
+            try:
+                with dm.reserve(int(rng.integers(8, 96)) * MiB, spill=False) as r:
+                    if dm.reserved_bytes(r.device) > dm.capacity(r.device):
+                        over.append(dm.reserved_bytes(r.device))
+                    time.sleep(0.0005)
+            except MemoryError as exc:  # only allowed if waiting timed out
+                errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not over
+    assert all(dm.reserved_bytes(d) == 0 for d in dm.accelerators)
+    assert len(errors) == 0
+
+
+# -------------------------------------------------------------- sizing and the heuristic names
+def test_default_heuristic_formula():
+    assert default_heuristic(10_000) == 10_000 + 150
+    assert managed_solve.HEURISTIC_FUNCTION(10_000) == 10_150
+
+
+def test_heuristic_names_are_read_at_call_time(dm, monkeypatch):
+    a = np.zeros(1000)  # 8000 bytes
+    assert dm.size_of(a) == default_heuristic(8000)
+    monkeypatch.setattr(managed_solve, "USE_HEURISTIC", False)
+    assert dm.size_of(a) == 8000
+    monkeypatch.setattr(managed_solve, "USE_HEURISTIC", True)
+    monkeypatch.setattr(managed_solve, "HEURISTIC_FUNCTION", lambda s: 3 * s)
+    assert dm.size_of(a) == 24000
+
+
+def test_sparse_sized_by_stored_bytes(no_heuristic, dm):
+    rows = np.arange(0, 100_000, 10_000)
+    A = sp.csr_matrix((np.ones(10), (rows, rows)), shape=(100_000, 100_000))
+    expected = A.data.nbytes + A.indices.nbytes + A.indptr.nbytes
+    assert dm.size_of(A) == expected < 2 * MiB  # dense would be 80 GB
+    assert raw_size_of(A.tocoo()) == A.nnz * (8 + 4 + 4)
+
+
+def test_torch_sizes(no_heuristic, dm):
+    torch = pytest.importorskip("torch")
+    t = torch.zeros(100, 100)
+    assert dm.size_of(t) == 40_000
+    s = torch.sparse_coo_tensor(torch.tensor([[0, 1], [1, 0]]), torch.tensor([1.0, 2.0]), (10_000, 10_000))
+    assert dm.size_of(s) == 2 * 4 + 4 * 8
+    csr = s.to_sparse_csr()
+    assert dm.size_of(csr) < 100_000
+    with torch.device("meta"):
+        lin = torch.nn.Linear(1000, 1000)
+    # parameters + gradients, sized without allocating
+    assert dm.size_of(lin) == 2 * (1000 * 1000 + 1000) * 4
+
+
+def test_size_of_rejects_unknown(dm):
+    with pytest.raises(TypeError, match="cannot size"):
+        dm.size_of(object())
+    with pytest.raises(ValueError, match="negative"):
+        dm.size_of(-5)
+
+
+# -------------------------------------------------------------- hints
+def test_hints_improve_prediction_after_repeated_records(dm):
+    sig = ("poisson", 4096, "float64")
+    true_seconds = 0.8
+    first = dm.predict(sig, nbytes=10 * MiB, cost=1e6, device="sim:0")
+    assert first.source == "model"
+    errors = []
+    for _ in range(5):
+        dm.record(sig, true_seconds * (1 + 0.02 * np.random.default_rng(1).standard_normal()), 12 * MiB,
+                  device="sim:0")
+        p = dm.predict(sig, nbytes=10 * MiB, device="sim:0")
+        errors.append(abs(p.seconds - true_seconds))
+    assert p.source == "measured" and p.nbytes == 12 * MiB
+    assert abs(first.seconds - true_seconds) > 10 * errors[-1]
+
+
+def test_learned_device_speed_rebalances_dispersal():
+    dm = DeviceManager(simulate="2x1GiB", reserved=0.0)
+    cost = 1e9
+    # sim:1 turns out 3x slower than its nominal bandwidth
+    for _ in range(6):
+        dm.record("w0", cost / dm.get_device("sim:0").bandwidth, device="sim:0", cost=cost)
+        dm.record("w1", 3 * cost / dm.get_device("sim:1").bandwidth, device="sim:1", cost=cost)
+    held = [dm.reserve(MiB, cost=cost) for _ in range(8)]
+    on0 = sum(str(r.device) == "sim:0" for r in held)
+    assert on0 == 6  # 3:1 split of equal work
+
+
+def test_hints_bounded_and_saved(tmp_path):
+    dm = DeviceManager(simulate="1x1GiB", max_hints=10)
+    for i in range(25):
+        dm.record(("sig", i), 0.1 * i, 100, device="sim:0")
+    hints = dm.hints()
+    assert len(hints) == 10 and repr(("sig", 24)) in hints and repr(("sig", 0)) not in hints
+    path = tmp_path / "hints.json"
+    dm.save_hints(str(path))
+    other = DeviceManager(simulate="1x1GiB", hints_path=str(path))
+    assert other.predict(("sig", 24), device="sim:0").seconds == pytest.approx(2.4)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"hints": {"a": {"seconds": "x"}}}')
+    with pytest.raises(ValueError, match="not a hints file"):
+        other.load_hints(str(bad))
+
+
+def test_record_rejects_bad_time(dm):
+    with pytest.raises(ValueError, match="seconds"):
+        dm.record("x", float("nan"))
+
+
+# -------------------------------------------------------------- plan and report
+def test_plan_is_a_dry_run(no_heuristic, dm):
+    items = [400 * MiB] * 9 + [5 * GiB]
+    plan = dm.plan(items)
+    assert [str(p.device) for p in plan[:8]] == ["sim:0", "sim:1", "sim:2", "sim:3"] * 2
+    assert plan[-1].spilled and str(plan[-1].device) == "cpu"
+    assert all(dm.reserved_bytes(d) == 0 for d in dm.accelerators)
+
+
+def test_plan_meta_module_without_allocating(no_heuristic):
+    torch = pytest.importorskip("torch")
+    dm = DeviceManager(simulate="2x64MiB", reserved=0.0)
+    with torch.device("meta"):
+        big = torch.nn.Linear(4096, 4096)  # 128 MiB with grads: fits nowhere
+        small = torch.nn.Linear(1024, 1024)  # 8 MiB
+    plan = dm.plan([small, big])
+    assert str(plan[0].device) == "sim:0" and not plan[0].spilled
+    assert plan[1].spilled
+
+
+def test_report_table(dm):
+    with dm.reserve(100 * MiB, device="sim:1"):
+        text = dm.report()
+    lines = text.splitlines()
+    assert lines[0].split()[:3] == ["device", "name", "total"]
+    row = next(line for line in lines if line.startswith("sim:1"))
+    assert "100.0 MiB" in row and "1.0 GiB" in row
+    assert any(line.startswith("cpu") for line in lines)
+
+
+def test_constructor_validation():
+    with pytest.raises(ValueError, match="reserved"):
+        DeviceManager(simulate="1GiB", reserved=1.5)
+    with pytest.raises(ValueError, match="devices"):
+        DeviceManager(devices=[])
+
+
+def test_default_manager_is_lazy_and_shared(monkeypatch):
+    from managed_solve import manager as mgr
+
+    monkeypatch.setattr(mgr, "_default", None)
+    monkeypatch.setenv("MANAGED_SOLVE_SIMULATE", "2x1GiB")
+    a = managed_solve.device_manager
+    assert a is managed_solve.device_manager
+    assert [str(d) for d in a.accelerators] == ["sim:0", "sim:1"]
+
+
+def test_explicit_device_list():
+    devs = parse_simulate("2x1GiB")
+    dm = DeviceManager(devices=devs)
+    assert dm.accelerators == devs and str(dm.cpu) == "cpu"
+
+
+# -------------------------------------------------------------- real GPUs
+@pytest.mark.multi_gpu
+def test_dispersal_over_real_gpus():
+    dm = DeviceManager(simulate=None, devices=None, reserved=0.1)
+    gpus = [d for d in dm.accelerators if d.kind == "cuda"]
+    held = [dm.reserve(256 * MiB, disperse=True) for _ in range(2 * len(gpus))]
+    counts = [sum(r.device == g for r in held) for g in gpus]
+    assert counts == [2] * len(gpus)
