@@ -1,0 +1,468 @@
+"""ManagedTensor: a torch.Tensor whose operations run on one device the manager picks.
+
+The operands of one operation are brought to one device before it runs:
+
+1. a pinned operand's device wins (two operands pinned to different devices
+   is an error naming both);
+2. an in-place operation (``add_``, ``out=``) runs where the tensor it writes
+   lives, since moving that tensor would write into a copy;
+3. otherwise the device already holding the most operand bytes, if the bytes
+   that would move there fit; else where the :class:`DeviceManager` finds room.
+
+Moves are out-of-place ``.to()`` copies, differentiable like any torch op, so
+autograd records ordinary graphs: gradients flow back across devices and land
+on each leaf's own device. (The bridgesign/managed prototype swapped
+``.data`` in place, which torch rejects in backward for mixed devices; that
+is why it needed ``pin()``. Here pinning is only for explicit control.)
+
+Simulated GPUs (``sim:k``) have no torch device: their tensors live on the
+CPU and carry the placement as :attr:`ManagedTensor.placement`, so placement
+logic is testable on machines without GPUs.
+
+Fast path: when every operand already sits on one device and none is pinned
+elsewhere, the operation runs with no lock, no sizing and no manager call.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+from . import _backend
+from .devices import Device
+from .manager import DeviceManager, default_manager, raw_size_of
+
+torch = _backend.torch_module()
+
+log = logging.getLogger("managed_solve")
+
+__all__ = ["ManagedTensor", "managed", "placement_of", "torch_device"]
+
+_DisableSubclass = torch._C.DisableTorchFunctionSubclass
+_Tensor = torch.Tensor
+_base_to = torch.Tensor.to
+_ATTR_FUNCS = ("__get__", "__set__", "__delete__")
+# Functions that never compute on operands: no placement, plain torch behaviour.
+_NO_PLACEMENT = frozenset({
+    _Tensor.__repr__, _Tensor.__format__, _Tensor.__reduce_ex__, _Tensor.__deepcopy__,
+    _Tensor.__setstate__, _Tensor.numel, _Tensor.dim, _Tensor.size, _Tensor.element_size,
+    _Tensor.data_ptr, _Tensor.is_contiguous, _Tensor.register_hook, _Tensor.backward,
+    _Tensor.storage_offset, _Tensor.stride, _Tensor.get_device, _Tensor.untyped_storage,
+    _Tensor.__len__, _Tensor.__hash__, _Tensor.__bool__, _Tensor.item, _Tensor.tolist,
+    _Tensor.numpy, _Tensor.__dlpack__, _Tensor.__dlpack_device__, _Tensor.as_subclass,
+    _Tensor.requires_grad_, _Tensor.retain_grad, _Tensor.is_floating_point,
+    _Tensor.is_complex, _Tensor.__array__,
+})
+
+
+def torch_device(device: Device | str | Any) -> Any:
+    """The torch device holding tensors placed on ``device`` (``sim:k`` -> ``cpu``)."""
+    name = str(device)
+    if name.startswith("sim"):
+        return torch.device("cpu")
+    return torch.device(name)
+
+
+def _is_sim(key: str | None) -> bool:
+    return key is not None and key.startswith("sim")
+
+
+def _is_managed_device_arg(dev: Any) -> bool:
+    return isinstance(dev, Device) or (isinstance(dev, str) and dev.strip().lower().startswith("sim"))
+
+
+def placement_of(t: Any) -> str:
+    """Where a tensor lives for placement: ``"sim:1"``, ``"cuda:0"``, ``"cpu"``, ...
+
+    Works for plain tensors too (their torch device).
+    """
+    with _DisableSubclass():
+        dev = t.device
+        sim = getattr(t, "_ms_sim", None)
+    if sim is not None and dev.type == "cpu":
+        return sim
+    return str(dev)
+
+
+def _collect(args: Any, kwargs: dict, out: list) -> None:
+    # One level into lists and tuples covers torch.stack/cat and foreach ops;
+    # deeper nesting never carries tensors in torch's API.
+    for a in args:
+        if isinstance(a, _Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, _Tensor):
+                    out.append(b)
+    if kwargs:
+        for a in kwargs.values():
+            if isinstance(a, _Tensor):
+                out.append(a)
+            elif isinstance(a, (list, tuple)):
+                for b in a:
+                    if isinstance(b, _Tensor):
+                        out.append(b)
+
+
+def _key(t: Any) -> tuple[str, str | None]:
+    """(placement, pinned placement or None); call with subclass dispatch disabled."""
+    dev = t.device
+    sim = getattr(t, "_ms_sim", None)
+    key = sim if (sim is not None and dev.type == "cpu") else str(dev)
+    return key, getattr(t, "_ms_pin", None)
+
+
+def _manager_of(tensors: list, cls: type) -> DeviceManager:
+    for t in tensors:
+        m = getattr(t, "_ms_manager", None)
+        if m is not None:
+            return m
+    return getattr(cls, "manager", None) or default_manager()
+
+
+def _is_inplace(func: Any, kwargs: dict) -> bool:
+    if kwargs and kwargs.get("out") is not None:
+        return True
+    name = getattr(func, "__name__", "")
+    if name == "__setitem__" or (name.startswith("__i") and name.endswith("__")):  # t[i] = v, __iadd__
+        return True
+    return name.endswith("_") and not name.endswith("__")
+
+
+def _describe(t: Any, key: str) -> str:
+    return f"tensor of shape {tuple(t.shape)} on {key}"
+
+
+def _choose(func: Any, tensors: list, keys: list, kwargs: dict, cls: type) -> str:
+    """The placement the operation runs on (slow path: operands disagree)."""
+    pins = [(t, p) for t, (_k, p) in zip(tensors, keys, strict=True) if p is not None]
+    pinned = {p for _t, p in pins}
+    name = getattr(func, "__name__", repr(func))
+    if len(pinned) > 1:
+        (t0, p0), (t1, p1) = pins[0], next(tp for tp in pins if tp[1] != pins[0][1])
+        raise RuntimeError(
+            f"ManagedTensor {name}: operands are pinned to different devices: a "
+            f"{_describe(t0, p0)} and a {_describe(t1, p1)}. Unpin one (tensor.unpin()) or move "
+            "it explicitly with .to(device) before the operation."
+        )
+    if _is_inplace(func, kwargs):
+        out = kwargs.get("out") if kwargs else None
+        written = out if isinstance(out, _Tensor) else (
+            out[0] if isinstance(out, (list, tuple)) and out else tensors[0])
+        target = placement_of(written)
+        if pinned and target not in pinned:
+            p = next(iter(pinned))
+            raise RuntimeError(
+                f"ManagedTensor {name}: the in-place operation writes a {_describe(written, target)} "
+                f"but another operand is pinned to {p}. Move the written tensor to {p} first, "
+                "or unpin the other operand."
+            )
+        return target
+    if pinned:
+        return next(iter(pinned))
+    by_key: dict[str, int] = {}
+    sizes = []
+    for t, (k, _p) in zip(tensors, keys, strict=True):
+        n = raw_size_of(t)
+        sizes.append(n)
+        by_key[k] = by_key.get(k, 0) + n
+    # Most bytes first; ties go to the first operand's device (deterministic).
+    order = {k: i for i, (k, _p) in reversed(list(enumerate(keys)))}
+    best = max(by_key, key=lambda k: (by_key[k], -order[k]))
+    total = sum(sizes)
+    moving = total - by_key[best]
+    mgr = _manager_of(tensors, cls)
+    try:
+        dev = mgr.get_device(best)
+    except ValueError:  # a device this manager does not manage (meta, another GPU): trust torch
+        return best
+    if moving <= mgr.available_bytes(dev):
+        return best
+    chosen = mgr.find_device(total)
+    log.info("managed_solve: %s: %d bytes do not fit on %s; running on %s", name, moving, best, chosen)
+    return str(chosen)
+
+
+def _move(x: Any, target: str, tdev: Any) -> Any:
+    if isinstance(x, _Tensor):
+        if _key(x)[0] == target:
+            return x
+        return _base_to(x, tdev)  # differentiable copy (no-op alias for sim -> cpu)
+    if isinstance(x, (list, tuple)) and any(isinstance(b, _Tensor) for b in x):
+        moved = [_move(b, target, tdev) for b in x]
+        return type(x)(moved) if isinstance(x, tuple) and type(x) is tuple else (
+            moved if isinstance(x, list) else type(x)(*moved))
+    return x
+
+
+def _label(ret: Any, sim: str | None, cls: type) -> Any:
+    """Wrap results as ``cls`` and record a simulated placement on CPU results."""
+    if isinstance(ret, _Tensor):
+        if not isinstance(ret, cls):
+            ret = ret.as_subclass(cls)
+        if sim is not None:
+            if ret.device.type == "cpu":
+                ret._ms_sim = sim
+        elif ret.__dict__.get("_ms_sim") is not None and ret.device.type != "cpu":
+            ret._ms_sim = None
+        return ret
+    if isinstance(ret, (list, tuple)):
+        items = [_label(r, sim, cls) for r in ret]
+        if type(ret) is tuple:
+            return tuple(items)
+        if type(ret) is list:
+            return items
+        try:  # namedtuples (torch.return_types.max, ...)
+            return type(ret)(items)
+        except TypeError:
+            return ret
+    return ret
+
+
+def _account(t: Any, dev_key: str, mgr: DeviceManager) -> None:
+    """Simulated GPUs count the bytes of tensors explicitly placed on them, until freed.
+
+    Real GPUs report their own free memory; a simulated one only knows what we
+    tell it, so dispersal over ``sim:k`` devices sees earlier placements.
+    """
+    try:
+        dev = mgr.get_device(dev_key)
+    except ValueError:
+        return
+    n = raw_size_of(t)
+    with dev._lock:
+        dev.sim_used_bytes += n
+
+    def free(dev=dev, n=n):
+        with dev._lock:
+            dev.sim_used_bytes = max(0, dev.sim_used_bytes - n)
+
+    weakref.finalize(t, free)
+
+
+class ManagedTensor(torch.Tensor):
+    """A torch tensor whose operations run on one device chosen by a DeviceManager.
+
+    Make one with ``torch.randn(3).as_subclass(ManagedTensor)`` or
+    :func:`managed`. Results of operations on ManagedTensors are
+    ManagedTensors; plain tensors mixed in are moved like any operand.
+
+    Attributes
+    ----------
+    manager : DeviceManager or None
+        Class-level manager; None means ``managed_solve.device_manager``. A
+        tensor made by :func:`managed` with ``manager=`` carries its own.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from managed_solve.manager import DeviceManager
+    >>> from managed_solve.tensor import managed
+    >>> dm = DeviceManager(simulate="2x1GiB")
+    >>> a = managed(torch.ones(4), manager=dm).to("sim:0")
+    >>> b = managed(torch.ones(1000), manager=dm).to("sim:1")
+    >>> (a.sum() + b[:4]).placement       # most bytes are on sim:1
+    'sim:1'
+    >>> b.pin("sim:1").placement
+    'sim:1'
+    """
+
+    manager: DeviceManager | None = None
+    _ms_sim: str | None = None
+    _ms_pin: str | None = None
+    _ms_manager: DeviceManager | None = None
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        if func in _NO_PLACEMENT:
+            with _DisableSubclass():
+                return func(*args, **kwargs)
+        if getattr(func, "__name__", None) in _ATTR_FUNCS:
+            with _DisableSubclass():
+                ret = func(*args, **kwargs)
+                # t.grad, t.data, t.T of a tensor on a simulated GPU stay there.
+                if isinstance(ret, _Tensor) and args and isinstance(args[0], _Tensor):
+                    sim = getattr(args[0], "_ms_sim", None)
+                    return _label(ret, sim if ret.device.type == "cpu" else None, cls)
+            return ret
+        tensors: list = []
+        _collect(args, kwargs, tensors)
+        with _DisableSubclass():
+            if not tensors:
+                return _label(func(*args, **kwargs), None, cls)
+            keys = [_key(t) for t in tensors]
+            first = keys[0][0]
+            same = True
+            for k, p in keys:
+                if k != first or (p is not None and p != first):
+                    same = False
+                    break
+            if same:
+                target = first
+            else:
+                target = _choose(func, tensors, keys, kwargs, cls)
+                tdev = torch_device(target)
+                args = tuple(_move(a, target, tdev) for a in args)
+                if kwargs:
+                    kwargs = {k: _move(v, target, tdev) for k, v in kwargs.items()}
+            ret = func(*args, **kwargs)
+            return _label(ret, target if _is_sim(target) else None, cls)
+
+    # ------------------------------------------------------------------ placement
+    def _manager(self) -> DeviceManager:
+        return self._ms_manager or type(self).manager or default_manager()
+
+    @property
+    def placement(self) -> str:
+        """Where this tensor lives for placement (``"sim:1"`` for a simulated GPU)."""
+        return placement_of(self)
+
+    @property
+    def managed_device(self) -> Device | None:
+        """The manager's :class:`Device` this tensor lives on (None if it manages no such device)."""
+        try:
+            return self._manager().get_device(self.placement)
+        except ValueError:
+            return None
+
+    @property
+    def pinned(self) -> Device | None:
+        """The device this tensor is pinned to, or None."""
+        if self._ms_pin is None:
+            return None
+        mgr = self._manager()
+        try:
+            return mgr.pinned(self) or mgr.get_device(self._ms_pin)
+        except ValueError:  # pinned by attribute to a device the manager does not know
+            return None
+
+    def pin(self, device: Device | str | None = None) -> ManagedTensor:
+        """Pin to ``device`` (default: where it is): operations with it run there.
+
+        Returns this tensor when it is already on ``device``, else a pinned
+        copy there (moves are out-of-place, as for ``.to()``).
+        """
+        if device is None:
+            key = self.placement
+        else:
+            key = str(device.device if isinstance(device, ManagedTensor) else device)
+            if key == "cuda":
+                key = "cuda:0"
+        t = self if key == self.placement else self.to(key)
+        mgr = t._manager()
+        try:
+            mgr.pin(t, key)
+        except ValueError:  # a device this manager does not know: pin by attribute only
+            pass
+        t._ms_pin = key
+        return t
+
+    def unpin(self) -> ManagedTensor:
+        """Remove the pin (the tensor stays where it is)."""
+        self._manager().unpin(self)
+        self._ms_pin = None
+        return self
+
+    def to(self, *args, **kwargs) -> ManagedTensor:
+        """``torch.Tensor.to``, also accepting managed devices (``"sim:1"``, a :class:`Device`)."""
+        dev = kwargs.get("device", args[0] if args else None)
+        if _is_managed_device_arg(dev):
+            key = str(dev)
+            if "device" in kwargs:
+                kwargs = {**kwargs, "device": "cpu"}
+            else:
+                args = ("cpu", *args[1:])
+            if key == self.placement:
+                with _DisableSubclass():
+                    out = _base_to(self, *args, **kwargs)
+                return _label(out, key if _is_sim(key) else None, type(self))
+            kwargs = {**kwargs, "copy": True}  # a move is a copy, also sim -> sim
+            with _DisableSubclass():
+                out = _base_to(self, *args, **kwargs)
+            out = _label(out, key if _is_sim(key) else None, type(self))
+            out._ms_manager = self._ms_manager
+            if _is_sim(key):
+                _account(out, key, self._manager())
+            return out
+        parsed = torch._C._nn._parse_to(*args, **kwargs)
+        with _DisableSubclass():
+            out = _base_to(self, *args, **kwargs)
+            if parsed[0] is None:  # dtype/format change only: placement kept
+                sim = self._ms_sim if out.device.type == "cpu" else None
+                return _label(out, sim, type(self))
+            if out is self:
+                if self._ms_sim is None:
+                    return self
+                out = _base_to(self, *args, **{**kwargs, "copy": True})  # sim -> real cpu: a copy
+        out = _label(out, None, type(self))
+        out._ms_manager = self._ms_manager
+        return out
+
+    def cpu(self, memory_format: Any = None) -> ManagedTensor:
+        """A copy on the host CPU (also from a simulated GPU)."""
+        if memory_format is None:
+            return self.to("cpu")
+        return self.to("cpu", memory_format=memory_format)
+
+    def cuda(self, device: Any = None, non_blocking: bool = False,
+             memory_format: Any = None, *, disperse: bool = False) -> ManagedTensor:
+        """Move to a GPU: ``device`` given is obeyed, else the manager chooses.
+
+        Parameters
+        ----------
+        device : int, str, torch.device or Device, optional
+            Where to go. Default: the pinned device, else
+            ``manager.find_device(bytes, disperse=disperse)``.
+        disperse : bool
+            Spread tensors over GPUs (earliest predicted finish) instead of
+            packing them.
+
+        Without any GPU (real or simulated) the tensor stays on the CPU, with
+        one log line.
+        """
+        kw: dict = {"non_blocking": non_blocking}
+        if memory_format is not None:
+            kw["memory_format"] = memory_format
+        if device is not None:
+            if isinstance(device, int):
+                device = f"cuda:{device}"
+            return self.to(device, **kw)
+        mgr = self._manager()
+        pinned = self._ms_pin
+        if pinned is not None:
+            return self.to(pinned, **kw)
+        if not mgr.accelerators:
+            log.info("managed_solve: ManagedTensor.cuda(): no GPU is managed here; the tensor stays on %s",
+                     self.placement)
+            return self
+        dev = mgr.find_device(mgr.size_of(self), disperse=disperse)
+        return self.to(dev, **kw)
+
+
+def managed(tensor: Any, *, manager: DeviceManager | None = None) -> ManagedTensor:
+    """``tensor`` as a :class:`ManagedTensor` sharing its memory (no copy).
+
+    Parameters
+    ----------
+    tensor : torch.Tensor
+    manager : DeviceManager, optional
+        The manager placing operations on this tensor and its results' moves;
+        default: the class's, else ``managed_solve.device_manager``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from managed_solve.tensor import managed
+    >>> t = managed(torch.arange(3.0))
+    >>> type(t * 2).__name__
+    'ManagedTensor'
+    """
+    if not isinstance(tensor, _Tensor):
+        raise TypeError(f"managed(tensor=...): expected a torch.Tensor, got {type(tensor).__name__}")
+    t = tensor if isinstance(tensor, ManagedTensor) else tensor.as_subclass(ManagedTensor)
+    if manager is not None:
+        t._ms_manager = manager
+    return t
