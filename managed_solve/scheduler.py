@@ -1,0 +1,850 @@
+"""``solve_many``: many independent systems, batched, dispersed over every device, nothing lost.
+
+The data flow of DESIGN.md, one function per step:
+
+1. :func:`_validate` turns each input into a :class:`LinearSystem` (a bad one
+   becomes an ``INVALID_INPUT`` result, the rest go on);
+2. :func:`estimate` predicts bytes and cost per system and picks its route
+   (batched Krylov core, ``solve()`` alone, or a host LU);
+3. :func:`plan_work` packs batches and disperses them longest-first over the
+   devices (pure planning in :mod:`managed_solve.packing`);
+4. :class:`_Runner` runs one worker per device, reserving each batch's bytes
+   in the DeviceManager's ledger while it runs, splitting a batch that hits an
+   out-of-memory or device error and retrying the halves elsewhere, finally
+   on the CPU, and records measured times so the next call balances better;
+5. results come back in input order.
+
+The scheduler is the one place solvers meet devices: solvers get arrays
+already on their device; the manager knows nothing about CG.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import _backend
+from .devices import Device
+from .manager import DeviceManager, default_manager
+from .packing import (
+    BATCH,
+    DIRECT,
+    SINGLE,
+    Batch,
+    Estimate,
+    Slot,
+    bytes_per_iteration,
+    choose_slot,
+    disperse,
+    pack,
+    predict_iterations,
+    solve_bytes,
+    split,
+    target_rows,
+)
+from .result import SolveError, SolveResult, Status
+from .system import METHODS, PRECONDITIONERS, LinearSystem
+
+log = logging.getLogger("managed_solve")
+
+RETURN_ON = ("device", "host")
+ON_ERROR = ("return", "raise")
+
+# Largest system solved by a sparse LU on the host instead of CG, when the
+# CPU is the only device and the method is "auto". Measured on the 2-core
+# development machine over 100 systems of W2 (2D Poisson, 32..96 squared
+# unknowns, rtol 1e-8): a loop of scipy spsolve (COLAMD) 1.21-1.31 s; splu
+# with the MMD(A^T+A) ordering in symmetric mode, serial 0.86-1.10 s, in two
+# threads 0.58-0.66 s (SuperLU releases the GIL while factorising); SciPy's
+# CG needs 60-180 iterations each and is slower still. A 2D LU's fill grows
+# like n log n, a 3D one like n^(4/3): past ~200k unknowns CG wins on memory.
+DIRECT_MAX_N = 200_000
+
+# Numba's default (workqueue) threading layer aborts when two threads launch
+# parallel kernels at once, so host-side Krylov work (CPU and simulated
+# devices, which compute with NumPy/Numba on the host) runs one batch at a time.
+_HOST_KERNEL_LOCK = threading.Lock()
+
+
+class SolveManyError(SolveError):
+    """Raised by ``solve_many(..., on_error="raise")`` after every system finished.
+
+    Attributes
+    ----------
+    results : list of SolveResult
+        All results, in input order (the converged ones too).
+    failed : list of int
+        Input positions of the systems that did not converge.
+    """
+
+    def __init__(self, message: str, results: list[SolveResult], failed: list[int]):
+        super().__init__(message, results[failed[0]] if failed else None)
+        self.results = results
+        self.failed = failed
+
+
+# --------------------------------------------------------------------------- validation
+def _check_arguments(method: str, M: Any, rtol: float | None, return_on: str, on_error: str,
+                     progress: bool) -> None:
+    call = "solve_many"
+    if method not in METHODS:
+        raise ValueError(f"{call}(method={method!r}): expected one of {', '.join(METHODS)}")
+    if isinstance(M, str) and M not in PRECONDITIONERS:
+        raise ValueError(f"{call}(M={M!r}): expected one of {', '.join(PRECONDITIONERS)}, "
+                         "an operator, or None")
+    if rtol is not None and not (isinstance(rtol, (int, float)) and math.isfinite(rtol) and rtol >= 0):
+        raise ValueError(f"{call}(rtol={rtol!r}): expected a finite number >= 0, e.g. 1e-8, or None "
+                         "to keep each system's own")
+    if return_on not in RETURN_ON:
+        raise ValueError(f"{call}(return_on={return_on!r}): expected 'device' (x stays where it "
+                         "was solved) or 'host' (NumPy arrays)")
+    if on_error not in ON_ERROR:
+        raise ValueError(f"{call}(on_error={on_error!r}): expected 'return' (failed systems come "
+                         "back with their status) or 'raise'")
+    if not isinstance(progress, bool):
+        raise TypeError(f"{call}(progress={progress!r}): expected True or False")
+
+
+def _validate(item: Any, i: int, *, method: str, M: Any, rtol: float | None) -> LinearSystem:
+    """One input as a LinearSystem with solve_many's overrides applied; raises on bad input."""
+    if isinstance(item, LinearSystem):
+        if method == "auto" and M is None and rtol is None:
+            return item
+        s = object.__new__(LinearSystem)
+        s.__dict__.update(item.__dict__)
+        if method != "auto":
+            if s.kind == "operator" and method == "direct":
+                raise ValueError(f"solve_many(systems[{i}]): method='direct' needs the matrix "
+                                 "entries; this system's A is an operator")
+            s.method = method
+        if M is not None:
+            s.M = M
+        if rtol is not None:
+            if rtol == 0 and s.atol == 0:
+                raise ValueError(f"solve_many(rtol=0): systems[{i}] has atol=0 too, so nothing "
+                                 "can converge; give a positive rtol")
+            s.rtol = float(rtol)
+        return s
+    if isinstance(item, (tuple, list)) and len(item) == 2:
+        A, b = item
+        return LinearSystem(A, b, rtol=1e-8 if rtol is None else rtol, method=method, M=M,
+                            name=f"systems[{i}]")
+    raise TypeError(
+        f"solve_many(systems[{i}]): expected a LinearSystem or an (A, b) pair, got "
+        f"{type(item).__name__}. Build one with managed_solve.LinearSystem(A, b)."
+    )
+
+
+def _invalid(exc: Exception, i: int, item: Any) -> SolveResult:
+    name = getattr(item, "name", None) or f"systems[{i}]"
+    return SolveResult(None, Status.INVALID_INPUT, name=name, method="",
+                       message=f"{type(exc).__name__}: {exc}")
+
+
+# --------------------------------------------------------------------------- estimation
+def _krylov_method(s: LinearSystem) -> str:
+    """CG for symmetric matrices with a positive diagonal, else BiCGStab ("auto")."""
+    if s.method in ("cg", "bicgstab"):
+        return s.method
+    sym = s.is_symmetric_hint
+    if not sym:
+        return "bicgstab"
+    diag = s.A.diagonal()
+    return "cg" if bool((diag > 0).all()) else "bicgstab"  # sync: one host read per system
+
+
+def _route(s: LinearSystem, *, host_only: bool) -> tuple[str, tuple]:
+    """(route, group) of a system; batches mix systems of one group only."""
+    if s.kind != "csr" or s.method in ("gmres", "minres", "direct") or (
+            s.M is not None and not (isinstance(s.M, str) and s.M == "jacobi")):
+        return SINGLE, (s.method, str(s.dtype))
+    if host_only and s.method == "auto" and s.M is None and s.n <= DIRECT_MAX_N:
+        return DIRECT, ("direct", str(s.dtype), bool(s.is_symmetric_hint))
+    return BATCH, (_krylov_method(s), str(s.dtype), s.M == "jacobi")
+
+
+def estimate(s: LinearSystem, i: int, *, host_only: bool, manager: DeviceManager | None = None,
+             reference: Device | None = None) -> Estimate:
+    """Route, device bytes and cost (bytes streamed) of one system.
+
+    A signature measured before (``manager.record``) refines the cost of
+    systems that run alone: its time on the ``reference`` device, times that
+    device's learned speed.
+
+    Examples
+    --------
+    >>> import numpy as np, scipy.sparse as sp
+    >>> from managed_solve import LinearSystem
+    >>> e = estimate(LinearSystem(sp.identity(100, format="csr"), np.ones(100)), 0, host_only=False)
+    >>> e.route, e.n, e.nnz
+    ('batch', 100, 100)
+    """
+    route, group = _route(s, host_only=host_only)
+    w = s.dtype.itemsize
+    iw = s.index_dtype.itemsize if s.kind == "csr" else 8
+    home = s.device if s.device != "cpu" else None
+    if route == BATCH:
+        method, _dt, jac = group
+        its = predict_iterations(s.n, rtol=s.rtol, method=method, maxiter=s.maxiter)
+        cost = bytes_per_iteration(s.n, s.nnz, itemsize=w, index_itemsize=iw, method=method,
+                                   jacobi=jac) * its
+        nbytes = solve_bytes(s.n, s.nnz, itemsize=w, index_itemsize=iw, method=method, jacobi=jac)
+        return Estimate(i, s.n, s.nnz, nbytes, cost, BATCH, group, home)
+    if route == DIRECT:
+        fill = s.workspace_bytes("direct")
+        # An LU streams its factors a few times; the fill bound stands in for that.
+        return Estimate(i, s.n, s.nnz, s.nbytes + fill, float(fill), DIRECT, group, home)
+    method = s.method if s.method != "auto" else "gmres"
+    its = predict_iterations(s.n, rtol=s.rtol, method="bicgstab", maxiter=s.maxiter)
+    cost = bytes_per_iteration(s.n, max(s.nnz, s.n), itemsize=w, index_itemsize=iw,
+                               method="bicgstab") * its
+    nbytes = s.nbytes + s.workspace_bytes(method)
+    if manager is not None:
+        ref = reference or (manager.accelerators or [manager.cpu])[0]
+        p = manager.predict(s.signature, nbytes=nbytes, cost=cost, device=ref)
+        if p.source == "measured":
+            cost, nbytes = p.seconds * manager.speed(ref), p.nbytes
+    return Estimate(i, s.n, s.nnz, nbytes, cost, SINGLE, group, home)
+
+
+# --------------------------------------------------------------------------- planning
+@dataclass
+class Plan:
+    """Batches per device in run order, plus what the planner predicted."""
+
+    queues: dict[str, list[Batch]]
+    slots: list[Slot]
+    estimates: dict[int, Estimate]
+    next_id: int
+    rows: int
+    oversized: list[int]  # input positions too large for any one device's room
+
+    def finish_times(self) -> dict[str, float]:
+        return {s.name: s.busy for s in self.slots}
+
+
+def make_slots(devices: Sequence[Device], manager: DeviceManager) -> list[Slot]:
+    """The planner's view of devices: room for one batch, learned speed, work already reserved."""
+    return [Slot(str(d), manager.available_bytes(d), manager.speed(d), manager.predicted_finish(d),
+                 d.kind) for d in devices]
+
+
+def plan_work(estimates: Iterable[Estimate], devices: Sequence[Device], manager: DeviceManager, *,
+              batch_bytes: Callable[[Sequence[Estimate]], int] | None = None,
+              slots: list[Slot] | None = None) -> Plan:
+    """Pack estimates into batches and disperse them over ``devices`` (nothing runs).
+
+    Systems too large for every device's room go to the CPU. (Sharding one
+    system over several GPUs is a later issue: :func:`_place_oversized` is the
+    hook where ``managed_solve.sharded`` will take them.)
+
+    Examples
+    --------
+    >>> from managed_solve.manager import DeviceManager
+    >>> dm = DeviceManager(simulate="2x1GiB")
+    >>> es = [Estimate(i, 1000, 5000, 100_000, 1e6) for i in range(40)]
+    >>> p = plan_work(es, dm.accelerators, dm)
+    >>> sorted(p.queues), sum(b.nsys for q in p.queues.values() for b in q)
+    (['sim:0', 'sim:1'], 40)
+    """
+    ests = {e.index: e for e in estimates}
+    slots = slots if slots is not None else make_slots(devices, manager)
+    kind = devices[0].kind if devices else "cpu"
+    packed_rows = sum(e.n for e in ests.values() if e.route != SINGLE)
+    rows = target_rows(packed_rows, len(devices), kind)
+    if any(e.route == DIRECT for e in ests.values()):
+        # Host LU batches run one per core: several per core balance the tail.
+        rows = target_rows(packed_rows, os.cpu_count() or 1, "cpu")
+    max_bytes = max((s.room for s in slots), default=0)
+    batches, too_big = pack(ests.values(), rows=rows, max_bytes=max_bytes, batch_bytes=batch_bytes)
+    queues, unplaced = disperse(batches, slots)
+    next_id = max((b.id for b in batches), default=-1) + 1
+    cpu = str(manager.cpu)
+    extra: list[Batch] = []
+    for e in too_big:
+        extra.append(_place_oversized(e, next_id, batch_bytes))
+        next_id += 1
+    extra += unplaced
+    if extra:
+        queues.setdefault(cpu, [])
+        for b in extra:
+            queues[cpu].append(b)
+            for s in slots:
+                if s.name == cpu:
+                    s.busy += b.cost / s.speed
+    return Plan(queues, slots, ests, next_id, rows, [e.index for e in too_big])
+
+
+def _place_oversized(e: Estimate, batch_id: int, batch_bytes: Callable | None) -> Batch:
+    """A system larger than any one device's room: for now, alone on the CPU.
+
+    Hook for issue "one system, many GPUs": with two or more GPUs whose rooms
+    add up, this is where ``managed_solve.sharded`` takes the system instead.
+    """
+    log.info("managed_solve: systems[%d] (%d unknowns) fits on no single device; solving on the "
+             "CPU (sharding over GPUs is not implemented yet)", e.index, e.n)
+    nbytes = int(batch_bytes([e])) if batch_bytes is not None else e.nbytes
+    return Batch(batch_id, [e.index], e.route, e.group, e.n, e.nnz, nbytes, e.cost)
+
+
+# --------------------------------------------------------------------------- device errors
+def is_device_error(exc: BaseException) -> bool:
+    """Out-of-memory and CUDA runtime/driver errors: worth retrying on another device.
+
+    ``MemoryError`` covers :class:`~managed_solve.devices.SimulatedOutOfMemory`
+    and CuPy's ``OutOfMemoryError`` (a ``MemoryError`` subclass); CuPy's
+    ``CUDARuntimeError``/``CUDADriverError`` and cuSPARSE/cuBLAS errors are
+    recognised by their module, so cupy need not be imported to ask.
+    """
+    if isinstance(exc, MemoryError):
+        return True
+    for cls in type(exc).__mro__:
+        mod = cls.__module__ or ""
+        if mod.startswith(("cupy_backends", "cupy.cuda", "numba.cuda")) and cls is not Exception:
+            return True
+    return False
+
+
+# --------------------------------------------------------------------------- running
+def _core():
+    """The batched Krylov core: (PackedBatch, cg_batched, bicgstab_batched)."""
+    from .solvers.batch import PackedBatch
+    from .solvers.batched import bicgstab_batched, cg_batched
+
+    return PackedBatch, cg_batched, bicgstab_batched
+
+
+class _Runner:
+    """Executes a plan: one worker per device, recovery, results in input order."""
+
+    def __init__(self, systems: list[LinearSystem | None], plan: Plan, devices: Sequence[Device],
+                 manager: DeviceManager, results: list[SolveResult | None], *, bar: Any,
+                 batch_bytes: Callable | None):
+        self.systems = systems
+        self.plan = plan
+        self.manager = manager
+        self.results = results
+        self.bar = bar
+        self.batch_bytes = batch_bytes
+        self.devices = list(devices)
+        cpu = manager.cpu
+        self.all_devices = self.devices + ([cpu] if cpu not in self.devices else [])
+        self.by_name = {str(d): d for d in self.all_devices}
+        self.cond = threading.Condition()
+        self.queues: dict[str, deque[Batch]] = {str(d): deque(plan.queues.get(str(d), []))
+                                                for d in self.all_devices}
+        self.queued_seconds = {s.name: s.busy for s in plan.slots}
+        self.outstanding = sum(len(q) for q in self.queues.values())
+        self.next_id = plan.next_id
+        self.delivered = 0
+        self.batches_run: list[tuple[str, int, int]] = []  # (device, batch id, nsys), for tests
+
+    # ---------------------------------------------------------------- queue
+    def _pop(self, name: str) -> Batch | None:
+        with self.cond:
+            while not self.queues[name] and self.outstanding > 0:
+                self.cond.wait()
+            if not self.queues[name]:
+                return None
+            return self.queues[name].popleft()
+
+    def _done(self, new: Sequence[tuple[str, Batch]] = ()) -> None:
+        with self.cond:
+            for name, b in new:
+                self.queues[name].append(b)
+                self.outstanding += 1
+            self.outstanding -= 1
+            self.cond.notify_all()
+
+    def _deliver(self, i: int, res: SolveResult) -> None:
+        with self.cond:
+            if self.results[i] is not None:
+                raise RuntimeError(f"solve_many: internal error, systems[{i}] was solved twice")
+            self.results[i] = res
+            self.delivered += 1
+        if self.bar is not None:
+            self.bar.update(1)
+
+    # ---------------------------------------------------------------- workers
+    def run(self) -> None:
+        threads = []
+        for d in self.all_devices:
+            # The host runs its LU batches one per core; everything else one per device.
+            count = (os.cpu_count() or 1) if d.kind == "cpu" else 1
+            for k in range(count):
+                t = threading.Thread(target=self._worker, args=(d,), daemon=True,
+                                     name=f"solve_many-{d}-{k}")
+                threads.append(t)
+                t.start()
+        for t in threads:
+            t.join()
+
+    def _pop_nowait(self, name: str) -> Batch | None:
+        with self.cond:
+            return self.queues[name].popleft() if self.queues[name] else None
+
+    def _worker(self, dev: Device) -> None:
+        """Run a device's queue; on accelerators, stage the next batch while this one computes."""
+        name = str(dev)
+        stager = _Stager(dev) if dev.kind != "cpu" else None
+        ahead: _Staged | None = None
+        try:
+            while True:
+                if ahead is not None:
+                    cur, ahead = ahead, None
+                else:
+                    b = self._pop(name)
+                    if b is None:
+                        return
+                    cur = self._start(b, dev, stager)
+                    if cur is None:
+                        continue
+                if stager is not None:
+                    nb = self._pop_nowait(name)
+                    if nb is not None:
+                        ahead = self._start(nb, dev, stager)
+                self._finish(cur, dev)
+        finally:
+            if stager is not None:
+                stager.close()
+
+    def _start(self, b: Batch, dev: Device, stager: _Stager | None) -> _Staged | None:
+        """Reserve the batch's bytes, ask the fault hook, start its host->device copy."""
+        res = None
+        try:
+            res = self.manager.reserve(b.nbytes, device=dev, cost=b.cost,
+                                       signature=("solve_many", b.route, b.group))
+            dev.check_fault(b.nbytes)
+            fut = None
+            if b.route == BATCH:
+                systems = [self.systems[i] for i in b.indices]
+                _method, _dt, jacobi = b.group
+                target = str(dev)  # PackedBatch puts "sim:k" batches on the host
+
+                def stage(systems=systems, jacobi=jacobi, target=target):
+                    return _core()[0].pack(systems, device=target, jacobi=jacobi)
+
+                fut = stager.submit(stage) if stager is not None else _now(stage)
+            return _Staged(b, res, fut)
+        except BaseException as exc:  # noqa: BLE001 - every failure must end in results
+            if res is not None:
+                res.release()
+            self._done(self._recover(b, dev, exc))
+            return None
+
+    def _finish(self, st: _Staged, dev: Device) -> None:
+        """Compute a staged batch, deliver its results, release its bytes, learn its time."""
+        b = st.batch
+        try:
+            t0 = time.perf_counter()
+            with st.reservation, dev.context():
+                if b.route == BATCH:
+                    method, _dt, _jacobi = b.group
+                    packed = st.packed.result()
+                    systems = [self.systems[i] for i in b.indices]
+                    if dev.kind == "cuda":
+                        out = _solve_packed(systems, packed, method, str(dev))
+                    else:
+                        with _HOST_KERNEL_LOCK:
+                            out = _solve_packed(systems, packed, method, "cpu")
+                elif b.route == DIRECT:
+                    out = [_direct_solve(self.systems[i]) for i in b.indices]
+                else:
+                    out = [self._run_single(i, dev) for i in b.indices]
+            seconds = time.perf_counter() - t0
+        except BaseException as exc:  # noqa: BLE001 - every failure must end in results
+            st.reservation.release()
+            self._done(self._recover(b, dev, exc))
+            return
+        self.manager.record(("solve_many", b.route, b.group), seconds, b.nbytes, device=dev,
+                            cost=b.cost)
+        with self.cond:
+            self.batches_run.append((str(dev), b.id, b.nsys))
+        for i, res in zip(b.indices, out, strict=True):
+            res.device = str(dev)
+            if not res.seconds:
+                res.seconds = seconds
+            res.info.setdefault("batch", b.id)
+            res.info.setdefault("batch_size", b.nsys)
+            self._deliver(i, res)
+        self._done()
+
+    def _recover(self, b: Batch, dev: Device, exc: BaseException) -> list[tuple[str, Batch]]:
+        """Split a failed batch and send the halves elsewhere, finally to the CPU."""
+        if not is_device_error(exc):
+            log.error("solve_many: batch %d on %s failed: %r", b.id, dev, exc)
+            msg = (f"solve_many: solving on {dev} raised {type(exc).__name__}: {exc} "
+                   "(not a device error, so not retried)")
+            for i in b.indices:
+                self._fail(i, dev, msg)
+            return []
+        log.info("solve_many: batch %d (%d systems) hit %s on %s; splitting and retrying elsewhere",
+                 b.id, b.nsys, type(exc).__name__, dev)
+        b.tried = b.tried | {str(dev)}
+        with self.cond:
+            halves = split(b, self.plan.estimates, next_id=self.next_id, batch_bytes=self.batch_bytes)
+            self.next_id += len(halves)
+        out = []
+        for h in halves:
+            slots = [Slot(str(d), self.manager.available_bytes(d), self.manager.speed(d),
+                          self.queued_seconds.get(str(d), 0.0), d.kind) for d in self.devices]
+            target = choose_slot(h, slots)
+            name = target.name if target is not None else str(self.manager.cpu)
+            if name in h.tried:
+                msg = (f"solve_many: {type(exc).__name__} on every device tried "
+                       f"({', '.join(sorted(h.tried))}): {exc}")
+                for i in h.indices:
+                    self._fail(i, dev, msg)
+                continue
+            with self.cond:
+                speed = self.manager.speed(self.by_name[name])
+                self.queued_seconds[name] = self.queued_seconds.get(name, 0.0) + h.cost / speed
+            out.append((name, h))
+        return out
+
+    def _fail(self, i: int, dev: Device, msg: str) -> None:
+        s = self.systems[i]
+        self._deliver(i, SolveResult(None, Status.DEVICE_ERROR, device=str(dev), message=msg,
+                                     name=s.name if s is not None else None))
+
+    # ---------------------------------------------------------------- routes
+    def _run_single(self, i: int, dev: Device) -> SolveResult:
+        from .solve import solve  # solve.py sits above packing in the layers, beside us
+
+        s = self.systems[i]
+        if dev.is_gpu and dev.kind == "cuda":
+            return solve(s, device=str(dev))
+        with _HOST_KERNEL_LOCK:
+            return solve(s, device="cpu")
+
+
+@dataclass
+class _Staged:
+    """A batch whose bytes are reserved and whose copy to the device is under way."""
+
+    batch: Batch
+    reservation: Any
+    packed: Future | None
+
+
+def _now(fn: Callable[[], Any]) -> Future:
+    fut: Future = Future()
+    fut.set_result(fn())
+    return fut
+
+
+class _Stager:
+    """Packs batches (the host -> device copies) in a helper thread, on a second CUDA stream.
+
+    The worker stages batch k+1 before computing batch k, so on a GPU the copy
+    overlaps the compute. On simulated devices the same code runs with the
+    pack on the host (there is no stream), so the pipeline is tested on CPUs.
+    """
+
+    def __init__(self, dev: Device):
+        self.dev = dev
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"stage-{dev}")
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        if self.dev.kind != "cuda":
+            return self.pool.submit(fn)
+
+        def staged():
+            cp = _backend.cupy()
+            with self.dev.context():
+                stream = cp.cuda.Stream(non_blocking=True)
+                with stream:
+                    out = fn()
+                stream.synchronize()  # sync: the copy is complete before the compute stream reads it
+                return out
+
+        return self.pool.submit(staged)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+def _solve_packed(systems: list[LinearSystem], packed: Any, method: str,
+                  device: str) -> list[SolveResult]:
+    """One packed batch through the batched core, with each system's true residual checked."""
+    _PackedBatch, cg_batched, bicgstab_batched = _core()
+    core = cg_batched if method == "cg" else bicgstab_batched
+    t0 = time.perf_counter()
+    out = core(packed)
+    seconds = time.perf_counter() - t0
+    xp = packed.xp
+    sp = _backend.sparse_module(xp)
+    N = int(packed.n)
+    A = sp.csr_matrix((packed.data, packed.indices, packed.indptr), shape=(N, N))
+    r = packed.b - A @ out.x
+    seg = packed.row_sys
+    rn = xp.sqrt(xp.bincount(seg, weights=r * r, minlength=packed.nsys))
+    bn = xp.sqrt(xp.bincount(seg, weights=packed.b * packed.b, minlength=packed.nsys))
+    rn, bn = _backend.to_host(rn), _backend.to_host(bn)  # sync: one host read of per-system norms
+    xs = packed.unpack(out.x)
+    results = []
+    for k, s in enumerate(systems):
+        tol = max(s.rtol * float(bn[k]), s.atol)
+        code = int(out.status[k])
+        res = SolveResult(xs[k], _STATUS[code], int(out.iterations[k]), float(rn[k]), float(bn[k]),
+                          seconds=seconds, method=method, name=s.name,
+                          info={"host_syncs": int(out.host_syncs)})
+        if code == 0 and not float(rn[k]) <= tol:
+            # The recurrence residual drifted from the true one (rounding): finish this
+            # system alone, warm-started from the batch's answer.
+            res = _polish(s, xs[k], method, device)
+        elif code == 2 and s.method == "auto":
+            # "auto" chose CG from symmetry and a positive diagonal, but the matrix is
+            # indefinite: solve() picks a method that does not break down.
+            res = _polish(s, None, "auto", device)
+        elif code == 0:
+            res.message = Status.CONVERGED.message
+        results.append(res)
+    return results
+
+
+_STATUS = {0: Status.CONVERGED, 1: Status.MAXITER, 2: Status.BREAKDOWN}
+
+
+def _polish(s: LinearSystem, x0: Any, method: str, device: str) -> SolveResult:
+    from .solve import solve  # see _Runner._run_single
+
+    t = object.__new__(LinearSystem)
+    t.__dict__.update(s.__dict__)
+    t.method = method
+    if x0 is not None:
+        t.x0 = x0
+    res = solve(t, device=device)
+    res.info["polished"] = True
+    return res
+
+
+def _direct_solve(s: LinearSystem) -> SolveResult:
+    """Sparse LU on the host, one refinement step if the residual misses the tolerance."""
+    import scipy.sparse.linalg as spla
+
+    t0 = time.perf_counter()
+    A = _backend.to_host(s.A)
+    b = np.asarray(_backend.to_host(s.b))
+    bn = float(np.linalg.norm(b))
+    tol = max(s.rtol * bn, s.atol)
+    try:
+        if s.is_symmetric_hint:
+            lu = spla.splu(A.tocsc(), permc_spec="MMD_AT_PLUS_A",
+                           options={"SymmetricMode": True})
+        else:
+            lu = spla.splu(A.tocsc())
+    except RuntimeError as exc:  # "Factor is exactly singular"
+        return SolveResult(None, Status.BREAKDOWN, 0, float("nan"), bn, seconds=time.perf_counter() - t0,
+                           method="direct", name=s.name,
+                           message=f"sparse LU failed ({exc}); the matrix is singular. "
+                           "Check the boundary conditions, or use method='minres'.")
+    x = lu.solve(b)
+    r = b - A @ x
+    rn = float(np.linalg.norm(r))
+    steps = 1
+    if not rn <= tol:
+        x += lu.solve(r)
+        rn = float(np.linalg.norm(b - A @ x))
+        steps = 2
+    ok = rn <= tol
+    return SolveResult(x, Status.CONVERGED if ok else Status.BREAKDOWN, steps, rn, bn,
+                       seconds=time.perf_counter() - t0, method="direct", name=s.name,
+                       message=Status.CONVERGED.message if ok else
+                       f"the LU solution's residual {rn:.3g} misses the tolerance {tol:.3g} "
+                       "after one refinement step (ill-conditioned matrix); try method='gmres' "
+                       "with M='jacobi'.")
+
+
+# --------------------------------------------------------------------------- public
+def _select_devices(manager: DeviceManager, devices: Any, disperse: bool,
+                    systems: Sequence[LinearSystem | None]) -> list[Device]:
+    if devices is not None:
+        names = devices.split(",") if isinstance(devices, str) else list(devices)
+        devs = []
+        for d in names:
+            dev = manager.get_device(d.strip() if isinstance(d, str) else d)
+            if dev not in devs:
+                devs.append(dev)
+        if not devs:
+            raise ValueError(f"solve_many(devices={devices!r}): selects no device; e.g. 'cuda:0,cuda:1'")
+    else:
+        devs = manager.accelerators or [manager.cpu]
+    if disperse or len(devs) == 1:
+        return devs
+    # One device: where most of the input bytes already lie, else the one with most room.
+    held = {str(d): 0 for d in devs}
+    for s in systems:
+        if s is not None and s.device in held:
+            held[s.device] += s.nbytes
+    best = max(devs, key=lambda d: (held[str(d)], manager.available_bytes(d)))
+    return [best]
+
+
+def _packed_bytes(manager: DeviceManager, systems: Sequence[LinearSystem | None]) -> Callable:
+    """Bytes to reserve for a batch: the batched core's own prediction, through the heuristic."""
+    try:
+        PackedBatch = _core()[0]
+    except ImportError:  # the core is not installed: the planner's own model
+        PackedBatch = None
+
+    def nbytes(members: Sequence[Estimate]) -> int:
+        e0 = members[0]
+        if e0.route != BATCH:
+            return manager.size_of(int(sum(e.nbytes for e in members)))
+        method, dt, jacobi = e0.group
+        n = sum(e.n for e in members)
+        nnz = sum(e.nnz for e in members)
+        idx = np.int32 if max(n, nnz) < 2**31 - 1 else np.int64
+        if PackedBatch is not None:
+            x0 = any(systems[e.index].x0 is not None for e in members)
+            raw = PackedBatch.predict_bytes(n, nnz, len(members), np.dtype(dt), np.dtype(idx), method,
+                                            jacobi=bool(jacobi), x0=x0)
+            raw += 8 * n  # the true-residual check's product A @ x
+        else:
+            raw = sum(e.nbytes for e in members)
+        return manager.size_of(int(raw))
+
+    return nbytes
+
+
+def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = None,
+               method: str = "auto", M: Any = None, rtol: float | None = None,
+               progress: bool = False, return_on: str = "device", on_error: str = "return",
+               manager: DeviceManager | None = None) -> list[SolveResult]:
+    """Solve many independent linear systems, batched and dispersed over every device.
+
+    Small systems are packed into block-diagonal batches solved by the
+    batched Krylov core, in which every system keeps its own scalars and its
+    own convergence test; large systems run alone; batches go longest-first
+    to the device predicted to finish them earliest. An out-of-memory or
+    device error splits a batch and retries the halves elsewhere, finally on
+    the CPU: every system comes back exactly once, in input order.
+
+    Parameters
+    ----------
+    systems : iterable of LinearSystem or (A, b) pairs
+        Any mix of sizes, dtypes and array types (SciPy, CuPy, torch; on the
+        host or already on a GPU).
+    disperse : bool
+        Spread the work over all ``devices``; False keeps it on one device
+        (the one already holding most of the inputs, else the one with most room).
+    devices : str or list, optional
+        Devices to use (``"cuda:0,cuda:1"``); default: every accelerator of
+        ``manager``, else the CPU.
+    method : {"auto", "cg", "bicgstab", "gmres", "minres", "direct"}
+        Overrides each system's method when not "auto". "auto" picks CG for
+        symmetric matrices with a positive diagonal, BiCGStab otherwise, and
+        on a CPU-only run a sparse LU for systems up to ``DIRECT_MAX_N``
+        unknowns (faster than CG there, measured).
+    M : {"jacobi", ...} or operator, optional
+        Preconditioner for every system (overrides theirs when given).
+    rtol : float, optional
+        Relative tolerance for every system; default: each system's own
+        (1e-8 for pairs).
+    progress : bool
+        Show a tqdm progress bar of systems done, with throughput.
+    return_on : {"device", "host"}
+        Leave each ``x`` where it was solved, or return NumPy arrays.
+    on_error : {"return", "raise"}
+        "raise" raises :class:`SolveManyError` after all systems finished if any
+        did not converge, listing which and why.
+    manager : DeviceManager, optional
+        Default: ``managed_solve.device_manager``.
+
+    Returns
+    -------
+    list of SolveResult
+        In input order. Each has ``status``, ``iterations``, the true
+        ``residual_norm``, the ``device`` it was solved on, and ``info``
+        (``batch`` id and ``batch_size``). In a batch, ``x`` is a view into the
+        batch's solution vector (no copy).
+
+    Raises
+    ------
+    SolveManyError
+        With ``on_error="raise"``, when some system did not converge.
+
+    See Also
+    --------
+    managed_solve.solve : one system on one device.
+
+    Examples
+    --------
+    >>> import numpy as np, scipy.sparse as sp
+    >>> import managed_solve as ms
+    >>> A = sp.diags([-1.0, 2.5, -1.0], [-1, 0, 1], shape=(50, 50), format="csr")
+    >>> dm = ms.DeviceManager(["cpu"])
+    >>> res = solve_many([(A, np.ones(50)), (2 * A, np.ones(50))], manager=dm)
+    >>> [r.converged for r in res]
+    [True, True]
+    >>> bool(np.allclose(2 * A @ res[1].x, 1.0))
+    True
+    """
+    _check_arguments(method, M, rtol, return_on, on_error, progress)
+    items = list(systems)
+    mgr = manager if manager is not None else default_manager()
+    results: list[SolveResult | None] = [None] * len(items)
+    valid: list[LinearSystem | None] = [None] * len(items)
+    for i, item in enumerate(items):
+        try:
+            valid[i] = _validate(item, i, method=method, M=M, rtol=rtol)
+        except (TypeError, ValueError) as exc:
+            results[i] = _invalid(exc, i, item)
+
+    devs = _select_devices(mgr, devices, disperse, valid)
+    host_only = all(d.kind == "cpu" for d in devs)
+    ref = devs[0]
+    ests = []
+    for i, s in enumerate(valid):
+        if s is None:
+            continue
+        try:
+            ests.append(estimate(s, i, host_only=host_only, manager=mgr, reference=ref))
+        except (TypeError, ValueError) as exc:
+            valid[i] = None
+            results[i] = _invalid(exc, i, s)
+
+    bar = None
+    if progress:
+        tqdm = _backend.require("tqdm", "solve_many(progress=True)")
+        bar = tqdm.tqdm(total=len(items), unit="system", desc="solve_many", smoothing=0.1)
+        bar.update(sum(r is not None for r in results))
+    try:
+        batch_bytes = _packed_bytes(mgr, valid)
+        plan = plan_work(ests, devs, mgr, batch_bytes=batch_bytes)
+        runner = _Runner(valid, plan, devs, mgr, results, bar=bar, batch_bytes=batch_bytes)
+        runner.run()
+    finally:
+        if bar is not None:
+            bar.close()
+
+    missing = [i for i, r in enumerate(results) if r is None]
+    if missing:  # every path above delivers; this guards the promise "nothing lost"
+        raise RuntimeError(f"solve_many: internal error, no result for systems {missing[:10]}")
+    out: list[SolveResult] = results  # type: ignore[assignment]
+    if return_on == "host":
+        for r in out:
+            if r.x is not None:
+                r.x = np.asarray(_backend.to_host(r.x))  # sync: copies each x to the host
+    if on_error == "raise":
+        failed = [i for i, r in enumerate(out) if not r.converged]
+        if failed:
+            lines = [f"systems[{i}] ({out[i].name or 'unnamed'}): {out[i].status.name}: "
+                     f"{out[i].message or out[i].status.message}" for i in failed[:20]]
+            more = f"\n... and {len(failed) - 20} more" if len(failed) > 20 else ""
+            raise SolveManyError(
+                f"solve_many: {len(failed)} of {len(out)} systems did not converge:\n"
+                + "\n".join(lines) + more + "\nPass on_error='return' to get them back with "
+                "their status instead.", out, failed)
+    return out
