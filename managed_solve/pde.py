@@ -1,0 +1,391 @@
+"""PDE builders: meshes and grids in, :class:`~managed_solve.system.LinearSystem` out.
+
+Sign conventions (every matrix here is symmetric positive (semi-)definite,
+so CG applies):
+
+- ``L`` is the cotangent Laplacian (P1 stiffness on tetrahedra) with
+  ``L = -Laplacian``: positive semi-definite, zero row sums, constants in
+  its null space. ``L u = M f`` discretises ``-Laplace(u) = f``.
+- ``M`` is the mass matrix: lumped (diagonal, the default, what the
+  cotangent literature uses) or consistent (``lumped=False``).
+
+Placement: ``device=None`` asks the DeviceManager (``manager=`` or the
+process default) for a device with ``find_device(nbytes, disperse=True)``;
+``"cuda:i"`` assembles there with the CUDA kernels (cupyx CSR, CuPy
+vectors), ``"cpu"`` and simulated ``"sim:i"`` devices with the CPU twins
+(SciPy CSR, NumPy vectors). The symbolic phase is cached on the mesh, so a
+sweep over ``dt`` or ``alpha`` repeats only the numeric pass.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _backend
+from .assembly import (
+    Target,
+    assemble,
+    assemble_grid,
+    grid_spacing,
+    lumped_mass,
+    resolve_target,
+)
+from .mesh import Mesh
+from .system import LinearSystem
+
+__all__ = ["laplacian", "mass", "poisson", "screened_poisson", "heat_step", "poisson_grid"]
+
+
+# ----------------------------------------------------------------- helpers
+def estimate_nbytes(mesh: Mesh, dtype: Any = np.float64) -> int:
+    """Bytes a mesh system takes on its device: CSR, slot map, mesh copy and two vectors.
+
+    An estimate made before the symbolic phase (each edge is shared by about
+    2 triangles or 5 tetrahedra); the manager only needs the order of magnitude.
+    """
+    n, m, k = mesh.n_vertices, mesh.n_faces, mesh.faces.shape[1]
+    w = np.dtype(dtype).itemsize
+    share = 2.0 if k == 3 else 5.0
+    nnz = n + int(k * (k - 1) * m / share)
+    return int(nnz * (w + 4) + 4 * (n + 1) + 4 * m * k * (k + 1) + 8 * (m * k + n) + 24 * n + 2 * n * w)
+
+
+def _target(device: Any, manager: Any, nbytes: int, backend: str | None, call: str) -> Target:
+    if device is None and backend != "cudasim":
+        if manager is None:
+            from .manager import default_manager
+
+            manager = default_manager()
+        device = manager.find_device(int(nbytes), disperse=True)
+    return resolve_target(device, backend, call=call)
+
+
+def _check_mesh(mesh: Any, call: str) -> Mesh:
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"{call}(mesh=...): expected a managed_solve.mesh.Mesh (see mesh.icosphere, "
+                        f"mesh.read), got {type(mesh).__name__}")
+    return mesh
+
+
+def _vertex_values(f: Any, mesh: Mesh, t: Target, dtype: np.dtype, call: str, arg: str) -> Any:
+    """``f`` at the vertices, on the target: a number, an array (n,), or a callable of (n, 3) points."""
+    xp, n = t.xp, mesh.n_vertices
+    if callable(f):
+        f = f(mesh.vertices)
+    if np.ndim(f) == 0:
+        return xp.full(n, float(f), dtype=dtype)
+    if _backend.is_torch_tensor(f):
+        f = f.detach()
+        f = f.cpu().numpy() if t.backend != "cuda" else _backend.cupy().from_dlpack(f)
+    if t.backend != "cuda":
+        f = _backend.to_host(f)
+    f = xp.asarray(f)
+    if f.shape != (n,):
+        raise ValueError(f"{call}({arg}=...): expected one value per vertex, shape ({n},), got "
+                         f"shape {tuple(f.shape)}")
+    if f.dtype.kind not in "iuf":
+        raise TypeError(f"{call}({arg}=...): expected real values, got dtype {f.dtype}")
+    return f.astype(dtype, copy=False)
+
+
+def _mass_times(mesh: Mesh, u: Any, lumped: bool, t: Target, dtype: np.dtype, backend: Any) -> Any:
+    if lumped:
+        return lumped_mass(mesh, device=t.device, dtype=dtype, backend=backend) * u
+    M = assemble(mesh, stiffness=0.0, mass=1.0, device=t.device, dtype=dtype, backend=backend)
+    return M @ u
+
+
+def apply_dirichlet(A: Any, b: Any, index: Any, values: Any) -> tuple[Any, Any]:
+    """Impose ``u[index] = values`` by symmetric elimination, in place on ``A.data``; returns (A, b).
+
+    ``b`` loses the known columns (``b -= A[:, index] @ values``), then rows
+    and columns of ``index`` become identity rows with ``b[index] = values``.
+    The matrix stays symmetric, and positive definite when the remaining
+    block is, so CG still applies. Works on SciPy and cupyx CSR alike.
+    """
+    xp = _backend.array_module(b)
+    n = A.shape[0]
+    idx = xp.asarray(index, dtype=np.int64).reshape(-1)
+    g = xp.broadcast_to(xp.asarray(values, dtype=b.dtype), idx.shape)
+    full = xp.zeros(n, dtype=b.dtype)
+    full[idx] = g
+    b = b - A @ full
+    mask = xp.zeros(n, dtype=bool)
+    mask[idx] = True
+    rows = xp.searchsorted(A.indptr, xp.arange(A.nnz), side="right") - 1
+    hit_row = mask[rows]
+    A.data[hit_row | mask[A.indices]] = 0
+    A.data[hit_row & (rows == A.indices)] = 1
+    b[idx] = g
+    return A, b
+
+
+def _dirichlet(dirichlet: Any, n: int, call: str) -> tuple[np.ndarray, Any]:
+    try:
+        index, values = dirichlet
+    except (TypeError, ValueError):
+        raise TypeError(f"{call}(dirichlet=...): expected a pair (vertex_indices, values), got "
+                        f"{type(dirichlet).__name__}") from None
+    index = np.asarray(_backend.to_host(index))
+    if index.dtype == bool:
+        index = np.flatnonzero(index)
+    if index.dtype.kind not in "iu":
+        raise TypeError(f"{call}(dirichlet=...): vertex indices must be integers or a boolean mask, "
+                        f"got dtype {index.dtype}")
+    index = index.reshape(-1)
+    if index.size == 0:
+        raise ValueError(f"{call}(dirichlet=...): no vertices given; pass dirichlet=None to pin the "
+                         "constant instead")
+    if index.min() < 0 or index.max() >= n:
+        raise ValueError(f"{call}(dirichlet=...): vertex indices must lie in [0, {n}), got "
+                         f"[{index.min()}, {index.max()}]")
+    return index, values
+
+
+def _system(A: Any, b: Any, dt: np.dtype, name: str, **kwargs: Any) -> LinearSystem:
+    return LinearSystem(A, b, dtype=dt, name=name, **kwargs)
+
+
+# ---------------------------------------------------------------- builders
+def laplacian(mesh: Mesh, *, device: Any = None, dtype: Any = np.float64, manager: Any = None,
+              index_dtype: Any = None, backend: str | None = None, b: Any = None) -> LinearSystem:
+    """The cotangent Laplacian ``L`` (positive semi-definite) as ``LinearSystem(L, b)``.
+
+    ``b`` defaults to zeros: take ``.A`` for the matrix. Singular (constants
+    are in its null space); for a solvable problem use :func:`poisson`.
+
+    Examples
+    --------
+    >>> from managed_solve import mesh, pde
+    >>> s = pde.laplacian(mesh.icosphere(1), device="cpu")
+    >>> s.n, s.nnz, round(float(abs(s.A.sum(axis=1)).max()), 12)
+    (42, 282, 0.0)
+    """
+    call = "laplacian"
+    _check_mesh(mesh, call)
+    dt = np.dtype(dtype)
+    t = _target(device, manager, estimate_nbytes(mesh, dt), backend, call)
+    A = assemble(mesh, device=t.device, dtype=dt, index_dtype=index_dtype, backend=t.backend)
+    rhs = t.xp.zeros(mesh.n_vertices, dtype=dt) if b is None else _vertex_values(b, mesh, t, dt, call, "b")
+    return _system(A, rhs, dt, "laplacian")
+
+
+def mass(mesh: Mesh, lumped: bool = True, *, device: Any = None, dtype: Any = np.float64,
+         manager: Any = None, index_dtype: Any = None, backend: str | None = None,
+         b: Any = None) -> LinearSystem:
+    """The mass matrix (lumped diagonal by default, or consistent) as ``LinearSystem(M, b)``.
+
+    Examples
+    --------
+    >>> from managed_solve import mesh, pde
+    >>> m = mesh.icosphere(2)
+    >>> s = pde.mass(m, device="cpu")
+    >>> bool(abs(s.A.sum() - m.area()) < 1e-12)
+    True
+    """
+    call = "mass"
+    _check_mesh(mesh, call)
+    dt = np.dtype(dtype)
+    t = _target(device, manager, estimate_nbytes(mesh, dt), backend, call)
+    A = assemble(mesh, stiffness=0.0, mass=0.0 if lumped else 1.0, lumped_mass=1.0 if lumped else 0.0,
+                 device=t.device, dtype=dt, index_dtype=index_dtype, backend=t.backend)
+    rhs = t.xp.zeros(mesh.n_vertices, dtype=dt) if b is None else _vertex_values(b, mesh, t, dt, call, "b")
+    return _system(A, rhs, dt, "mass" if lumped else "mass(consistent)")
+
+
+def poisson(mesh: Mesh, f: Any, *, dirichlet: Any = None, lumped: bool = True, device: Any = None,
+            dtype: Any = np.float64, manager: Any = None, index_dtype: Any = None,
+            backend: str | None = None, rtol: float = 1e-8) -> LinearSystem:
+    """``-Laplace(u) = f``: the system ``L u = M f``, made solvable and SPD.
+
+    Parameters
+    ----------
+    mesh : Mesh
+    f : float, array (n,) or callable
+        Right-hand side at the vertices; a callable gets the (n, 3) vertices.
+    dirichlet : (indices, values), optional
+        Vertices (indices or a boolean mask) where ``u = values`` (a number
+        or one value per index); eliminated symmetrically, so A stays SPD.
+        Without it (closed surfaces, or a pure Neumann problem), the
+        constant null space is handled so the system is SPD and its solution
+        meaningful: ``f`` is replaced by ``f - mean(f)`` (area-weighted; the
+        compatibility condition of the singular problem), and vertex 0 is
+        pinned to ``u = 0`` by the same symmetric elimination. The solution is
+        then the exact solution of the singular problem that vanishes at
+        vertex 0; subtract its mean for the zero-mean one.
+    lumped : bool
+        Lumped (default) or consistent mass on the right-hand side.
+    device, manager, dtype, index_dtype, backend
+        See the module docstring and :func:`managed_solve.assembly.assemble`.
+
+    Returns
+    -------
+    LinearSystem
+
+    Examples
+    --------
+    >>> import numpy as np, scipy.sparse.linalg as sla
+    >>> from managed_solve import mesh, pde
+    >>> m = mesh.grid(9, 9)
+    >>> s = pde.poisson(m, 0.0, dirichlet=(m.boundary_vertices(), 1.0), device="cpu")
+    >>> bool(np.allclose(sla.spsolve(s.A.tocsc(), s.b), 1.0))   # harmonic: constant
+    True
+    """
+    call = "poisson"
+    _check_mesh(mesh, call)
+    dt = np.dtype(dtype)
+    t = _target(device, manager, estimate_nbytes(mesh, dt), backend, call)
+    with _ctx(t):
+        A = assemble(mesh, device=t.device, dtype=dt, index_dtype=index_dtype, backend=t.backend)
+        fv = _vertex_values(f, mesh, t, dt, call, "f")
+        b = _mass_times(mesh, fv, lumped, t, dt, t.backend)
+        if dirichlet is None:
+            w = lumped_mass(mesh, device=t.device, dtype=dt, backend=t.backend)
+            b = b - w * (b.sum() / w.sum())
+            A, b = apply_dirichlet(A, b, [0], 0.0)
+        else:
+            index, values = _dirichlet(dirichlet, mesh.n_vertices, call)
+            A, b = apply_dirichlet(A, b, index, values)
+        return _system(A, b, dt, "poisson", rtol=rtol)
+
+
+def screened_poisson(mesh: Mesh, f: Any, alpha: float, *, lumped: bool = True, device: Any = None,
+                     dtype: Any = np.float64, manager: Any = None, index_dtype: Any = None,
+                     backend: str | None = None, rtol: float = 1e-8) -> LinearSystem:
+    """``-Laplace(u) + alpha u = f``: the SPD system ``(L + alpha M) u = M f`` (alpha > 0).
+
+    On the unit sphere, spherical harmonics of degree l are eigenfunctions
+    with ``-Laplace(Y) = l(l+1) Y``, so ``f = Y`` gives ``u = Y / (l(l+1) + alpha)``.
+
+    Examples
+    --------
+    >>> import numpy as np, scipy.sparse.linalg as sla
+    >>> from managed_solve import mesh, pde
+    >>> m = mesh.icosphere(3)
+    >>> z = m.vertices[:, 2]
+    >>> s = pde.screened_poisson(m, z, alpha=1.0, device="cpu")
+    >>> u = sla.spsolve(s.A.tocsc(), s.b)
+    >>> bool(np.abs(u - z / 3.0).max() < 1e-2)    # l = 1: u = z / (2 + 1)
+    True
+    """
+    call = "screened_poisson"
+    _check_mesh(mesh, call)
+    if not (np.isfinite(alpha) and alpha > 0):
+        raise ValueError(f"{call}(alpha={alpha!r}): expected a finite alpha > 0 (alpha = 0 is "
+                         "singular: use poisson())")
+    dt = np.dtype(dtype)
+    t = _target(device, manager, estimate_nbytes(mesh, dt), backend, call)
+    with _ctx(t):
+        A = assemble(mesh, stiffness=1.0, mass=0.0 if lumped else alpha,
+                     lumped_mass=alpha if lumped else 0.0, device=t.device, dtype=dt,
+                     index_dtype=index_dtype, backend=t.backend)
+        fv = _vertex_values(f, mesh, t, dt, call, "f")
+        b = _mass_times(mesh, fv, lumped, t, dt, t.backend)
+        return _system(A, b, dt, f"screened_poisson(alpha={alpha:g})", rtol=rtol)
+
+
+def heat_step(mesh: Mesh, u: Any, dt: float, kappa: float = 1.0, *, lumped: bool = True,
+              device: Any = None, dtype: Any = np.float64, manager: Any = None,
+              index_dtype: Any = None, backend: str | None = None,
+              rtol: float = 1e-8) -> LinearSystem:
+    """One backward-Euler step of ``u_t = kappa Laplace(u)``: ``(M + dt kappa L) u_new = M u``.
+
+    SPD for ``dt * kappa > 0``; ``x0`` is set to ``u`` (a good first guess).
+
+    Examples
+    --------
+    >>> import numpy as np, scipy.sparse.linalg as sla
+    >>> from managed_solve import mesh, pde
+    >>> m = mesh.icosphere(2)
+    >>> u0 = m.vertices[:, 2]
+    >>> s = pde.heat_step(m, u0, dt=0.1, device="cpu")
+    >>> u1 = sla.spsolve(s.A.tocsc(), s.b)
+    >>> w = pde.mass(m, device="cpu").A.diagonal()
+    >>> bool(np.isclose(w @ u1, w @ u0)), bool(np.abs(u1).max() < np.abs(u0).max())  # heat conserved, peaks decay
+    (True, True)
+    """
+    call = "heat_step"
+    _check_mesh(mesh, call)
+    if not (np.isfinite(dt) and dt > 0):
+        raise ValueError(f"{call}(dt={dt!r}): expected a finite time step > 0")
+    if not (np.isfinite(kappa) and kappa > 0):
+        raise ValueError(f"{call}(kappa={kappa!r}): expected a finite diffusivity > 0")
+    vt = np.dtype(dtype)
+    t = _target(device, manager, estimate_nbytes(mesh, vt), backend, call)
+    with _ctx(t):
+        A = assemble(mesh, stiffness=dt * kappa, mass=0.0 if lumped else 1.0,
+                     lumped_mass=1.0 if lumped else 0.0, device=t.device, dtype=vt,
+                     index_dtype=index_dtype, backend=t.backend)
+        uv = _vertex_values(u, mesh, t, vt, call, "u")
+        b = _mass_times(mesh, uv, lumped, t, vt, t.backend)
+        return _system(A, b, vt, f"heat_step(dt={dt:g})", x0=uv, rtol=rtol)
+
+
+def poisson_grid(shape: tuple[int, ...], f: Any, coefficient: Any = None, *, lengths: Any = 1.0,
+                 device: Any = None, dtype: Any = np.float64, manager: Any = None,
+                 index_dtype: Any = None, backend: str | None = None,
+                 rtol: float = 1e-8) -> LinearSystem:
+    """``-div(c grad u) = f`` on a box, ``u = 0`` on its boundary; 5-point (2-D) or 7-point (3-D).
+
+    Parameters
+    ----------
+    shape : tuple of 2 or 3 ints
+        Interior nodes per axis; node ``i`` lies at ``(i+1) h``, ``h = L/(n+1)``.
+    f : float, array of ``shape``, or callable ``f(x, y[, z])``
+        Right-hand side at the nodes.
+    coefficient : None, float, array of ``shape`` or callable
+        ``c > 0``; see :func:`managed_solve.assembly.face_coefficients`.
+    lengths : float or sequence
+        Side lengths of the box (default the unit square/cube).
+
+    Returns
+    -------
+    LinearSystem
+        ``A`` scaled by ``1/h**2`` (SPD), ``b = f`` flattened in C order.
+
+    Examples
+    --------
+    >>> import numpy as np, scipy.sparse.linalg as sla
+    >>> from managed_solve import pde
+    >>> s = pde.poisson_grid((31, 31), lambda x, y: 2 * np.pi**2 * np.sin(np.pi * x) * np.sin(np.pi * y),
+    ...                      device="cpu")
+    >>> x = np.linspace(0, 1, 33)[1:-1]
+    >>> exact = np.outer(np.sin(np.pi * x), np.sin(np.pi * x)).ravel()
+    >>> bool(np.abs(sla.spsolve(s.A.tocsc(), s.b) - exact).max() < 1e-3)
+    True
+    """
+    call = "poisson_grid"
+    shape = tuple(shape)
+    if len(shape) not in (2, 3) or any(int(s) != s or s < 1 for s in shape):
+        raise ValueError(f"{call}(shape={shape!r}): expected 2 or 3 positive integers")
+    shape = tuple(int(s) for s in shape)
+    vt = np.dtype(dtype)
+    n = int(np.prod(shape))
+    nbytes = n * (2 * len(shape) + 1) * (vt.itemsize + 4) + 3 * n * vt.itemsize
+    t = _target(device, manager, nbytes, backend, call)
+    h = grid_spacing(shape, lengths)
+    if callable(f):
+        coords = np.meshgrid(*[(np.arange(s) + 1.0) * hh for s, hh in zip(shape, h, strict=True)],
+                             indexing="ij")
+        f = np.broadcast_to(np.asarray(f(*coords), dtype=float), shape)
+    if np.ndim(f) == 0:
+        fv = np.full(n, float(f))
+    else:
+        fv = np.asarray(_backend.to_host(f), dtype=float)
+        if fv.shape != shape and fv.shape != (n,):
+            raise ValueError(f"{call}(f=...): expected an array of shape {shape} (or ({n},)), got "
+                             f"{fv.shape}")
+        fv = fv.reshape(-1)
+    with _ctx(t):
+        A = assemble_grid(shape, coefficient=coefficient, lengths=lengths, device=t.device,
+                          dtype=vt, index_dtype=index_dtype, backend=t.backend)
+        b = t.xp.asarray(fv.astype(vt))
+        return _system(A, b, vt, f"poisson_grid({'x'.join(map(str, shape))})", rtol=rtol)
+
+
+def _ctx(t: Target):
+    import contextlib
+
+    return _backend.cupy().cuda.Device(t.index) if t.backend == "cuda" else contextlib.nullcontext()
