@@ -3,7 +3,11 @@
 Parameters and buffers are :class:`~managed_solve.tensor.ManagedTensor`
 objects (parameters stay ``nn.Parameter``, so optimizers and ``state_dict``
 work unchanged): inputs from any device are brought to the module's device
-by the tensors' own placement rule. ``.cuda()`` sizes the whole module
+by the tensors' own placement rule: an operation runs where most of its
+operand bytes are, so a batch larger than a layer's parameters pulls that
+layer's computation to the batch's device (parameters copied, differentiably,
+gradients landing back on the module's device). ``pin()`` the module to keep
+every operation on its device. ``.cuda()`` sizes the whole module
 (parameters, buffers and gradients) and asks the manager for one device;
 the module never ends up split parameter by parameter.
 """
@@ -16,7 +20,15 @@ from typing import Any
 from . import _backend
 from .devices import Device
 from .manager import DeviceManager, default_manager
-from .tensor import ManagedTensor, _account, _is_sim, placement_of, torch_device
+from .tensor import (
+    ManagedTensor,
+    _account,
+    _is_sim,
+    hold_reservation,
+    placement_of,
+    raw_size_of,
+    torch_device,
+)
 
 torch = _backend.torch_module()
 nn = torch.nn
@@ -114,8 +126,35 @@ class ManagedModule(nn.Module):
         module.manage()
         return module
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, (nn.Module, torch.Tensor)):
+            self.__dict__["_ms_managed"] = False  # a new layer or tensor: convert on next use
+        super().__setattr__(name, value)
+
+    def _ensure_managed(self) -> None:
+        if not self.__dict__.get("_ms_managed", False):
+            self.manage()
+
+    def named_parameters(self, *args: Any, **kwargs: Any):
+        # Conversion happens before anyone (an optimizer) holds the parameter objects.
+        self._ensure_managed()
+        return super().named_parameters(*args, **kwargs)
+
+    def named_buffers(self, *args: Any, **kwargs: Any):
+        self._ensure_managed()
+        return super().named_buffers(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._ensure_managed()
+        return super().__call__(*args, **kwargs)
+
     def manage(self) -> ManagedModule:
-        """Convert every parameter and buffer (all submodules) to ManagedTensors, in place."""
+        """Convert every parameter and buffer (all submodules) to ManagedTensors, in place.
+
+        Called for you before the first forward, ``parameters()`` or placement
+        after layers or tensors were assigned to this module.
+        """
+        self.__dict__["_ms_managed"] = True
         mgr = self.__dict__.get("manager")
         for sub in self.modules():
             for name, p in list(sub._parameters.items()):
@@ -153,6 +192,9 @@ class ManagedModule(nn.Module):
 
     def _place(self, key: str, **kw: Any) -> ManagedModule:
         """Move every parameter, buffer and gradient to ``key`` (in place, as nn.Module.to)."""
+        old = self.__dict__.pop("_ms_reservation", None)
+        if old is not None:
+            old.release()
         self.manage()
         nn.Module.to(self, torch_device(key), **kw)
         sim = key if _is_sim(key) else None
@@ -202,8 +244,19 @@ class ManagedModule(nn.Module):
             log.info("managed_solve: ManagedModule.cuda(): no GPU is managed here; the module stays on %s",
                      self.placement)
             return self
-        dev = mgr.find_device(mgr.size_of(self), disperse=disperse)
-        return self._place(str(dev))
+        # Held while the module lives (or until it is placed again), so later
+        # placements see it in the manager's ledger.
+        r = mgr.reserve(self._planned_bytes(mgr), disperse=disperse)
+        self._place(str(r.device))
+        hold_reservation(self, r)
+        return self
+
+    def _planned_bytes(self, mgr: DeviceManager) -> int:
+        """Parameters + gradients + buffers, through the manager's size heuristic."""
+        raw = sum(raw_size_of(p) for p in self.parameters())
+        raw += sum(raw_size_of(p) for p in self.parameters() if p.requires_grad)
+        raw += sum(raw_size_of(b) for b in self.buffers())
+        return mgr.size_of(raw)
 
     def pin(self, device: Device | str | None = None) -> ManagedModule:
         """Pin the module and every parameter and buffer to ``device`` (default: where it is).

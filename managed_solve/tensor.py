@@ -31,13 +31,17 @@ from typing import Any
 
 from . import _backend
 from .devices import Device
-from .manager import DeviceManager, default_manager, raw_size_of
+from .manager import DeviceManager, default_manager
+
+# Stored bytes of one tensor (sparse: values + indices). raw_size_of dispatches on the
+# type's module name, which misses tensor subclasses, so the tensor sizer is used directly.
+from .manager import _tensor_bytes as raw_size_of
 
 torch = _backend.torch_module()
 
 log = logging.getLogger("managed_solve")
 
-__all__ = ["ManagedTensor", "managed", "placement_of", "torch_device"]
+__all__ = ["ManagedTensor", "hold_reservation", "managed", "placement_of", "torch_device"]
 
 _DisableSubclass = torch._C.DisableTorchFunctionSubclass
 _Tensor = torch.Tensor
@@ -196,11 +200,24 @@ def _move(x: Any, target: str, tdev: Any) -> Any:
     return x
 
 
+def _wrap(t: Any, cls: type) -> Any:
+    """``t`` as ``cls``, sharing memory and autograd history where torch allows."""
+    if t.layout == torch.strided:
+        return t.as_subclass(cls)
+    # torch cannot as_subclass sparse tensors; _make_subclass can but detaches,
+    # so a sparse result that carries autograd history stays a plain tensor.
+    if t.requires_grad:
+        return t
+    return torch.Tensor._make_subclass(cls, t, False)
+
+
 def _label(ret: Any, sim: str | None, cls: type) -> Any:
     """Wrap results as ``cls`` and record a simulated placement on CPU results."""
     if isinstance(ret, _Tensor):
         if not isinstance(ret, cls):
-            ret = ret.as_subclass(cls)
+            ret = _wrap(ret, cls)
+            if not isinstance(ret, cls):
+                return ret
         if sim is not None:
             if ret.device.type == "cpu":
                 ret._ms_sim = sim
@@ -438,8 +455,21 @@ class ManagedTensor(torch.Tensor):
             log.info("managed_solve: ManagedTensor.cuda(): no GPU is managed here; the tensor stays on %s",
                      self.placement)
             return self
-        dev = mgr.find_device(mgr.size_of(self), disperse=disperse)
-        return self.to(dev, **kw)
+        # The bytes stay reserved in the manager's ledger while the moved tensor
+        # lives, so the next .cuda(disperse=True) sees this one and goes elsewhere.
+        r = mgr.reserve(mgr.size_of(raw_size_of(self)), disperse=disperse)
+        out = self.to(r.device, **kw)
+        hold_reservation(out, r)
+        return out
+
+
+def hold_reservation(obj: Any, reservation: Any) -> None:
+    """Keep ``reservation`` until ``obj`` is garbage-collected (or released earlier)."""
+    old = obj.__dict__.get("_ms_reservation")
+    if old is not None:
+        old.release()
+    obj.__dict__["_ms_reservation"] = reservation
+    weakref.finalize(obj, reservation.release)
 
 
 def managed(tensor: Any, *, manager: DeviceManager | None = None) -> ManagedTensor:
@@ -462,7 +492,13 @@ def managed(tensor: Any, *, manager: DeviceManager | None = None) -> ManagedTens
     """
     if not isinstance(tensor, _Tensor):
         raise TypeError(f"managed(tensor=...): expected a torch.Tensor, got {type(tensor).__name__}")
-    t = tensor if isinstance(tensor, ManagedTensor) else tensor.as_subclass(ManagedTensor)
+    t = tensor if isinstance(tensor, ManagedTensor) else _wrap(tensor, ManagedTensor)
+    if not isinstance(t, ManagedTensor):
+        raise TypeError(
+            f"managed(tensor=...): a sparse ({tensor.layout}) tensor that requires grad cannot be "
+            "wrapped without losing its autograd history; use it as a plain tensor (operations "
+            "with ManagedTensors still place it, sized by its stored bytes)."
+        )
     if manager is not None:
         t._ms_manager = manager
     return t

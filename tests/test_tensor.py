@@ -1,0 +1,238 @@
+"""ManagedTensor: per-operation placement, pins, moves, autograd across devices.
+
+Placement runs on simulated GPUs here (``sim:k`` tensors live on the CPU and
+carry their placement); the same tests run on real devices on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from managed_solve.manager import DeviceManager  # noqa: E402
+from managed_solve.tensor import ManagedTensor, managed, placement_of  # noqa: E402
+
+PAIRS = [
+    pytest.param(("sim", "sim:0", "sim:1"), id="sim"),
+    pytest.param(("real", "cuda:0", "cpu"), marks=pytest.mark.gpu, id="cuda-cpu"),
+    pytest.param(("real", "cuda:0", "cuda:1"), marks=pytest.mark.multi_gpu, id="cuda-cuda"),
+]
+
+
+@pytest.fixture(params=PAIRS)
+def env(request):
+    """(manager, device A, device B, make) where make(array, device) is a ManagedTensor there."""
+    mode, a, b = request.param
+    dm = DeviceManager(simulate="2x1GiB") if mode == "sim" else DeviceManager()
+
+    def make(x, dev, requires_grad=False):
+        t = managed(torch.as_tensor(x, dtype=torch.float64), manager=dm).to(dev)
+        return t.requires_grad_() if requires_grad else t
+
+    return dm, a, b, make
+
+
+def _np(t):
+    return t.detach().as_subclass(torch.Tensor).cpu().numpy()
+
+
+def test_results_are_managed_and_plain_tensors_mix_in():
+    a = torch.arange(4.0).as_subclass(ManagedTensor)
+    out = a * 2 + torch.ones(4)
+    assert type(out) is ManagedTensor
+    np.testing.assert_array_equal(_np(out), [1.0, 3.0, 5.0, 7.0])
+    assert placement_of(torch.ones(2)) == "cpu"
+    with pytest.raises(TypeError, match=r"managed\(tensor=...\): expected a torch.Tensor, got list"):
+        managed([1.0])
+
+
+def test_mixed_device_arithmetic_runs_where_most_bytes_are(env):
+    dm, A, B, make = env
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal(8), rng.standard_normal((50, 8))
+    a, b = make(x, A), make(y, B)
+    out = a + b  # b holds most bytes: a moves to B
+    assert out.placement == B
+    np.testing.assert_allclose(_np(out), x + y)
+    assert (b[:2] * a).placement == B  # the 2-row slice still outweighs a
+    out2 = a * b[:1]  # equal bytes: the first operand's device, deterministically
+    assert out2.placement == A and (b[:1] * a).placement == B
+    np.testing.assert_allclose(_np(out2), y[:1] * x)
+    assert a.placement == A and b.placement == B  # operands never move in place
+
+
+def test_plain_tensor_operand_is_moved_like_any_other(env):
+    dm, A, B, make = env
+    w = make(np.ones((10, 10)), A)
+    x = torch.arange(10.0, dtype=torch.float64)  # a plain CPU tensor
+    out = w @ x
+    assert out.placement == A
+    np.testing.assert_allclose(_np(out), np.full(10, 45.0))
+
+
+def test_stack_and_cat_gather_operands_from_two_devices(env):
+    dm, A, B, make = env
+    rows = [np.full(3, i, dtype=float) for i in range(5)]
+    ts = [make(r, A if i < 2 else B) for i, r in enumerate(rows)]  # 3 of 5 on B
+    s = torch.stack(ts)
+    assert s.placement == B and type(s) is ManagedTensor
+    np.testing.assert_array_equal(_np(s), np.stack(rows))
+    c = torch.cat([ts[0], ts[1], ts[2]])
+    assert c.placement == A
+    np.testing.assert_array_equal(_np(c), np.concatenate(rows[:3]))
+
+
+def test_inplace_ops_write_the_original_on_its_device(env):
+    dm, A, B, make = env
+    a = make(np.zeros(4), A)
+    big = make(np.arange(400.0), B)  # would win by bytes, but a is written
+    ptr = a.data_ptr()
+    a.add_(big[:4])
+    a += big[4:8]
+    a[1:3] = big[100:102]
+    assert a.placement == A and a.data_ptr() == ptr
+    np.testing.assert_array_equal(_np(a), [4.0, 100.0, 101.0, 10.0])
+    out = make(np.zeros(4), A)
+    torch.add(big[:4], big[4:8], out=out)
+    assert out.placement == A
+    np.testing.assert_array_equal(_np(out), [4.0, 6.0, 8.0, 10.0])
+
+
+def test_indexing_with_an_index_tensor_on_another_device(env):
+    dm, A, B, make = env
+    data = make(np.arange(100.0), A)
+    idx = torch.tensor([3, 1, 4, 1, 5])  # plain CPU long tensor
+    if B != "cpu":
+        idx = managed(idx, manager=dm).to(B)
+    got = data[idx]
+    assert got.placement == A
+    np.testing.assert_array_equal(_np(got), [3.0, 1.0, 4.0, 1.0, 5.0])
+    vals, where = torch.max(data.reshape(10, 10), dim=1)  # a namedtuple result
+    assert type(vals) is ManagedTensor and vals.placement == A
+    np.testing.assert_array_equal(_np(where), np.full(10, 9))
+
+
+def test_pinned_operand_wins_over_bytes(env):
+    dm, A, B, make = env
+    small = make(np.ones(2), A).pin()
+    big = make(np.ones((100, 2)), B)
+    assert small.pinned is not None and str(small.pinned) == A
+    out = big * small
+    assert out.placement == A
+    small.unpin()
+    assert small.pinned is None
+    assert (big * small).placement == B
+
+
+def test_two_operands_pinned_to_different_devices_is_an_error_naming_both(env):
+    dm, A, B, make = env
+    a = make(np.ones(3), A).pin()
+    b = make(np.ones(3), B).pin()
+    with pytest.raises(RuntimeError, match=rf"pinned to different devices.*{A}.*{B}"):
+        a + b
+    c = make(np.zeros(3), B)
+    with pytest.raises(RuntimeError, match=rf"in-place.*pinned to {A}"):
+        c.add_(a)
+
+
+def test_pin_to_another_device_returns_a_pinned_copy(env):
+    dm, A, B, make = env
+    a = make(np.arange(3.0), A)
+    p = a.pin(B)
+    assert p is not a and p.placement == B and str(p.pinned) == B and a.pinned is None
+    np.testing.assert_array_equal(_np(p), [0.0, 1.0, 2.0])
+    assert dm.plan([p])[0].device == B  # the manager's plan respects the pin
+
+
+def test_sim_moves_fall_back_where_the_manager_finds_room():
+    dm = DeviceManager(simulate="2x1MiB", reserved=0.0)
+    a = managed(torch.ones(5000, dtype=torch.float64), manager=dm).to("sim:0")  # 40 kB
+    b = managed(torch.ones(50000, dtype=torch.float64), manager=dm).to("sim:1")  # 400 kB
+    sim1 = dm.get_device("sim:1")
+    assert (a + b[:5000]).placement == "sim:0"
+    assert (b + a.repeat(10)).placement == "sim:1"  # repeat result is on sim:0, b wins by bytes
+    sim1.sim_used_bytes = sim1.total_bytes - 1000  # sim:1 full: a's 40 kB cannot move there
+    assert (b + a.repeat(10)).placement == "sim:0"
+
+
+def test_sparse_operand_is_sized_by_stored_bytes():
+    dm = DeviceManager(simulate="2x1GiB")
+    i = torch.tensor([[0, 5, 900], [1, 7, 3]])
+    S = torch.sparse_coo_tensor(i, torch.ones(3, dtype=torch.float64), (2000, 2000))
+    S = managed(S, manager=dm).to("sim:0")  # 32 MB dense shape, 72 stored bytes
+    d = managed(torch.ones(2000, 4, dtype=torch.float64), manager=dm).to("sim:1")  # 64 kB
+    out = torch.sparse.mm(S, d)
+    assert out.placement == "sim:1"
+    np.testing.assert_array_equal(_np(out)[[0, 5, 900]], np.ones((3, 4)))
+
+
+def test_to_cuda_cpu_obey_and_keep_values(env):
+    dm, A, B, make = env
+    a = make(np.arange(3.0), A)
+    assert a.to(B).placement == B and a.cuda(A).placement == A
+    c = a.cpu()
+    assert c.placement == "cpu" and c.device.type == "cpu"
+    np.testing.assert_array_equal(_np(c), [0.0, 1.0, 2.0])
+    assert a.to(torch.float32).placement == A  # a dtype change keeps the placement
+    assert a.managed_device == dm.get_device(A)
+
+
+def test_cuda_disperse_spreads_over_simulated_gpus():
+    dm = DeviceManager(simulate="2x1GiB")
+    ts = [managed(torch.zeros(1 << 17), manager=dm).cuda(disperse=True) for _ in range(4)]
+    assert [t.placement for t in ts] == ["sim:0", "sim:1", "sim:0", "sim:1"]
+    assert dm.reserved_bytes("sim:0") >= 2 * (1 << 19)  # held while the tensors live
+    del ts
+    import gc
+
+    gc.collect()
+    assert dm.reserved_bytes("sim:0") == 0 and dm.reserved_bytes("sim:1") == 0
+    pinned = managed(torch.zeros(4), manager=dm).pin("sim:1")
+    assert pinned.cuda().placement == "sim:1"
+
+
+def test_cuda_without_gpu_stays_on_cpu_with_one_log_line(caplog):
+    dm = DeviceManager(devices=["cpu"])
+    t = managed(torch.arange(3.0), manager=dm)
+    with caplog.at_level(logging.INFO, logger="managed_solve"):
+        out = t.cuda(disperse=True)
+    assert out.placement == "cpu" and out.device.type == "cpu"
+    lines = [r for r in caplog.records if "no GPU" in r.getMessage()]
+    assert len(lines) == 1 and "ManagedTensor.cuda()" in lines[0].getMessage()
+
+
+def test_autograd_across_devices_matches_single_device_reference(env):
+    dm, A, B, make = env
+    rng = np.random.default_rng(1)
+    xw, yw = rng.standard_normal((6, 4)), rng.standard_normal((4, 3))
+    x, w = make(xw, A, requires_grad=True), make(yw, B, requires_grad=True)
+    loss = torch.tanh(x @ w).pow(2).sum() + (x.sum(dim=1, keepdim=True) * w.sum()).mean()
+    loss.backward()
+    rx = torch.tensor(xw, requires_grad=True)
+    rw = torch.tensor(yw, requires_grad=True)
+    ref = torch.tanh(rx @ rw).pow(2).sum() + (rx.sum(dim=1, keepdim=True) * rw.sum()).mean()
+    ref.backward()
+    np.testing.assert_allclose(float(loss), float(ref), rtol=1e-12)
+    np.testing.assert_allclose(_np(x.grad), rx.grad.numpy(), rtol=1e-12)
+    np.testing.assert_allclose(_np(w.grad), rw.grad.numpy(), rtol=1e-12)
+    assert x.grad.placement == A and w.grad.placement == B  # gradients on each leaf's device
+
+
+def test_ops_from_threads_place_consistently():
+    from concurrent.futures import ThreadPoolExecutor
+
+    dm = DeviceManager(simulate="2x1GiB")
+    big = managed(torch.ones(1000, dtype=torch.float64), manager=dm).to("sim:1")
+
+    def work(i):
+        small = managed(torch.full((10,), float(i), dtype=torch.float64), manager=dm).to("sim:0")
+        out = big[:10] + small
+        return out.placement, float(out.sum())
+
+    with ThreadPoolExecutor(4) as pool:
+        res = list(pool.map(work, range(16)))
+    assert res == [("sim:1", 10.0 * (1 + i)) for i in range(16)]
