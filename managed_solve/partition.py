@@ -1,0 +1,354 @@
+"""Row partitioning and halo maps for one sparse system sharded over several devices.
+
+Pure host code (NumPy/SciPy), no devices: :mod:`managed_solve.sharded` turns a
+:class:`Partition` into arrays on GPUs (or simulated GPUs). The layout follows
+the classic distributed-CSR split (PETSc's MPIAIJ, Trilinos' Tpetra maps):
+
+* an optional bandwidth-reducing reordering (reverse Cuthill-McKee) first, so
+  that contiguous row blocks touch few columns of other blocks;
+* contiguous row blocks balanced by stored entries (nnz), optionally in
+  proportion to per-shard weights (uneven devices);
+* inside each block, *interior* rows (all columns owned by the block) come
+  first and *boundary* rows (at least one column owned elsewhere) last, so
+  the interior product can run while the halo is in flight and the boundary
+  product writes one contiguous tail of the output;
+* local columns: the block's own rows first (``0 .. nloc-1``), then the halo
+  columns it reads from other blocks (``nloc .. nloc+nhalo-1``), grouped by
+  owner and ascending, so what one neighbour sends lands in one contiguous
+  slice of the halo.
+
+All of it composes into one permutation ``perm`` (new index -> original
+index): shard ``s`` owns ``perm[offsets[s]:offsets[s+1]]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import scipy.sparse as sp
+
+__all__ = [
+    "Partition",
+    "ShardLayout",
+    "balanced_row_blocks",
+    "build_partition",
+    "choose_shard_count",
+    "needs_sharding",
+    "rcm_permutation",
+]
+
+
+@dataclass
+class ShardLayout:
+    """What one shard holds, in its local numbering (host arrays).
+
+    Attributes
+    ----------
+    index : int
+        Shard number.
+    row_start, row_stop : int
+        Its rows in the partition's (permuted) global numbering.
+    n_interior : int
+        Local rows ``0 .. n_interior-1`` read only owned columns.
+    interior, boundary : scipy.sparse.csr_matrix
+        Rows ``[:n_interior]`` and ``[n_interior:]`` of the local block, both with
+        ``nloc + nhalo`` columns (owned columns, then halo columns).
+    halo_global : ndarray of int64
+        Global (permuted) index of each halo column, ascending.
+    recv : list of (source shard, start, stop)
+        Halo columns ``nloc+start .. nloc+stop-1`` come from that shard.
+    send : list of (destination shard, ndarray of local indices)
+        Entries of this shard's vector that destination needs, in the order it
+        stores them in its halo.
+    """
+
+    index: int
+    row_start: int
+    row_stop: int
+    n_interior: int
+    interior: sp.csr_matrix
+    boundary: sp.csr_matrix
+    halo_global: np.ndarray
+    recv: list[tuple[int, int, int]] = field(default_factory=list)
+    send: list[tuple[int, np.ndarray]] = field(default_factory=list)
+
+    @property
+    def nloc(self) -> int:
+        return self.row_stop - self.row_start
+
+    @property
+    def nhalo(self) -> int:
+        return int(self.halo_global.size)
+
+    @property
+    def nnz(self) -> int:
+        return int(self.interior.nnz + self.boundary.nnz)
+
+
+@dataclass
+class Partition:
+    """Row blocks, the composed permutation and every shard's local block and halo maps."""
+
+    n: int
+    perm: np.ndarray  # new -> original
+    offsets: np.ndarray  # (nshards + 1,) row offsets in the new numbering
+    shards: list[ShardLayout]
+    reorder: str | None
+
+    @property
+    def nshards(self) -> int:
+        return len(self.shards)
+
+    @property
+    def inverse_perm(self) -> np.ndarray:
+        """original -> new."""
+        inv = np.empty_like(self.perm)
+        inv[self.perm] = np.arange(self.perm.size, dtype=self.perm.dtype)
+        return inv
+
+    def nnz_per_shard(self) -> np.ndarray:
+        return np.array([s.nnz for s in self.shards], dtype=np.int64)
+
+    def halo_sizes(self) -> np.ndarray:
+        return np.array([s.nhalo for s in self.shards], dtype=np.int64)
+
+
+def rcm_permutation(A: sp.spmatrix) -> np.ndarray:
+    """Reverse Cuthill-McKee ordering of ``A``'s pattern (symmetrised), new -> original.
+
+    Examples
+    --------
+    >>> import scipy.sparse as sp
+    >>> A = sp.diags([1.0, 2.0, 1.0], [-1, 0, 1], shape=(5, 5)).tocsr()
+    >>> sorted(rcm_permutation(A).tolist())
+    [0, 1, 2, 3, 4]
+    """
+    from scipy.sparse.csgraph import reverse_cuthill_mckee
+
+    A = sp.csr_matrix(A)
+    pattern = A if _pattern_symmetric(A) else (abs(A) + abs(A.T)).tocsr()
+    return np.asarray(reverse_cuthill_mckee(pattern, symmetric_mode=True), dtype=np.int64)
+
+
+def _pattern_symmetric(A: sp.csr_matrix) -> bool:
+    P = A.copy()
+    P.data = np.ones_like(P.data, dtype=np.int8)
+    return (P != P.T).nnz == 0
+
+
+def balanced_row_blocks(row_nnz: np.ndarray, nparts: int,
+                        weights: Sequence[float] | None = None) -> np.ndarray:
+    """Contiguous row blocks whose stored entries follow ``weights`` (equal by default).
+
+    Parameters
+    ----------
+    row_nnz : array of int, shape (n,)
+        Stored entries of each row, in the order rows will be split.
+    nparts : int
+        Number of blocks.
+    weights : sequence of float, optional
+        Relative share of entries per block (``[1, 2]``: the second block gets
+        about twice the entries of the first).
+
+    Returns
+    -------
+    ndarray of int64, shape (nparts + 1,)
+        Row offsets; every block has at least one row.
+
+    Examples
+    --------
+    >>> balanced_row_blocks([1, 1, 1, 1, 4], 2).tolist()
+    [0, 3, 5]
+    >>> balanced_row_blocks([1] * 9, 3, weights=[1, 1, 1]).tolist()
+    [0, 3, 6, 9]
+    """
+    row_nnz = np.asarray(row_nnz, dtype=np.int64)
+    n = row_nnz.size
+    if nparts < 1 or nparts > n:
+        raise ValueError(
+            f"balanced_row_blocks(nparts={nparts}): expected 1 <= nparts <= rows ({n}); "
+            "use fewer shards for a matrix this small."
+        )
+    w = np.ones(nparts) if weights is None else np.asarray(weights, dtype=np.float64)
+    if w.shape != (nparts,) or not np.all(np.isfinite(w)) or np.any(w <= 0):
+        raise ValueError(
+            f"balanced_row_blocks(weights={weights!r}): expected {nparts} positive numbers, "
+            "one per shard, e.g. [1.0] * nshards."
+        )
+    # Weight rows by nnz + 1: an empty row still costs its vector entries, and
+    # the +1 keeps the cumulative strictly increasing so no block is empty
+    # by ties.
+    cum = np.cumsum(row_nnz + 1)
+    targets = cum[-1] * np.cumsum(w)[:-1] / w.sum()
+    cuts = np.searchsorted(cum, targets, side="left") + 1
+    # Round each cut to whichever neighbour boundary is closer to its target.
+    prev = np.where(cuts - 2 >= 0, cum[np.maximum(cuts - 2, 0)], 0)
+    closer_left = np.abs(prev - targets) < np.abs(cum[np.minimum(cuts - 1, n - 1)] - targets)
+    cuts = np.where(closer_left, cuts - 1, cuts)
+    offsets = np.concatenate([[0], cuts, [n]]).astype(np.int64)
+    # Every block gets at least one row (tiny matrices, extreme weights).
+    for i in range(1, nparts + 1):
+        offsets[i] = max(offsets[i], offsets[i - 1] + 1)
+    for i in range(nparts - 1, 0, -1):
+        offsets[i] = min(offsets[i], offsets[i + 1] - 1)
+    return offsets
+
+
+def build_partition(A: sp.spmatrix, nparts: int, *, reorder: str | None = "rcm",
+                    weights: Sequence[float] | None = None,
+                    offsets: Sequence[int] | None = None) -> Partition:
+    """Split a square sparse matrix into ``nparts`` row blocks with halo maps.
+
+    Parameters
+    ----------
+    A : scipy sparse matrix, shape (n, n)
+    nparts : int
+    reorder : {"rcm", "metis", None}
+        Bandwidth-reducing reordering before the split. ``"metis"`` needs
+        ``pymetis`` and orders rows by METIS part.
+    weights : sequence of float, optional
+        Relative nnz share per shard (see :func:`balanced_row_blocks`).
+    offsets : sequence of int, optional
+        Explicit row offsets (after reordering) instead of the nnz balance;
+        ``offsets[0] == 0`` and ``offsets[-1] == n``.
+
+    Returns
+    -------
+    Partition
+
+    Examples
+    --------
+    >>> import numpy as np, scipy.sparse as sp
+    >>> A = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(6, 6)).tocsr()
+    >>> p = build_partition(A, 2, reorder=None)
+    >>> p.offsets.tolist(), [s.nhalo for s in p.shards]
+    ([0, 3, 6], [1, 1])
+    """
+    A = sp.csr_matrix(A)
+    n = A.shape[0]
+    if A.shape[0] != A.shape[1]:
+        raise ValueError(f"build_partition(A=...): A must be square, got shape {A.shape}.")
+    if reorder == "rcm":
+        base = rcm_permutation(A)
+    elif reorder == "metis":
+        base = _metis_permutation(A, nparts)
+    elif reorder is None or reorder == "none":
+        base = np.arange(n, dtype=np.int64)
+        reorder = None
+    else:
+        raise ValueError(f"build_partition(reorder={reorder!r}): expected 'rcm', 'metis' or None.")
+
+    row_nnz = np.diff(A.indptr)[base]
+    if offsets is None:
+        offs = balanced_row_blocks(row_nnz, nparts, weights)
+    else:
+        offs = np.asarray(offsets, dtype=np.int64)
+        if (offs.shape != (nparts + 1,) or offs[0] != 0 or offs[-1] != n
+                or np.any(np.diff(offs) < 1)):
+            raise ValueError(
+                f"build_partition(offsets={list(offsets)!r}): expected {nparts + 1} increasing "
+                f"row offsets from 0 to {n} with every block non-empty."
+            )
+
+    # Which block each original row lands in, and whether a row reads a
+    # column of another block (then it is a boundary row).
+    inv_base = np.empty(n, dtype=np.int64)
+    inv_base[base] = np.arange(n, dtype=np.int64)
+    block_of_orig = np.searchsorted(offs, inv_base, side="right") - 1
+    entry_row = np.repeat(np.arange(n, dtype=np.int64), np.diff(A.indptr))
+    foreign = block_of_orig[A.indices] != block_of_orig[entry_row]
+    is_boundary = np.bincount(entry_row[foreign], minlength=n) > 0
+
+    # Interior rows first inside each block (stable, so RCM order is kept).
+    pieces = []
+    for s in range(nparts):
+        rows = base[offs[s]:offs[s + 1]]
+        bnd = is_boundary[rows]
+        pieces.append(np.concatenate([rows[~bnd], rows[bnd]]))
+    perm = np.concatenate(pieces)
+    inv = np.empty(n, dtype=np.int64)
+    inv[perm] = np.arange(n, dtype=np.int64)
+
+    shards = []
+    for s in range(nparts):
+        lo, hi = int(offs[s]), int(offs[s + 1])
+        nloc = hi - lo
+        sub = A[perm[lo:hi]]  # scipy's C++ row gather
+        cols = inv[sub.indices]
+        owned = (cols >= lo) & (cols < hi)
+        halo = np.unique(cols[~owned])
+        local = np.where(owned, cols - lo, nloc + np.searchsorted(halo, cols))
+        block = sp.csr_matrix((sub.data, local, sub.indptr), shape=(nloc, nloc + halo.size))
+        block.sort_indices()
+        n_int = int(np.count_nonzero(~is_boundary[perm[lo:hi]]))
+        recv = []
+        owner = np.searchsorted(offs, halo, side="right") - 1
+        for t in np.unique(owner):
+            idx = np.flatnonzero(owner == t)
+            recv.append((int(t), int(idx[0]), int(idx[-1]) + 1))
+        shards.append(ShardLayout(s, lo, hi, n_int, block[:n_int], block[n_int:], halo, recv))
+    for s, lay in enumerate(shards):
+        for t, a, b in lay.recv:
+            shards[t].send.append((s, lay.halo_global[a:b] - offs[t]))
+    return Partition(n, perm, offs, shards, reorder)
+
+
+def _metis_permutation(A: sp.csr_matrix, nparts: int) -> np.ndarray:
+    try:
+        import pymetis
+    except ImportError as exc:
+        raise ModuleNotFoundError(
+            "build_partition(reorder='metis') needs pymetis (pip install pymetis); "
+            "reorder='rcm' needs nothing extra."
+        ) from exc
+    P = (abs(A) + abs(A.T)).tocsr()
+    P.setdiag(0)
+    P.eliminate_zeros()
+    _, parts = pymetis.part_graph(nparts, xadj=P.indptr, adjncy=P.indices)
+    return np.argsort(np.asarray(parts), kind="stable").astype(np.int64)
+
+
+# ---------------------------------------------------------------- sharding decision
+def needs_sharding(nbytes: int, available: Sequence[int]) -> bool:
+    """True when a system of ``nbytes`` fits on no single device but could on several.
+
+    Parameters
+    ----------
+    nbytes : int
+        Predicted device bytes of the whole solve (matrix, vectors, workspace).
+    available : sequence of int
+        Bytes each accelerator can take now (``DeviceManager.available_bytes``).
+
+    Examples
+    --------
+    >>> needs_sharding(3 << 30, [2 << 30, 2 << 30])
+    True
+    >>> needs_sharding(1 << 30, [2 << 30, 2 << 30])
+    False
+    """
+    return len(available) >= 2 and choose_shard_count(nbytes, available) > 1
+
+
+def choose_shard_count(nbytes: int, available: Sequence[int], *,
+                       halo_margin: float = 0.05) -> int:
+    """Fewest devices (largest first) whose free bytes hold ``nbytes``; 0 when none do.
+
+    ``halo_margin`` adds a share of each shard for halo buffers, send buffers
+    and per-shard workspace (a few percent for banded PDE matrices).
+
+    Examples
+    --------
+    >>> choose_shard_count(5 << 30, [4 << 30, 4 << 30, 4 << 30])
+    2
+    >>> choose_shard_count(50 << 30, [4 << 30])
+    0
+    """
+    avail = sorted((int(a) for a in available), reverse=True)
+    for k in range(1, len(avail) + 1):
+        # Shards are balanced by weight = free bytes, so every one of the k
+        # devices fills to the same fraction of its free bytes.
+        if nbytes * (1.0 + (halo_margin if k > 1 else 0.0)) <= sum(avail[:k]):
+            return k
+    return 0
