@@ -1,0 +1,371 @@
+"""solve(): one linear system on one device, with a SciPy-like call.
+
+The flow: validate once (:class:`~managed_solve.system.LinearSystem`), choose
+the device (the caller's, the GPU the arrays already lie on, or the
+DeviceManager's choice with the bytes reserved for the solve), choose the
+method, run it there, check the true residual, and learn the measured time
+for the next placement.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from . import _backend
+from .devices import Device, parse_device_name
+from .result import SolveResult, Status
+from .solvers import _common
+from .solvers.bicgstab import bicgstab, bicgstab_fused
+from .solvers.cg import cg, cg_fused
+from .solvers.direct import direct
+from .solvers.gmres import gmres
+from .solvers.minres import minres
+from .solvers.preconditioners import make_preconditioner
+from .system import LinearSystem
+
+log = logging.getLogger("managed_solve")
+
+# method="auto" picks the direct solver on the CPU up to this many unknowns
+# for 2D-like sparsity (at most _DIRECT_MAX_ROW_NNZ entries a row). Measured
+# 2026-11-22 on the 2-core development machine (shared, so +-30%), 2D
+# 5-point Poisson, b = ones, float64, rtol 1e-8, SuperLU (MMD_AT_PLUS_A) vs
+# the fused batched CG and the generic CG:
+#   n =  2,500: direct 0.014 s, CG 0.011-0.012 s (93 iterations)
+#   n = 10,000: direct 0.039 s, CG 0.017-0.065 s (187)
+#   n = 40,000: direct 0.25 s,  CG 1.2-1.5 s (369)
+#   n = 90,000: direct 0.57 s,  CG 7.6-12 s (550)
+# Direct wins from about 10k up to 90k and beyond; 100k is where we stop
+# trusting it: 3D problems (more fill) are excluded by the row-length test,
+# and SuperLU's memory grows faster than CG's five vectors.
+DIRECT_MAX_N = 100_000
+_DIRECT_MAX_ROW_NNZ = 12
+# Dense matrices: LAPACK's LU beats any Krylov method at these sizes.
+DIRECT_MAX_DENSE_N = 4_000
+# Extra Krylov restarts from the current x when the recurrence residual met
+# the tolerance but the true residual did not (drift, mostly in float32).
+_REFINEMENTS = 2
+
+
+def solve(A_or_system: Any, b: Any = None, *, x0: Any = None, rtol: float = 1e-8,
+          atol: float = 0.0, maxiter: int | None = None, method: str = "auto", M: Any = None,
+          callback: Callable[[Any], None] | None = None, device: Any = None,
+          dtype: Any = None, manager: Any = None) -> SolveResult:
+    """Solve one sparse (or dense, or operator) linear system ``A x = b``.
+
+    Parameters
+    ----------
+    A_or_system : matrix, operator or LinearSystem
+        SciPy or cupyx sparse, torch sparse CSR/COO, dense NumPy/CuPy/torch,
+        an object with ``shape`` and ``matvec``, or a :class:`LinearSystem`
+        (then ``b`` is omitted and the system's own options are used, except
+        those given here with a non-default value).
+    b : array, shape (n,)
+        NumPy, CuPy or torch. Torch tensors are used through DLPack, without
+        copies.
+    x0 : array, optional
+        Initial guess.
+    rtol, atol : float
+        Converged when ``||b - A x|| <= max(rtol * ||b||, atol)``, checked on
+        the true residual at the end.
+    maxiter : int, optional
+        Iteration limit (for gmres: total inner iterations); default ``10 * n``.
+    method : {"auto", "cg", "bicgstab", "gmres", "minres", "direct"}
+        ``"auto"``: the direct solver for small 2D-like sparse systems on the
+        CPU (n <= 100,000) and dense ones (n <= 4,000); else CG for a symmetric
+        matrix with a positive diagonal, MINRES for another symmetric one,
+        BiCGStab otherwise (also for operators, whose symmetry is unknown).
+    M : {"jacobi", "chebyshev", "neumann"}, operator or callable, optional
+        Preconditioner (an approximation of ``A^-1``).
+    callback : callable, optional
+        ``callback(xk)`` after each iteration (gmres: each restart cycle;
+        direct: once). A callback moves a CSR solve off the fused batched
+        path, which has no per-iteration hook, to the generic one.
+    device : str or Device, optional
+        ``"cpu"``, ``"cuda:1"``, ``"sim:0"`` (a simulated GPU: runs on the
+        CPU backend). None: inputs already on a GPU stay there; host inputs
+        go where the DeviceManager places them, with ``nbytes +
+        workspace_bytes(method)`` reserved for the duration of the solve.
+    dtype : {float32, float64}, optional
+        Precision of the solve (default: float32 only when A and b are).
+    manager : DeviceManager, optional
+        Default: ``managed_solve.device_manager``.
+
+    Returns
+    -------
+    SolveResult
+        ``x`` on the device it was solved on, ``status``, ``iterations``,
+        ``residual_norm`` (true residual), ``device``, ``seconds``,
+        ``method``. Not converging is a status, not an exception.
+
+    Raises
+    ------
+    ValueError, TypeError
+        Invalid input (shapes, NaN/Inf, dtypes, options), naming the argument.
+    RuntimeError
+        A device named in ``device`` cannot be used.
+
+    See Also
+    --------
+    scipy.sparse.linalg.cg, scipy.sparse.linalg.gmres : the argument names used.
+    managed_solve.solve_many : many systems, batched over every GPU.
+
+    Examples
+    --------
+    >>> import numpy as np, scipy.sparse as sp
+    >>> from managed_solve.solve import solve
+    >>> A = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(100, 100)).tocsr()
+    >>> res = solve(A, np.ones(100), method="cg", device="cpu")
+    >>> res.converged, res.device, res.relative_residual < 1e-8
+    (True, 'cpu', True)
+    """
+    system = _as_system(A_or_system, b, x0=x0, rtol=rtol, atol=atol, maxiter=maxiter,
+                        method=method, M=M, dtype=dtype)
+    from .manager import default_manager  # the manager sits below; default made on demand
+
+    mgr = manager if manager is not None else default_manager()
+    on_gpu = system.device.startswith("cuda")
+
+    if device is not None:
+        dev = _named_device(device, mgr)
+    elif on_gpu:
+        dev = _named_device(system.device, mgr)
+    else:
+        dev = None
+
+    # The method decides the workspace; "auto" on a device still unknown is
+    # resolved as for an accelerator (no direct), then again once placed.
+    symmetric = _is_symmetric(system) if system.method in ("auto", "direct") else None
+    planned = _choose_method(system, dev.kind if dev is not None else "cuda", symmetric)
+    nbytes = system.nbytes + system.workspace_bytes(planned)
+    reservation = _reserve(mgr, nbytes, dev, system, planned)
+    try:
+        if dev is None:
+            dev = reservation.device
+        system = _move(system, dev)
+        chosen = _choose_method(system, dev.kind, symmetric)
+        return _run(system, chosen, symmetric, dev, callback, mgr, reservation)
+    finally:
+        if reservation is not None:
+            reservation.release()
+
+
+# ---------------------------------------------------------------------- set-up
+
+def _as_system(A: Any, b: Any, **opts: Any) -> LinearSystem:
+    if isinstance(A, LinearSystem):
+        if b is not None:
+            raise ValueError(
+                "solve(system, b): a LinearSystem already holds b; call solve(system) or "
+                "solve(A, b)."
+            )
+        defaults = {"x0": None, "rtol": 1e-8, "atol": 0.0, "maxiter": None, "method": "auto",
+                    "M": None, "dtype": None}
+        changed = {k: v for k, v in opts.items() if v is not defaults[k] and v != defaults[k]}
+        if not changed:
+            return A
+        kw = {"x0": A.x0, "rtol": A.rtol, "atol": A.atol, "maxiter": A.maxiter,
+              "method": A.method, "M": A.M, "dtype": A.dtype}
+        kw.update(changed)
+        return LinearSystem(A.A, A.b, name=A.name, **kw)
+    if b is None:
+        raise TypeError("solve(A, b=None): b is missing; pass the right-hand side, "
+                        "or a LinearSystem as the only argument.")
+    return LinearSystem(A, b, **opts)
+
+
+def _named_device(device: Any, mgr: Any) -> Device:
+    if isinstance(device, Device):
+        return device
+    kind, idx = parse_device_name(str(device), what="solve(device=...)")
+    try:
+        return mgr.get_device(device)
+    except ValueError:
+        pass
+    if kind == "cuda":
+        n, why = _backend.cuda_probe()
+        if idx >= n:
+            raise RuntimeError(
+                f"solve(device={device!r}): no such CUDA GPU here ({n} usable"
+                f"{'; ' + why if why else ''}). Use device='cpu' or device=None."
+            )
+        from .devices import discover_cuda
+
+        for d in discover_cuda()[0]:
+            if d.index == idx:
+                return d
+    if kind == "cpu":
+        from .devices import cpu_device
+
+        return cpu_device()
+    raise RuntimeError(f"solve(device={device!r}): the manager has no such device "
+                       f"({', '.join(str(d) for d in mgr.devices)}); pass manager=... or "
+                       "device=None.")
+
+
+def _reserve(mgr: Any, nbytes: int, dev: Device | None, system: LinearSystem, method: str):
+    sig = (*system.signature[:3], method, system.kind)
+    if dev is None:
+        return mgr.reserve(nbytes, disperse=True, signature=sig, obj=system)
+    try:
+        return mgr.reserve(nbytes, dev, signature=sig)
+    except ValueError:  # a device this manager does not manage: run unreserved
+        return None
+    except MemoryError as exc:  # the caller asked for this device: obey, but say so
+        log.warning("managed_solve: solve(device=%s) runs beyond the ledger: %s", dev, exc)
+        return None
+
+
+def _move(system: LinearSystem, dev: Device) -> LinearSystem:
+    if dev.kind == "cuda":
+        if system.device != str(dev):
+            system = system.to(str(dev))
+        return system
+    return system if system.device == "cpu" else system.to("cpu")
+
+
+def _is_symmetric(system: LinearSystem) -> bool | None:
+    if system.kind == "csr":
+        return system.is_symmetric_hint
+    if system.kind == "dense":
+        xp = _backend.array_module(system.A)
+        A = system.A
+        scale = float(xp.abs(A).max())  # sync: once, choosing the method
+        return bool(xp.abs(A - A.T).max() <= 1e-12 * max(scale, 1.0))  # sync: once
+    return None
+
+
+def _choose_method(system: LinearSystem, device_kind: str, symmetric: bool | None) -> str:
+    """The method for ``method="auto"`` on a device of ``device_kind``; the given one otherwise."""
+    method = system.method
+    if method != "auto":
+        return method
+    host = device_kind in ("cpu", "sim")
+    if host and system.kind == "csr" and system.n <= DIRECT_MAX_N \
+            and system.nnz <= _DIRECT_MAX_ROW_NNZ * system.n:
+        return "direct"
+    if host and system.kind == "dense" and system.n <= DIRECT_MAX_DENSE_N:
+        return "direct"
+    if symmetric:
+        diag = system.A.diagonal()
+        positive = bool((diag > 0).all())  # sync: once, choosing the method
+        return "cg" if positive else "minres"
+    return "bicgstab"
+
+
+# ---------------------------------------------------------------------- running
+
+def _run(system: LinearSystem, method: str, symmetric: bool | None, dev: Device,
+         callback: Any, mgr: Any, reservation: Any) -> SolveResult:
+    A, b = system.A, system.b
+    xp = _backend.array_module(b)
+    b_norm = float(_common.norm(xp, b))  # sync: once, for the result
+    tol = _common.stop_threshold(system.rtol, system.atol, b_norm)
+    maxiter = system.maxiter if system.maxiter is not None else _common.default_maxiter(system.n)
+    t0 = time.perf_counter()
+    try:
+        dev.check_fault(system.nbytes)
+        with dev.context():
+            out = _dispatch(system, method, symmetric, callback, maxiter)
+            if method != "direct":
+                out = _refine(system, method, callback, out, tol, maxiter)
+            _backend.synchronize() if dev.kind == "cuda" else None
+    except MemoryError as exc:  # SimulatedOutOfMemory, cupy's OutOfMemoryError
+        seconds = time.perf_counter() - t0
+        return SolveResult(None, Status.DEVICE_ERROR, 0, float("nan"), b_norm, str(dev), seconds,
+                           method, f"out of memory on {dev}: {exc}. Free memory there or let the "
+                           "manager choose (device=None).", system.name)
+    seconds = time.perf_counter() - t0
+
+    x = out.x
+    if x is not None:
+        residual = _common.true_residual_norm(A, b, x)
+    else:
+        residual = out.residual_norm
+    status, message = _status(out, method, residual, tol, system)
+    if mgr is not None and reservation is not None:
+        cost = float(system.nbytes + system.workspace_bytes(method)) * max(out.iterations, 1)
+        mgr.record((*system.signature[:3], method, system.kind), seconds,
+                   peak_bytes=system.nbytes + system.workspace_bytes(method), device=dev, cost=cost)
+    info = dict(out.info)
+    info.setdefault("path", "generic" if method != "direct" else "direct")
+    info["host_syncs"] = out.host_syncs
+    return SolveResult(x, status, out.iterations, residual, b_norm, str(dev), seconds, method,
+                       message, system.name, info)
+
+
+def _status(out: _common.Outcome, method: str, residual: float, tol: float,
+            system: LinearSystem) -> tuple[Status, str]:
+    if out.code == _common.BREAKDOWN:
+        return Status.BREAKDOWN, out.message or Status.BREAKDOWN.message
+    if out.code == _common.MAXITER:
+        return Status.MAXITER, (f"{method}: {out.iterations} iterations did not reach the "
+                                f"tolerance (||b - A x|| = {residual:.3g} > {tol:.3g}); raise "
+                                "maxiter, loosen rtol, or add a preconditioner (M='jacobi').")
+    if method == "direct":
+        return Status.CONVERGED, f"solved by {out.info.get('factorisation', 'LU')}"
+    if not residual <= tol * (1 + 1e-6):
+        return Status.MAXITER, (
+            f"{method}: the recurrence met the tolerance but the true residual "
+            f"||b - A x|| = {residual:.3g} exceeds {tol:.3g} after {_REFINEMENTS} restarts; "
+            f"{system.dtype} may not resolve rtol={system.rtol:g} (use dtype='float64' or a "
+            "looser rtol).")
+    return Status.CONVERGED, f"{method}: converged in {out.iterations} iterations"
+
+
+def _fused_ok(system: LinearSystem, method: str, callback: Any) -> bool:
+    """The batched fused core applies: CSR, CG/BiCGStab, no or Jacobi preconditioner, no callback."""
+    if system.kind != "csr" or method not in ("cg", "bicgstab") or callback is not None:
+        return False
+    if system.M not in (None, "jacobi"):
+        return False
+    try:
+        from .solvers import batched  # noqa: F401
+    except ImportError:  # the fused core is an optional part during development
+        log.info("managed_solve: the batched core is not importable; using the generic %s", method)
+        return False
+    return True
+
+
+def _dispatch(system: LinearSystem, method: str, symmetric: bool | None, callback: Any,
+              maxiter: int, x0: Any = None) -> _common.Outcome:
+    A, b = system.A, system.b
+    x0 = system.x0 if x0 is None else x0
+    if method == "direct":
+        if system.kind == "operator":
+            raise ValueError("solve(method='direct'): A is an operator without entries; use "
+                             "method='gmres' or pass A as a sparse matrix.")
+        out = direct(A, b, symmetric=symmetric)
+        if callback is not None and out.x is not None:
+            callback(out.x)
+        return out
+    if _fused_ok(system, method, callback):
+        fused = cg_fused if method == "cg" else bicgstab_fused
+        return fused(A, b, x0=x0, rtol=system.rtol, atol=system.atol, maxiter=maxiter,
+                     jacobi=system.M == "jacobi")
+    M = make_preconditioner(system.M, A)
+    solver = {"cg": cg, "bicgstab": bicgstab, "gmres": gmres, "minres": minres}[method]
+    return solver(A, b, x0=x0, rtol=system.rtol, atol=system.atol, maxiter=maxiter, M=M,
+                  callback=callback)
+
+
+def _refine(system: LinearSystem, method: str, callback: Any, out: _common.Outcome,
+            tol: float, maxiter: int) -> _common.Outcome:
+    """Restart from x while the recurrence converged but the true residual did not."""
+    total, syncs = out.iterations, out.host_syncs
+    for _ in range(_REFINEMENTS):
+        if out.code != _common.CONVERGED or out.x is None:
+            break
+        if _common.true_residual_norm(system.A, system.b, out.x) <= tol:
+            break
+        left = maxiter - total
+        if left <= 0:
+            break
+        nxt = _dispatch(system, method, None, callback, left, x0=out.x)
+        total += nxt.iterations
+        syncs += nxt.host_syncs
+        out = nxt
+    out.iterations, out.host_syncs = total, syncs
+    return out

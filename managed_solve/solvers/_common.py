@@ -1,0 +1,119 @@
+"""Shared pieces of the single-system solvers: operators, norms, the stopping rule, outcomes.
+
+Every generic solver (``cg``, ``bicgstab``, ``gmres``, ``minres``) works on
+``xp`` arrays through :func:`as_matvec` and returns an :class:`Outcome`;
+``solve()`` turns that into a :class:`~managed_solve.result.SolveResult`
+after checking the true residual.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .. import _backend
+
+# Status codes shared with the batched core's BatchOutcome.status.
+CONVERGED, MAXITER, BREAKDOWN = 0, 1, 2
+
+# How often a generic solver reads its residual on the host when xp is CuPy:
+# each read is a device synchronisation (about 10-20 us plus the launch
+# queue draining), so reading every 8 iterations keeps the loop launch-bound
+# instead of sync-bound while overshooting convergence by at most 7 iterations.
+GPU_CHECK_EVERY = 8
+
+
+@dataclass
+class Outcome:
+    """What a solver loop reports (host values only, except ``x``)."""
+
+    x: Any
+    code: int
+    iterations: int
+    residual_norm: float  # the solver's own (recurrence or estimated) residual norm
+    message: str = ""
+    host_syncs: int = 0
+    info: dict = field(default_factory=dict)
+
+
+def default_maxiter(n: int) -> int:
+    """SciPy's default for CG-like methods: ``10 * n``, and at least 100."""
+    return max(100, 10 * int(n))
+
+
+def checkpoint_interval(xp: Any, requested: int | None = None) -> int:
+    """Iterations between host reads of the residual: 1 on NumPy (a read is free)."""
+    if requested is not None:
+        if int(requested) < 1:
+            raise ValueError(f"check_every={requested!r}: expected a positive integer, e.g. 8")
+        return int(requested)
+    return 1 if xp is np else GPU_CHECK_EVERY
+
+
+def stop_threshold(rtol: float, atol: float, b_norm: float) -> float:
+    """SciPy's rule: converged when ``||r|| <= max(rtol * ||b||, atol)``."""
+    return max(float(rtol) * float(b_norm), float(atol))
+
+
+def norm(xp: Any, v: Any) -> Any:
+    """2-norm as a 0-d array on v's device (no host read)."""
+    return xp.sqrt(xp.dot(v, v))
+
+
+def safe_div(xp: Any, num: Any, den: Any) -> Any:
+    """``num / den`` where ``den != 0``, else 0, on the device.
+
+    Loops that read the residual only every few iterations keep iterating past
+    convergence; when the residual is exactly zero the textbook update divides
+    0 by 0. Freezing the update to 0 keeps the iterate instead of turning it
+    into NaN.
+    """
+    nz = den != 0
+    return xp.where(nz, num / xp.where(nz, den, 1), 0)
+
+
+def as_matvec(A: Any) -> Callable[[Any], Any]:
+    """``v -> A @ v`` for a sparse matrix, a dense array or an operator with ``matvec``."""
+    if hasattr(A, "matvec"):
+        return A.matvec
+    return lambda v: A @ v
+
+
+def as_preconditioner(M: Any) -> Callable[[Any], Any] | None:
+    """``r -> M r`` for an operator (``matvec``), a matrix or a callable; None stays None."""
+    if M is None:
+        return None
+    if hasattr(M, "matvec"):
+        return M.matvec
+    if hasattr(M, "shape") and hasattr(M, "__matmul__"):
+        return lambda v: M @ v
+    if callable(M):
+        return M
+    raise TypeError(
+        f"M is a {type(M).__name__}; expected 'jacobi', 'chebyshev', 'neumann', an object with "
+        "matvec, a matrix, or a callable r -> M r."
+    )
+
+
+def true_residual_norm(A: Any, b: Any, x: Any) -> float:
+    """``||b - A x||`` computed from scratch (not the recurrence), read on the host."""
+    xp = _backend.array_module(b, x)
+    r = b - as_matvec(A)(x)
+    return float(norm(xp, r))  # sync: one host read per solve
+
+
+def first_below(history: Any, tol: float) -> int | None:
+    """Index of the first entry of a host array at or below ``tol`` (None if none)."""
+    hits = np.flatnonzero(np.asarray(history) <= tol)
+    return int(hits[0]) if hits.size else None
+
+
+def outcome_from_batch(out: Any, breakdown_message: str) -> Outcome:
+    """An :class:`Outcome` from the batched core's ``BatchOutcome`` of one system."""
+    code = int(out.status[0])
+    msg = breakdown_message if code == BREAKDOWN else ""
+    return Outcome(out.x, code, int(out.iterations[0]), float(out.residual_norms[0]), msg,
+                   host_syncs=int(out.host_syncs), info={"path": "batched"})

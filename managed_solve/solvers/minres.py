@@ -1,0 +1,165 @@
+"""MINRES for symmetric (possibly indefinite) systems, written once for NumPy and CuPy.
+
+The Lanczos recurrence with Givens rotations of Paige and Saunders (1975).
+Every scalar of the recurrence stays a 0-d array on the device, so the loop
+reads the host only at checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .. import _backend
+from ._common import (
+    BREAKDOWN,
+    CONVERGED,
+    MAXITER,
+    Outcome,
+    as_matvec,
+    checkpoint_interval,
+    default_maxiter,
+    first_below,
+    norm,
+    safe_div,
+    stop_threshold,
+)
+
+
+def minres(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 0.0,
+           maxiter: int | None = None, M: Callable[[Any], Any] | None = None,
+           callback: Callable[[Any], None] | None = None,
+           check_every: int | None = None) -> Outcome:
+    """Preconditioned MINRES for a symmetric A (definite or not) and an SPD M.
+
+    Parameters
+    ----------
+    A : sparse matrix, dense array or operator with ``matvec``
+        Symmetric.
+    b : array, shape (n,)
+    x0 : array, optional
+    rtol, atol : float
+        Stops when the recurrence's residual estimate is at most
+        ``max(rtol * ||b||, atol)``. Unlike SciPy's minres, which scales its
+        test by an estimate of ``||A|| ||x||``, this is the same rule as the
+        other methods. With a preconditioner the estimate is the ``M``-norm of
+        the residual; ``solve()`` checks the true residual afterwards.
+    maxiter : int, optional
+        Default ``10 * n`` (at least 100).
+    M : callable, optional
+        Symmetric positive definite preconditioner ``r -> M r``.
+    callback : callable, optional
+        ``callback(xk)`` after every iteration.
+    check_every : int, optional
+        Iterations between host reads (1 on NumPy, 8 on CuPy).
+
+    Returns
+    -------
+    Outcome
+
+    See Also
+    --------
+    scipy.sparse.linalg.minres : the same method and argument names.
+    managed_solve.solve : the public entry point (``method="minres"``).
+
+    Examples
+    --------
+    >>> import numpy as np, scipy.sparse as sp
+    >>> from managed_solve.solvers.minres import minres
+    >>> A = sp.diags(np.linspace(-2.0, 2.0, 41) + 0.05).tocsr()  # indefinite
+    >>> out = minres(A, np.ones(41), rtol=1e-10)
+    >>> out.code, bool(np.linalg.norm(np.ones(41) - A @ out.x) < 1e-8)
+    (0, True)
+    """
+    xp = _backend.array_module(b)
+    n = b.shape[0]
+    maxiter = default_maxiter(n) if maxiter is None else int(maxiter)
+    every = checkpoint_interval(xp, check_every)
+    matvec = as_matvec(A)
+    precond = M if M is not None else (lambda v: v)
+    syncs = 0
+
+    b_norm = float(norm(xp, b))  # sync: the stopping threshold needs ||b|| once
+    syncs += 1
+    tol = stop_threshold(rtol, atol, b_norm)
+    if x0 is None:
+        x = xp.zeros_like(b)
+        r1 = b.copy()
+    else:
+        x = x0.astype(b.dtype, copy=True)
+        r1 = b - matvec(x)
+    y = precond(r1)
+    beta1_sq = float(xp.dot(r1, y))  # sync: checks M once before the loop
+    syncs += 1
+    if beta1_sq < 0:
+        raise ValueError(
+            "minres(M=...): the preconditioner is not positive definite (r.M r < 0); "
+            "MINRES needs a symmetric positive definite M. Use M='jacobi' on a matrix with a "
+            "positive diagonal, or no preconditioner."
+        )
+    r0 = float(norm(xp, r1))  # sync: an initial guess may already solve the system
+    if r0 <= tol or beta1_sq == 0:
+        return Outcome(x, CONVERGED, 0, r0, host_syncs=syncs)
+
+    dt = b.dtype
+    one = xp.ones((), dtype=dt)
+    zero = xp.zeros((), dtype=dt)
+    beta = xp.sqrt(xp.asarray(beta1_sq, dtype=dt))
+    oldb, dbar, epsln = zero, zero, zero
+    phibar = beta
+    cs, sn = -one, zero
+    w = xp.zeros_like(b)
+    w2 = xp.zeros_like(b)
+    r2 = r1
+    hist = xp.empty(every, dtype=xp.float64)
+    bad = xp.zeros((), dtype=bool)
+    start = 1
+    for it in range(1, maxiter + 1):
+        v = y * safe_div(xp, one, beta)
+        y = matvec(v)
+        if it >= 2:
+            y -= safe_div(xp, beta, oldb) * r1
+        alfa = xp.dot(v, y)
+        y -= safe_div(xp, alfa, beta) * r2
+        r1, r2 = r2, y
+        y = precond(r2)
+        oldb = beta
+        beta_sq = xp.dot(r2, y)
+        bad = bad | (beta_sq < 0)  # M not positive definite on this vector
+        beta = xp.sqrt(xp.maximum(beta_sq, 0))
+        # Apply the previous rotation, then make the one that zeroes beta.
+        oldeps = epsln
+        delta = cs * dbar + sn * alfa
+        gbar = sn * dbar - cs * alfa
+        epsln = sn * beta
+        dbar = -cs * beta
+        gamma = xp.sqrt(gbar * gbar + beta * beta)
+        cs = safe_div(xp, gbar, gamma)
+        sn = safe_div(xp, beta, gamma)
+        phi = cs * phibar
+        phibar = sn * phibar
+        w1, w2 = w2, w
+        w = (v - oldeps * w1 - delta * w2) * safe_div(xp, one, gamma)
+        x += phi * w
+        hist[it - start] = xp.abs(phibar)
+        if callback is not None:
+            callback(x)
+        if it - start + 1 == every or it == maxiter:
+            # sync: reads the residual-estimate history and the flag on the host
+            h = _backend.to_host(hist[: it - start + 1])
+            broke = bool(bad)
+            syncs += 1
+            k = first_below(h, tol)
+            if broke:
+                return Outcome(x, BREAKDOWN, it, float(h[-1]),
+                               "MINRES: the preconditioner M is not positive definite; use an SPD "
+                               "M or none.", host_syncs=syncs)
+            if k is not None:
+                return Outcome(x, CONVERGED, it, float(h[k]), host_syncs=syncs,
+                               info={"converged_at": start + k})
+            if not (h[-1] == h[-1]):
+                return Outcome(x, BREAKDOWN, it, float(h[-1]),
+                               "MINRES produced a non-finite residual; check A for NaN/Inf.",
+                               host_syncs=syncs)
+            start = it + 1
+    return Outcome(x, MAXITER, maxiter, float(_backend.to_host(xp.abs(phibar))), host_syncs=syncs)

@@ -1,0 +1,211 @@
+"""Preconditioners: Jacobi, Chebyshev and Neumann polynomials, user operators.
+
+All of them are built once before the solve and applied with ``xp.``
+operations and sparse matrix-vector products only, so they run unchanged on
+NumPy and CuPy and need no host read when applied. The polynomial ones are
+fixed polynomials ``p(D^-1 A) D^-1`` of the Jacobi-scaled matrix: symmetric
+when A is, and positive for any positive spectrum (see :func:`chebyshev`),
+so they are valid for CG.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from .. import _backend
+from ._common import as_matvec, as_preconditioner
+
+NAMES = ("jacobi", "chebyshev", "neumann")
+
+
+def diagonal(A: Any) -> Any:
+    """The main diagonal of a sparse matrix, dense array or operator with ``diagonal()``."""
+    if hasattr(A, "diagonal"):
+        return A.diagonal()
+    raise ValueError(
+        "M='jacobi' (or a polynomial preconditioner) needs A's diagonal, but A has no "
+        "diagonal(); pass M as an operator instead."
+    )
+
+
+def inverse_diagonal(A: Any, *, call: str = "solve(M='jacobi')") -> Any:
+    """``1 / diag(A)`` on A's device; a ValueError names the zero rows.
+
+    Examples
+    --------
+    >>> import scipy.sparse as sp
+    >>> from managed_solve.solvers.preconditioners import inverse_diagonal
+    >>> inverse_diagonal(sp.diags([2.0, 4.0]).tocsr()).tolist()
+    [0.5, 0.25]
+    """
+    d = diagonal(A)
+    xp = _backend.array_module(d)
+    zero = d == 0
+    if bool(zero.any()):  # sync: one host read when the preconditioner is built
+        rows = _backend.to_host(xp.flatnonzero(zero)[:5]).tolist()
+        count = int(zero.sum())
+        raise ValueError(
+            f"{call}: A has {count} zero diagonal entr{'y' if count == 1 else 'ies'} "
+            f"(rows {rows}{', ...' if count > 5 else ''}); Jacobi scaling divides by the "
+            "diagonal. Use M=None, a user operator, or reorder the system so the diagonal "
+            "is nonzero."
+        )
+    return 1.0 / d
+
+
+def jacobi(A: Any) -> Callable[[Any], Any]:
+    """``r -> D^-1 r``: the inverse diagonal of A.
+
+    Examples
+    --------
+    >>> import numpy as np, scipy.sparse as sp
+    >>> from managed_solve.solvers.preconditioners import jacobi
+    >>> jacobi(sp.diags([2.0, 4.0]).tocsr())(np.ones(2)).tolist()
+    [0.5, 0.25]
+    """
+    dinv = inverse_diagonal(A)
+    return lambda r: dinv * r
+
+
+def spectral_radius_bound(A: Any, dinv: Any, *, steps: int = 12) -> float:
+    """An upper estimate of the largest eigenvalue of ``D^-1 A`` (host float).
+
+    Power iteration (``steps`` SpMVs, one host read at the end) times 1.1 for
+    safety, capped by the Gershgorin bound ``max_i sum_j |a_ij / a_ii|`` when
+    A's entries are available. Overestimating only costs a little convergence
+    speed; underestimating stays safe for both polynomials (see their notes).
+    """
+    xp = _backend.array_module(dinv)
+    n = dinv.shape[0]
+    matvec = as_matvec(A)
+    # A start vector with every frequency in it (a constant one is an
+    # eigenvector of many PDE matrices away from the boundary).
+    v = xp.cos(xp.arange(n, dtype=dinv.dtype) * 1.3) + 1.5
+    v /= xp.sqrt(xp.dot(v, v))
+    lam = xp.zeros((), dtype=dinv.dtype)
+    for _ in range(steps):
+        w = dinv * matvec(v)
+        lam = xp.sqrt(xp.dot(w, w))
+        v = w / xp.where(lam > 0, lam, 1)
+    est = 1.1 * float(lam)  # sync: one host read when the preconditioner is built
+    gersh = math.inf
+    if _backend.is_scipy_sparse(A) or _backend.is_cupy_sparse(A):
+        gersh = float((abs(A) @ xp.ones(n, dtype=dinv.dtype) * abs(dinv)).max())  # sync: once
+    elif hasattr(A, "ndim") and getattr(A, "ndim", 0) == 2:
+        gersh = float((xp.abs(A).sum(axis=1) * xp.abs(dinv)).max())  # sync: once
+    bound = min(est, gersh) if est > 0 else gersh
+    if not math.isfinite(bound) or bound <= 0:
+        bound = 2.0  # D^-1 A of a diagonally dominant matrix lies in (0, 2]
+    return bound
+
+
+def chebyshev(A: Any, *, degree: int = 4, ratio: float = 30.0) -> Callable[[Any], Any]:
+    """Chebyshev polynomial preconditioner of ``D^-1 A`` on ``[lmax / ratio, lmax]``.
+
+    Applying it runs ``degree`` steps of the Chebyshev semi-iteration for
+    ``D^-1 A z = D^-1 r`` from ``z = 0``: ``degree`` SpMVs and vector updates,
+    no inner products and no host reads, which is what GPUs do well. The
+    implied polynomial is positive at every positive eigenvalue (inside the
+    interval its residual polynomial has magnitude below 1; below it the
+    residual lies between 0 and 1; above it the residual is negative), so
+    ``M`` is SPD whenever A is.
+
+    Parameters
+    ----------
+    A : sparse matrix, dense array or operator with ``diagonal()``
+    degree : int
+        SpMVs per application (3-4 is the usual balance of cost and effect).
+    ratio : float
+        ``lmax / lmin`` of the interval targeted (the smooth end of the
+        spectrum is left to the outer Krylov method).
+
+    Examples
+    --------
+    >>> import numpy as np, scipy.sparse as sp
+    >>> from managed_solve.solvers.preconditioners import chebyshev
+    >>> A = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(20, 20)).tocsr()
+    >>> M = chebyshev(A)
+    >>> r = np.ones(20)
+    >>> bool(r @ M(r) > 0)
+    True
+    """
+    if int(degree) < 1:
+        raise ValueError(f"chebyshev(degree={degree!r}): expected a positive integer, e.g. 4")
+    if not ratio > 1:
+        raise ValueError(f"chebyshev(ratio={ratio!r}): expected a number > 1, e.g. 30")
+    dinv = inverse_diagonal(A, call="solve(M='chebyshev')")
+    matvec = as_matvec(A)
+    lmax = spectral_radius_bound(A, dinv)
+    lmin = lmax / float(ratio)
+    theta, delta = 0.5 * (lmax + lmin), 0.5 * (lmax - lmin)
+    sigma = theta / delta
+    # Host floats: the coefficients of every step are known in advance.
+    coeffs = []
+    rho = 1.0 / sigma
+    for _ in range(int(degree)):
+        rho_new = 1.0 / (2.0 * sigma - rho)
+        coeffs.append((rho_new * rho, 2.0 * rho_new / delta))
+        rho = rho_new
+
+    def apply(r: Any) -> Any:
+        f = dinv * r
+        d = f / theta
+        z = d.copy()
+        res = f - dinv * matvec(d)
+        for i, (a, c) in enumerate(coeffs):
+            d *= a
+            d += c * res
+            z += d
+            if i < len(coeffs) - 1:  # the last residual is never used
+                res -= dinv * matvec(d)
+        return z
+
+    return apply
+
+
+def neumann(A: Any, *, degree: int = 3) -> Callable[[Any], Any]:
+    """Truncated Neumann series ``w sum_j (I - w D^-1 A)^j D^-1`` with ``w = 1 / lmax``.
+
+    ``degree`` SpMVs per application. Positive for eigenvalues of ``D^-1 A``
+    in ``(0, 2 lmax)``, which holds since ``lmax`` overestimates the largest.
+
+    Examples
+    --------
+    >>> import numpy as np, scipy.sparse as sp
+    >>> from managed_solve.solvers.preconditioners import neumann
+    >>> A = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(20, 20)).tocsr()
+    >>> bool(np.ones(20) @ neumann(A)(np.ones(20)) > 0)
+    True
+    """
+    if int(degree) < 0:
+        raise ValueError(f"neumann(degree={degree!r}): expected an integer >= 0, e.g. 3")
+    dinv = inverse_diagonal(A, call="solve(M='neumann')")
+    matvec = as_matvec(A)
+    omega = 1.0 / spectral_radius_bound(A, dinv)
+
+    def apply(r: Any) -> Any:
+        f = omega * (dinv * r)
+        z = f.copy()
+        for _ in range(int(degree)):  # Horner: z <- f + (I - w D^-1 A) z
+            z = f + z - omega * (dinv * matvec(z))
+        return z
+
+    return apply
+
+
+def make_preconditioner(M: Any, A: Any) -> Callable[[Any], Any] | None:
+    """``r -> M r`` from a name (``"jacobi"``, ``"chebyshev"``, ``"neumann"``), an operator or None."""
+    if M is None:
+        return None
+    if isinstance(M, str):
+        if M == "jacobi":
+            return jacobi(A)
+        if M == "chebyshev":
+            return chebyshev(A)
+        if M == "neumann":
+            return neumann(A)
+        raise ValueError(f"solve(M={M!r}): unknown preconditioner; use one of {', '.join(NAMES)}, "
+                         "an operator with matvec, a callable, or None.")
+    return as_preconditioner(M)
