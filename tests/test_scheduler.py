@@ -1,0 +1,400 @@
+"""solve_many: results against SciPy, order, invalid inputs, admission, OOM recovery, learning.
+
+Simulated GPUs (``DeviceManager(simulate=...)``) run the batched core on the
+host with a memory budget, so placement, admission and recovery are tested
+here; the ``gpu`` / ``multi_gpu`` cases run the same on real GPUs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import scipy.sparse.linalg as spla
+
+import managed_solve as ms
+from managed_solve import LinearSystem, Status
+from managed_solve import scheduler as sched
+from managed_solve.devices import SimulatedOutOfMemory
+from managed_solve.manager import DeviceManager
+from managed_solve.packing import Estimate, bytes_per_iteration, predict_iterations, solve_bytes
+from managed_solve.scheduler import SolveManyError, solve_many
+
+
+def poisson2d(m: int, dtype=np.float64) -> sp.csr_matrix:
+    T = sp.diags([-1.0, 4.0, -1.0], [-1, 0, 1], shape=(m, m))
+    S = sp.diags([-1.0, -1.0], [-1, 1], shape=(m, m))
+    return (sp.kron(sp.identity(m), T) + sp.kron(S, sp.identity(m))).tocsr().astype(dtype)
+
+
+def convection(m: int) -> sp.csr_matrix:
+    """A non-symmetric, diagonally dominant matrix (upwinded convection-diffusion): BiCGStab."""
+    A = poisson2d(m).tolil()
+    for i in range(m * m - 1):
+        A[i, i + 1] -= 0.5
+    return A.tocsr()
+
+
+def mixed_systems(count: int, seed: int = 0, lo: int = 3, hi: int = 16):
+    rng = np.random.default_rng(seed)
+    out = []
+    for k, m in enumerate(rng.integers(lo, hi, size=count)):
+        m = int(m)
+        A = convection(m) if k % 5 == 4 else poisson2d(m)
+        out.append(LinearSystem(A, rng.standard_normal(m * m), rtol=10.0 ** -rng.integers(6, 11),
+                                name=f"s{k}"))
+    return out
+
+
+def assert_solves(systems, results):
+    """Each result is the system's own, meets its rtol by the TRUE residual, and matches SciPy."""
+    assert len(results) == len(systems)
+    for s, r in zip(systems, results, strict=True):
+        assert r.name == s.name
+        assert r.status is Status.CONVERGED, (s.name, r.status, r.message)
+        A, b = s.A, s.b
+        x = r.to_numpy()
+        assert np.linalg.norm(b - A @ x) <= s.rtol * np.linalg.norm(b)
+        assert r.residual_norm == pytest.approx(np.linalg.norm(b - A @ x), rel=1e-6, abs=1e-300)
+        ref = spla.spsolve(A.tocsc(), b)
+        cond_margin = 1e4  # the error is at most cond(A) times the relative residual
+        assert np.linalg.norm(x - ref) <= cond_margin * s.rtol * np.linalg.norm(ref)
+
+
+@pytest.fixture
+def sims():
+    return DeviceManager(simulate="2x64MiB")
+
+
+def test_results_in_input_order_each_meeting_its_own_rtol(sims):
+    systems = mixed_systems(60)
+    results = solve_many(systems, manager=sims)
+    assert_solves(systems, results)
+    assert {r.device for r in results} == {"sim:0", "sim:1"}  # dispersed
+    assert any(r.info["batch_size"] > 1 for r in results)  # batched
+    assert {r.method for r in results} == {"cg", "bicgstab"}  # auto: by symmetry
+    assert sims.reserved_bytes("sim:0") == sims.reserved_bytes("sim:1") == 0  # all released
+
+
+def test_pairs_dtypes_and_rtol_override(sims):
+    A32 = poisson2d(6, np.float32)
+    pairs = [(poisson2d(5), np.ones(25)), (A32, np.ones(36, dtype=np.float32)),
+             (poisson2d(7), np.arange(49.0))]
+    results = solve_many(pairs, rtol=1e-5, manager=sims, return_on="host")
+    for (A, b), r in zip(pairs, results, strict=True):
+        assert isinstance(r.x, np.ndarray) and r.x.dtype == A.dtype
+        assert r.converged
+        assert np.linalg.norm(b - A @ r.x) <= 1e-5 * np.linalg.norm(b) * (1 + 1e-3)
+    assert [r.name for r in results] == ["systems[0]", "systems[1]", "systems[2]"]
+
+
+def test_invalid_systems_are_reported_and_the_rest_go_on(sims):
+    good = mixed_systems(6, seed=1)
+    nan_b = np.ones(16)
+    nan_b[3] = np.nan
+    items = [good[0], (sp.random(4, 5, density=0.5, format="csr"), np.ones(4)), good[1],
+             (poisson2d(4), nan_b), "not a system", good[2], (poisson2d(4), np.ones(15)),
+             (poisson2d(4).astype(np.complex128), np.ones(16)), *good[3:]]
+    results = solve_many(items, manager=sims)
+    bad = {1: "square", 3: "NaN", 4: "LinearSystem or an (A, b) pair", 6: "shape (16,)",
+           7: "complex"}
+    for i, words in bad.items():
+        assert results[i].status is Status.INVALID_INPUT
+        assert results[i].x is None
+        assert words in results[i].message, results[i].message
+    rest = [i for i in range(len(items)) if i not in bad]
+    assert_solves([items[i] for i in rest], [results[i] for i in rest])
+
+
+def test_cpu_only_uses_the_host_lu_and_matches_scipy():
+    systems = mixed_systems(30, seed=2)
+    results = solve_many(systems, manager=DeviceManager(["cpu"]))
+    assert_solves(systems, results)
+    assert {r.method for r in results} == {"direct"}
+    assert {r.device for r in results} == {"cpu"}
+
+
+def test_explicit_method_on_the_cpu_runs_the_batched_core():
+    systems = mixed_systems(12, seed=3)
+    results = solve_many(systems, method="bicgstab", manager=DeviceManager(["cpu"]))
+    assert_solves(systems, results)
+    assert {r.method for r in results} == {"bicgstab"}
+    assert max(r.iterations for r in results) > 1
+
+
+def test_jacobi_preconditioner_batches():
+    rng = np.random.default_rng(4)
+    systems = []
+    for k in range(8):
+        m = 6 + k
+        D = sp.diags(rng.uniform(1, 100, m * m))  # badly scaled: Jacobi helps
+        A = (D @ poisson2d(m) @ D).tocsr()
+        systems.append(LinearSystem(A, rng.standard_normal(m * m), name=f"j{k}"))
+    results = solve_many(systems, M="jacobi", manager=DeviceManager(simulate="1x64MiB"))
+    assert_solves(systems, results)
+
+
+def test_disperse_false_keeps_everything_on_one_device(sims):
+    systems = mixed_systems(20, seed=5)
+    results = solve_many(systems, disperse=False, manager=sims)
+    assert_solves(systems, results)
+    assert len({r.device for r in results}) == 1
+
+
+def test_devices_argument_selects_devices():
+    dm = DeviceManager(simulate="3x64MiB")
+    systems = mixed_systems(20, seed=6)
+    results = solve_many(systems, devices="sim:2", manager=dm)
+    assert {r.device for r in results} == {"sim:2"}
+    with pytest.raises(ValueError, match="sim:7"):
+        solve_many(systems, devices=["sim:7"], manager=dm)
+
+
+class LedgerWatch(DeviceManager):
+    """A DeviceManager that records the ledger's high-water mark per device."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.high: dict[str, int] = {}
+
+    def reserve(self, nbytes, device=None, **kw):
+        r = super().reserve(nbytes, device, **kw)
+        d = str(r.device)
+        self.high[d] = max(self.high.get(d, 0), self.reserved_bytes(d))
+        return r
+
+
+def test_admission_never_over_budget_and_oversized_systems_spill_to_the_cpu():
+    dm = LedgerWatch(simulate="2x1MiB")  # room for a few thousand unknowns per batch
+    systems = mixed_systems(40, seed=7, lo=3, hi=20)
+    big = LinearSystem(poisson2d(100), np.ones(10_000), name="big")  # about 1.5 MB: fits no sim
+    systems.insert(5, big)
+    results = solve_many(systems, manager=dm)
+    assert_solves(systems, results)
+    for d in dm.accelerators:
+        assert 0 < dm.high[str(d)] <= dm.capacity(d)
+    assert results[5].device == "cpu"
+    assert max(r.info["batch_size"] for r in results if r.device != "cpu") > 1
+
+
+def fail_every_second(counter):
+    def fault(dev, nbytes):
+        counter[0] += 1
+        if counter[0] % 2 == 0:
+            raise SimulatedOutOfMemory(f"{dev}: simulated out of memory for {nbytes} bytes")
+
+    return fault
+
+
+@pytest.mark.parametrize("spec", ["2x64MiB", "1x64MiB"])
+def test_out_of_memory_every_second_batch_loses_and_duplicates_nothing(spec, monkeypatch):
+    dm = DeviceManager(simulate=spec)
+    counter = [0]
+    dm.accelerators[0].fault = fail_every_second(counter)
+    delivered: list[int] = []
+    real = sched._Runner._deliver
+
+    def spy(self, i, res):
+        delivered.append(i)
+        return real(self, i, res)
+
+    monkeypatch.setattr(sched._Runner, "_deliver", spy)
+    systems = mixed_systems(80, seed=8, lo=3, hi=12)
+    results = solve_many(systems, manager=dm)
+    assert counter[0] >= 2  # the fault fired
+    assert sorted(delivered) == list(range(len(systems)))  # each exactly once
+    assert_solves(systems, results)
+    assert dm.reserved_bytes("sim:0") == 0
+
+
+def test_a_device_that_always_fails_ends_on_the_cpu():
+    dm = DeviceManager(simulate="1x64MiB")
+
+    def fault(dev, nbytes):
+        raise MemoryError("always")
+
+    dm.accelerators[0].fault = fault
+    systems = mixed_systems(10, seed=9)
+    results = solve_many(systems, manager=dm)
+    assert_solves(systems, results)
+    assert {r.device for r in results} == {"cpu"}
+
+
+def test_a_non_device_error_is_a_device_error_result_not_a_crash(monkeypatch):
+    dm = DeviceManager(simulate="1x64MiB")
+
+    def broken(*a, **k):
+        raise ZeroDivisionError("bug in a solver")
+
+    monkeypatch.setattr(sched, "_solve_packed", broken)
+    systems = mixed_systems(5, seed=10)
+    results = solve_many(systems, manager=dm)
+    assert all(r.status is Status.DEVICE_ERROR for r in results)
+    assert all("ZeroDivisionError" in r.message for r in results)
+
+
+def test_on_error_raise_lists_the_failures_after_solving_the_rest(sims):
+    systems = mixed_systems(6, seed=11)
+    stubborn = LinearSystem(poisson2d(12), np.ones(144), maxiter=2, name="stubborn")
+    items = [systems[0], stubborn, (np.ones((3, 2)), np.ones(3)), *systems[1:]]
+    with pytest.raises(SolveManyError) as info:
+        solve_many(items, on_error="raise", manager=sims)
+    err = info.value
+    assert err.failed == [1, 2]
+    assert "systems[1] (stubborn): MAXITER" in str(err)
+    assert "systems[2]" in str(err) and "INVALID_INPUT" in str(err)
+    assert err.results[1].iterations == 2
+    assert_solves(systems, [err.results[i] for i in (0, 3, 4, 5, 6, 7)])
+    ok = solve_many(systems, on_error="raise", manager=sims)
+    assert all(r.converged for r in ok)
+
+
+def test_torch_inputs():
+    torch = pytest.importorskip("torch")
+    dm = DeviceManager(simulate="1x64MiB")
+    A = poisson2d(8)
+    At = torch.sparse_csr_tensor(torch.from_numpy(A.indptr.astype(np.int64)),
+                                 torch.from_numpy(A.indices.astype(np.int64)),
+                                 torch.from_numpy(A.data), size=A.shape)
+    b = torch.linspace(0, 1, 64, dtype=torch.float64)
+    results = solve_many([(At, b), (A, b.numpy())], manager=dm)
+    assert all(r.converged for r in results)
+    np.testing.assert_allclose(results[0].to_numpy(), spla.spsolve(A.tocsc(), b.numpy()), rtol=1e-6)
+    t = results[0].to_torch()
+    assert isinstance(t, torch.Tensor) and t.shape == (64,)
+
+
+def test_progress_bar_counts_every_system(sims, capsys):
+    pytest.importorskip("tqdm")
+    systems = [*mixed_systems(12, seed=12), ("bad", None)]
+    solve_many(systems, progress=True, manager=sims)
+    err = capsys.readouterr().err
+    assert "13/13" in err and "system" in err
+
+
+def test_argument_errors_name_the_argument(sims):
+    for kw, words in [({"method": "lu"}, "method='lu'"), ({"return_on": "gpu"}, "return_on"),
+                      ({"on_error": "ignore"}, "on_error"), ({"rtol": -1.0}, "rtol"),
+                      ({"M": "ilu"}, "M='ilu'")]:
+        with pytest.raises(ValueError, match=words):
+            solve_many([], manager=sims, **kw)
+    assert solve_many([], manager=sims) == []
+
+
+def skewed_estimates(n_large=10, n_tiny=2000):
+    rng = np.random.default_rng(13)
+    sizes = [200] * n_large + [int(m) for m in rng.integers(16, 65, size=n_tiny)]
+    out = []
+    for i, m in enumerate(sizes):
+        n, nnz = m * m, 5 * m * m - 4 * m
+        cost = bytes_per_iteration(n, nnz) * predict_iterations(n)
+        out.append(Estimate(i, n, nnz, solve_bytes(n, nnz), cost, "batch", ("cg", "float64", False)))
+    return out
+
+
+def test_plan_of_a_skewed_mix_is_balanced_over_four_devices():
+    dm = DeviceManager(simulate="4x8GiB")
+    es = skewed_estimates()
+    plan = sched.plan_work(es, dm.accelerators, dm)
+    ideal = sum(e.cost for e in es) / sum(dm.speed(d) for d in dm.accelerators)
+    for name, t in plan.finish_times().items():
+        assert abs(t - ideal) <= 0.10 * ideal, (name, t, ideal)
+    assert sorted(i for q in plan.queues.values() for b in q for i in b.indices) == list(range(len(es)))
+
+
+def true_finish(plan, true_speed):
+    return {name: sum(b.cost for b in q) / true_speed[name] for name, q in plan.queues.items()}
+
+
+def test_learned_speeds_balance_the_second_call_better():
+    """sim:1 is 2x slower than predicted; after one call's records the plan shifts work off it."""
+    dm = DeviceManager(simulate="2x8GiB")
+    true_speed = {"sim:0": dm.speed(dm.accelerators[0]), "sim:1": dm.speed(dm.accelerators[1]) / 2}
+    es = skewed_estimates(4, 400)
+
+    def run(plan):
+        # What the workers do after each batch: record its measured time, here
+        # the time the batch takes at the device's true speed.
+        for name, q in plan.queues.items():
+            for b in q:
+                dm.record(("solve_many", b.route, b.group), b.cost / true_speed[name], b.nbytes,
+                          device=name, cost=b.cost)
+        t = true_finish(plan, true_speed)
+        return max(t.values()) / (sum(t.values()) / len(t)) - 1.0
+
+    first = run(sched.plan_work(es, dm.accelerators, dm))
+    second = run(sched.plan_work(es, dm.accelerators, dm))
+    assert first > 0.25  # the naive plan gives both devices the same work
+    assert second < 0.05 < first
+    assert dm.speed(dm.accelerators[1]) == pytest.approx(true_speed["sim:1"], rel=0.01)
+
+
+def test_a_real_call_records_measured_speed():
+    dm = DeviceManager(simulate="1x64MiB")
+    before = dm.speed(dm.accelerators[0])
+    solve_many(mixed_systems(10, seed=14), manager=dm)
+    # NumPy on this host streams far less than the 2 TB/s a simulated GPU assumes.
+    assert dm.speed(dm.accelerators[0]) < before
+    assert any(k.startswith("('solve_many'") for k in dm.hints())
+
+
+# ----------------------------------------------------------------------------- GPUs
+def _cupy():
+    from managed_solve import _backend
+
+    return _backend.cupy()
+
+
+@pytest.mark.gpu
+def test_gpu_batches_stay_on_the_gpu_and_meet_rtol():
+    cp = _cupy()
+    dm = DeviceManager(["cuda:0"])
+    systems = mixed_systems(200, seed=20, lo=8, hi=40)
+    results = solve_many(systems, manager=dm)
+    assert_solves(systems, results)
+    assert {r.device for r in results} == {"cuda:0"}
+    assert all(isinstance(r.x, cp.ndarray) and r.x.device.id == 0 for r in results)
+    assert max(r.info["batch_size"] for r in results) > 1
+
+
+@pytest.mark.gpu
+def test_gpu_inputs_already_on_the_gpu_and_host_return():
+    cp = _cupy()
+    cpx = pytest.importorskip("cupyx.scipy.sparse")
+    dm = DeviceManager(["cuda:0"])
+    A = poisson2d(20)
+    pairs = [(cpx.csr_matrix(A), cp.ones(400)), (A, np.ones(400))]
+    results = solve_many(pairs, manager=dm, return_on="host")
+    for r in results:
+        assert isinstance(r.x, np.ndarray)
+        assert np.linalg.norm(np.ones(400) - A @ r.x) <= 1e-8 * 20
+
+
+@pytest.mark.gpu
+def test_gpu_out_of_memory_recovery_on_a_real_gpu():
+    dm = DeviceManager(["cuda:0"])
+    counter = [0]
+    dm.accelerators[0].fault = fail_every_second(counter)
+    systems = mixed_systems(100, seed=21, lo=8, hi=30)
+    results = solve_many(systems, manager=dm)
+    assert counter[0] >= 2
+    assert_solves(systems, results)
+
+
+@pytest.mark.multi_gpu
+def test_two_gpus_share_the_work_and_results_stay_where_solved():
+    cp = _cupy()
+    dm = DeviceManager(["cuda:0", "cuda:1"])
+    systems = mixed_systems(400, seed=22, lo=20, hi=60)
+    results = solve_many(systems, manager=dm)
+    assert_solves(systems, results)
+    assert {r.device for r in results} == {"cuda:0", "cuda:1"}
+    for r in results:
+        assert r.x.device.id == int(r.device.split(":")[1])
+    one = solve_many(systems, disperse=False, manager=dm)
+    assert len({r.device for r in one}) == 1
+    del cp
+
+
+def test_package_exports_solve_many():
+    assert ms.solve_many is solve_many
