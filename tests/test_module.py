@@ -1,0 +1,221 @@
+"""ManagedModule: wrapping, whole-module placement, pinning, meta planning, autograd across devices."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+from managed_solve.manager import DeviceManager  # noqa: E402
+from managed_solve.module import ManagedModule  # noqa: E402
+from managed_solve.tensor import ManagedTensor, managed  # noqa: E402
+
+PAIRS = [
+    pytest.param(("sim", "sim:0", "sim:1"), id="sim"),
+    pytest.param(("real", "cuda:0", "cpu"), marks=pytest.mark.gpu, id="cuda-cpu"),
+    pytest.param(("real", "cuda:0", "cuda:1"), marks=pytest.mark.multi_gpu, id="cuda-cuda"),
+]
+
+
+@pytest.fixture(params=PAIRS)
+def env(request):
+    mode, a, b = request.param
+    dm = DeviceManager(simulate="2x1GiB") if mode == "sim" else DeviceManager()
+    return dm, a, b
+
+
+def _net(seed=0, n_in=8, hidden=16, n_out=3):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(n_in, hidden), nn.Tanh(), nn.Linear(hidden, n_out)).double()
+
+
+def _np(t):
+    return t.detach().as_subclass(torch.Tensor).cpu().numpy()
+
+
+def _grads(m):
+    return [_np(p.grad) for p in m.parameters()]
+
+
+def _assert_grads_equal(m, ref):
+    for g, r in zip(_grads(m), _grads(ref), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-11, atol=1e-13)
+
+
+def test_from_module_wraps_in_place_keeping_state_dict_and_forward():
+    plain = _net()
+    ref = copy.deepcopy(plain)
+    bn = nn.BatchNorm1d(3).double()
+    plain.append(bn)
+    ref.append(copy.deepcopy(bn))
+    m = ManagedModule.from_module(plain)
+    assert m is plain and isinstance(m, nn.Sequential) and isinstance(m, ManagedModule)
+    assert all(type(p) is ManagedTensor and isinstance(p, nn.Parameter) for p in m.parameters())
+    assert all(type(b) is ManagedTensor for b in m.buffers())
+    sd, rsd = m.state_dict(), ref.state_dict()
+    assert list(sd) == list(rsd)
+    for k in sd:
+        np.testing.assert_array_equal(_np(sd[k]), _np(rsd[k]))
+    x = torch.randn(5, 8, dtype=torch.float64)
+    np.testing.assert_allclose(_np(m(x)), _np(ref(x)), rtol=1e-14)
+    m.load_state_dict(rsd)  # loading works with managed parameters
+    with pytest.raises(TypeError, match=r"from_module\(module=...\): expected a torch.nn.Module"):
+        ManagedModule.from_module(torch.ones(2))
+
+
+def test_optimizer_steps_equal_a_plain_module():
+    m, ref = ManagedModule.from_module(_net()), _net()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9)
+    ropt = torch.optim.SGD(ref.parameters(), lr=1e-2, momentum=0.9)
+    x, y = torch.randn(20, 8, dtype=torch.float64), torch.randn(20, 3, dtype=torch.float64)
+    for _ in range(5):
+        for mod, o in ((m, opt), (ref, ropt)):
+            o.zero_grad()
+            nn.functional.mse_loss(mod(x), y).backward()
+            o.step()
+    for p, r in zip(m.parameters(), ref.parameters(), strict=True):
+        np.testing.assert_allclose(_np(p), _np(r), rtol=1e-12)
+
+
+def test_subclass_converts_parameters_before_optimizers_see_them():
+    class Net(ManagedModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+            self.register_buffer("scale", torch.ones(2))
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+    net = Net()
+    params = list(net.parameters())
+    assert all(type(p) is ManagedTensor for p in params)
+    assert type(net.scale) is ManagedTensor
+    assert type(net(torch.ones(3, 4))) is ManagedTensor
+    assert [p is q for p, q in zip(params, net.parameters(), strict=True)] == [True, True]
+
+
+def test_cuda_places_the_whole_module_sized_with_gradients():
+    dm = DeviceManager(simulate="2x2MiB", reserved=0.0)
+    m = ManagedModule.from_module(nn.Linear(256, 256).double(), manager=dm)
+    params = sum(p.numel() * 8 for p in m.parameters())  # 526 kB; with gradients 1.05 MB
+    sim0 = dm.get_device("sim:0")
+    sim0.sim_used_bytes = sim0.total_bytes - int(1.5 * params)  # params fit there, grads too do not
+    m.cuda()
+    assert m.placement == "sim:1"
+    assert {p.placement for p in m.parameters()} == {"sim:1"}
+    assert dm.reserved_bytes("sim:1") >= 2 * params  # held while placed
+    m.cuda("sim:0")  # an explicit device is obeyed
+    assert {p.placement for p in m.parameters()} == {"sim:0"}
+    assert dm.reserved_bytes("sim:1") == 0
+    m.cpu()
+    assert m.placement == "cpu" and all(p.device.type == "cpu" for p in m.parameters())
+
+
+def test_cuda_without_gpu_keeps_the_module_on_the_cpu():
+    dm = DeviceManager(devices=["cpu"])
+    m = ManagedModule.from_module(_net(), manager=dm).cuda()
+    assert m.placement == "cpu"
+
+
+def test_to_accepts_dtype_and_managed_devices():
+    dm = DeviceManager(simulate="2x1GiB")
+    m = ManagedModule.from_module(nn.Linear(3, 3), manager=dm)
+    m.to("sim:1", torch.float64)
+    assert m.placement == "sim:1" and m.weight.dtype == torch.float64
+    m.to(torch.float32)
+    assert m.placement == "sim:1" and m.weight.dtype == torch.float32
+    m.to(dm.get_device("sim:0"))
+    assert m.placement == "sim:0"
+
+
+def test_meta_module_is_planned_without_allocating():
+    dm = DeviceManager(simulate="2x1GiB")
+    with torch.device("meta"):
+        big = nn.Linear(4096, 4096)  # 64 MiB of float32 weights, none allocated
+    m = ManagedModule.from_module(big, manager=dm)
+    assert all(p.is_meta for p in m.parameters())
+    (place,) = dm.plan([m])
+    expected = 2 * (4096 * 4096 + 4096) * 4  # parameters + gradients
+    assert expected <= place.nbytes <= expected * 1.01
+    m.pin("sim:1")
+    assert all(p.is_meta for p in m.parameters())
+    assert [str(p.device) for p in dm.plan([1 << 20, m])] == ["sim:0", "sim:1"]  # pin respected
+
+
+def test_pin_pins_every_parameter_and_buffer(env):
+    dm, A, B = env
+    m = ManagedModule.from_module(nn.BatchNorm1d(4).double(), manager=dm).pin(A)
+    assert str(m.pinned) == A
+    assert all(str(t.pinned) == A and t.placement == A for t in [*m.parameters(), *m.buffers()])
+    x = managed(torch.randn(64, 4, dtype=torch.float64), manager=dm).to(B)  # outweighs the module
+    assert m(x).placement == A
+    m.unpin()
+    assert m.pinned is None and all(t.pinned is None for t in m.parameters())
+
+
+# ---------------------------------------------------------------- autograd across devices
+def _input(n, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 8, dtype=torch.float64, generator=g)
+
+
+def test_cpu_input_through_a_module_on_another_device(env):
+    dm, A, _B = env
+    m, ref = ManagedModule.from_module(_net(), manager=dm).to(A), _net()
+    x, rx = _input(3).requires_grad_(), _input(3).requires_grad_()  # plain CPU inputs
+    out = m(x)
+    assert out.placement == A  # the module's bytes outweigh the small batch
+    out.pow(2).sum().backward()
+    ref(rx).pow(2).sum().backward()
+    _assert_grads_equal(m, ref)
+    np.testing.assert_allclose(x.grad.numpy(), rx.grad.numpy(), rtol=1e-11)
+    assert x.grad.device.type == "cpu"
+
+
+def test_two_modules_on_different_devices(env):
+    dm, A, B = env
+    m1 = ManagedModule.from_module(_net(0, 8, 32, 8), manager=dm).to(A)
+    m2 = ManagedModule.from_module(_net(1, 8, 32, 3), manager=dm).to(B)
+    r1, r2 = _net(0, 8, 32, 8), _net(1, 8, 32, 3)
+    h = m1(_input(4))
+    assert h.placement == A
+    out = m2(h)
+    assert out.placement == B
+    out.sum().backward()
+    r2(r1(_input(4))).sum().backward()
+    _assert_grads_equal(m1, r1)
+    _assert_grads_equal(m2, r2)
+    assert {p.grad.placement for p in m1.parameters()} == {A}
+    assert {p.grad.placement for p in m2.parameters()} == {B}
+
+
+def _recurrent_loss(m, x_a, x_b):
+    # The same module used three times in one graph: on A's batch, then twice on B's.
+    return m(x_a).pow(2).sum() + m(torch.tanh(m(x_b))).pow(2).mean()
+
+
+@pytest.mark.parametrize("pinned", [False, True], ids=["unpinned", "pinned"])
+def test_module_reused_on_two_devices_in_one_graph(env, pinned):
+    dm, A, B = env
+    m, ref = ManagedModule.from_module(_net(0, 8, 16, 8), manager=dm).to(A), _net(0, 8, 16, 8)
+    if pinned:
+        m.pin()
+    x_a = managed(_input(2, 4), manager=dm).to(A)
+    x_b = managed(_input(200, 5), manager=dm).to(B)  # outweighs the parameters
+    out_b = m(x_b)
+    # Unpinned: the layer runs where the big batch is (parameters copied there,
+    # differentiably); pinned: the batch comes to the module.
+    assert out_b.placement == (A if pinned else B)
+    loss = _recurrent_loss(m, x_a, x_b)
+    loss.backward()
+    rloss = _recurrent_loss(ref, _input(2, 4), _input(200, 5))
+    rloss.backward()
+    np.testing.assert_allclose(float(loss), float(rloss), rtol=1e-12)
+    _assert_grads_equal(m, ref)
+    assert {p.grad.placement for p in m.parameters()} == {A}  # gradients accumulate at home
+    assert {p.placement for p in m.parameters()} == {A}  # parameters never moved
