@@ -35,7 +35,7 @@ from numba import cuda, prange  # noqa: E402
 TPB = _compat.THREADS_PER_BLOCK
 
 
-@numba.njit(cache=False)
+@numba.njit(cache=True)
 def incidence_cpu(elements, inc_ptr, inc_elem, inc_local):
     """Fill the vertex-to-element incidence (serial; counting sort by vertex).
 
@@ -111,15 +111,15 @@ def _slots_row(i, elements, inc_ptr, inc_elem, indptr, indices, inc_slot):
             inc_slot[p, j] = lo
 
 
-_unique_neighbours_row_cpu = numba.njit(_unique_neighbours_row)
-_copy_row_cpu = numba.njit(_copy_row)
-_slots_row_cpu = numba.njit(_slots_row)
+_unique_neighbours_row_cpu = numba.njit(_unique_neighbours_row, cache=True)
+_copy_row_cpu = numba.njit(_copy_row, cache=True)
+_slots_row_cpu = numba.njit(_slots_row, cache=True)
 _unique_neighbours_row_dev = cuda.jit(device=True)(_unique_neighbours_row)
 _copy_row_dev = cuda.jit(device=True)(_copy_row)
 _slots_row_dev = cuda.jit(device=True)(_slots_row)
 
 
-@numba.njit(parallel=True, cache=False)
+@numba.njit(parallel=True, cache=True)
 def unique_neighbours_cpu(elements, inc_ptr, inc_elem, cand, row_nnz):
     """Per row: sorted unique neighbours (the vertex itself included) into ``cand``; counts into ``row_nnz``.
 
@@ -129,14 +129,14 @@ def unique_neighbours_cpu(elements, inc_ptr, inc_elem, cand, row_nnz):
         _unique_neighbours_row_cpu(i, elements, inc_ptr, inc_elem, cand, row_nnz)
 
 
-@numba.njit(parallel=True, cache=False)
+@numba.njit(parallel=True, cache=True)
 def copy_pattern_cpu(inc_ptr, k, cand, indptr, indices):
     """Copy each row's unique neighbours from ``cand`` into CSR ``indices``."""
     for i in prange(inc_ptr.shape[0] - 1):
         _copy_row_cpu(i, inc_ptr, k, cand, indptr, indices)
 
 
-@numba.njit(parallel=True, cache=False)
+@numba.njit(parallel=True, cache=True)
 def slot_map_cpu(elements, inc_ptr, inc_elem, indptr, indices, inc_slot):
     """``inc_slot[p, j]``: the CSR position of entry (row of p, elements[inc_elem[p], j])."""
     for i in prange(inc_ptr.shape[0] - 1):

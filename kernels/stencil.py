@@ -86,13 +86,13 @@ def _fill_row(i, nx, ny, nz, cx, cy, cz, ihx2, ihy2, ihz2, indptr, indices, data
         data[s] = -wxp
 
 
-_count_row_cpu = numba.njit(_count_row)
+_count_row_cpu = numba.njit(_count_row, cache=True)
 _count_row_dev = cuda.jit(device=True)(_count_row)
-_fill_row_cpu = numba.njit(_fill_row)
+_fill_row_cpu = numba.njit(_fill_row, cache=True)
 _fill_row_dev = cuda.jit(device=True)(_fill_row)
 
 
-@numba.njit(parallel=True, cache=False)
+@numba.njit(parallel=True, cache=True)
 def row_counts_cpu(nx, ny, nz, row_nnz):
     """Entries per row of the stencil matrix (symbolic phase; ``indptr`` is their cumsum)."""
     for i in prange(nx * ny * nz):
@@ -107,7 +107,7 @@ def row_counts_cuda(nx, ny, nz, row_nnz):
         _count_row_dev(i, nx, ny, nz, row_nnz)
 
 
-@numba.njit(parallel=True, cache=False)
+@numba.njit(parallel=True, cache=True)
 def fill_cpu(nx, ny, nz, cx, cy, cz, ihx2, ihy2, ihz2, indptr, indices, data):
     """Write the column indices and values of every row (CPU twin)."""
     for i in prange(nx * ny * nz):

@@ -108,13 +108,13 @@ def _lumped_row(i, vertices, tets, inc_ptr, inc_elem, inc_local, out):
     out[i] = acc
 
 
-_assemble_row_cpu = numba.njit(_assemble_row)
+_assemble_row_cpu = numba.njit(_assemble_row, cache=True)
 _assemble_row_dev = cuda.jit(device=True)(_assemble_row)
-_lumped_row_cpu = numba.njit(_lumped_row)
+_lumped_row_cpu = numba.njit(_lumped_row, cache=True)
 _lumped_row_dev = cuda.jit(device=True)(_lumped_row)
 
 
-@numba.njit(parallel=True, cache=False)
+@numba.njit(parallel=True, cache=True)
 def assemble_cpu(vertices, tets, inc_ptr, inc_elem, inc_local, inc_slot, indptr, a, b, c, data):
     """``data = a*K + b*M + c*D`` in the CSR pattern (CPU twin; rows in parallel)."""
     for i in prange(inc_ptr.shape[0] - 1):
@@ -131,7 +131,7 @@ def assemble_cuda(vertices, tets, inc_ptr, inc_elem, inc_local, inc_slot, indptr
                           a, b, c, data)
 
 
-@numba.njit(parallel=True, cache=False)
+@numba.njit(parallel=True, cache=True)
 def lumped_mass_cpu(vertices, tets, inc_ptr, inc_elem, inc_local, out):
     """``out[i]`` = lumped mass of vertex i (a quarter of the volume around it)."""
     for i in prange(inc_ptr.shape[0] - 1):
