@@ -422,7 +422,10 @@ class _Runner:
         """Reserve the batch's bytes, ask the fault hook, start its host->device copy."""
         res = None
         try:
-            res = self.manager.reserve(b.nbytes, device=dev, cost=b.cost,
+            # solve() reserves its own bytes on this manager for a SINGLE system;
+            # the batch then holds only its predicted time here (no double count).
+            nbytes = 0 if b.route == SINGLE else b.nbytes
+            res = self.manager.reserve(nbytes, device=dev, cost=b.cost,
                                        signature=("solve_many", b.route, b.group))
             dev.check_fault(b.nbytes)
             fut = None
@@ -453,10 +456,10 @@ class _Runner:
                     packed = st.packed.result()
                     systems = [self.systems[i] for i in b.indices]
                     if dev.kind == "cuda":
-                        out = _solve_packed(systems, packed, method, str(dev))
+                        out = _solve_packed(systems, packed, method, dev, self.manager)
                     else:
                         with _HOST_KERNEL_LOCK:
-                            out = _solve_packed(systems, packed, method, "cpu")
+                            out = _solve_packed(systems, packed, method, dev, self.manager)
                 elif b.route == DIRECT:
                     out = [_direct_solve(self.systems[i]) for i in b.indices]
                 else:
@@ -522,10 +525,10 @@ class _Runner:
         from .solve import solve  # solve.py sits above packing in the layers, beside us
 
         s = self.systems[i]
-        if dev.is_gpu and dev.kind == "cuda":
-            return solve(s, device=str(dev))
+        if dev.kind == "cuda":
+            return solve(s, device=dev, manager=self.manager)
         with _HOST_KERNEL_LOCK:
-            return solve(s, device="cpu")
+            return solve(s, device=dev, manager=self.manager)
 
 
 @dataclass
@@ -574,8 +577,8 @@ class _Stager:
         self.pool.shutdown(wait=True)
 
 
-def _solve_packed(systems: list[LinearSystem], packed: Any, method: str,
-                  device: str) -> list[SolveResult]:
+def _solve_packed(systems: list[LinearSystem], packed: Any, method: str, device: Device,
+                  manager: DeviceManager) -> list[SolveResult]:
     """One packed batch through the batched core, with each system's true residual checked."""
     _PackedBatch, cg_batched, bicgstab_batched = _core()
     core = cg_batched if method == "cg" else bicgstab_batched
@@ -602,11 +605,11 @@ def _solve_packed(systems: list[LinearSystem], packed: Any, method: str,
         if code == 0 and not float(rn[k]) <= tol:
             # The recurrence residual drifted from the true one (rounding): finish this
             # system alone, warm-started from the batch's answer.
-            res = _polish(s, xs[k], method, device)
+            res = _polish(s, xs[k], method, device, manager)
         elif code == 2 and s.method == "auto":
             # "auto" chose CG from symmetry and a positive diagonal, but the matrix is
             # indefinite: solve() picks a method that does not break down.
-            res = _polish(s, None, "auto", device)
+            res = _polish(s, None, "auto", device, manager)
         elif code == 0:
             res.message = Status.CONVERGED.message
         results.append(res)
@@ -616,7 +619,8 @@ def _solve_packed(systems: list[LinearSystem], packed: Any, method: str,
 _STATUS = {0: Status.CONVERGED, 1: Status.MAXITER, 2: Status.BREAKDOWN}
 
 
-def _polish(s: LinearSystem, x0: Any, method: str, device: str) -> SolveResult:
+def _polish(s: LinearSystem, x0: Any, method: str, device: Device,
+            manager: DeviceManager) -> SolveResult:
     from .solve import solve  # see _Runner._run_single
 
     t = object.__new__(LinearSystem)
@@ -624,7 +628,7 @@ def _polish(s: LinearSystem, x0: Any, method: str, device: str) -> SolveResult:
     t.method = method
     if x0 is not None:
         t.x0 = x0
-    res = solve(t, device=device)
+    res = solve(t, device=device, manager=manager)
     res.info["polished"] = True
     return res
 

@@ -134,6 +134,34 @@ def test_jacobi_preconditioner_batches():
     assert_solves(systems, results)
 
 
+def test_systems_the_batched_core_cannot_take_go_through_solve(sims):
+    A = sp.diags([-1.0, 2.5, -1.0], [-1, 0, 1], shape=(50, 50), format="csr")
+    b = np.linspace(1.0, 2.0, 50)
+    items = [LinearSystem(A, b, method="gmres", name="gmres"), (A.toarray(), b),
+             (spla.aslinearoperator(A), b), LinearSystem(A, b, method="direct", name="direct"),
+             LinearSystem(A, b, M="neumann", name="neumann"), (A, b)]
+    results = solve_many(items, manager=sims)
+    ref = spla.spsolve(A.tocsc(), b)
+    for r in results:
+        assert r.converged, r
+        assert np.linalg.norm(b - A @ r.to_numpy()) <= 1e-8 * np.linalg.norm(b)
+        np.testing.assert_allclose(r.to_numpy(), ref, rtol=1e-6)
+    assert [r.info["batch_size"] for r in results[:5]] == [1] * 5
+    assert results[0].method == "gmres" and results[3].method == "direct"
+    assert results[5].method == "cg"
+
+
+def test_auto_on_an_indefinite_matrix_recovers_from_cg_breakdown(sims):
+    # Symmetric with a positive diagonal, so "auto" tries CG, but indefinite.
+    A = sp.csr_matrix(np.array([[1.0, 2.0, 0.0], [2.0, 1.0, 0.0], [0.0, 0.0, 3.0]]))
+    b = np.array([1.0, -1.0, 1.0])
+    spd = poisson2d(5)
+    results = solve_many([(A, b), (spd, np.ones(25))], manager=sims)
+    assert all(r.converged for r in results)
+    np.testing.assert_allclose(A @ results[0].to_numpy(), b, atol=1e-10)
+    assert results[0].method != "cg"
+
+
 def test_disperse_false_keeps_everything_on_one_device(sims):
     systems = mixed_systems(20, seed=5)
     results = solve_many(systems, disperse=False, manager=sims)
