@@ -1,0 +1,419 @@
+"""Batched Krylov kernels on the CPU: CG and BiCGStab over a block-diagonal CSR.
+
+The CPU twins of the fused CUDA kernels in
+``managed_solve/solvers/_cuda_krylov.py``. Every system ``s`` owns the rows
+``offsets[s]:offsets[s+1]`` of one block-diagonal CSR (column indices are
+global), its own scalars and its own stopping rule
+``||r_s|| <= max(rtol_s * ||b_s||, atol_s)`` (SciPy's rule).
+
+Two parallel layouts, chosen by the caller:
+
+- ``*_systems``: ``prange`` over systems, each system's rows serially. Many
+  systems keep both cores busy without any per-iteration thread start.
+- ``*_rows``: one system, ``prange`` over rows with reductions, three (CG)
+  or five (BiCGStab) parallel sweeps per iteration. Only worth its thread
+  starts for large systems.
+
+Status codes: 0 converged, 1 maxiter, 2 breakdown. Scalars (alpha, beta,
+rho, omega and every dot product) are accumulated in float64 whatever the
+vector dtype, so float32 systems lose precision only in the stored vectors.
+
+Preconditioning: ``dinv`` is the inverse diagonal (Jacobi) or an empty array
+for none; without it the caller passes ``z`` aliased to ``r`` (CG) or to
+``p`` (BiCGStab), so no extra vector is touched.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from numba import prange
+
+__all__ = [
+    "bicgstab_rows",
+    "bicgstab_systems",
+    "cg_rows",
+    "cg_systems",
+    "row_product",
+    "run_systems",
+]
+
+
+# ---------------------------------------------------------------------------
+# Per-element math shared by both layouts (plain njit: callable from either).
+
+
+@numba.njit(cache=True, inline="always")
+def row_product(indptr, indices, data, v, i):
+    """``(A v)_i`` for CSR row ``i``, accumulated in float64."""
+    acc = 0.0
+    for j in range(indptr[i], indptr[i + 1]):
+        acc += data[j] * v[indices[j]]
+    return acc
+
+
+@numba.njit(cache=True, inline="always")
+def precondition(dinv, v, i):
+    """``(M^-1 v)_i`` for Jacobi, or ``v_i`` when ``dinv`` is empty."""
+    if dinv.shape[0] > 0:
+        return dinv[i] * v[i]
+    return v[i] * 1.0
+
+
+@numba.njit(cache=True)
+def stop_tolerance2(bb, rtol, atol):
+    """Squared stopping tolerance ``max(rtol * ||b||, atol)**2`` (SciPy's rule)."""
+    tol = max(rtol * math.sqrt(bb), atol)
+    return tol * tol
+
+
+@numba.njit(cache=True)
+def cg_initial_status(rr, tol2, rz, maxiter):
+    """Status before the first CG iteration: -1 running, else 0/1/2."""
+    if rr <= tol2:
+        return 0
+    if maxiter <= 0:
+        return 1
+    if rz == 0.0 or not math.isfinite(rz):
+        return 2
+    return -1
+
+
+# ---------------------------------------------------------------------------
+# CG
+
+
+@numba.njit(cache=True)
+def _cg_segment(lo, hi, indptr, indices, data, b, x, dinv, r, z, p, q,
+                rtol, atol, maxiter, has_x0):
+    """Serial preconditioned CG on rows ``lo:hi``; returns (iterations, rr, status)."""
+    bb = 0.0
+    rr = 0.0
+    rz = 0.0
+    for i in range(lo, hi):
+        bi = b[i] * 1.0
+        bb += bi * bi
+        ri = bi - row_product(indptr, indices, data, x, i) if has_x0 else bi
+        r[i] = ri
+        zi = precondition(dinv, r, i)
+        z[i] = zi
+        p[i] = zi
+        rr += ri * ri
+        rz += ri * zi
+    if bb == 0.0:  # b = 0: x = 0 is the exact answer (SciPy returns b)
+        for i in range(lo, hi):
+            x[i] = 0.0
+        return 0, 0.0, 0
+    tol2 = stop_tolerance2(bb, rtol, atol)
+    it = 0
+    while True:
+        st = cg_initial_status(rr, tol2, rz, maxiter - it)
+        if st >= 0:
+            return it, rr, st
+        pq = 0.0
+        for i in range(lo, hi):
+            qi = row_product(indptr, indices, data, p, i)
+            q[i] = qi
+            pq += p[i] * qi
+        if not pq > 0.0:  # indefinite (or NaN): CG cannot go on
+            return it, rr, 2
+        alpha = rz / pq
+        rr = 0.0
+        rz_new = 0.0
+        for i in range(lo, hi):
+            x[i] += alpha * p[i]
+            ri = r[i] - alpha * q[i]
+            r[i] = ri
+            zi = precondition(dinv, r, i)
+            z[i] = zi
+            rr += ri * ri
+            rz_new += ri * zi
+        beta = rz_new / rz
+        rz = rz_new
+        for i in range(lo, hi):
+            p[i] = z[i] + beta * p[i]
+        it += 1
+
+
+@numba.njit(parallel=True, cache=True)
+def cg_systems(indptr, indices, data, b, x, dinv, r, z, p, q, offsets,
+               rtol, atol, maxiter, has_x0, out_iterations, out_rr, out_status):
+    """CG on every system of a packed batch, one system per parallel task."""
+    for s in prange(offsets.shape[0] - 1):
+        it, rr, st = _cg_segment(offsets[s], offsets[s + 1], indptr, indices, data, b, x,
+                                 dinv, r, z, p, q, rtol[s], atol[s], maxiter[s], has_x0)
+        out_iterations[s] = it
+        out_rr[s] = rr
+        out_status[s] = st
+
+
+@numba.njit(parallel=True, cache=True)
+def cg_rows(indptr, indices, data, b, x, dinv, r, z, p, q, rtol, atol, maxiter, has_x0):
+    """CG on one system, each sweep parallel over rows; returns (iterations, rr, status)."""
+    n = b.shape[0]
+    bb = 0.0
+    rr = 0.0
+    rz = 0.0
+    for i in prange(n):
+        bi = b[i] * 1.0
+        ri = bi - row_product(indptr, indices, data, x, i) if has_x0 else bi
+        r[i] = ri
+        zi = precondition(dinv, r, i)
+        z[i] = zi
+        p[i] = zi
+        bb += bi * bi
+        rr += ri * ri
+        rz += ri * zi
+    if bb == 0.0:
+        for i in prange(n):
+            x[i] = 0.0
+        return 0, 0.0, 0
+    tol2 = stop_tolerance2(bb, rtol, atol)
+    it = 0
+    while True:
+        st = cg_initial_status(rr, tol2, rz, maxiter - it)
+        if st >= 0:
+            return it, rr, st
+        pq = 0.0
+        for i in prange(n):
+            qi = row_product(indptr, indices, data, p, i)
+            q[i] = qi
+            pq += p[i] * qi
+        if not pq > 0.0:
+            return it, rr, 2
+        alpha = rz / pq
+        rr = 0.0
+        rz_new = 0.0
+        for i in prange(n):
+            x[i] += alpha * p[i]
+            ri = r[i] - alpha * q[i]
+            r[i] = ri
+            zi = precondition(dinv, r, i)
+            z[i] = zi
+            rr += ri * ri
+            rz_new += ri * zi
+        beta = rz_new / rz
+        rz = rz_new
+        for i in prange(n):
+            p[i] = z[i] + beta * p[i]
+        it += 1
+
+
+# ---------------------------------------------------------------------------
+# BiCGStab (the same iterates as scipy.sparse.linalg.bicgstab, right-preconditioned)
+
+
+@numba.njit(cache=True)
+def _bicgstab_segment(lo, hi, indptr, indices, data, b, x, dinv, r, rt, p, v, t, z,
+                      rtol, atol, maxiter, has_x0):
+    """Serial BiCGStab on rows ``lo:hi``; returns (iterations, rr, status).
+
+    ``z`` holds p-hat, then s-hat (Jacobi); without Jacobi it aliases ``p`` and
+    s-hat is ``r`` itself (s overwrites r in place, as SciPy's ``s[:] = r``).
+    """
+    jac = dinv.shape[0] > 0
+    bb = 0.0
+    rr = 0.0
+    for i in range(lo, hi):
+        bi = b[i] * 1.0
+        bb += bi * bi
+        ri = bi - row_product(indptr, indices, data, x, i) if has_x0 else bi
+        r[i] = ri
+        rt[i] = ri
+        rr += ri * ri
+    if bb == 0.0:
+        for i in range(lo, hi):
+            x[i] = 0.0
+        return 0, 0.0, 0
+    tol2 = stop_tolerance2(bb, rtol, atol)
+    rho = rr  # rt . r with rt = r
+    rho_prev = 1.0
+    alpha = 1.0
+    omega = 1.0
+    it = 0
+    while True:
+        if rr <= tol2:
+            return it, rr, 0
+        if it >= maxiter:
+            return it, rr, 1
+        if rho == 0.0 or not math.isfinite(rho):
+            return it, rr, 2
+        if it > 0:
+            if omega == 0.0:
+                return it, rr, 2
+            beta = (rho / rho_prev) * (alpha / omega)
+            for i in range(lo, hi):
+                pi = r[i] + beta * (p[i] - omega * v[i])
+                p[i] = pi
+                if jac:
+                    z[i] = dinv[i] * pi
+        else:
+            for i in range(lo, hi):
+                p[i] = r[i]
+                if jac:
+                    z[i] = dinv[i] * r[i]
+        rv = 0.0
+        for i in range(lo, hi):
+            vi = row_product(indptr, indices, data, z, i)
+            v[i] = vi
+            rv += rt[i] * vi
+        if rv == 0.0 or not math.isfinite(rv):
+            return it, rr, 2
+        alpha = rho / rv
+        ss = 0.0
+        for i in range(lo, hi):
+            x[i] += alpha * z[i]
+            si = r[i] - alpha * v[i]
+            r[i] = si
+            ss += si * si
+            if jac:
+                z[i] = dinv[i] * si
+        if ss <= tol2:  # converged at the half step (SciPy stops here too)
+            return it + 1, ss, 0
+        tt = 0.0
+        ts = 0.0
+        for i in range(lo, hi):
+            if jac:
+                ti = row_product(indptr, indices, data, z, i)
+            else:
+                ti = row_product(indptr, indices, data, r, i)
+            t[i] = ti
+            tt += ti * ti
+            ts += ti * r[i]
+        if tt == 0.0 or not math.isfinite(tt):
+            return it + 1, ss, 2
+        omega = ts / tt
+        rr = 0.0
+        rho_prev = rho
+        rho = 0.0
+        for i in range(lo, hi):
+            if jac:
+                x[i] += omega * z[i]
+            else:
+                x[i] += omega * r[i]
+            ri = r[i] - omega * t[i]
+            r[i] = ri
+            rr += ri * ri
+            rho += rt[i] * ri
+        it += 1
+
+
+@numba.njit(parallel=True, cache=True)
+def bicgstab_systems(indptr, indices, data, b, x, dinv, r, rt, p, v, t, z, offsets,
+                     rtol, atol, maxiter, has_x0, out_iterations, out_rr, out_status):
+    """BiCGStab on every system of a packed batch, one system per parallel task."""
+    for s in prange(offsets.shape[0] - 1):
+        it, rr, st = _bicgstab_segment(offsets[s], offsets[s + 1], indptr, indices, data, b, x,
+                                       dinv, r, rt, p, v, t, z, rtol[s], atol[s], maxiter[s],
+                                       has_x0)
+        out_iterations[s] = it
+        out_rr[s] = rr
+        out_status[s] = st
+
+
+@numba.njit(parallel=True, cache=True)
+def bicgstab_rows(indptr, indices, data, b, x, dinv, r, rt, p, v, t, z,
+                  rtol, atol, maxiter, has_x0):
+    """BiCGStab on one system, each sweep parallel over rows; returns (iterations, rr, status)."""
+    n = b.shape[0]
+    jac = dinv.shape[0] > 0
+    bb = 0.0
+    rr = 0.0
+    for i in prange(n):
+        bi = b[i] * 1.0
+        ri = bi - row_product(indptr, indices, data, x, i) if has_x0 else bi
+        r[i] = ri
+        rt[i] = ri
+        bb += bi * bi
+        rr += ri * ri
+    if bb == 0.0:
+        for i in prange(n):
+            x[i] = 0.0
+        return 0, 0.0, 0
+    tol2 = stop_tolerance2(bb, rtol, atol)
+    rho = rr
+    rho_prev = 1.0
+    alpha = 1.0
+    omega = 1.0
+    it = 0
+    while True:
+        if rr <= tol2:
+            return it, rr, 0
+        if it >= maxiter:
+            return it, rr, 1
+        if rho == 0.0 or not math.isfinite(rho):
+            return it, rr, 2
+        beta = 0.0
+        if it > 0:
+            if omega == 0.0:
+                return it, rr, 2
+            beta = (rho / rho_prev) * (alpha / omega)
+        for i in prange(n):
+            pi = r[i] + beta * (p[i] - omega * v[i]) if it > 0 else r[i] * 1.0
+            p[i] = pi
+            if jac:
+                z[i] = dinv[i] * pi
+        rv = 0.0
+        for i in prange(n):
+            vi = row_product(indptr, indices, data, z, i)
+            v[i] = vi
+            rv += rt[i] * vi
+        if rv == 0.0 or not math.isfinite(rv):
+            return it, rr, 2
+        alpha = rho / rv
+        ss = 0.0
+        for i in prange(n):
+            x[i] += alpha * z[i]
+            si = r[i] - alpha * v[i]
+            r[i] = si
+            ss += si * si
+            if jac:
+                z[i] = dinv[i] * si
+        if ss <= tol2:
+            return it + 1, ss, 0
+        tt = 0.0
+        ts = 0.0
+        for i in prange(n):
+            if jac:
+                ti = row_product(indptr, indices, data, z, i)
+            else:
+                ti = row_product(indptr, indices, data, r, i)
+            t[i] = ti
+            tt += ti * ti
+            ts += ti * r[i]
+        if tt == 0.0 or not math.isfinite(tt):
+            return it + 1, ss, 2
+        omega = ts / tt
+        rr = 0.0
+        rho_prev = rho
+        rho = 0.0
+        for i in prange(n):
+            if jac:
+                x[i] += omega * z[i]
+            else:
+                x[i] += omega * r[i]
+            ri = r[i] - omega * t[i]
+            r[i] = ri
+            rr += ri * ri
+            rho += rt[i] * ri
+        it += 1
+
+
+def empty_dinv(dtype) -> np.ndarray:
+    """The "no preconditioner" marker: an empty array of the vector dtype."""
+    return np.empty(0, dtype=dtype)
+
+
+def run_systems(kernel, *args):
+    """Call a ``*_systems`` kernel with dynamic scheduling, one system per chunk.
+
+    Systems of a batch differ in size and iteration count; Numba's default
+    static split would leave one core idle while the other finishes the big ones.
+    """
+    old = numba.set_parallel_chunksize(1)
+    try:
+        kernel(*args)
+    finally:
+        numba.set_parallel_chunksize(old)

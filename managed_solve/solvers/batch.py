@@ -1,0 +1,394 @@
+"""PackedBatch: many CSR systems as one block-diagonal CSR on one device.
+
+The batched Krylov core (:mod:`managed_solve.solvers.batched`) runs on this
+layout: rows of system ``s`` are ``offsets[s]:offsets[s+1]``, its column
+indices are shifted by the same offset (so the whole batch is one
+block-diagonal matrix and one SpMV serves every system), and ``row_sys``
+maps each row to its system for the per-system scalars of the GPU kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .. import _backend
+
+_INT32_MAX = np.iinfo(np.int32).max
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+
+# Work vectors beyond A, b and x0 that each method allocates once per solve
+# (x itself is counted separately): CG r, p, q (+ z with Jacobi); BiCGStab
+# r, r~, p, v, t (+ z, holding p-hat then s-hat, with Jacobi).
+WORK_VECTORS = {"cg": 3, "bicgstab": 5}
+# Per-system device scalars: rtol, atol, tol^2, maxiter, iterations, status,
+# final rr, accumulators (up to 6 dot products x 4 rotating slots), offsets.
+_PER_SYSTEM_BYTES = 8 * (8 + 6 * 4)
+# CuPy's memory pool rounds every allocation up to 512 bytes.
+_POOL_ROUND = 512
+_ARRAYS_PER_SOLVE = 24
+
+
+def default_maxiter(n: int) -> int:
+    """Iteration limit when none is given: ``10 * n`` (SciPy's), at least 100."""
+    return max(10 * int(n), 100)
+
+
+def _index_dtype(n: int, nnz: int, index_dtype: Any = None) -> np.dtype:
+    if index_dtype is not None:
+        dt = np.dtype(index_dtype)
+        if dt not in (np.dtype(np.int32), np.dtype(np.int64)):
+            raise TypeError(f"PackedBatch: index_dtype must be int32 or int64, got {dt}")
+        if dt == np.int32 and max(n, nnz) > _INT32_MAX:
+            raise ValueError(
+                f"PackedBatch: index_dtype=int32 cannot address n={n}, nnz={nnz} "
+                "(more than 2**31 - 1); use index_dtype=int64 or leave it None."
+            )
+        return dt
+    return np.dtype(np.int64) if max(n, nnz) > _INT32_MAX else np.dtype(np.int32)
+
+
+def _target(device: Any) -> tuple[str, int]:
+    from ..devices import parse_device_name
+
+    return parse_device_name(str(device), what="PackedBatch.pack(device=...)")
+
+
+def _on_cuda(a: Any, idx: int) -> bool:
+    return _backend.is_cupy_array(a) and a.device.id == idx
+
+
+class PackedBatch:
+    """Block-diagonal CSR of ``nsys`` systems on one device, with per-system options.
+
+    Build it with :meth:`pack` (many :class:`~managed_solve.system.LinearSystem`)
+    or :meth:`from_csr` (one matrix); solve it with
+    :func:`~managed_solve.solvers.batched.cg_batched` or
+    :func:`~managed_solve.solvers.batched.bicgstab_batched`.
+
+    Attributes
+    ----------
+    xp : module
+        ``numpy`` or ``cupy``: where the arrays lie.
+    indptr, indices, data : xp arrays
+        The block-diagonal CSR; int32 indices unless ``n`` or ``nnz`` exceed int32.
+    b, x0 : xp arrays, shape (n,)
+        Right-hand sides and initial guesses (``x0`` None means zeros).
+    offsets : numpy int64 array, shape (nsys + 1,)
+        Row offsets of each system (on the host).
+    row_sys : xp int32 array, shape (n,)
+        System id of each row.
+    rtol, atol : numpy float64 arrays, shape (nsys,)
+    maxiter : numpy int64 array, shape (nsys,)
+    dinv : xp array or None
+        Inverse diagonal (Jacobi preconditioner) when packed with ``jacobi=True``.
+    device : str
+        ``"cpu"``, ``"sim:k"`` or ``"cuda:i"``.
+
+    Examples
+    --------
+    >>> import numpy as np, scipy.sparse as sp
+    >>> from managed_solve.solvers.batch import PackedBatch
+    >>> A = sp.diags([2.0, 4.0]).tocsr()
+    >>> batch = PackedBatch.from_csr(A, np.ones(2))
+    >>> batch.nsys, batch.n, batch.nnz, str(batch.indices.dtype)
+    (1, 2, 2, 'int32')
+    """
+
+    def __init__(self, *, indptr: Any, indices: Any, data: Any, b: Any, x0: Any,
+                 offsets: np.ndarray, row_sys: Any, rtol: np.ndarray, atol: np.ndarray,
+                 maxiter: np.ndarray, dinv: Any = None, device: str = "cpu",
+                 names: Sequence[Any] | None = None):
+        self.indptr, self.indices, self.data = indptr, indices, data
+        self.b, self.x0 = b, x0
+        self.offsets = np.asarray(offsets, dtype=np.int64)
+        self.row_sys = row_sys
+        self.rtol = np.asarray(rtol, dtype=np.float64)
+        self.atol = np.asarray(atol, dtype=np.float64)
+        self.maxiter = np.asarray(maxiter, dtype=np.int64)
+        self.dinv = dinv
+        self.device = str(device)
+        self.names = list(names) if names is not None else [None] * (len(self.offsets) - 1)
+
+    # -- facts --------------------------------------------------------------
+    @property
+    def xp(self):
+        return _backend.array_module(self.data)
+
+    @property
+    def nsys(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def n(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def nnz(self) -> int:
+        return int(self.data.shape[0])
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.data.dtype)
+
+    @property
+    def index_dtype(self) -> np.dtype:
+        return np.dtype(self.indices.dtype)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """Rows of each system (host int64)."""
+        return np.diff(self.offsets)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the batch's arrays hold on its device."""
+        arrays = (self.indptr, self.indices, self.data, self.b, self.x0, self.row_sys, self.dinv)
+        return int(sum(a.nbytes for a in arrays if a is not None))
+
+    def __repr__(self) -> str:
+        return (f"PackedBatch(nsys={self.nsys}, n={self.n}, nnz={self.nnz}, dtype={self.dtype}, "
+                f"index_dtype={self.index_dtype}, device={self.device!r}, "
+                f"jacobi={self.dinv is not None})")
+
+    # -- memory prediction ---------------------------------------------------
+    @staticmethod
+    def predict_bytes(n: int, nnz: int, nsys: int, dtype: Any, index_dtype: Any = np.int32,
+                      method: str = "cg", *, jacobi: bool = True, x0: bool = True) -> int:
+        """Upper bound of the device bytes a batch plus one solve's workspace takes.
+
+        Counts the packed CSR, ``b``, ``x0`` (when ``x0``), ``row_sys``,
+        ``dinv`` (when ``jacobi``), the solution ``x``, the method's work
+        vectors, the per-system scalars, and the memory pool's 512-byte
+        rounding of each allocation.
+
+        Examples
+        --------
+        >>> from managed_solve.solvers.batch import PackedBatch
+        >>> PackedBatch.predict_bytes(1000, 5000, 1, "float64", "int32", "cg") > 5000 * 12
+        True
+        """
+        if method not in WORK_VECTORS:
+            raise ValueError(f"PackedBatch.predict_bytes: method={method!r}; expected 'cg' or 'bicgstab'")
+        w = np.dtype(dtype).itemsize
+        iw = np.dtype(index_dtype).itemsize
+        n, nnz, nsys = int(n), int(nnz), int(nsys)
+        batch = nnz * (w + iw) + (n + 1) * iw + n * w + 4 * n
+        batch += n * w if x0 else 0
+        batch += n * w if jacobi else 0
+        work = (1 + WORK_VECTORS[method] + (1 if jacobi else 0)) * n * w
+        scalars = nsys * _PER_SYSTEM_BYTES
+        return int(batch + work + scalars + _ARRAYS_PER_SOLVE * _POOL_ROUND)
+
+    # -- construction ----------------------------------------------------------
+    @classmethod
+    def pack(cls, systems: Sequence[Any], *, device: Any = "cpu", jacobi: bool = False,
+             dtype: Any = None, index_dtype: Any = None) -> PackedBatch:
+        """Pack :class:`~managed_solve.system.LinearSystem` objects into one batch on ``device``.
+
+        Parameters
+        ----------
+        systems : sequence of LinearSystem
+            Each with ``kind == "csr"``; on any device (moved to ``device``).
+        device : str or Device
+            ``"cpu"``, ``"sim:k"`` (host arrays) or ``"cuda:i"`` (CuPy arrays on GPU i).
+        jacobi : bool
+            Also build the inverse diagonal for Jacobi preconditioning.
+        dtype : float32 or float64, optional
+            Value dtype of the batch; default float32 only when every system is float32.
+        index_dtype : int32 or int64, optional
+            Force the index width (default: int32 unless ``n`` or ``nnz`` exceed it).
+
+        Returns
+        -------
+        PackedBatch
+
+        Raises
+        ------
+        ValueError
+            An empty list, or a system that is not a sparse CSR matrix.
+        TypeError
+            An unsupported dtype.
+
+        Examples
+        --------
+        >>> import numpy as np, scipy.sparse as sp
+        >>> from managed_solve import LinearSystem
+        >>> from managed_solve.solvers.batch import PackedBatch
+        >>> s1 = LinearSystem(sp.diags([2.0, 2.0]).tocsr(), np.ones(2), rtol=1e-6)
+        >>> s2 = LinearSystem(sp.diags([4.0]).tocsr(), np.ones(1))
+        >>> batch = PackedBatch.pack([s1, s2])
+        >>> batch.offsets.tolist(), batch.row_sys.tolist(), batch.indices.tolist()
+        ([0, 2, 3], [0, 0, 1], [0, 1, 2])
+        """
+        systems = list(systems)
+        if not systems:
+            raise ValueError("PackedBatch.pack(systems=[]): nothing to pack; pass at least one LinearSystem")
+        for k, s in enumerate(systems):
+            kind = getattr(s, "kind", None)
+            if kind != "csr":
+                what = f"kind={kind!r}" if kind is not None else f"a {type(s).__name__}"
+                raise ValueError(
+                    f"PackedBatch.pack(systems[{k}]): expected a LinearSystem with a sparse CSR "
+                    f"matrix (kind='csr'), got {what}. Solve dense or operator systems with "
+                    "solve(), or pass A as a scipy/cupyx sparse matrix."
+                )
+        if dtype is None:
+            dt = (np.dtype(np.float32) if all(np.dtype(s.dtype) == np.float32 for s in systems)
+                  else np.dtype(np.float64))
+        else:
+            dt = np.dtype(dtype)
+        if dt not in _FLOATS:
+            raise TypeError(f"PackedBatch.pack(dtype={dt}): expected float32 or float64")
+        sizes = np.array([s.n for s in systems], dtype=np.int64)
+        nnzs = np.array([s.nnz for s in systems], dtype=np.int64)
+        offsets = np.zeros(len(systems) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        nnz_off = np.zeros(len(systems) + 1, dtype=np.int64)
+        np.cumsum(nnzs, out=nnz_off[1:])
+        n, nnz = int(offsets[-1]), int(nnz_off[-1])
+        idt = _index_dtype(n, nnz, index_dtype)
+        kind, idx = _target(device)
+        if kind == "cuda":
+            xp = _backend.cupy()
+            ctx = xp.cuda.Device(idx)
+        else:
+            xp, ctx = np, _NullCtx()
+        any_x0 = any(s.x0 is not None for s in systems)
+        with ctx:
+            # Fill preallocated outputs slice by slice, so the device holds the
+            # batch plus at most one system's temporary, never two copies.
+            indptr = xp.empty(n + 1, dtype=idt)
+            indices = xp.empty(nnz, dtype=idt)
+            data = xp.empty(nnz, dtype=dt)
+            b = xp.empty(n, dtype=dt)
+            x0 = xp.zeros(n, dtype=dt) if any_x0 else None
+            dinv = xp.empty(n, dtype=dt) if jacobi else None
+            indptr[-1:] = nnz
+            for k, s in enumerate(systems):
+                lo, hi, jlo, jhi = offsets[k], offsets[k + 1], nnz_off[k], nnz_off[k + 1]
+                A = s.A
+                mod = xp if (kind == "cuda" and _on_cuda(A.data, idx)) else np
+                if mod is np:
+                    A = _backend.to_host(A)
+                ip = A.indptr[:-1].astype(np.int64) + jlo if mod is np else A.indptr[:-1].astype(idt) + idt.type(jlo)
+                _put(indptr, lo, hi, ip.astype(idt, copy=False), xp)
+                ci = A.indices.astype(np.int64) + lo if mod is np else A.indices.astype(idt) + idt.type(lo)
+                _put(indices, jlo, jhi, ci.astype(idt, copy=False), xp)
+                _put(data, jlo, jhi, A.data.astype(dt, copy=False), xp)
+                bb = s.b if (kind == "cuda" and _on_cuda(s.b, idx)) else _backend.to_host(s.b)
+                _put(b, lo, hi, bb.astype(dt, copy=False), xp)
+                if s.x0 is not None:
+                    xx = s.x0 if (kind == "cuda" and _on_cuda(s.x0, idx)) else _backend.to_host(s.x0)
+                    _put(x0, lo, hi, xx.astype(dt, copy=False), xp)
+                if jacobi:
+                    _put(dinv, lo, hi, _inverse_diagonal(A, dt, call=f"PackedBatch.pack(systems[{k}])"), xp)
+            row_sys = xp.asarray(np.repeat(np.arange(len(systems), dtype=np.int32), sizes))
+        rtol = np.array([s.rtol for s in systems], dtype=np.float64)
+        atol = np.array([s.atol for s in systems], dtype=np.float64)
+        maxiter = np.array([s.maxiter if s.maxiter is not None else default_maxiter(s.n)
+                            for s in systems], dtype=np.int64)
+        return cls(indptr=indptr, indices=indices, data=data, b=b, x0=x0, offsets=offsets,
+                   row_sys=row_sys, rtol=rtol, atol=atol, maxiter=maxiter, dinv=dinv,
+                   device=f"cuda:{idx}" if kind == "cuda" else str(device),
+                   names=[getattr(s, "name", None) for s in systems])
+
+    @classmethod
+    def from_csr(cls, A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 0.0,
+                 maxiter: int | None = None, jacobi: bool = False,
+                 index_dtype: Any = None) -> PackedBatch:
+        """One system as a batch of one; arrays stay where they are.
+
+        ``A`` is a SciPy or cupyx CSR matrix (other sparse formats are
+        converted); no copy is made when A's arrays already have the batch's
+        dtypes. ``index_dtype`` forces int32 or int64 indices (a copy of the
+        index arrays when they differ).
+
+        Examples
+        --------
+        >>> import numpy as np, scipy.sparse as sp
+        >>> from managed_solve.solvers.batch import PackedBatch
+        >>> A = sp.diags([2.0, 4.0]).tocsr()
+        >>> batch = PackedBatch.from_csr(A, np.ones(2), index_dtype=np.int64)
+        >>> str(batch.indptr.dtype), batch.maxiter.tolist()
+        ('int64', [100])
+        """
+        call = "PackedBatch.from_csr(A, b)"
+        if not (_backend.is_scipy_sparse(A) or _backend.is_cupy_sparse(A)):
+            raise TypeError(f"{call}: A must be a SciPy or cupyx sparse matrix, got {type(A).__name__}; "
+                            "wrap dense or torch inputs in LinearSystem and use PackedBatch.pack")
+        if A.format != "csr":
+            A = A.tocsr()
+        if A.shape[0] != A.shape[1]:
+            raise ValueError(f"{call}: A must be square, got shape {A.shape}")
+        n = int(A.shape[0])
+        dt = np.dtype(A.dtype)
+        if dt not in _FLOATS:
+            raise TypeError(f"{call}: A has dtype {dt}; expected float32 or float64 (use A.astype)")
+        xp = _backend.array_module(A.data)
+        if _backend.array_module(b) is not xp or (x0 is not None and _backend.array_module(x0) is not xp):
+            raise ValueError(f"{call}: A, b and x0 must lie on one device (all NumPy or all CuPy)")
+        if tuple(b.shape) != (n,):
+            raise ValueError(f"{call}: b must have shape ({n},), got {tuple(b.shape)}")
+        if x0 is not None and tuple(x0.shape) != (n,):
+            raise ValueError(f"{call}: x0 must have shape ({n},), got {tuple(x0.shape)}")
+        if maxiter is not None and int(maxiter) < 0:
+            raise ValueError(f"{call}: maxiter must be >= 0, got {maxiter}")
+        idt = _index_dtype(n, int(A.nnz), index_dtype)
+        indptr = A.indptr if A.indptr.dtype == idt else A.indptr.astype(idt)
+        indices = A.indices if A.indices.dtype == idt else A.indices.astype(idt)
+        device = f"cuda:{A.data.device.id}" if xp is not np else "cpu"
+        return cls(indptr=indptr, indices=indices, data=A.data, b=b.astype(dt, copy=False),
+                   x0=None if x0 is None else x0.astype(dt, copy=False),
+                   offsets=np.array([0, n], dtype=np.int64),
+                   row_sys=xp.zeros(n, dtype=np.int32),
+                   rtol=np.array([rtol], dtype=np.float64), atol=np.array([atol], dtype=np.float64),
+                   maxiter=np.array([default_maxiter(n) if maxiter is None else int(maxiter)]),
+                   dinv=_inverse_diagonal(A, dt, call=call) if jacobi else None, device=device)
+
+    # -- results ---------------------------------------------------------------
+    def unpack(self, x: Any) -> list:
+        """Per-system views of a packed vector (no copies).
+
+        Examples
+        --------
+        >>> import numpy as np, scipy.sparse as sp
+        >>> from managed_solve import LinearSystem
+        >>> from managed_solve.solvers.batch import PackedBatch
+        >>> ss = [LinearSystem(sp.eye(k, format="csr"), np.ones(k)) for k in (1, 2)]
+        >>> [v.tolist() for v in PackedBatch.pack(ss).unpack(np.arange(3.0))]
+        [[0.0], [1.0, 2.0]]
+        """
+        if tuple(x.shape) != (self.n,):
+            raise ValueError(f"PackedBatch.unpack(x): x must have shape ({self.n},), got {tuple(x.shape)}")
+        o = self.offsets
+        return [x[o[k]:o[k + 1]] for k in range(self.nsys)]
+
+
+class _NullCtx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _put(out: Any, lo: int, hi: int, part: Any, xp: Any) -> None:
+    """out[lo:hi] = part, uploading a host part straight into the slice."""
+    if xp is np or _backend.is_cupy_array(part):
+        out[lo:hi] = part
+    else:
+        out[lo:hi].set(np.ascontiguousarray(part))
+
+
+def _inverse_diagonal(A: Any, dt: np.dtype, *, call: str) -> Any:
+    """1 / diag(A) for Jacobi; a zero diagonal entry is an error the user can fix."""
+    d = A.diagonal().astype(dt, copy=False)
+    xp = _backend.array_module(d)
+    zero = int(xp.count_nonzero(d == 0))  # sync: one read at set-up
+    if zero:
+        raise ValueError(f"{call}: jacobi=True needs a non-zero diagonal, but {zero} diagonal "
+                         "entries are zero; use jacobi=False or reorder the system")
+    return (1.0 / d).astype(dt, copy=False)

@@ -1,0 +1,166 @@
+"""PackedBatch: packing, unpacking, index widths, memory prediction."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from managed_solve import LinearSystem
+from managed_solve.solvers.batch import PackedBatch, default_maxiter
+from managed_solve.solvers.batched import bicgstab_batched, cg_batched
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    return "cpu" if request.param == "cpu" else "cuda:0"
+
+
+def host(a):
+    return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
+
+
+def poisson2d(m, dtype=np.float64):
+    t = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(m, m))
+    return (sp.kron(sp.eye(m), t) + sp.kron(t, sp.eye(m))).tocsr().astype(dtype)
+
+
+def mixed_systems(rng):
+    mats = [sp.csr_matrix(np.array([[3.0]])), poisson2d(3), poisson2d(5), sp.diags([1.0, 2.0]).tocsr()]
+    out = []
+    for k, A in enumerate(mats):
+        x0 = rng.standard_normal(A.shape[0]) if k == 2 else None
+        out.append(LinearSystem(A, rng.standard_normal(A.shape[0]), x0=x0, rtol=10.0 ** -(k + 3),
+                                maxiter=10 + k, name=f"s{k}"))
+    return out
+
+
+def test_pack_round_trip(device):
+    rng = np.random.default_rng(0)
+    systems = mixed_systems(rng)
+    batch = PackedBatch.pack(systems, device=device)
+    sizes = [s.n for s in systems]
+    assert batch.nsys == 4 and batch.n == sum(sizes) and batch.nnz == sum(s.nnz for s in systems)
+    assert batch.offsets.tolist() == np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    assert host(batch.row_sys).tolist() == np.repeat(np.arange(4), sizes).tolist()
+    assert batch.indices.dtype == np.int32 and batch.dtype == np.float64
+    if device == "cpu":
+        assert batch.xp is np
+    else:
+        assert batch.xp.__name__ == "cupy" and batch.data.device.id == 0
+    # The packed CSR is the block diagonal of the inputs.
+    A = sp.csr_matrix((host(batch.data), host(batch.indices), host(batch.indptr)), shape=(batch.n,) * 2)
+    ref = sp.block_diag([s.A for s in systems], format="csr")
+    assert abs(A - ref).max() == 0
+    # unpack gives views in order; x0 of systems without one is zero.
+    for s, bv, xv in zip(systems, batch.unpack(batch.b), batch.unpack(batch.x0), strict=True):
+        np.testing.assert_array_equal(host(bv), s.b)
+        np.testing.assert_array_equal(host(xv), s.x0 if s.x0 is not None else 0.0)
+    views = batch.unpack(batch.b)
+    if device == "cpu":
+        assert all(np.shares_memory(v, batch.b) for v in views)
+    else:  # views: each starts at its offset inside the packed buffer
+        assert [v.data.ptr - batch.b.data.ptr for v in views] == [int(o) * 8 for o in batch.offsets[:-1]]
+    assert batch.rtol.tolist() == [s.rtol for s in systems]
+    assert batch.maxiter.tolist() == [10, 11, 12, 13]
+    assert batch.names == ["s0", "s1", "s2", "s3"]
+
+
+def test_pack_defaults_and_dtypes():
+    A = poisson2d(3)
+    s64 = LinearSystem(A, np.ones(9))
+    s32 = LinearSystem(A.astype(np.float32), np.ones(9, dtype=np.float32))
+    assert PackedBatch.pack([s32, s32]).dtype == np.float32
+    assert PackedBatch.pack([s32, s64]).dtype == np.float64
+    b = PackedBatch.pack([s64], dtype=np.float32, index_dtype=np.int64)
+    assert b.dtype == np.float32 and b.indptr.dtype == np.int64 and b.indices.dtype == np.int64
+    assert b.maxiter.tolist() == [default_maxiter(9)] and b.x0 is None
+
+
+def test_pack_rejects_bad_input():
+    good = LinearSystem(poisson2d(2), np.ones(4))
+    dense = LinearSystem(np.eye(3), np.ones(3))
+    with pytest.raises(ValueError, match=r"systems\[1\].*kind='dense'"):
+        PackedBatch.pack([good, dense])
+    with pytest.raises(ValueError, match=r"systems\[0\].*tuple"):
+        PackedBatch.pack([(poisson2d(2), np.ones(4))])
+    with pytest.raises(ValueError, match="nothing to pack"):
+        PackedBatch.pack([])
+    with pytest.raises(TypeError, match="float32 or float64"):
+        PackedBatch.pack([good], dtype=np.int32)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        PackedBatch.pack([good], index_dtype=np.int16)
+    zero_diag = LinearSystem(sp.csr_matrix(np.array([[0.0, 1.0], [1.0, 0.0]])), np.ones(2))
+    with pytest.raises(ValueError, match="non-zero diagonal"):
+        PackedBatch.pack([zero_diag], jacobi=True)
+
+
+def test_from_csr_keeps_arrays_and_validates():
+    A = poisson2d(4)
+    b = np.ones(16)
+    batch = PackedBatch.from_csr(A, b, rtol=1e-6, maxiter=7, jacobi=True)
+    assert batch.data is A.data and batch.b is b and batch.indices is A.indices
+    assert batch.nsys == 1 and batch.maxiter.tolist() == [7] and batch.rtol.tolist() == [1e-6]
+    np.testing.assert_allclose(batch.dinv, 1.0 / A.diagonal())
+    wide = PackedBatch.from_csr(A, b, index_dtype=np.int64)
+    assert wide.indices.dtype == np.int64 and wide.indptr.dtype == np.int64
+    with pytest.raises(ValueError, match=r"b must have shape \(16,\)"):
+        PackedBatch.from_csr(A, np.ones(15))
+    with pytest.raises(ValueError, match="square"):
+        PackedBatch.from_csr(sp.random(3, 4, density=0.5, format="csr"), np.ones(3))
+    with pytest.raises(TypeError, match="sparse matrix"):
+        PackedBatch.from_csr(A.toarray(), b)
+
+
+def _workspace_peak(solve, batch):
+    tracemalloc.start()
+    try:
+        solve(batch)
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("method", ["cg", "bicgstab"])
+@pytest.mark.parametrize("jacobi", [False, True])
+def test_predict_bytes_is_an_upper_bound_cpu(method, jacobi):
+    rng = np.random.default_rng(1)
+    systems = [LinearSystem(poisson2d(m), rng.standard_normal(m * m), x0=np.zeros(m * m))
+               for m in (6, 9, 12)]
+    batch = PackedBatch.pack(systems, jacobi=jacobi)
+    solve = cg_batched if method == "cg" else bicgstab_batched
+    solve(batch)  # compile outside the measurement
+    peak = _workspace_peak(solve, batch)
+    actual = batch.nbytes + peak
+    predicted = PackedBatch.predict_bytes(batch.n, batch.nnz, batch.nsys, batch.dtype,
+                                          batch.index_dtype, method, jacobi=jacobi)
+    assert predicted >= actual
+    # Honest, not padded: the slack is the pool rounding and per-system scalars.
+    assert predicted - actual <= 64 * 1024
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["cg", "bicgstab"])
+def test_predict_bytes_is_an_upper_bound_gpu(method):
+    import cupy as cp
+
+    pool = cp.get_default_memory_pool()
+    rng = np.random.default_rng(2)
+    systems = [LinearSystem(poisson2d(m), rng.standard_normal(m * m)) for m in (100, 150, 200)]
+    cp.cuda.Device(0).synchronize()
+    pool.free_all_blocks()
+    before = pool.total_bytes()
+    batch = PackedBatch.pack(systems, device="cuda:0", jacobi=True)
+    solve = cg_batched if method == "cg" else bicgstab_batched
+    out = solve(batch)
+    cp.cuda.Device(0).synchronize()
+    # total_bytes counts every block the pool holds, freed ones included: it
+    # is at least the peak of pack + solve.
+    held = pool.total_bytes() - before
+    assert (out.status == 0).all()
+    predicted = PackedBatch.predict_bytes(batch.n, batch.nnz, batch.nsys, batch.dtype,
+                                          batch.index_dtype, method, jacobi=True, x0=False)
+    assert held <= predicted
+    assert held >= 0.9 * predicted - 64 * 1024

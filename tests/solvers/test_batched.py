@@ -1,0 +1,342 @@
+"""Batched CG and BiCGStab against SciPy, system by system."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import scipy.sparse.linalg as spla
+
+from managed_solve import LinearSystem
+from managed_solve.solvers.batch import PackedBatch
+from managed_solve.solvers.batched import ROWS_LAYOUT_MIN, bicgstab_batched, cg_batched
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    return "cpu" if request.param == "cpu" else "cuda:0"
+
+
+def host(a):
+    return a if isinstance(a, np.ndarray) else a.get()
+
+
+def poisson2d(m, dtype=np.float64):
+    t = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(m, m))
+    return (sp.kron(sp.eye(m), t) + sp.kron(t, sp.eye(m))).tocsr().astype(dtype)
+
+
+def random_spd(n, rng, density=0.2):
+    R = sp.random(n, n, density=density, random_state=rng, format="csr")
+    return (R @ R.T + sp.eye(n) * (1.0 + n * density)).tocsr()
+
+
+def convection_diffusion(m, peclet=0.3):
+    """Upwind 2D convection-diffusion: non-symmetric, diagonally dominant."""
+    t = sp.diags([-1.0 - peclet, 2.0, -1.0 + peclet], [-1, 0, 1], shape=(m, m))
+    return (sp.kron(sp.eye(m), t) + sp.kron(t, sp.eye(m))).tocsr()
+
+
+def scipy_reference(solver, A, b, *, rtol, atol=0.0, maxiter=None, M=None, x0=None):
+    count = [0]
+
+    def cb(_):
+        count[0] += 1
+
+    x, info = solver(A, b, x0=x0, rtol=rtol, atol=atol, maxiter=maxiter, M=M, callback=cb)
+    return x, info, count[0]
+
+
+def true_residual(A, x, b):
+    return float(np.linalg.norm(b - A @ x))
+
+
+def mixed_spd(rng):
+    """Sizes 1, 2, random SPD and Poisson of several sizes, a zero right-hand side."""
+    mats = [sp.csr_matrix(np.array([[4.0]])), random_spd(2, rng, 1.0), poisson2d(7),
+            random_spd(40, rng), poisson2d(16), poisson2d(5)]
+    bs = [rng.standard_normal(A.shape[0]) for A in mats]
+    bs[5][:] = 0.0
+    return mats, bs
+
+
+@pytest.mark.parametrize("method", ["cg", "bicgstab"])
+def test_matches_scipy_on_mixed_spd_batch(device, method):
+    rng = np.random.default_rng(0)
+    mats, bs = mixed_spd(rng)
+    rtol = 1e-9
+    systems = [LinearSystem(A, b, rtol=rtol, maxiter=500) for A, b in zip(mats, bs, strict=True)]
+    batch = PackedBatch.pack(systems, device=device)
+    solve = cg_batched if method == "cg" else bicgstab_batched
+    out = solve(batch)
+    ref_solver = spla.cg if method == "cg" else spla.bicgstab
+    xs = [host(v) for v in batch.unpack(out.x)]
+    assert out.status.tolist() == [0] * 6
+    for k, (A, b) in enumerate(zip(mats, bs, strict=True)):
+        x_ref, info, its = scipy_reference(ref_solver, A, b, rtol=rtol, maxiter=500)
+        assert info == 0
+        bnorm = np.linalg.norm(b)
+        if bnorm == 0:
+            assert out.iterations[k] == 0 and not xs[k].any()
+            continue
+        # Same algorithm, same iterates: counts agree up to rounding (and
+        # BiCGStab's half step, which SciPy does not report to the callback).
+        assert abs(int(out.iterations[k]) - its) <= 2, (k, out.iterations[k], its)
+        np.testing.assert_allclose(xs[k], x_ref, rtol=0, atol=1e-7 * np.linalg.norm(x_ref))
+        assert true_residual(A, xs[k], b) <= 10 * rtol * bnorm
+        assert out.residual_norms[k] <= rtol * bnorm
+
+
+def test_per_system_rtol_checked_on_true_residual(device):
+    rng = np.random.default_rng(1)
+    A = poisson2d(12)
+    b = rng.standard_normal(A.shape[0])
+    rtols = [1e-2, 1e-5, 1e-8, 1e-11]
+    systems = [LinearSystem(A, b, rtol=r) for r in rtols]
+    out = cg_batched(PackedBatch.pack(systems, device=device))
+    assert (out.status == 0).all()
+    its = out.iterations.tolist()
+    assert its == sorted(its) and its[0] < its[-1]  # a tighter rtol costs more iterations
+    for r, x, k in zip(rtols, PackedBatch.pack(systems).unpack(host(out.x)), its, strict=True):
+        assert true_residual(A, x, b) <= r * np.linalg.norm(b) * 1.01
+        _, _, its_ref = scipy_reference(spla.cg, A, b, rtol=r)
+        assert abs(k - its_ref) <= 1
+
+
+def test_atol_and_x0(device):
+    rng = np.random.default_rng(2)
+    A = poisson2d(9)
+    x_true = rng.standard_normal(A.shape[0])
+    b = A @ x_true
+    near = x_true + 1e-3 * rng.standard_normal(A.shape[0])
+    systems = [
+        LinearSystem(A, b, rtol=1e-12),
+        LinearSystem(A, b, x0=near, rtol=1e-12),
+        LinearSystem(A, b, x0=x_true, rtol=1e-12),
+        LinearSystem(A, b, rtol=0.0, atol=1e-3),
+        LinearSystem(A, np.zeros_like(b), x0=near),  # b = 0: x = 0 whatever x0
+    ]
+    batch = PackedBatch.pack(systems, device=device)
+    out = cg_batched(batch)
+    xs = [host(v) for v in batch.unpack(out.x)]
+    assert out.status.tolist() == [0] * 5
+    assert out.iterations[2] == 0 and out.iterations[4] == 0
+    assert not xs[4].any()
+    np.testing.assert_allclose(xs[0], x_true, atol=1e-9)
+    np.testing.assert_allclose(xs[1], x_true, atol=1e-9)
+    assert out.iterations[1] <= out.iterations[0]
+    assert true_residual(A, xs[3], b) <= 1.01e-3 < true_residual(A, xs[0] * 0, b)
+    _, _, its_ref = scipy_reference(spla.cg, A, b, rtol=1e-12, x0=near)
+    assert abs(int(out.iterations[1]) - its_ref) <= 1
+
+
+@pytest.mark.parametrize("method", ["cg", "bicgstab"])
+def test_per_system_maxiter(device, method):
+    rng = np.random.default_rng(3)
+    A = poisson2d(10)
+    b = rng.standard_normal(A.shape[0])
+    systems = [LinearSystem(A, b, rtol=1e-10, maxiter=m) for m in (3, 7, 1000)]
+    batch = PackedBatch.pack(systems, device=device)
+    solve = cg_batched if method == "cg" else bicgstab_batched
+    out = solve(batch)
+    assert out.status.tolist() == [1, 1, 0]
+    assert out.iterations[:2].tolist() == [3, 7] and 7 < out.iterations[2] < 1000
+    xs = [host(v) for v in batch.unpack(out.x)]
+    ref_solver = spla.cg if method == "cg" else spla.bicgstab
+    for k, m in enumerate((3, 7)):
+        x_ref, info, _ = scipy_reference(ref_solver, A, b, rtol=1e-10, maxiter=m)
+        assert info == m  # SciPy also stopped at maxiter, at the same iterate
+        np.testing.assert_allclose(xs[k], x_ref, atol=1e-10 * np.linalg.norm(x_ref))
+    # A system stopped at maxiter did not change after its stop: its recurrence
+    # residual is the one SciPy's iterate has.
+    assert out.residual_norms[0] == pytest.approx(true_residual(A, xs[0], b), rel=1e-6)
+
+
+def test_cg_breakdown_on_indefinite_system(device):
+    rng = np.random.default_rng(4)
+    n = 30
+    d = np.linspace(-1.0, 2.0, n)
+    d[np.abs(d) < 0.1] = 0.5
+    indefinite = sp.diags(d).tocsr() + sp.diags([0.05, 0.05], [-1, 1], shape=(n, n)).tocsr()
+    systems = [LinearSystem(poisson2d(5), rng.standard_normal(25)),
+               LinearSystem(indefinite, rng.standard_normal(n), maxiter=500)]
+    out = cg_batched(PackedBatch.pack(systems, device=device))
+    assert out.status.tolist() == [0, 2]
+    assert out.iterations[1] < 500
+
+
+def test_bicgstab_matches_scipy_on_nonsymmetric(device):
+    rng = np.random.default_rng(5)
+    mats = [convection_diffusion(m, pe) for m, pe in ((4, 0.2), (9, 0.5), (15, 0.8))]
+    bs = [rng.standard_normal(A.shape[0]) for A in mats]
+    systems = [LinearSystem(A, b, rtol=1e-10, maxiter=400) for A, b in zip(mats, bs, strict=True)]
+    batch = PackedBatch.pack(systems, device=device)
+    out = bicgstab_batched(batch)
+    assert (out.status == 0).all()
+    for k, (A, b, x) in enumerate(zip(mats, bs, batch.unpack(host(out.x)), strict=True)):
+        x_ref, info, its = scipy_reference(spla.bicgstab, A, b, rtol=1e-10, maxiter=400)
+        assert info == 0
+        assert abs(int(out.iterations[k]) - its) <= 2
+        np.testing.assert_allclose(x, x_ref, atol=1e-8 * np.linalg.norm(x_ref))
+        assert true_residual(A, x, b) <= 1e-9 * np.linalg.norm(b)
+
+
+@pytest.mark.parametrize("method", ["cg", "bicgstab"])
+def test_jacobi_reduces_iterations_on_badly_scaled_spd(device, method):
+    rng = np.random.default_rng(6)
+    A0 = poisson2d(8)
+    D = sp.diags(10.0 ** rng.uniform(-2, 2, A0.shape[0]))
+    A = (D @ A0 @ D).tocsr()
+    b = rng.standard_normal(A.shape[0])
+    systems = [LinearSystem(A, b, rtol=1e-8, maxiter=5000)]
+    plain = PackedBatch.pack(systems, device=device)
+    jac = PackedBatch.pack(systems, device=device, jacobi=True)
+    solve = cg_batched if method == "cg" else bicgstab_batched
+    o_plain, o_jac = solve(plain), solve(jac)
+    assert o_jac.status[0] == 0
+    assert o_jac.iterations[0] < 0.5 * o_plain.iterations[0]
+    x = host(o_jac.x)
+    assert true_residual(A, x, b) <= 1e-7 * np.linalg.norm(b)
+    # Preconditioned iterates are SciPy's with M = diag(A)^-1.
+    ref_solver = spla.cg if method == "cg" else spla.bicgstab
+    x_ref, info, its = scipy_reference(ref_solver, A, b, rtol=1e-8, maxiter=5000,
+                                       M=sp.diags(1.0 / A.diagonal()))
+    assert info == 0 and abs(int(o_jac.iterations[0]) - its) <= 2
+    np.testing.assert_allclose(x, x_ref, atol=1e-6 * np.linalg.norm(x_ref))
+
+
+@pytest.mark.parametrize("method", ["cg", "bicgstab"])
+def test_float32(device, method):
+    rng = np.random.default_rng(7)
+    A = poisson2d(12)
+    b = rng.standard_normal(A.shape[0])
+    s32 = LinearSystem(A.astype(np.float32), b.astype(np.float32), rtol=1e-5)
+    batch = PackedBatch.pack([s32, s32], device=device)
+    assert batch.dtype == np.float32
+    solve = cg_batched if method == "cg" else bicgstab_batched
+    out = solve(batch)
+    assert (out.status == 0).all() and out.x.dtype == np.float32
+    x_ref = spla.spsolve(A.tocsc(), b)
+    for x in batch.unpack(host(out.x)):
+        assert true_residual(A, x.astype(np.float64), b) <= 5e-5 * np.linalg.norm(b)
+        np.testing.assert_allclose(x, x_ref, atol=1e-3 * np.linalg.norm(x_ref))
+
+
+@pytest.mark.parametrize("method", ["cg", "bicgstab"])
+def test_int64_indices_give_the_same_answer(device, method):
+    rng = np.random.default_rng(8)
+    systems = [LinearSystem(poisson2d(m), rng.standard_normal(m * m), rtol=1e-10) for m in (3, 6)]
+    solve = cg_batched if method == "cg" else bicgstab_batched
+    narrow = PackedBatch.pack(systems, device=device)
+    wide = PackedBatch.pack(systems, device=device, index_dtype=np.int64)
+    assert narrow.indices.dtype == np.int32 and wide.indices.dtype == np.int64
+    a, c = solve(narrow), solve(wide)
+    assert a.iterations.tolist() == c.iterations.tolist() and (c.status == 0).all()
+    np.testing.assert_allclose(host(c.x), host(a.x), rtol=1e-12, atol=1e-14)
+
+
+def test_from_csr_single_system_row_layout(device):
+    """One large system takes the row-parallel CPU layout; same iterates as SciPy."""
+    m = int(np.ceil(np.sqrt(ROWS_LAYOUT_MIN))) + 1
+    A = poisson2d(m)
+    b = np.ones(A.shape[0])
+    if device != "cpu":
+        import cupy as cp
+        import cupyx.scipy.sparse as csp
+
+        A_d, b_d = csp.csr_matrix(A), cp.asarray(b)
+    else:
+        A_d, b_d = A, b
+    for solve, ref in ((cg_batched, spla.cg), (bicgstab_batched, spla.bicgstab)):
+        out = solve(PackedBatch.from_csr(A_d, b_d, rtol=1e-6, maxiter=2000))
+        x_ref, info, its = scipy_reference(ref, A, b, rtol=1e-6, maxiter=2000)
+        assert out.status[0] == 0 and info == 0
+        # Over 150+ iterations BiCGStab's iterates feel the summation order of
+        # the parallel dot products; CG's stay within two iterations.
+        assert abs(int(out.iterations[0]) - its) <= max(2, 0.05 * its)
+        np.testing.assert_allclose(host(out.x), x_ref, atol=1e-4 * np.linalg.norm(x_ref))
+
+
+def test_bad_arguments():
+    A = poisson2d(3)
+    with pytest.raises(TypeError, match="PackedBatch"):
+        cg_batched((A, np.ones(9)))
+    with pytest.raises(ValueError, match="check_every"):
+        bicgstab_batched(PackedBatch.from_csr(A, np.ones(9)), check_every=0)
+
+
+# -- GPU only: memory and synchronisation behaviour ----------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["cg", "bicgstab"])
+def test_gpu_no_allocation_inside_the_loop(method):
+    import cupy as cp
+
+    pool = cp.get_default_memory_pool()
+    A = poisson2d(64)
+    b = np.ones(A.shape[0])
+    batch = PackedBatch.from_csr(*_to_gpu(A, b), rtol=1e-12, maxiter=50)
+    batch_long = PackedBatch.from_csr(*_to_gpu(A, b), rtol=1e-12, maxiter=400)
+    solve = cg_batched if method == "cg" else bicgstab_batched
+    out = solve(batch)  # compiles, warms the pool
+    del out
+    cp.cuda.Device().synchronize()
+    pool.free_all_blocks()
+    used0, total0 = pool.used_bytes(), pool.total_bytes()
+    short = solve(batch)
+    cp.cuda.Device().synchronize()
+    short_total = pool.total_bytes() - total0
+    del short
+    pool.free_all_blocks()
+    total1 = pool.total_bytes()
+    long = solve(batch_long)
+    cp.cuda.Device().synchronize()
+    long_total = pool.total_bytes() - total1
+    assert long.iterations[0] == 400 and long.status[0] == 1
+    # 8x the iterations, the same bytes: nothing is allocated per iteration.
+    assert long_total == short_total
+    # The workspace is the solution plus at most 3 (CG) or 5 (BiCGStab) vectors.
+    vec = A.shape[0] * 8
+    assert short_total <= (1 + (3 if method == "cg" else 5)) * (vec + 512) + 64 * 1024
+    del long
+    assert pool.used_bytes() == used0
+
+
+@pytest.mark.gpu
+def test_gpu_host_syncs_grow_logarithmically():
+    A = poisson2d(32)
+    b = np.ones(A.shape[0])
+    out_a = cg_batched(PackedBatch.from_csr(*_to_gpu(A, b), rtol=1e-30, atol=0.0, maxiter=100))
+    out_b = cg_batched(PackedBatch.from_csr(*_to_gpu(A, b), rtol=1e-30, atol=0.0, maxiter=3000))
+    assert out_a.iterations[0] == 100 and out_b.iterations[0] == 3000
+    # Checkpoints after 32, 64, 128, ... iterations: about log2(iterations / 16).
+    assert out_a.host_syncs <= 4
+    assert out_b.host_syncs <= 8
+    fixed = cg_batched(PackedBatch.from_csr(*_to_gpu(A, b), rtol=1e-30, maxiter=3000), check_every=3000)
+    assert fixed.host_syncs == 1 and fixed.iterations[0] == 3000
+    np.testing.assert_allclose(host(fixed.x), host(out_b.x), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.gpu
+def test_gpu_many_systems_each_meets_its_rtol():
+    """Enough systems that warps straddle system boundaries and most systems finish early."""
+    rng = np.random.default_rng(9)
+    sizes = rng.integers(3, 20, size=150)
+    systems = [LinearSystem(poisson2d(int(m)), rng.standard_normal(int(m) ** 2),
+                            rtol=10.0 ** rng.uniform(-10, -4)) for m in sizes]
+    for solve in (cg_batched, bicgstab_batched):
+        batch = PackedBatch.pack(systems, device="cuda:0")
+        out = solve(batch)
+        cpu = solve(PackedBatch.pack(systems))
+        assert (out.status == 0).all()
+        assert np.abs(out.iterations - cpu.iterations).max() <= 2
+        for s, x in zip(systems, batch.unpack(host(out.x)), strict=True):
+            assert true_residual(s.A, x, s.b) <= 1.5 * s.rtol * np.linalg.norm(s.b)
+
+
+def _to_gpu(A, b):
+    import cupy as cp
+    import cupyx.scipy.sparse as csp
+
+    return csp.csr_matrix(A), cp.asarray(b)
