@@ -219,3 +219,25 @@ def test_module_reused_on_two_devices_in_one_graph(env, pinned):
     _assert_grads_equal(m, ref)
     assert {p.grad.placement for p in m.parameters()} == {A}  # gradients accumulate at home
     assert {p.placement for p in m.parameters()} == {A}  # parameters never moved
+
+
+def test_example_multiple_models_spreads_and_equals_one_device_runs(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "multiple_models.py"
+    spec = importlib.util.spec_from_file_location("example_multiple_models", path)
+    mod = importlib.util.module_from_spec(spec)
+    import sys
+
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    diff = mod.main(["--small", "--models", "16", "--workers", "4", "--simulate", "2x1GiB"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == f"max_param_diff={diff:.3e}"
+    assert diff <= 1e-12  # same arithmetic on the CPU behind both simulated GPUs
+    placement = dict(kv.split("=") for kv in next(
+        line for line in out if line.startswith("placement:")).split()[1:])
+    assert set(placement) == {"sim:0", "sim:1"} and sum(map(int, placement.values())) == 16
+    steps = eval(next(line for line in out if line.startswith("steps per model:")).split(":", 1)[1])
+    assert len(set(steps)) >= 4  # the models really converge at different speeds

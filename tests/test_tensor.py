@@ -236,3 +236,22 @@ def test_ops_from_threads_place_consistently():
     with ThreadPoolExecutor(4) as pool:
         res = list(pool.map(work, range(16)))
     assert res == [("sim:1", 10.0 * (1 + i)) for i in range(16)]
+
+
+def _load_example(name):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_example_different_device_tensors_matches_plain_tensors(capsys):
+    err = _load_example("different_device_tensors").main(["--small", "--simulate", "2x1GiB"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1].startswith("max_abs_error=") and float(out[-1].split("=")[1]) == err
+    assert err <= 1e-12
+    assert "result computed on sim:1" in out[-3] and "a.grad on sim:0" in out[-2]
