@@ -163,7 +163,7 @@ def _as_system(A: Any, b: Any, **opts: Any) -> LinearSystem:
             )
         defaults = {"x0": None, "rtol": 1e-8, "atol": 0.0, "maxiter": None, "method": "auto",
                     "M": None, "dtype": None}
-        changed = {k: v for k, v in opts.items() if v is not defaults[k] and v != defaults[k]}
+        changed = {k: v for k, v in opts.items() if not _is_default(v, defaults[k])}
         if not changed:
             return A
         kw = {"x0": A.x0, "rtol": A.rtol, "atol": A.atol, "maxiter": A.maxiter,
@@ -174,6 +174,14 @@ def _as_system(A: Any, b: Any, **opts: Any) -> LinearSystem:
         raise TypeError("solve(A, b=None): b is missing; pass the right-hand side, "
                         "or a LinearSystem as the only argument.")
     return LinearSystem(A, b, **opts)
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    if value is default:
+        return True
+    if isinstance(value, (int, float, str)) and isinstance(default, (int, float, str)):
+        return value == default
+    return False
 
 
 def _named_device(device: Any, mgr: Any) -> Device:
@@ -319,7 +327,7 @@ def _fused_ok(system: LinearSystem, method: str, callback: Any) -> bool:
     """The batched fused core applies: CSR, CG/BiCGStab, no or Jacobi preconditioner, no callback."""
     if system.kind != "csr" or method not in ("cg", "bicgstab") or callback is not None:
         return False
-    if system.M not in (None, "jacobi"):
+    if not (system.M is None or _is_jacobi(system.M)):
         return False
     try:
         from .solvers import batched  # noqa: F401
@@ -327,6 +335,10 @@ def _fused_ok(system: LinearSystem, method: str, callback: Any) -> bool:
         log.info("managed_solve: the batched core is not importable; using the generic %s", method)
         return False
     return True
+
+
+def _is_jacobi(M: Any) -> bool:
+    return isinstance(M, str) and M == "jacobi"
 
 
 def _dispatch(system: LinearSystem, method: str, symmetric: bool | None, callback: Any,
@@ -344,7 +356,7 @@ def _dispatch(system: LinearSystem, method: str, symmetric: bool | None, callbac
     if _fused_ok(system, method, callback):
         fused = cg_fused if method == "cg" else bicgstab_fused
         return fused(A, b, x0=x0, rtol=system.rtol, atol=system.atol, maxiter=maxiter,
-                     jacobi=system.M == "jacobi")
+                     jacobi=_is_jacobi(system.M))
     M = make_preconditioner(system.M, A)
     solver = {"cg": cg, "bicgstab": bicgstab, "gmres": gmres, "minres": minres}[method]
     return solver(A, b, x0=x0, rtol=system.rtol, atol=system.atol, maxiter=maxiter, M=M,

@@ -94,6 +94,11 @@ def _superlu(A: Any, b: np.ndarray, symmetric: bool | None) -> tuple[np.ndarray,
         lu = sla.splu(A.tocsc(), permc_spec=spec, options=opts)
     except RuntimeError as exc:  # "Factor is exactly singular"
         raise _Singular(str(exc)) from exc
+    # A numerically singular matrix factors with a pivot at rounding level
+    # (a pure Neumann Laplacian gives 4e-16 against 4): no solution to trust.
+    piv = np.abs(lu.U.diagonal())
+    if piv.min() <= A.shape[0] * np.finfo(lu.U.dtype).eps * piv.max():
+        raise _Singular(f"smallest LU pivot {piv.min():.2g} against largest {piv.max():.2g}")
     x = lu.solve(b)
     return x.astype(b.dtype, copy=False), f"SuperLU ({spec})"
 
@@ -130,11 +135,20 @@ def _gpu_sparse(A: Any, b: Any, symmetric: bool | None) -> tuple[Any, str]:
 
 
 def _backward_stable(A: Any, x: Any, b: Any, rn: float, xp: Any) -> bool:
-    """False when ``||b - A x||`` is far above rounding: a hidden singularity."""
+    """False when ``||b - A x||`` is far above rounding: a hidden singularity.
+
+    Two tests: the backward error against ``||A|| ||x|| + ||b||`` (a
+    factorisation that went wrong), and the residual against
+    ``sqrt(eps) ||b||`` (a singular A solved through a tiny pivot has a small
+    backward error only because ``x`` is huge).
+    """
     eps = float(np.finfo(np.dtype(b.dtype)).eps)
+    b_norm = float(norm(xp, b))  # sync: once
+    if rn > np.sqrt(eps) * b_norm:
+        return False
     if _backend.is_scipy_sparse(A) or _backend.is_cupy_sparse(A):
         a_norm = float(abs(A).sum(axis=1).max())  # sync: infinity norm, once
     else:
         a_norm = float(xp.abs(A).sum(axis=1).max())  # sync: infinity norm, once
-    scale = a_norm * float(norm(xp, x)) + float(norm(xp, b))  # sync: two norms, once
+    scale = a_norm * float(norm(xp, x)) + b_norm  # sync: once
     return rn <= _BACKWARD_ERROR_LIMIT * eps * max(scale, np.finfo(np.float64).tiny) * np.sqrt(b.shape[0])

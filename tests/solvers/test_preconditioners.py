@@ -1,0 +1,134 @@
+"""Jacobi, Chebyshev and Neumann preconditioners: correctness and fewer iterations."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import scipy.sparse.linalg as sla
+
+from managed_solve.solve import solve
+from managed_solve.solvers.cg import cg
+from managed_solve.solvers.preconditioners import (
+    chebyshev,
+    inverse_diagonal,
+    jacobi,
+    make_preconditioner,
+    neumann,
+    spectral_radius_bound,
+)
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def backend(request):
+    return request.param
+
+
+def anisotropic_badly_scaled(m, eps=0.01, spread=3.0, seed=0):
+    """S (L_x + eps L_y) S with S spanning exp(+-spread): SPD, anisotropic, badly scaled."""
+    T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(m, m))
+    A = sp.kron(T, sp.eye(m)) + eps * sp.kron(sp.eye(m), T)
+    s = np.exp(np.random.default_rng(seed).uniform(-spread, spread, m * m))
+    S = sp.diags(s)
+    return (S @ A @ S).tocsr()
+
+
+def on(backend, *arrays):
+    if backend == "cpu":
+        return arrays if len(arrays) > 1 else arrays[0]
+    import cupy as cp
+    import cupyx.scipy.sparse as csp
+
+    out = tuple(csp.csr_matrix(a) if sp.issparse(a) else cp.asarray(a) for a in arrays)
+    return out if len(out) > 1 else out[0]
+
+
+def host(x):
+    return x.get() if hasattr(x, "get") else np.asarray(x)
+
+
+def as_matrix(apply, n):
+    return np.column_stack([host(apply(e)) for e in np.eye(n)])
+
+
+def test_jacobi_is_the_inverse_diagonal():
+    A = anisotropic_badly_scaled(4)
+    r = np.random.default_rng(1).standard_normal(16)
+    np.testing.assert_allclose(jacobi(A)(r), r / A.diagonal())
+
+
+def test_zero_diagonal_is_a_clear_value_error():
+    A = sp.csr_matrix(np.array([[0.0, 1.0], [1.0, 2.0]]))
+    with pytest.raises(ValueError, match=r"zero diagonal entry \(rows \[0\]\).*M=None"):
+        inverse_diagonal(A)
+    with pytest.raises(ValueError, match="zero diagonal"):
+        solve(A, np.ones(2), method="gmres", M="jacobi")
+
+
+@pytest.mark.parametrize("make", [chebyshev, neumann])
+def test_polynomial_preconditioners_are_spd(make):
+    A = anisotropic_badly_scaled(6)
+    P = as_matrix(make(A), A.shape[0])
+    np.testing.assert_allclose(P, P.T, rtol=1e-9, atol=1e-9 * np.abs(P).max())
+    assert np.linalg.eigvalsh(0.5 * (P + P.T)).min() > 0
+
+
+def test_spectral_radius_bound_is_an_upper_bound():
+    A = anisotropic_badly_scaled(8)
+    dinv = 1.0 / A.diagonal()
+    lam = np.abs(np.linalg.eigvals((sp.diags(dinv) @ A).toarray())).max()
+    bound = spectral_radius_bound(A, dinv)
+    assert lam <= bound <= 2.0 * lam
+
+
+def test_preconditioners_reduce_iterations(backend):
+    A = anisotropic_badly_scaled(24)
+    b = A @ np.ones(A.shape[0])
+    Ad, bd = on(backend, A, b)
+    its = {}
+    for name in (None, "jacobi", "chebyshev", "neumann"):
+        out = cg(Ad, bd, rtol=1e-8, maxiter=20_000, M=make_preconditioner(name, Ad))
+        assert out.code == 0, name
+        x = host(out.x)
+        assert np.linalg.norm(b - A @ x) <= 2e-8 * np.linalg.norm(b)
+        its[name] = out.iterations
+    # Measured here: about 1700 unpreconditioned, 150 Jacobi, 40 Chebyshev, 75 Neumann.
+    assert its["jacobi"] < its[None] / 5
+    assert its["chebyshev"] < its["jacobi"] / 2
+    assert its["neumann"] < its["jacobi"]
+
+
+@pytest.mark.parametrize("M", ["chebyshev", "neumann"])
+def test_polynomial_preconditioners_through_solve(M):
+    A = anisotropic_badly_scaled(16)
+    b = np.ones(A.shape[0])
+    res = solve(A, b, method="cg", M=M, rtol=1e-10)
+    assert res.converged and res.relative_residual <= 1e-10
+    assert res.info["path"] == "generic"
+    np.testing.assert_allclose(res.x, sla.spsolve(A.tocsc(), b), rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["linear_operator", "callable", "matrix"])
+def test_user_preconditioner(kind):
+    A = anisotropic_badly_scaled(12)
+    b = np.ones(A.shape[0])
+    dinv = 1.0 / A.diagonal()
+    if kind == "linear_operator":
+        M = sla.LinearOperator(A.shape, matvec=lambda r: dinv * r)
+    elif kind == "callable":
+        M = lambda r: dinv * r  # noqa: E731
+    else:
+        M = sp.diags(dinv).tocsr()
+    res = solve(A, b, method="cg", M=M, rtol=1e-10)
+    ref = solve(A, b, method="cg", M="jacobi", rtol=1e-10, callback=lambda xk: None)
+    assert res.converged
+    assert res.iterations == ref.iterations
+    np.testing.assert_allclose(res.x, ref.x, rtol=1e-10)
+
+
+def test_bad_preconditioner_type():
+    A = anisotropic_badly_scaled(3)
+    with pytest.raises(TypeError, match="expected 'jacobi'"):
+        make_preconditioner(3.0, A)
+    with pytest.raises(ValueError, match="degree"):
+        chebyshev(A, degree=0)
