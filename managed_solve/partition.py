@@ -256,10 +256,18 @@ def build_partition(A: sp.spmatrix, nparts: int, *, reorder: str | None = "rcm",
     # column of another block (then it is a boundary row).
     inv_base = np.empty(n, dtype=np.int64)
     inv_base[base] = np.arange(n, dtype=np.int64)
-    block_of_orig = np.searchsorted(offs, inv_base, side="right") - 1
-    entry_row = np.repeat(np.arange(n, dtype=np.int64), np.diff(A.indptr))
-    foreign = block_of_orig[A.indices] != block_of_orig[entry_row]
-    is_boundary = np.bincount(entry_row[foreign], minlength=n) > 0
+    block_dtype = np.int16 if nparts < 2**15 else np.int32
+    block_of_orig = (np.searchsorted(offs, inv_base, side="right") - 1).astype(block_dtype)
+    row_len = np.diff(A.indptr)
+    foreign = block_of_orig[A.indices] != np.repeat(block_of_orig, row_len)
+    # A row is a boundary row when any of its entries is foreign (reduceat
+    # reads one entry for an empty row, hence the mask).
+    if A.nnz:
+        starts = np.minimum(A.indptr[:-1], A.nnz - 1)
+        is_boundary = np.logical_or.reduceat(foreign, starts) & (row_len > 0)
+    else:
+        is_boundary = np.zeros(n, dtype=bool)
+    del foreign
 
     # Interior rows first inside each block (stable, so RCM order is kept).
     pieces = []
@@ -278,17 +286,28 @@ def build_partition(A: sp.spmatrix, nparts: int, *, reorder: str | None = "rcm",
         sub = A[perm[lo:hi]]  # scipy's C++ row gather
         cols = inv[sub.indices]
         owned = (cols >= lo) & (cols < hi)
-        halo = np.unique(cols[~owned])
-        local = np.where(owned, cols - lo, nloc + np.searchsorted(halo, cols))
-        block = sp.csr_matrix((sub.data, local, sub.indptr), shape=(nloc, nloc + halo.size))
+        ext = cols[~owned]
+        halo = np.unique(ext)
+        local = cols - lo
+        local[~owned] = nloc + np.searchsorted(halo, ext)
+        idx_dtype = np.int32 if max(nloc + halo.size, sub.nnz) < 2**31 else np.int64
+        ptr = sub.indptr.astype(idx_dtype)
+        block = sp.csr_matrix((sub.data, local.astype(idx_dtype), ptr),
+                              shape=(nloc, nloc + halo.size))
         block.sort_indices()
         n_int = int(np.count_nonzero(~is_boundary[perm[lo:hi]]))
+        # Row slices as views of the block's arrays (no copy of the entries).
+        cut = int(ptr[n_int])
+        interior = sp.csr_matrix((block.data[:cut], block.indices[:cut], ptr[: n_int + 1]),
+                                 shape=(n_int, block.shape[1]))
+        boundary = sp.csr_matrix((block.data[cut:], block.indices[cut:], ptr[n_int:] - cut),
+                                 shape=(nloc - n_int, block.shape[1]))
         recv = []
         owner = np.searchsorted(offs, halo, side="right") - 1
         for t in np.unique(owner):
             idx = np.flatnonzero(owner == t)
             recv.append((int(t), int(idx[0]), int(idx[-1]) + 1))
-        shards.append(ShardLayout(s, lo, hi, n_int, block[:n_int], block[n_int:], halo, recv))
+        shards.append(ShardLayout(s, lo, hi, n_int, interior, boundary, halo, recv))
     for s, lay in enumerate(shards):
         for t, a, b in lay.recv:
             shards[t].send.append((s, lay.halo_global[a:b] - offs[t]))

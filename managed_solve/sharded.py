@@ -257,6 +257,13 @@ class _CudaComm:
             self.compute[s].wait_event(ev)
         self._in_flight[s].clear()
 
+    def timing_event(self, s: int, copier: bool = False):
+        """A timing event recorded now on shard ``s``'s compute (or copy) stream."""
+        with self.cp.cuda.Device(self.ids[s]):
+            ev = self.cp.cuda.Event()
+            ev.record(self.copier[s] if copier else self.compute[s])
+        return ev
+
     def wait_incoming(self, s: int) -> None:
         for ev in self._pending[s]:
             self.compute[s].wait_event(ev)
@@ -465,6 +472,7 @@ class ShardedSystem:
                     f"{sh.device} holds {sh.device.total_bytes}; shard over more devices."
                 )
         self._perm_on: dict[str, Any] = {}
+        self._profile: dict[str, list] | None = None
         self.setup_seconds = time.perf_counter() - t0
 
     # ------------------------------------------------------------ vectors
@@ -528,6 +536,9 @@ class ShardedSystem:
     def _exchange_and_spmv(self, ve: list, y: list) -> None:
         """``y = A v`` where ``ve[s]`` holds v's owned entries (halo filled here)."""
         comm, ops = self.comm, self.ops
+        prof = self._profile if comm.is_cuda else None
+        if prof is not None:
+            t_start = comm.timing_event(0)
         for s, sh in enumerate(self.shards):
             comm.before_pack(s)
             with comm.on(s):
@@ -537,6 +548,8 @@ class ShardedSystem:
                     a, b = next((a, b) for src, a, b in lay.recv if src == s)
                     nloc_t = self.shards[t].nloc
                     comm.copy(ve[t][nloc_t + a: nloc_t + b], t, buf, s, via_copy_stream=True)
+        if prof is not None and self.shards[0].send:
+            prof["halo"].append((t_start, comm.timing_event(0, copier=True)))
         for s, sh in enumerate(self.shards):
             with comm.on(s):
                 # Interior rows read owned entries only: they run while the halo travels.
@@ -557,6 +570,9 @@ class ShardedSystem:
         """
         comm = self.comm
         P = len(self.shards)
+        prof = self._profile if comm.is_cuda else None
+        if prof is not None:
+            t_start = comm.timing_event(0)
         for s in range(P):
             for t in range(P):
                 comm.copy(red[t][slot][s], t, parts[s], s)
@@ -564,6 +580,8 @@ class ShardedSystem:
             comm.wait_incoming(t)
             with comm.on(t):
                 self.shards[t].xp.sum(red[t][slot], axis=0, out=tot[t][slot])
+        if prof is not None:
+            prof["reduce"].append((t_start, comm.timing_event(0)))
         return [tot[t][slot] for t in range(P)]
 
     def matvec(self, x: Any, device: Device | str | None = None):
@@ -592,8 +610,16 @@ class ShardedSystem:
     # ------------------------------------------------------------ solve
     def solve(self, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 0.0,
               maxiter: int | None = None, method: str = "cg", M: Any = None,
-              gather_to: Any = None, check_every: int | None = None) -> SolveResult:
-        """Solve ``A x = b`` over the shards; see :func:`solve_sharded`."""
+              gather_to: Any = None, check_every: int | None = None,
+              profile: bool = False) -> SolveResult:
+        """Solve ``A x = b`` over the shards; see :func:`solve_sharded`.
+
+        ``profile=True`` (CUDA only) records timing events around every halo
+        exchange (packing to the last copy landing, on the first shard) and
+        every all-reduce, and reports their totals in ``info["profile"]``
+        (milliseconds). The events themselves cost a little: time solves
+        without it.
+        """
         call = "solve_sharded"
         method = str(method).lower()
         if method not in ("cg", "bicgstab"):
@@ -628,7 +654,18 @@ class ShardedSystem:
         bp = self.scatter(b)
         xp0 = self.scatter(x0) if x0 is not None else None
         loop = self._cg if method == "cg" else self._bicgstab
-        x, code, its, syncs, info = loop(bp, xp0, rtol, atol, maxiter, jacobi, check_every)
+        self._profile = {"halo": [], "reduce": []} if profile else None
+        try:
+            x, code, its, syncs, info = loop(bp, xp0, rtol, atol, maxiter, jacobi, check_every)
+        finally:
+            prof, self._profile = self._profile, None
+        if prof is not None:
+            self.comm.synchronize()
+            info["profile"] = {
+                f"{k}_ms": float(sum(self.comm.cp.cuda.get_elapsed_time(a, b) for a, b in v))
+                for k, v in prof.items()
+            } if self.comm.is_cuda else {}
+            info["profile"].update({f"{k}_count": len(v) for k, v in prof.items()})
         # True residual, through the same distributed product.
         rnorm, bnorm = self._true_residual(bp, x)
         syncs += 1

@@ -1,0 +1,179 @@
+"""One system sharded over two GPUs vs one GPU (issue 7), same run, same code.
+
+Per CG iteration on the 2D 5-point Poisson matrix (N = 64M, n = 8192) and a 3D
+7-point one (N = 64M, n = 400): ``ShardedSystem`` on one GPU (one shard: no
+halo, the reduction a local copy) against two GPUs; the target is two GPUs at
+most 0.55 x one GPU. An instrumented run (CUDA events) gives the time spent in
+halo exchanges and all-reduces. Weak scaling: N/2 on one GPU vs N on two.
+Anchor: cupyx.scipy.sparse.linalg.cg on one GPU, per iteration.
+
+Sizes are set by ``MS_BENCH_SHARDED_N2D`` / ``MS_BENCH_SHARDED_N3D`` (grid
+side), to run smaller on smaller cards. Run: ``cd benchmarks && python -m
+pytest bench_sharded.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from managed_solve import _backend
+from managed_solve.sharded import ShardedSystem
+
+pytestmark = pytest.mark.multi_gpu
+
+N2D = int(os.environ.get("MS_BENCH_SHARDED_N2D", "8192"))
+N3D = int(os.environ.get("MS_BENCH_SHARDED_N3D", "400"))
+ITERS = int(os.environ.get("MS_BENCH_SHARDED_ITERS", "40"))
+
+
+def grid_laplacian(shape: tuple[int, ...]) -> sp.csr_matrix:
+    """5-point (2D) or 7-point (3D) Dirichlet Laplacian, built row by row without kron.
+
+    kron at N = 64M builds int64 COO triplets (~8 GB) first; this builds the
+    CSR arrays directly (int32 candidates, one mask).
+    """
+    N = int(np.prod(shape))
+    strides = np.cumprod((1,) + shape[::-1][:-1])[::-1]  # C order: last axis fastest
+    idx = np.arange(N, dtype=np.int64)
+    coords = np.unravel_index(idx, shape)
+    offs, masks = [], []
+    for ax in range(len(shape) - 1, -1, -1):  # farthest neighbours first, so columns ascend
+        offs.append(-int(strides[ax]))
+        masks.append(coords[ax] > 0)
+    offs.append(0)
+    masks.append(np.ones(N, dtype=bool))
+    for ax in range(len(shape)):
+        offs.append(int(strides[ax]))
+        masks.append(coords[ax] < shape[ax] - 1)
+    order = np.argsort(offs)
+    offs = [offs[i] for i in order]
+    masks = np.stack([masks[i] for i in order], axis=1)  # (N, 2d+1)
+    del coords
+    cols = idx[:, None].astype(np.int32) + np.asarray(offs, dtype=np.int32)[None, :]
+    vals = np.where(np.asarray(offs)[None, :] == 0, 2.0 * len(shape), -1.0)
+    indptr = np.zeros(N + 1, dtype=np.int64)
+    np.cumsum(masks.sum(axis=1), out=indptr[1:])
+    indices = cols[masks]
+    data = np.broadcast_to(vals, masks.shape)[masks]
+    return sp.csr_matrix((data, indices, indptr.astype(np.int32)), shape=(N, N))
+
+
+def _gpus():
+    n = _backend.cuda_probe()[0]
+    if n < 2:
+        pytest.skip("needs two usable CUDA GPUs")
+    from managed_solve.manager import DeviceManager
+
+    return DeviceManager()
+
+
+def _per_iteration(system: ShardedSystem, b, iters: int, *, profile: bool = False):
+    """Seconds per CG iteration over ``iters`` iterations (rtol 0: never stops early)."""
+    system.solve(b, rtol=0.0, maxiter=2, check_every=2)  # warm: kernels, cuSPARSE handles
+    t0 = time.perf_counter()
+    res = system.solve(b, rtol=0.0, maxiter=iters, check_every=iters, gather_to=False,
+                       profile=profile)
+    seconds = time.perf_counter() - t0  # solve() ends with a synchronise of every device
+    return seconds / iters, res
+
+
+def _cupyx_anchor(A, iters: int) -> float:
+    cp = _backend.cupy()
+    from cupyx.scipy.sparse import csr_matrix
+    from cupyx.scipy.sparse.linalg import cg
+
+    with cp.cuda.Device(0):
+        Ad = csr_matrix(A)
+        bd = cp.ones(A.shape[0])
+        cg(Ad, bd, tol=0.0, maxiter=2)
+        cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        cg(Ad, bd, tol=0.0, maxiter=iters)
+        cp.cuda.Device().synchronize()
+        out = (time.perf_counter() - t0) / iters
+        del Ad, bd
+        cp.get_default_memory_pool().free_all_blocks()
+    return out
+
+
+@pytest.mark.parametrize("case", ["2d5pt", "3d7pt"])
+def bench_sharded_cg_two_gpus(benchmark, case):
+    dm = _gpus()
+    shape = (N2D, N2D) if case == "2d5pt" else (N3D, N3D, N3D)
+    A = grid_laplacian(shape)
+    N = A.shape[0]
+    b = np.ones(N)
+    cp = _backend.cupy()
+
+    # Check the answer once before timing, on a small copy of the problem.
+    small = grid_laplacian(tuple(min(s, 40) for s in shape))
+    Ss = ShardedSystem(small, dm.accelerators[:2], reorder=None, manager=dm)
+    rs = Ss.solve(np.ones(small.shape[0]), rtol=1e-8)
+    assert rs.converged and rs.relative_residual <= 1e-8
+
+    info = {"N": N, "nnz": int(A.nnz), "dtype": "float64", "iters": ITERS,
+            "device": dm.accelerators[0].name}
+    anchor = _cupyx_anchor(A, ITERS)
+    info["cupyx_cg_1gpu_ms_per_iter"] = anchor * 1e3
+
+    one = ShardedSystem(A, dm.accelerators[:1], reorder=None, manager=dm)
+    t1, _ = _per_iteration(one, b, ITERS)
+    info["ours_1gpu_ms_per_iter"] = t1 * 1e3
+    del one
+    for i in (0, 1):
+        with cp.cuda.Device(i):
+            cp.get_default_memory_pool().free_all_blocks()
+
+    two = ShardedSystem(A, dm.accelerators[:2], reorder=None, manager=dm)
+    info["setup_seconds_2gpu"] = two.setup_seconds
+    info["halo_sizes"] = two.partition.halo_sizes().tolist()
+    t2, _ = _per_iteration(two, b, ITERS)
+    _, prof = _per_iteration(two, b, ITERS, profile=True)
+    info["ours_2gpu_ms_per_iter"] = t2 * 1e3
+    info["ratio_2gpu_over_1gpu"] = t2 / t1
+    info["target_ratio"] = 0.55
+    p = prof.info["profile"]
+    info["halo_ms_per_iter"] = p["halo_ms"] / ITERS
+    info["reduce_ms_per_iter"] = p["reduce_ms"] / ITERS
+
+    def run():
+        two.solve(b, rtol=0.0, maxiter=ITERS, check_every=ITERS, gather_to=False)
+
+    benchmark.pedantic(run, rounds=3, iterations=1)
+    benchmark.extra_info.update(info)
+    print(f"\n{case}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                 for k, v in info.items()))
+
+
+@pytest.mark.parametrize("case", ["2d5pt"])
+def bench_sharded_weak_scaling(benchmark, case):
+    """N/2 on one GPU vs N on two: per-iteration times should match within 10%."""
+    dm = _gpus()
+    cp = _backend.cupy()
+    half = grid_laplacian((N2D // 2, N2D))
+    full = grid_laplacian((N2D, N2D))
+    one = ShardedSystem(half, dm.accelerators[:1], reorder=None, manager=dm)
+    t1, _ = _per_iteration(one, np.ones(half.shape[0]), ITERS)
+    del one
+    for i in (0, 1):
+        with cp.cuda.Device(i):
+            cp.get_default_memory_pool().free_all_blocks()
+    two = ShardedSystem(full, dm.accelerators[:2], reorder=None, manager=dm)
+    bf = np.ones(full.shape[0])
+    t2, _ = _per_iteration(two, bf, ITERS)
+    info = {"N_per_gpu": half.shape[0], "ms_per_iter_1gpu": t1 * 1e3,
+            "ms_per_iter_2gpu": t2 * 1e3, "weak_efficiency": t1 / t2, "target": 0.9,
+            "device": dm.accelerators[0].name}
+
+    def run():
+        two.solve(bf, rtol=0.0, maxiter=ITERS, check_every=ITERS, gather_to=False)
+
+    benchmark.pedantic(run, rounds=3, iterations=1)
+    benchmark.extra_info.update(info)
+    print(f"\nweak {case}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                      for k, v in info.items()))
