@@ -1,0 +1,77 @@
+"""The assembly dispatcher: caching of the symbolic phase, targets, CUDA launch on CuPy's stream."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from managed_solve import assembly
+from managed_solve.mesh import icosphere
+
+
+def test_symbolic_phase_is_cached_and_shared_by_numeric_sweeps():
+    m = icosphere(2)
+    p = assembly.symbolic(m)
+    assert assembly.symbolic(m) is p
+    mats = [assembly.assemble(m, stiffness=dt, lumped_mass=1.0) for dt in (0.1, 0.2, 0.4)]
+    assert sum(1 for k in m._cache if k[0] == "pattern") == 1
+    for A in mats:  # the CSR arrays reuse the pattern: no copies, no COO
+        assert A.indices is p.indices and A.indptr is p.indptr
+    # linear in the coefficient, and the data arrays are fresh per call
+    np.testing.assert_allclose((mats[2] - mats[1]).data, (mats[1] - mats[0]).data * 2, rtol=1e-12)
+    assert mats[0].data is not mats[1].data
+
+
+def test_targets_and_errors():
+    assert assembly.resolve_target(None) == assembly.Target("cpu", "cpu", 0)
+    assert assembly.resolve_target("sim:3").backend == "cpu"
+    assert assembly.resolve_target("cuda:1") == assembly.Target("cuda", "cuda:1", 1)
+    with pytest.raises(ValueError, match="backend='cuda' needs a CUDA device"):
+        assembly.resolve_target("cpu", "cuda")
+    with pytest.raises(ValueError, match="expected one of cpu, cuda, cudasim"):
+        assembly.resolve_target("cpu", "opencl")
+    m = icosphere(0)
+    with pytest.raises(TypeError, match="expected np.float32 or np.float64"):
+        assembly.assemble(m, dtype=np.int32)
+    with pytest.raises(TypeError, match="expected np.int32, np.int64"):
+        assembly.symbolic(m, index_dtype=np.int16)
+    with pytest.raises(TypeError, match="expected a managed_solve.mesh.Mesh"):
+        assembly.assemble(np.zeros((3, 3)))
+    with pytest.raises(ValueError, match="stiffness=nan"):
+        assembly.assemble(m, stiffness=float("nan"))
+
+
+@pytest.mark.cudasim
+def test_cudasim_numeric_float32_int64():
+    m = icosphere(1)
+    A = assembly.assemble(m, stiffness=1.0, mass=0.5, dtype=np.float32, index_dtype=np.int64)
+    B = assembly.assemble(m, stiffness=1.0, mass=0.5, dtype=np.float32, index_dtype=np.int64,
+                          backend="cudasim")
+    assert B.dtype == np.float32 and B.indices.dtype == np.int64
+    assert np.abs(A.data - B.data).max() <= 1e-6 * np.abs(A.data).max()
+
+
+@pytest.mark.gpu
+def test_cuda_assembly_on_a_non_default_stream_matches_cpu():
+    import cupy as cp
+    import cupyx.scipy.sparse as csp
+
+    m = icosphere(3)
+    ref = assembly.assemble(m, stiffness=1.0, lumped_mass=2.0)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        A = assembly.assemble(m, stiffness=1.0, lumped_mass=2.0, device="cuda:0")
+        # consumed on the same stream, without a synchronisation in between
+        y = A @ cp.ones(m.n_vertices)
+    stream.synchronize()
+    assert isinstance(A, csp.csr_matrix)
+    assert abs(A.get() - ref).max() <= 1e-12 * abs(ref).max()
+    np.testing.assert_allclose(y.get(), ref @ np.ones(m.n_vertices), rtol=1e-12, atol=1e-12)
+    w = assembly.lumped_mass(m, device="cuda:0")
+    assert isinstance(w, cp.ndarray)
+    np.testing.assert_allclose(w.get(), assembly.lumped_mass(m), rtol=1e-14)
+    G = assembly.assemble_grid((20, 30), coefficient=lambda x, y: 1 + x * y, device="cuda:0",
+                               dtype=np.float32)
+    R = assembly.assemble_grid((20, 30), coefficient=lambda x, y: 1 + x * y, dtype=np.float32)
+    assert isinstance(G, csp.csr_matrix) and G.dtype == np.float32
+    assert abs(G.get() - R).max() <= 1e-6 * abs(R).max()
