@@ -461,7 +461,8 @@ class _Runner:
                         with _HOST_KERNEL_LOCK:
                             out = _solve_packed(systems, packed, method, dev, self.manager)
                 elif b.route == DIRECT:
-                    out = [_direct_solve(self.systems[i]) for i in b.indices]
+                    symmetric = bool(b.group[2])
+                    out = [_direct_solve(self.systems[i], symmetric) for i in b.indices]
                 else:
                     out = [self._run_single(i, dev) for i in b.indices]
             seconds = time.perf_counter() - t0
@@ -633,8 +634,9 @@ def _polish(s: LinearSystem, x0: Any, method: str, device: Device,
     return res
 
 
-def _direct_solve(s: LinearSystem) -> SolveResult:
+def _direct_solve(s: LinearSystem, symmetric: bool) -> SolveResult:
     """Sparse LU on the host, one refinement step if the residual misses the tolerance."""
+    import scipy.sparse as sps
     import scipy.sparse.linalg as spla
 
     t0 = time.perf_counter()
@@ -643,8 +645,10 @@ def _direct_solve(s: LinearSystem) -> SolveResult:
     bn = float(np.linalg.norm(b))
     tol = max(s.rtol * bn, s.atol)
     try:
-        if s.is_symmetric_hint:
-            lu = spla.splu(A.tocsc(), permc_spec="MMD_AT_PLUS_A",
+        if symmetric:
+            # A symmetric CSR matrix is its own CSC: reuse the arrays, no transpose.
+            At = sps.csc_matrix((A.data, A.indices, A.indptr), shape=A.shape)
+            lu = spla.splu(At, permc_spec="MMD_AT_PLUS_A", diag_pivot_thresh=0.1,
                            options={"SymmetricMode": True})
         else:
             lu = spla.splu(A.tocsc())

@@ -1,0 +1,214 @@
+"""W2: many small 2D Poisson systems through ``solve_many`` (BENCHMARKS.md), anchors in the same run.
+
+Groups (each compares seconds per system, so an anchor timed on a subset
+compares fairly; ``report.py`` reads ``per_iteration_s``, which here holds
+seconds per system, and ``extra_info["metric"]`` says so):
+
+- ``w2-cpu``: ``solve_many`` on the CPU only vs a loop of ``scipy.sparse.linalg.spsolve``
+  over the same 400 systems (target: at least 1.6 x faster);
+- ``w2-gpu``: ``solve_many`` on one GPU vs a loop of cupyx ``cg`` (timed on 40
+  of the 400 systems, every tenth, and scaled; target at most 1/100) and vs one
+  cupyx ``cg`` over the block-diagonal matrix of all 400 (one global residual;
+  target at most 0.5 x);
+- ``w2-large``: 10,000 systems plus four of 1M unknowns on one GPU vs two
+  (target: two at least 1.8 x faster).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import scipy.sparse.linalg as spla
+
+from conftest import sync
+from managed_solve import LinearSystem
+from managed_solve.manager import DeviceManager
+from managed_solve.scheduler import solve_many
+
+RTOL = 1e-8
+ROUNDS = 3
+
+
+def poisson2d(m: int) -> sp.csr_matrix:
+    T = sp.diags([-1.0, 4.0, -1.0], [-1, 0, 1], shape=(m, m))
+    S = sp.diags([-1.0, -1.0], [-1, 1], shape=(m, m))
+    A = (sp.kron(sp.identity(m), T) + sp.kron(S, sp.identity(m))).tocsr()
+    A.indices = A.indices.astype(np.int32)
+    A.indptr = A.indptr.astype(np.int32)
+    return A
+
+
+def w2_sizes(count: int = 400, seed: int = 0) -> list[int]:
+    return [int(m) for m in np.random.default_rng(seed).integers(32, 97, size=count)]
+
+
+def w2_pairs(sizes: list[int]) -> list[tuple[sp.csr_matrix, np.ndarray]]:
+    cache: dict[int, sp.csr_matrix] = {}
+    out = []
+    for m in sizes:
+        if m not in cache:
+            cache[m] = poisson2d(m)
+        out.append((cache[m], np.ones(m * m)))
+    return out
+
+
+def per_system(benchmark, count: int, **extra) -> None:
+    """Record seconds per system (the report's comparable metric) and the sizes."""
+    benchmark.extra_info["per_iteration_s"] = benchmark.stats.stats.median / count
+    benchmark.extra_info["metric"] = "per_iteration_s holds seconds per system"
+    benchmark.extra_info["systems_timed"] = count
+    benchmark.extra_info.update(extra)
+
+
+def check_own_rtol(pairs, results) -> None:
+    for (A, b), r in zip(pairs, results, strict=True):
+        x = r.to_numpy()
+        assert r.converged, r
+        assert np.linalg.norm(b - A @ x) <= RTOL * np.linalg.norm(b)
+
+
+# ------------------------------------------------------------------------------ CPU
+@pytest.fixture(scope="module")
+def w2():
+    sizes = w2_sizes()
+    return sizes, w2_pairs(sizes)
+
+
+@pytest.mark.benchmark(group="w2-cpu")
+def bench_w2_cpu_spsolve_loop(benchmark, w2, machine_info):
+    sizes, pairs = w2
+    x = spla.spsolve(pairs[0][0], pairs[0][1])
+    assert np.linalg.norm(pairs[0][1] - pairs[0][0] @ x) <= RTOL * np.linalg.norm(pairs[0][1])
+    benchmark.pedantic(lambda: [spla.spsolve(A, b) for A, b in pairs], rounds=ROUNDS,
+                       iterations=1, warmup_rounds=1)
+    machine_info(benchmark, "cpu", role="anchor", dtype="float64", systems=len(pairs),
+                 unknowns=int(sum(m * m for m in sizes)))
+    per_system(benchmark, len(pairs))
+
+
+@pytest.mark.benchmark(group="w2-cpu")
+def bench_w2_cpu_solve_many(benchmark, w2, machine_info):
+    sizes, pairs = w2
+    dm = DeviceManager(["cpu"])
+    check_own_rtol(pairs, solve_many(pairs, manager=dm, rtol=RTOL))  # also warms up
+    benchmark.pedantic(lambda: solve_many(pairs, manager=dm, rtol=RTOL), rounds=ROUNDS,
+                       iterations=1, warmup_rounds=0)
+    machine_info(benchmark, "cpu", role="ours", dtype="float64", systems=len(pairs),
+                 unknowns=int(sum(m * m for m in sizes)), target="<= 1/1.6 of the spsolve loop")
+    per_system(benchmark, len(pairs))
+
+
+# ------------------------------------------------------------------------------ one GPU
+def _gpu_modules():
+    from managed_solve import _backend
+
+    cp = _backend.cupy()
+    import cupyx.scipy.sparse as csp
+    import cupyx.scipy.sparse.linalg as cspla
+
+    return cp, csp, cspla
+
+
+@pytest.fixture(scope="module")
+def w2_gpu(w2):
+    cp, csp, _ = _gpu_modules()
+    sizes, pairs = w2
+    with cp.cuda.Device(0):
+        return sizes, pairs, [(csp.csr_matrix(A), cp.asarray(b)) for A, b in pairs]
+
+
+@pytest.mark.gpu
+@pytest.mark.benchmark(group="w2-gpu")
+def bench_w2_gpu_cupyx_cg_loop(benchmark, w2_gpu, machine_info):
+    cp, _csp, cspla = _gpu_modules()
+    sizes, _pairs, dev_pairs = w2_gpu
+    subset = dev_pairs[::10]  # 40 of 400: the full loop takes ~12 s a round
+
+    def loop():
+        with cp.cuda.Device(0):
+            out = [cspla.cg(A, b, rtol=RTOL) for A, b in subset]
+            sync()
+        return out
+
+    x, info = loop()[0]
+    assert info == 0
+    benchmark.pedantic(loop, rounds=ROUNDS, iterations=1, warmup_rounds=1)
+    machine_info(benchmark, "cuda", role="anchor", dtype="float64", systems=len(dev_pairs),
+                 note="timed on every tenth system (40) and compared per system")
+    per_system(benchmark, len(subset))
+
+
+@pytest.mark.gpu
+@pytest.mark.benchmark(group="w2-gpu")
+def bench_w2_gpu_cupyx_cg_block_diagonal(benchmark, w2_gpu, machine_info):
+    cp, csp, cspla = _gpu_modules()
+    _sizes, pairs, _dev = w2_gpu
+    with cp.cuda.Device(0):
+        A = csp.csr_matrix(sp.block_diag([A for A, _b in pairs], format="csr"))
+        b = cp.ones(A.shape[0])
+
+    def run():
+        with cp.cuda.Device(0):
+            out = cspla.cg(A, b, rtol=RTOL)
+            sync()
+        return out
+
+    assert run()[1] == 0
+    benchmark.pedantic(run, rounds=ROUNDS, iterations=1, warmup_rounds=1)
+    machine_info(benchmark, "cuda", role="block-diagonal", dtype="float64", systems=len(pairs),
+                 note="one global residual: systems do not converge individually")
+    per_system(benchmark, len(pairs))
+
+
+@pytest.mark.gpu
+@pytest.mark.benchmark(group="w2-gpu")
+def bench_w2_gpu_solve_many(benchmark, w2_gpu, machine_info):
+    sizes, pairs, _dev = w2_gpu
+    dm = DeviceManager(["cuda:0"])
+    check_own_rtol(pairs, solve_many(pairs, manager=dm, rtol=RTOL))  # warm-up and answer check
+
+    def run():
+        out = solve_many(pairs, manager=dm, rtol=RTOL)
+        sync()
+        return out
+
+    benchmark.pedantic(run, rounds=ROUNDS, iterations=1, warmup_rounds=1)
+    res = run()
+    machine_info(benchmark, "cuda", role="ours", dtype="float64", systems=len(pairs),
+                 batches=len({r.info["batch"] for r in res}),
+                 target="<= 1/100 of the cupyx loop and <= 0.5 x block-diagonal cupyx cg")
+    per_system(benchmark, len(pairs))
+
+
+# ------------------------------------------------------------------------------ two GPUs
+@pytest.fixture(scope="module")
+def w2_large():
+    sizes = w2_sizes(10_000, seed=1)
+    systems = [LinearSystem(A, b, rtol=RTOL) for A, b in w2_pairs(sizes)]
+    big = poisson2d(1024)
+    systems += [LinearSystem(big, np.ones(1024 * 1024), rtol=RTOL) for _ in range(4)]
+    return systems
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("ngpus", [1, 2])
+def bench_w2_large_gpus(benchmark, w2_large, ngpus, machine_info):
+    dm = DeviceManager(["cuda:0", "cuda:1"])
+    devices = ["cuda:0", "cuda:1"][:ngpus]
+    first = solve_many(w2_large, devices=devices, manager=dm)  # warm-up; teaches the hints
+    assert all(r.converged for r in first)
+
+    def run():
+        out = solve_many(w2_large, devices=devices, manager=dm)
+        for d in devices:
+            from managed_solve import _backend
+
+            _backend.synchronize(int(d.split(":")[1]))
+        return out
+
+    benchmark.group = "w2-large"
+    benchmark.pedantic(run, rounds=ROUNDS, iterations=1, warmup_rounds=0)
+    machine_info(benchmark, "cuda", role="anchor" if ngpus == 1 else "ours", gpus=ngpus,
+                 systems=len(w2_large), target="two GPUs >= 1.8 x one")
+    per_system(benchmark, len(w2_large))
