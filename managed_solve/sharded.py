@@ -184,6 +184,9 @@ class _HostComm:
     def before_pack(self, s: int) -> None:
         pass
 
+    def read(self, s: int, arr) -> np.ndarray:
+        return np.array(arr)
+
     def synchronize(self) -> None:
         pass
 
@@ -256,6 +259,15 @@ class _CudaComm:
         for ev in self._in_flight[s]:
             self.compute[s].wait_event(ev)
         self._in_flight[s].clear()
+
+    def read(self, s: int, arr) -> np.ndarray:
+        """``arr`` on the host, after the work queued on shard ``s``'s compute stream.
+
+        A plain ``.get()`` would copy on the legacy default stream, which does
+        not wait for our non-blocking streams.
+        """
+        with self.cp.cuda.Device(self.ids[s]):
+            return arr.get(stream=self.compute[s])
 
     def timing_event(self, s: int, copier: bool = False):
         """A timing event recorded now on shard ``s``'s compute (or copy) stream."""
@@ -504,6 +516,8 @@ class ShardedSystem:
         if src_dev is not None:
             with src_dev.context():
                 vp = v[perm].astype(self.dtype, copy=False)
+                # sync: the shards copy vp on their own (non-blocking) streams
+                _backend.cupy().cuda.get_current_stream().synchronize()
         else:
             vp = np.asarray(v)[perm].astype(self.dtype, copy=False)
         pieces = []
@@ -644,8 +658,11 @@ class ShardedSystem:
         target = None if distributed else (
             self.devices[0] if gather_to is None else _as_target(gather_to, self.devices))
         if jacobi:
-            for sh in self.shards:
-                if bool(_backend.to_host((sh.diag == 0).any())):
+            for k, sh in enumerate(self.shards):
+                with self.comm.on(k):
+                    zero = (sh.diag == 0).any()
+                # sync: once per solve, validating the preconditioner
+                if bool(self.comm.read(k, zero)):
                     raise ValueError(
                         f"{call}(M='jacobi'): A has a zero on its diagonal; Jacobi needs a "
                         "non-zero diagonal. Use M=None."
@@ -698,7 +715,7 @@ class ShardedSystem:
                 r = bp[s] - y[s]
                 parts.append(sh.xp.stack([sh.xp.dot(r, r), sh.xp.dot(bp[s], bp[s])]))
         # sync: one host read of the final residual and ||b|| per solve
-        h = np.sum([_backend.to_host(p) for p in parts], axis=0)
+        h = np.sum([self.comm.read(s, p) for s, p in enumerate(parts)], axis=0)
         return float(np.sqrt(h[0])), float(np.sqrt(h[1]))
 
     def _reduction_buffers(self, k: int):
@@ -765,7 +782,7 @@ class ShardedSystem:
         slot = 0
         tt = self._allreduce(parts, red, tot, slot)
         # sync: ||b|| and ||r0|| once per solve, for the stopping threshold
-        t0h = _backend.to_host(tt[0])
+        t0h = self.comm.read(0, tt[0])
         syncs = 1
         b_norm, r0 = float(np.sqrt(t0h[3])), float(np.sqrt(max(t0h[2], 0.0)))
         tol = max(float(rtol) * b_norm, float(atol))
@@ -813,9 +830,8 @@ class ShardedSystem:
                         hist[it - start] = tt[0][2]
             if it - start + 1 == every or it == maxiter:
                 # sync: reads the residual history and the breakdown flag on the host
-                with comm.on(0):
-                    h = np.sqrt(np.maximum(_backend.to_host(hist[: it - start + 1]), 0.0))
-                broke = bool(_backend.to_host(bad[0])[0])
+                h = np.sqrt(np.maximum(comm.read(0, hist[: it - start + 1]), 0.0))
+                broke = bool(comm.read(0, bad[0])[0])
                 syncs += 1
                 hit = np.flatnonzero(h <= tol)
                 if broke:
@@ -876,13 +892,16 @@ class ShardedSystem:
         slot = 0
         tt = self._allreduce(parts, red, tot, slot)
         # sync: ||b|| and ||r0|| once per solve, for the stopping threshold
-        t0h = _backend.to_host(tt[0])
+        t0h = self.comm.read(0, tt[0])
         syncs = 1
         b_norm, r0 = float(np.sqrt(t0h[1])), float(np.sqrt(t0h[0]))
         tol = max(float(rtol) * b_norm, float(atol))
         if r0 <= tol or maxiter == 0:
             return x, (_CONVERGED if r0 <= tol else _MAXITER), 0, syncs, {}
-        rho = [tt[k][0:1].copy() for k in range(P)]
+        rho = []
+        for k in range(P):
+            with comm.on(k):
+                rho.append(tt[k][0:1].copy())
         alpha = [None] * P
         omega = [None] * P
         bad = [None] * P
@@ -953,9 +972,8 @@ class ShardedSystem:
                         hist[it - start] = tt[0][1]
             if it - start + 1 == every or it == maxiter:
                 # sync: reads the residual history and the breakdown flag on the host
-                with comm.on(0):
-                    h = np.sqrt(np.maximum(_backend.to_host(hist[: it - start + 1]), 0.0))
-                broke = bool(_backend.to_host(bad[0])[0])
+                h = np.sqrt(np.maximum(comm.read(0, hist[: it - start + 1]), 0.0))
+                broke = bool(comm.read(0, bad[0])[0])
                 syncs += 1
                 hit = np.flatnonzero(h <= tol)
                 if hit.size:
