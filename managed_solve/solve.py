@@ -47,6 +47,8 @@ DIRECT_MAX_DENSE_N = 4_000
 # Extra Krylov restarts from the current x when the recurrence residual met
 # the tolerance but the true residual did not (drift, mostly in float32).
 _REFINEMENTS = 2
+# What method="auto" retries with when its first choice breaks down.
+_FALLBACK = {"cg": "minres", "bicgstab": "gmres"}
 
 
 def solve(A_or_system: Any, b: Any = None, *, x0: Any = None, rtol: float = 1e-8,
@@ -77,6 +79,8 @@ def solve(A_or_system: Any, b: Any = None, *, x0: Any = None, rtol: float = 1e-8
         CPU (n <= 100,000) and dense ones (n <= 4,000); else CG for a symmetric
         matrix with a positive diagonal, MINRES for another symmetric one,
         BiCGStab otherwise (also for operators, whose symmetry is unknown).
+        When that choice breaks down (CG on an indefinite matrix), "auto"
+        retries with MINRES (after CG) or GMRES (after BiCGStab).
     M : {"jacobi", "chebyshev", "neumann"}, operator or callable, optional
         Preconditioner (an approximation of ``A^-1``).
     callback : callable, optional
@@ -85,7 +89,7 @@ def solve(A_or_system: Any, b: Any = None, *, x0: Any = None, rtol: float = 1e-8
         path, which has no per-iteration hook, to the generic one.
     device : str or Device, optional
         ``"cpu"``, ``"cuda:1"``, ``"sim:0"`` (a simulated GPU: runs on the
-        CPU backend). None: inputs already on a GPU stay there; host inputs
+        CPU backend, but "auto" chooses methods as for a GPU). None: inputs already on a GPU stay there; host inputs
         go where the DeviceManager places them, with ``nbytes +
         workspace_bytes(method)`` reserved for the duration of the solve.
     dtype : {float32, float64}, optional
@@ -139,7 +143,9 @@ def solve(A_or_system: Any, b: Any = None, *, x0: Any = None, rtol: float = 1e-8
     # resolved as for an accelerator (no direct), then again once placed.
     symmetric = _is_symmetric(system) if system.method in ("auto", "direct") else None
     planned = _choose_method(system, dev.kind if dev is not None else "cuda", symmetric)
-    nbytes = system.nbytes + system.workspace_bytes(planned)
+    # Through the manager's size heuristic (managed_solve.USE_HEURISTIC), as
+    # every reservation of an object is.
+    nbytes = mgr.size_of(system.nbytes + system.workspace_bytes(planned))
     reservation = _reserve(mgr, nbytes, dev, system, planned)
     try:
         if dev is None:
@@ -169,11 +175,11 @@ def _as_system(A: Any, b: Any, **opts: Any) -> LinearSystem:
         kw = {"x0": A.x0, "rtol": A.rtol, "atol": A.atol, "maxiter": A.maxiter,
               "method": A.method, "M": A.M, "dtype": A.dtype}
         kw.update(changed)
-        return LinearSystem(A.A, A.b, name=A.name, **kw)
+        return LinearSystem(A.A, A.b, name=A.name, _call="solve(system)", **kw)
     if b is None:
         raise TypeError("solve(A, b=None): b is missing; pass the right-hand side, "
                         "or a LinearSystem as the only argument.")
-    return LinearSystem(A, b, **opts)
+    return LinearSystem(A, b, _call="solve(A, b)", **opts)
 
 
 def _is_default(value: Any, default: Any) -> bool:
@@ -250,7 +256,9 @@ def _choose_method(system: LinearSystem, device_kind: str, symmetric: bool | Non
     method = system.method
     if method != "auto":
         return method
-    host = device_kind in ("cpu", "sim")
+    # Simulated GPUs run on the CPU backend but stand for GPUs: they take the
+    # GPU's choice, so tests on them exercise the iterative paths.
+    host = device_kind == "cpu"
     if host and system.kind == "csr" and system.n <= DIRECT_MAX_N \
             and system.nnz <= _DIRECT_MAX_ROW_NNZ * system.n:
         return "direct"
@@ -277,6 +285,16 @@ def _run(system: LinearSystem, method: str, symmetric: bool | None, dev: Device,
         dev.check_fault(system.nbytes)
         with dev.context():
             out = _dispatch(system, method, symmetric, callback, maxiter)
+            if system.method == "auto" and out.code == _common.BREAKDOWN and method in _FALLBACK:
+                # "auto" guessed from cheap tests (a positive diagonal does not
+                # make a symmetric matrix definite): retry with the robust method.
+                log.info("managed_solve: %s broke down (%s); auto falls back to %s",
+                         method, out.message, _FALLBACK[method])
+                spent = out.iterations
+                method = _FALLBACK[method]
+                out = _dispatch(system, method, symmetric, callback, maxiter)
+                out.iterations += spent
+                out.info["fallback_from"] = {"minres": "cg", "gmres": "bicgstab"}[method]
             if method != "direct":
                 out = _refine(system, method, callback, out, tol, maxiter)
             _backend.synchronize() if dev.kind == "cuda" else None

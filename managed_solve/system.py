@@ -161,8 +161,10 @@ class LinearSystem:
 
     def __init__(self, A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 0.0,
                  maxiter: int | None = None, method: str = "auto", M: Any = None,
-                 name: str | None = None, dtype: Any = None, check_finite: bool = True):
-        call = f"LinearSystem({name!r})" if name else "LinearSystem(A, b)"
+                 name: str | None = None, dtype: Any = None, check_finite: bool = True,
+                 _call: str | None = None):
+        # _call: the public call to name in errors (solve() passes "solve(A, b)").
+        call = _call or (f"LinearSystem({name!r})" if name else "LinearSystem(A, b)")
         A, kind = as_operator(A, call=call)
         shape = tuple(int(s) for s in A.shape)
         if shape[0] != shape[1]:
