@@ -33,7 +33,7 @@ N3D = int(os.environ.get("MS_BENCH_SHARDED_N3D", "400"))
 ITERS = int(os.environ.get("MS_BENCH_SHARDED_ITERS", "40"))
 
 
-@functools.lru_cache(maxsize=2)
+@functools.lru_cache(maxsize=3)
 def grid_laplacian(shape: tuple[int, ...]) -> sp.csr_matrix:
     """5-point (2D) or 7-point (3D) Dirichlet Laplacian, built row by row without kron.
 
