@@ -47,6 +47,7 @@ _DisableSubclass = torch._C.DisableTorchFunctionSubclass
 _Tensor = torch.Tensor
 _base_to = torch.Tensor.to
 _ATTR_FUNCS = ("__get__", "__set__", "__delete__")
+_KIND_OP, _KIND_PLAIN, _KIND_ATTR = 0, 1, 2
 # Functions that never compute on operands: no placement, plain torch behaviour.
 _NO_PLACEMENT = frozenset({
     _Tensor.__repr__, _Tensor.__format__, _Tensor.__reduce_ex__, _Tensor.__deepcopy__,
@@ -58,6 +59,24 @@ _NO_PLACEMENT = frozenset({
     _Tensor.requires_grad_, _Tensor.retain_grad, _Tensor.is_floating_point,
     _Tensor.is_complex, _Tensor.__array__,
 })
+
+
+_FUNC_KIND: dict = {}
+
+
+def _func_kind(func: Any) -> int:
+    """How __torch_function__ treats ``func`` (cached: one dict lookup per call after the first)."""
+    if func in _NO_PLACEMENT:
+        kind = _KIND_PLAIN
+    elif getattr(func, "__name__", None) in _ATTR_FUNCS:
+        kind = _KIND_ATTR
+    else:
+        kind = _KIND_OP
+    try:
+        _FUNC_KIND[func] = kind
+    except TypeError:  # unhashable callables are classified every time
+        pass
+    return kind
 
 
 def torch_device(device: Device | str | Any) -> Any:
@@ -202,8 +221,10 @@ def _move(x: Any, target: str, tdev: Any) -> Any:
 
 def _wrap(t: Any, cls: type) -> Any:
     """``t`` as ``cls``, sharing memory and autograd history where torch allows."""
-    if t.layout == torch.strided:
+    try:
         return t.as_subclass(cls)
+    except NotImplementedError:  # sparse layouts
+        pass
     # torch cannot as_subclass sparse tensors; _make_subclass can but detaches,
     # so a sparse result that carries autograd history stays a plain tensor.
     if t.requires_grad:
@@ -218,11 +239,8 @@ def _label(ret: Any, sim: str | None, cls: type) -> Any:
             ret = _wrap(ret, cls)
             if not isinstance(ret, cls):
                 return ret
-        if sim is not None:
-            if ret.device.type == "cpu":
-                ret._ms_sim = sim
-        elif ret.__dict__.get("_ms_sim") is not None and ret.device.type != "cpu":
-            ret._ms_sim = None
+        if sim is not None and ret.device.type == "cpu":
+            ret._ms_sim = sim
         return ret
     if isinstance(ret, (list, tuple)):
         items = [_label(r, sim, cls) for r in ret]
@@ -294,10 +312,13 @@ class ManagedTensor(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
-        if func in _NO_PLACEMENT:
+        kind = _FUNC_KIND.get(func)
+        if kind is None:
+            kind = _func_kind(func)
+        if kind == _KIND_PLAIN:
             with _DisableSubclass():
                 return func(*args, **kwargs)
-        if getattr(func, "__name__", None) in _ATTR_FUNCS:
+        if kind == _KIND_ATTR:
             with _DisableSubclass():
                 ret = func(*args, **kwargs)
                 # t.grad, t.data, t.T of a tensor on a simulated GPU stay there.
@@ -308,25 +329,41 @@ class ManagedTensor(torch.Tensor):
         tensors: list = []
         _collect(args, kwargs, tensors)
         with _DisableSubclass():
-            if not tensors:
-                return _label(func(*args, **kwargs), None, cls)
-            keys = [_key(t) for t in tensors]
-            first = keys[0][0]
+            # Fast path: every operand on one device, none pinned elsewhere. Keys
+            # are torch.device objects (or a "sim:k" string) and are compared
+            # without formatting; no lock, no sizing, no manager.
+            first = None
             same = True
-            for k, p in keys:
-                if k != first or (p is not None and p != first):
+            for t in tensors:
+                dev = t.device
+                sim = getattr(t, "_ms_sim", None)
+                k = sim if (sim is not None and dev.type == "cpu") else dev
+                if first is None:
+                    first = k
+                elif k != first:
+                    same = False
+                    break
+                pin = getattr(t, "_ms_pin", None)
+                if pin is not None and pin != str(k):
                     same = False
                     break
             if same:
-                target = first
+                sim_target = first if isinstance(first, str) else None
             else:
+                keys = [_key(t) for t in tensors]
                 target = _choose(func, tensors, keys, kwargs, cls)
                 tdev = torch_device(target)
                 args = tuple(_move(a, target, tdev) for a in args)
                 if kwargs:
                     kwargs = {k: _move(v, target, tdev) for k, v in kwargs.items()}
+                sim_target = target if _is_sim(target) else None
             ret = func(*args, **kwargs)
-            return _label(ret, target if _is_sim(target) else None, cls)
+            if type(ret) is _Tensor and sim_target is None:  # the common case, inlined
+                try:
+                    return ret.as_subclass(cls)
+                except NotImplementedError:  # sparse layouts
+                    pass
+            return _label(ret, sim_target, cls)
 
     # ------------------------------------------------------------------ placement
     def _manager(self) -> DeviceManager:
