@@ -15,8 +15,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import GPU_COUNT, machine_info  # noqa: E402,F401
-
 from managed_solve.manager import DeviceManager  # noqa: E402
 from managed_solve.tensor import managed  # noqa: E402
 
@@ -75,7 +73,7 @@ def _median_per_op(run, repeats=31):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("op", ["add", "linear"])
 @pytest.mark.parametrize("kind", ["plain", "managed", "managed_pinned"])
-def bench_op_overhead(benchmark, machine_info, device, op, kind):  # noqa: F811
+def bench_op_overhead(benchmark, machine_info, device, op, kind):
     a, b = _operands(device, kind, op)
     run = _loop(op, a, b, device)
     ref = _loop(op, *_operands(device, "plain", op), device)()
@@ -97,7 +95,7 @@ def bench_op_overhead(benchmark, machine_info, device, op, kind):  # noqa: F811
 
 
 @pytest.mark.parametrize("kind", ["plain_same_device", "managed_sim_move"])
-def bench_slow_path_sim_move(benchmark, machine_info, kind):  # noqa: F811
+def bench_slow_path_sim_move(benchmark, machine_info, kind):
     """The decision cost when operands disagree (two simulated GPUs: no bytes are copied)."""
     dm = DeviceManager(simulate="2x1GiB")
     a, b = torch.randn(1024), torch.randn(4096)[:1024]
@@ -112,7 +110,3 @@ def bench_slow_path_sim_move(benchmark, machine_info, kind):  # noqa: F811
                  ops_per_call=OPS_PER_CALL)
     benchmark(run)
     benchmark.extra_info["per_iteration_s"] = benchmark.stats.stats.median / OPS_PER_CALL
-
-
-def test_gpu_count_is_known():
-    assert GPU_COUNT >= 0

@@ -87,7 +87,7 @@ class ManagedModule(nn.Module):
     ('ManagedTensor', True)
     >>> m.cuda().placement
     'sim:0'
-    >>> m(torch.ones(3, 4)).placement      # a CPU input follows the module
+    >>> m(torch.ones(1, 4)).placement      # a small CPU input goes to the module
     'sim:0'
     """
 
