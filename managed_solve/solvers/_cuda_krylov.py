@@ -1,0 +1,748 @@
+"""Fused CUDA kernels of the batched Krylov core (CuPy ``RawModule``) and their launcher.
+
+Design (the GPU half of :mod:`managed_solve.solvers.batched`):
+
+- Per-system scalars never leave the device. Dot products accumulate into
+  ``acc[a, slot, s]`` (float64, whatever the vector dtype) and every thread
+  computes alpha, beta, omega for its row's system from them. Slots rotate
+  with the iteration (3 for CG, 4 for BiCGStab): the slot the next iteration
+  accumulates into is zeroed during the current one, when nobody reads it.
+- Sums over rows: one system (``SINGLE``) sums in registers, then a block
+  reduction and one atomic per block. Many systems: rows are sorted by
+  system, so a warp whose 32 rows share a system reduces with shuffles and
+  lane 0 keeps a running partial (one atomic per system change); a warp
+  straddling a boundary falls back to per-lane atomics.
+- Status per system lives on the device (-1 running, 0 converged, 1 maxiter,
+  2 breakdown). Threads of finished systems skip their rows; the thread of a
+  system's first row writes its status, iteration count and final residual.
+  Every thread derives the same decision from the same complete scalars, so
+  a thread that sees the new status early only skips work that no longer
+  matters.
+- The host reads statuses at checkpoints spaced 32, 64, 128, ... iterations
+  apart (``check_every`` fixes the spacing): O(log iterations) host
+  synchronisations. Small systems replay a CUDA graph of 24 iterations, so
+  launch overhead is paid once per chunk.
+- All workspace is allocated before the loop; nothing is allocated inside it.
+
+The kernels compute the same iterates as the Numba twins in
+``managed_solve.kernels.krylov`` (tests compare them).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+from typing import Any
+
+import numpy as np
+
+from .. import _backend
+
+RUNNING = -1
+THREADS = 256
+# Iterations per captured CUDA graph: a multiple of the CG (3) and BiCGStab
+# (4) slot counts, so every replay starts at slot 0.
+GRAPH_CHUNK = 24
+# Above this many rows one iteration's kernels run long enough (about 10 us
+# per kernel at 1M rows on an H100) that launch latency is hidden; graphs
+# only pay off below it.
+GRAPH_MAX_ROWS = 1 << 20
+FIRST_CHECK = 32
+CG_SLOTS, BICG_SLOTS = 3, 4
+CG_ACCS, BICG_ACCS = 3, 6  # CG: pq, rz, rr.  BiCGStab: rho, rr, rv, ss, tt, ts.
+
+SOURCE = r"""
+#define MS_RUNNING (-1)
+#define MS_CONVERGED 0
+#define MS_MAXITER 1
+#define MS_BREAKDOWN 2
+
+typedef long long ll;
+
+// acc[a][slot][s], a = which dot product, s = system
+#define ACC(a, sl) (acc + ((ll)(a) * nslot + (sl)) * nsys)
+
+__device__ __forceinline__ double ms_warp_sum(double v) {
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+    return v;
+}
+
+template <typename T, typename I>
+__device__ __forceinline__ double ms_row_dot(const I* __restrict__ indptr, const I* __restrict__ indices,
+                                             const T* __restrict__ data, const T* v, ll i) {
+    double sum = 0.0;
+    const I end = indptr[i + 1];
+    for (I j = indptr[i]; j < end; ++j) sum += (double)data[j] * (double)v[indices[j]];
+    return sum;
+}
+
+// One block's view of system 0's status (SINGLE): read once, so that every
+// thread of the block takes the same branch before the block reduction.
+template <bool SINGLE>
+__device__ __forceinline__ bool ms_block_running(const int* status) {
+    if (!SINGLE) return true;
+    __shared__ int st;
+    if (threadIdx.x == 0) st = status[0];
+    __syncthreads();
+    return st == MS_RUNNING;
+}
+
+// Per-system sums of K values over rows sorted by system.
+template <int K, bool SINGLE>
+struct SegSum {
+    double part[K];
+    int cur;
+    __device__ __forceinline__ SegSum() : cur(-1) {
+        #pragma unroll
+        for (int k = 0; k < K; ++k) part[k] = 0.0;
+    }
+    __device__ __forceinline__ void flush_lane(double* const (&out)[K]) {
+        if (cur >= 0) {
+            #pragma unroll
+            for (int k = 0; k < K; ++k) { atomicAdd(out[k] + cur, part[k]); part[k] = 0.0; }
+        }
+    }
+    // Called by all 32 lanes of a warp together, once per step; s < 0: no contribution.
+    __device__ __forceinline__ void add(int s, const double (&c)[K], double* const (&out)[K]) {
+        if (SINGLE) {
+            if (s >= 0) {
+                #pragma unroll
+                for (int k = 0; k < K; ++k) part[k] += c[k];
+            }
+            return;
+        }
+        const unsigned full = 0xffffffffu;
+        const int s0 = __shfl_sync(full, s, 0);
+        if (__all_sync(full, s == s0)) {
+            if (s0 < 0) return;
+            double w[K];
+            #pragma unroll
+            for (int k = 0; k < K; ++k) w[k] = ms_warp_sum(c[k]);
+            if ((threadIdx.x & 31) == 0) {
+                if (s0 != cur) { flush_lane(out); cur = s0; }
+                #pragma unroll
+                for (int k = 0; k < K; ++k) part[k] += w[k];
+            }
+        } else if (s >= 0) {
+            #pragma unroll
+            for (int k = 0; k < K; ++k) atomicAdd(out[k] + s, c[k]);
+        }
+    }
+    // Called once by every thread of the block, at the end.
+    __device__ __forceinline__ void finish(double* const (&out)[K]) {
+        if (!SINGLE) {
+            if ((threadIdx.x & 31) == 0) flush_lane(out);
+            return;
+        }
+        __shared__ double sh[K][32];
+        const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+        #pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const double w = ms_warp_sum(part[k]);
+            if (lane == 0) sh[k][wid] = w;
+        }
+        __syncthreads();
+        if (wid == 0) {
+            const int nw = blockDim.x >> 5;
+            #pragma unroll
+            for (int k = 0; k < K; ++k) {
+                double w = lane < nw ? sh[k][lane] : 0.0;
+                w = ms_warp_sum(w);
+                if (lane == 0) atomicAdd(out[k], w);
+            }
+        }
+    }
+};
+
+#define MS_GRID_STRIDE const ll G = (ll)gridDim.x * blockDim.x; \
+    const ll tid = (ll)blockIdx.x * blockDim.x + threadIdx.x;
+// Warp-uniform row loop: every lane runs the same number of steps (for SegSum).
+#define MS_WARP_ROWS(i) for (ll base_ = tid - (threadIdx.x & 31); base_ < n; base_ += G) { \
+    const ll i = base_ + (threadIdx.x & 31);
+
+// ---------------------------------------------------------------- set-up
+
+// r = b - A x0 (or b), z = dinv r, copy = z (CG: p; BiCGStab: r~); sums b.b, r.r, r.z.
+template <typename T, typename I, bool SINGLE, bool JAC, bool HASX0>
+__global__ void ms_init(const I* __restrict__ indptr, const I* __restrict__ indices,
+                        const T* __restrict__ data, const T* __restrict__ b, const T* x,
+                        const T* __restrict__ dinv, T* r, T* z, T* copy,
+                        const int* __restrict__ row_sys, double* bb, double* acc,
+                        int nsys, int slot, int nslot, int rr_id, int rz_id, ll n) {
+    MS_GRID_STRIDE
+    SegSum<3, SINGLE> sum;
+    double* const out[3] = {bb, ACC(rr_id, slot), ACC(rz_id, slot)};
+    MS_WARP_ROWS(i)
+        int s = -1;
+        double c[3] = {0.0, 0.0, 0.0};
+        if (i < n) {
+            s = SINGLE ? 0 : row_sys[i];
+            const double bi = (double)b[i];
+            const T ri = (T)(HASX0 ? bi - ms_row_dot(indptr, indices, data, x, i) : bi);
+            const T zi = JAC ? (T)((double)dinv[i] * (double)ri) : ri;
+            r[i] = ri;
+            if (JAC) z[i] = zi;
+            copy[i] = zi;
+            c[0] = bi * bi; c[1] = (double)ri * (double)ri; c[2] = (double)ri * (double)zi;
+        }
+        sum.add(s, c, out);
+    }
+    sum.finish(out);
+}
+
+// b_s = 0: x_s = 0 whatever x0 (SciPy returns b).
+template <typename T>
+__global__ void ms_zero_x(T* x, const int* __restrict__ row_sys, const double* bb, ll n) {
+    MS_GRID_STRIDE
+    for (ll i = tid; i < n; i += G) if (bb[row_sys[i]] == 0.0) x[i] = (T)0;
+}
+
+extern "C" __global__ void ms_init_status(const double* acc, int nsys, int slot, int nslot,
+                                          int rr_id, int rz_id, const double* bb,
+                                          const double* rtol, const double* atol,
+                                          const ll* maxiter, double* tol2, int* status,
+                                          ll* iters, double* res2) {
+    const int s = blockIdx.x * blockDim.x + threadIdx.x;
+    if (s >= nsys) return;
+    const double tol = fmax(rtol[s] * sqrt(bb[s]), atol[s]);
+    const double t2 = tol * tol;
+    const double rr = ACC(rr_id, slot)[s], rz = ACC(rz_id, slot)[s];
+    int st = MS_RUNNING;
+    double res = rr;
+    if (bb[s] == 0.0) { st = MS_CONVERGED; res = 0.0; }
+    else if (rr <= t2) st = MS_CONVERGED;
+    else if (maxiter[s] <= 0) st = MS_MAXITER;
+    else if (rz == 0.0 || !isfinite(rz)) st = MS_BREAKDOWN;
+    tol2[s] = t2; iters[s] = 0; status[s] = st; res2[s] = res;
+}
+
+// ---------------------------------------------------------------- CG (acc: 0 pq, 1 rz, 2 rr)
+
+// q = A p and p.q; zeroes the next slot.
+template <typename T, typename I, bool SINGLE>
+__global__ void ms_cg_spmv(const I* __restrict__ indptr, const I* __restrict__ indices,
+                           const T* __restrict__ data, const T* __restrict__ p, T* __restrict__ q,
+                           const int* __restrict__ row_sys, const int* status, double* acc,
+                           int nsys, int slot, ll n) {
+    const int nslot = 3, next = (slot + 1) % 3;
+    MS_GRID_STRIDE
+    for (ll s = tid; s < nsys; s += G) {
+        ACC(0, next)[s] = 0.0; ACC(1, next)[s] = 0.0; ACC(2, next)[s] = 0.0;
+    }
+    if (!ms_block_running<SINGLE>(status)) return;
+    SegSum<1, SINGLE> sum;
+    double* const out[1] = {ACC(0, slot)};
+    MS_WARP_ROWS(i)
+        int s = -1;
+        double c[1] = {0.0};
+        if (i < n) {
+            const int si = SINGLE ? 0 : row_sys[i];
+            if (SINGLE || status[si] == MS_RUNNING) {
+                const double qi = ms_row_dot(indptr, indices, data, p, i);
+                q[i] = (T)qi;
+                c[0] = (double)p[i] * qi;
+                s = si;
+            }
+        }
+        sum.add(s, c, out);
+    }
+    sum.finish(out);
+}
+
+// alpha = rz / pq; x += alpha p; r -= alpha q; z = dinv r; sums r.z and r.r.
+template <typename T, typename I, bool SINGLE, bool JAC>
+__global__ void ms_cg_update(T* x, T* r, T* z, const T* p, const T* q, const T* __restrict__ dinv,
+                             const int* __restrict__ row_sys, int* status, const ll* offs,
+                             double* res2, double* acc, int nsys, int slot, ll n) {
+    const int nslot = 3, prev = (slot + 2) % 3;
+    MS_GRID_STRIDE
+    if (!ms_block_running<SINGLE>(status)) return;
+    SegSum<2, SINGLE> sum;
+    double* const out[2] = {ACC(1, slot), ACC(2, slot)};
+    MS_WARP_ROWS(i)
+        int s = -1;
+        double c[2] = {0.0, 0.0};
+        if (i < n) {
+            const int si = SINGLE ? 0 : row_sys[i];
+            if (SINGLE || status[si] == MS_RUNNING) {
+                const double pq = ACC(0, slot)[si];
+                if (!(pq > 0.0)) {  // not positive definite (or NaN): CG breaks down
+                    if (i == offs[si]) { status[si] = MS_BREAKDOWN; res2[si] = ACC(2, prev)[si]; }
+                } else {
+                    const double alpha = ACC(1, prev)[si] / pq;
+                    x[i] = (T)((double)x[i] + alpha * (double)p[i]);
+                    const T ri = (T)((double)r[i] - alpha * (double)q[i]);
+                    r[i] = ri;
+                    const T zi = JAC ? (T)((double)dinv[i] * (double)ri) : ri;
+                    if (JAC) z[i] = zi;
+                    c[0] = (double)ri * (double)zi; c[1] = (double)ri * (double)ri;
+                    s = si;
+                }
+            }
+        }
+        sum.add(s, c, out);
+    }
+    sum.finish(out);
+}
+
+// Status of each system after its update; p = z + beta p for those still running.
+template <typename T, typename I, bool SINGLE>
+__global__ void ms_cg_direction(T* p, const T* z, const int* __restrict__ row_sys, int* status,
+                                ll* iters, const ll* maxiter, const double* tol2, const ll* offs,
+                                double* res2, const double* acc, int nsys, int slot, ll n) {
+    const int nslot = 3, prev = (slot + 2) % 3;
+    MS_GRID_STRIDE
+    if (!ms_block_running<SINGLE>(status)) return;
+    for (ll i = tid; i < n; i += G) {
+        const int si = SINGLE ? 0 : row_sys[i];
+        if (!SINGLE && status[si] != MS_RUNNING) continue;
+        const double rr = ACC(2, slot)[si], rz = ACC(1, slot)[si];
+        const bool done = rr <= tol2[si];
+        if (i == offs[si]) {
+            const ll it = iters[si] + 1;
+            iters[si] = it;
+            int st = MS_RUNNING;
+            if (done) st = MS_CONVERGED;
+            else if (it >= maxiter[si]) st = MS_MAXITER;
+            else if (rz == 0.0 || !isfinite(rz)) st = MS_BREAKDOWN;
+            if (st != MS_RUNNING) { status[si] = st; res2[si] = rr; }
+        }
+        if (done) continue;
+        const double beta = rz / ACC(1, prev)[si];
+        p[i] = (T)((double)z[i] + beta * (double)p[i]);
+    }
+}
+
+// ------------------------------------------- BiCGStab (acc: 0 rho, 1 rr, 2 rv, 3 ss, 4 tt, 5 ts)
+
+// Stopping tests at the start of an iteration (SciPy's order); -1 means go on.
+__device__ __forceinline__ int ms_bicg_state(const double* acc, int nsys, int slot, int s,
+                                             ll it, ll maxit, double t2) {
+    const int nslot = 4, prev = (slot + 3) % 4;
+    const double rr = ACC(1, prev)[s], rho = ACC(0, prev)[s];
+    if (rr <= t2) return MS_CONVERGED;
+    if (it >= maxit) return MS_MAXITER;
+    if (rho == 0.0 || !isfinite(rho)) return MS_BREAKDOWN;
+    if (it > 0) {
+        const double omega = ACC(5, prev)[s] / ACC(4, prev)[s];
+        if (omega == 0.0) return MS_BREAKDOWN;
+    }
+    return -1;
+}
+
+// The same tests, one thread per system, run by the host before it reads statuses.
+extern "C" __global__ void ms_bicg_check(const double* acc, int nsys, int slot, int* status,
+                                         const ll* iters, const ll* maxiter, const double* tol2,
+                                         double* res2) {
+    const int nslot = 4, prev = (slot + 3) % 4;
+    const int s = blockIdx.x * blockDim.x + threadIdx.x;
+    if (s >= nsys || status[s] != MS_RUNNING) return;
+    const int st = ms_bicg_state(acc, nsys, slot, s, iters[s], maxiter[s], tol2[s]);
+    if (st >= 0) { status[s] = st; res2[s] = ACC(1, prev)[s]; }
+}
+
+// p = r + beta (p - omega v); z = dinv p; zeroes the next slot.
+template <typename T, typename I, bool SINGLE, bool JAC>
+__global__ void ms_bicg_direction(T* p, T* z, const T* r, const T* v, const T* __restrict__ dinv,
+                                  const int* __restrict__ row_sys, int* status, const ll* iters,
+                                  const ll* maxiter, const double* tol2, const ll* offs,
+                                  double* res2, double* acc, int nsys, int slot, ll n) {
+    const int nslot = 4, next = (slot + 1) % 4, prev = (slot + 3) % 4, prev2 = (slot + 2) % 4;
+    MS_GRID_STRIDE
+    for (ll s = tid; s < nsys; s += G) {
+        #pragma unroll
+        for (int a = 0; a < 6; ++a) ACC(a, next)[s] = 0.0;
+    }
+    if (!ms_block_running<SINGLE>(status)) return;
+    for (ll i = tid; i < n; i += G) {
+        const int si = SINGLE ? 0 : row_sys[i];
+        if (!SINGLE && status[si] != MS_RUNNING) continue;
+        const ll it = iters[si];
+        const int st = ms_bicg_state(acc, nsys, slot, si, it, maxiter[si], tol2[si]);
+        if (st >= 0) {
+            if (i == offs[si]) { status[si] = st; res2[si] = ACC(1, prev)[si]; }
+            continue;
+        }
+        double pi;
+        if (it > 0) {
+            const double rho = ACC(0, prev)[si], rho_prev = ACC(0, prev2)[si];
+            const double alpha = rho_prev / ACC(2, prev)[si];
+            const double omega = ACC(5, prev)[si] / ACC(4, prev)[si];
+            const double beta = (rho / rho_prev) * (alpha / omega);
+            pi = (double)r[i] + beta * ((double)p[i] - omega * (double)v[i]);
+        } else {
+            pi = (double)r[i];
+        }
+        const T pt = (T)pi;
+        p[i] = pt;
+        if (JAC) z[i] = (T)((double)dinv[i] * (double)pt);
+    }
+}
+
+// v = A p-hat and r~.v
+template <typename T, typename I, bool SINGLE>
+__global__ void ms_bicg_spmv_v(const I* __restrict__ indptr, const I* __restrict__ indices,
+                               const T* __restrict__ data, const T* __restrict__ ph,
+                               T* __restrict__ v, const T* __restrict__ rt,
+                               const int* __restrict__ row_sys, const int* status, double* acc,
+                               int nsys, int slot, ll n) {
+    const int nslot = 4;
+    MS_GRID_STRIDE
+    if (!ms_block_running<SINGLE>(status)) return;
+    SegSum<1, SINGLE> sum;
+    double* const out[1] = {ACC(2, slot)};
+    MS_WARP_ROWS(i)
+        int s = -1;
+        double c[1] = {0.0};
+        if (i < n) {
+            const int si = SINGLE ? 0 : row_sys[i];
+            if (SINGLE || status[si] == MS_RUNNING) {
+                const double vi = ms_row_dot(indptr, indices, data, ph, i);
+                v[i] = (T)vi;
+                c[0] = (double)rt[i] * vi;
+                s = si;
+            }
+        }
+        sum.add(s, c, out);
+    }
+    sum.finish(out);
+}
+
+// alpha = rho / r~.v; x += alpha p-hat; s = r - alpha v (in r); z = dinv s; sums s.s.
+template <typename T, typename I, bool SINGLE, bool JAC>
+__global__ void ms_bicg_update_s(T* x, T* r, T* z, const T* p, const T* v, const T* __restrict__ dinv,
+                                 const int* __restrict__ row_sys, int* status, const ll* offs,
+                                 double* res2, double* acc, int nsys, int slot, ll n) {
+    const int nslot = 4, prev = (slot + 3) % 4;
+    MS_GRID_STRIDE
+    if (!ms_block_running<SINGLE>(status)) return;
+    SegSum<1, SINGLE> sum;
+    double* const out[1] = {ACC(3, slot)};
+    MS_WARP_ROWS(i)
+        int s = -1;
+        double c[1] = {0.0};
+        if (i < n) {
+            const int si = SINGLE ? 0 : row_sys[i];
+            if (SINGLE || status[si] == MS_RUNNING) {
+                const double rv = ACC(2, slot)[si];
+                if (rv == 0.0 || !isfinite(rv)) {
+                    if (i == offs[si]) { status[si] = MS_BREAKDOWN; res2[si] = ACC(1, prev)[si]; }
+                } else {
+                    const double alpha = ACC(0, prev)[si] / rv;
+                    const double phi = JAC ? (double)z[i] : (double)p[i];
+                    x[i] = (T)((double)x[i] + alpha * phi);
+                    const T si_ = (T)((double)r[i] - alpha * (double)v[i]);
+                    r[i] = si_;
+                    if (JAC) z[i] = (T)((double)dinv[i] * (double)si_);
+                    c[0] = (double)si_ * (double)si_;
+                    s = si;
+                }
+            }
+        }
+        sum.add(s, c, out);
+    }
+    sum.finish(out);
+}
+
+// Half-step convergence test; t = A s-hat, sums t.t and t.s.
+template <typename T, typename I, bool SINGLE>
+__global__ void ms_bicg_spmv_t(const I* __restrict__ indptr, const I* __restrict__ indices,
+                               const T* __restrict__ data, const T* __restrict__ sh,
+                               const T* __restrict__ sv, T* __restrict__ t,
+                               const int* __restrict__ row_sys, int* status, ll* iters,
+                               const double* tol2, const ll* offs, double* res2, double* acc,
+                               int nsys, int slot, ll n) {
+    const int nslot = 4;
+    MS_GRID_STRIDE
+    if (!ms_block_running<SINGLE>(status)) return;
+    SegSum<2, SINGLE> sum;
+    double* const out[2] = {ACC(4, slot), ACC(5, slot)};
+    MS_WARP_ROWS(i)
+        int s = -1;
+        double c[2] = {0.0, 0.0};
+        if (i < n) {
+            const int si = SINGLE ? 0 : row_sys[i];
+            if (SINGLE || status[si] == MS_RUNNING) {
+                const double ss = ACC(3, slot)[si];
+                if (ss <= tol2[si]) {  // converged at the half step (x already has alpha p-hat)
+                    if (i == offs[si]) { status[si] = MS_CONVERGED; iters[si] += 1; res2[si] = ss; }
+                } else {
+                    const double ti = ms_row_dot(indptr, indices, data, sh, i);
+                    t[i] = (T)ti;
+                    c[0] = ti * ti; c[1] = ti * (double)sv[i];
+                    s = si;
+                }
+            }
+        }
+        sum.add(s, c, out);
+    }
+    sum.finish(out);
+}
+
+// omega = t.s / t.t; x += omega s-hat; r = s - omega t; sums r~.r and r.r.
+template <typename T, typename I, bool SINGLE, bool JAC>
+__global__ void ms_bicg_update_r(T* x, T* r, const T* z, const T* t, const T* __restrict__ rt,
+                                 const int* __restrict__ row_sys, int* status, ll* iters,
+                                 const ll* offs, double* res2, double* acc, int nsys, int slot,
+                                 ll n) {
+    const int nslot = 4;
+    MS_GRID_STRIDE
+    if (!ms_block_running<SINGLE>(status)) return;
+    SegSum<2, SINGLE> sum;
+    double* const out[2] = {ACC(0, slot), ACC(1, slot)};
+    MS_WARP_ROWS(i)
+        int s = -1;
+        double c[2] = {0.0, 0.0};
+        if (i < n) {
+            const int si = SINGLE ? 0 : row_sys[i];
+            if (SINGLE || status[si] == MS_RUNNING) {
+                const double tt = ACC(4, slot)[si];
+                if (tt == 0.0 || !isfinite(tt)) {
+                    if (i == offs[si]) {
+                        status[si] = MS_BREAKDOWN; iters[si] += 1; res2[si] = ACC(3, slot)[si];
+                    }
+                } else {
+                    const double omega = ACC(5, slot)[si] / tt;
+                    const double ri_old = (double)r[i];
+                    const double shi = JAC ? (double)z[i] : ri_old;
+                    x[i] = (T)((double)x[i] + omega * shi);
+                    const T ri = (T)(ri_old - omega * (double)t[i]);
+                    r[i] = ri;
+                    c[0] = (double)rt[i] * (double)ri; c[1] = (double)ri * (double)ri;
+                    s = si;
+                    if (i == offs[si]) iters[si] += 1;
+                }
+            }
+        }
+        sum.add(s, c, out);
+    }
+    sum.finish(out);
+}
+"""
+
+_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double",
+          np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
+_B = ("false", "true")
+
+
+def _instantiations(T: str, I: str) -> dict[str, str]:
+    """Kernel name -> C++ name expression for one (value, index) type pair."""
+    names: dict[str, str] = {}
+    for s in (0, 1):
+        for j in (0, 1):
+            for x in (0, 1):
+                names[f"init{s}{j}{x}"] = f"ms_init<{T}, {I}, {_B[s]}, {_B[j]}, {_B[x]}>"
+            names[f"cg_update{s}{j}"] = f"ms_cg_update<{T}, {I}, {_B[s]}, {_B[j]}>"
+            names[f"bicg_direction{s}{j}"] = f"ms_bicg_direction<{T}, {I}, {_B[s]}, {_B[j]}>"
+            names[f"bicg_update_s{s}{j}"] = f"ms_bicg_update_s<{T}, {I}, {_B[s]}, {_B[j]}>"
+            names[f"bicg_update_r{s}{j}"] = f"ms_bicg_update_r<{T}, {I}, {_B[s]}, {_B[j]}>"
+        names[f"cg_spmv{s}"] = f"ms_cg_spmv<{T}, {I}, {_B[s]}>"
+        names[f"cg_direction{s}"] = f"ms_cg_direction<{T}, {I}, {_B[s]}>"
+        names[f"bicg_spmv_v{s}"] = f"ms_bicg_spmv_v<{T}, {I}, {_B[s]}>"
+        names[f"bicg_spmv_t{s}"] = f"ms_bicg_spmv_t<{T}, {I}, {_B[s]}>"
+    names["zero_x"] = f"ms_zero_x<{T}>"
+    return names
+
+
+_lock = threading.Lock()
+_modules: dict[tuple, dict[str, Any]] = {}
+
+
+def kernels(device_id: int, dtype: Any, index_dtype: Any) -> dict[str, Any]:
+    """Compiled kernels for one device and (value, index) dtype pair; compiled once, cached."""
+    key = (int(device_id), np.dtype(dtype).str, np.dtype(index_dtype).str)
+    with _lock:
+        if key in _modules:
+            return _modules[key]
+        cp = _backend.cupy()
+        names = _instantiations(_TYPES[np.dtype(dtype)], _TYPES[np.dtype(index_dtype)])
+        with cp.cuda.Device(device_id):
+            mod = cp.RawModule(code=SOURCE, options=("-std=c++17",),
+                               name_expressions=list(names.values()))
+            fns = {k: mod.get_function(v) for k, v in names.items()}
+            fns["init_status"] = mod.get_function("ms_init_status")
+            fns["bicg_check"] = mod.get_function("ms_bicg_check")
+        _modules[key] = fns
+        return fns
+
+
+@functools.cache
+def _sm_count(device_id: int) -> int:
+    cp = _backend.cupy()
+    return int(cp.cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+
+def _grid_rows(n: int, device_id: int) -> int:
+    """Blocks for a grid-stride row kernel: one full wave (8 blocks of 256 per SM) at most."""
+    return max(1, min(math.ceil(n / THREADS), _sm_count(device_id) * 8))
+
+
+def solve(batch: Any, method: str, check_every: int | None) -> tuple:
+    """Run batched CG or BiCGStab on a CuPy batch; returns BatchOutcome's fields."""
+    cp = _backend.cupy()
+    dev = batch.data.device.id
+    with cp.cuda.Device(dev):
+        return _Solver(cp, batch, method, dev).run(check_every)
+
+
+class _Solver:
+    """Workspace and launch sequence of one batched solve (all allocation in __init__)."""
+
+    def __init__(self, cp: Any, batch: Any, method: str, dev: int):
+        self.cp, self.batch, self.method, self.dev = cp, batch, method, dev
+        n, nsys, dt = batch.n, batch.nsys, batch.dtype
+        self.n, self.nsys = n, nsys
+        self.k = kernels(dev, dt, batch.index_dtype)
+        self.single = int(nsys == 1)
+        self.jac = int(batch.dinv is not None)
+        self.grid = _grid_rows(n, dev)
+        self.sgrid = max(1, math.ceil(nsys / 128))
+        cg = method == "cg"
+        self.nslot = CG_SLOTS if cg else BICG_SLOTS
+        nacc = CG_ACCS if cg else BICG_ACCS
+        empty = cp.empty
+        self.x = empty(n, dtype=dt)
+        nvec = 3 if cg else 5
+        self.vec = [empty(n, dtype=dt) for _ in range(nvec)]
+        self.z = empty(n, dtype=dt) if self.jac else None
+        self.acc = cp.zeros(nacc * self.nslot * nsys, dtype=np.float64)
+        self.bb = cp.zeros(nsys, dtype=np.float64)
+        self.tol2 = empty(nsys, dtype=np.float64)
+        self.rtol = cp.asarray(batch.rtol)
+        self.atol = cp.asarray(batch.atol)
+        self.maxiter = cp.asarray(batch.maxiter.astype(np.int64))
+        self.offs = cp.asarray(batch.offsets.astype(np.int64))
+        # status (int32), iterations (int64) and final r.r (float64) share one
+        # buffer, so a checkpoint is a single device -> host copy.
+        self.info = cp.zeros(nsys * 20, dtype=np.uint8)
+        self.res2 = self.info[: 8 * nsys].view(np.float64)
+        self.iters = self.info[8 * nsys: 16 * nsys].view(np.int64)
+        self.status = self.info[16 * nsys:].view(np.int32)
+        self.host_info = np.empty(nsys * 20, dtype=np.uint8)
+        self.nn = np.int64(n)
+        self.ns = np.int32(nsys)
+
+    # -- launches ---------------------------------------------------------------------
+    def _rows(self, fn: Any, *args: Any) -> None:
+        fn((self.grid,), (THREADS,), args)
+
+    def _setup(self) -> None:
+        cp, b, k = self.cp, self.batch, self.k
+        has_x0 = int(b.x0 is not None)
+        if has_x0:
+            cp.copyto(self.x, b.x0)
+        else:
+            self.x.fill(0)
+        dinv = b.dinv if self.jac else self.x  # never read without Jacobi
+        last = np.int32(self.nslot - 1)
+        if self.method == "cg":
+            r, p, _ = self.vec
+            z = self.z if self.jac else r
+            rr_id, rz_id, copy, jac = 2, 1, p, self.jac
+        else:
+            r, rt = self.vec[0], self.vec[1]
+            z, rr_id, rz_id, copy, jac = r, 1, 0, rt, 0  # r~ = r; rho = r.r
+        self._rows(k[f"init{self.single}{jac}{has_x0}"], b.indptr, b.indices, b.data, b.b, self.x,
+                   dinv, r, z, copy, b.row_sys, self.bb, self.acc, self.ns, last,
+                   np.int32(self.nslot), np.int32(rr_id), np.int32(rz_id), self.nn)
+        if has_x0:
+            self._rows(k["zero_x"], self.x, b.row_sys, self.bb, self.nn)
+        k["init_status"]((self.sgrid,), (128,), (
+            self.acc, self.ns, last, np.int32(self.nslot), np.int32(rr_id), np.int32(rz_id),
+            self.bb, self.rtol, self.atol, self.maxiter, self.tol2, self.status, self.iters,
+            self.res2))
+
+    def _iteration(self, it: int) -> None:
+        slot = np.int32(it % self.nslot)
+        b, k, s, j = self.batch, self.k, self.single, self.jac
+        A = (b.indptr, b.indices, b.data)
+        dinv = b.dinv if j else self.x
+        if self.method == "cg":
+            r, p, q = self.vec
+            z = self.z if j else r
+            self._rows(k[f"cg_spmv{s}"], *A, p, q, b.row_sys, self.status, self.acc, self.ns,
+                       slot, self.nn)
+            self._rows(k[f"cg_update{s}{j}"], self.x, r, z, p, q, dinv, b.row_sys, self.status,
+                       self.offs, self.res2, self.acc, self.ns, slot, self.nn)
+            self._rows(k[f"cg_direction{s}"], p, z, b.row_sys, self.status, self.iters,
+                       self.maxiter, self.tol2, self.offs, self.res2, self.acc, self.ns, slot,
+                       self.nn)
+        else:
+            r, rt, p, v, t = self.vec
+            z = self.z if j else p
+            ph = z if j else p
+            sh = z if j else r
+            self._rows(k[f"bicg_direction{s}{j}"], p, z, r, v, dinv, b.row_sys, self.status,
+                       self.iters, self.maxiter, self.tol2, self.offs, self.res2, self.acc,
+                       self.ns, slot, self.nn)
+            self._rows(k[f"bicg_spmv_v{s}"], *A, ph, v, rt, b.row_sys, self.status, self.acc,
+                       self.ns, slot, self.nn)
+            self._rows(k[f"bicg_update_s{s}{j}"], self.x, r, z, p, v, dinv, b.row_sys,
+                       self.status, self.offs, self.res2, self.acc, self.ns, slot, self.nn)
+            self._rows(k[f"bicg_spmv_t{s}"], *A, sh, r, t, b.row_sys, self.status, self.iters,
+                       self.tol2, self.offs, self.res2, self.acc, self.ns, slot, self.nn)
+            self._rows(k[f"bicg_update_r{s}{j}"], self.x, r, z, t, rt, b.row_sys, self.status,
+                       self.iters, self.offs, self.res2, self.acc, self.ns, slot, self.nn)
+
+    def _before_read(self, it: int) -> None:
+        """BiCGStab applies its stopping tests at the start of an iteration; run them now."""
+        if self.method != "cg":
+            self.k["bicg_check"]((self.sgrid,), (128,), (
+                self.acc, self.ns, np.int32(it % self.nslot), self.status, self.iters,
+                self.maxiter, self.tol2, self.res2))
+
+    # -- the loop -------------------------------------------------------------------
+    def run(self, check_every: int | None) -> tuple:
+        cp = self.cp
+        caller = cp.cuda.get_current_stream()
+        stream = cp.cuda.Stream(non_blocking=True)
+        # The batch was written on the caller's stream; ours must see it.
+        stream.wait_event(caller.record())
+        use_graph = self.n <= GRAPH_MAX_ROWS
+        unit = GRAPH_CHUNK if use_graph else 1
+        maxmax = int(self.batch.maxiter.max())
+        spacing = int(check_every) if check_every is not None else FIRST_CHECK
+        syncs = 0
+        done = 0
+        with stream:
+            self._setup()
+            graph = None
+            if use_graph and maxmax > 0:
+                stream.begin_capture()
+                try:
+                    for it in range(GRAPH_CHUNK):
+                        self._iteration(it)
+                finally:
+                    graph = stream.end_capture()
+            while True:
+                target = min(done + spacing, maxmax)
+                target = -(-target // unit) * unit
+                while done < target:
+                    if graph is not None:
+                        graph.launch(stream)
+                        done += GRAPH_CHUNK
+                    else:
+                        self._iteration(done)
+                        done += 1
+                self._before_read(done)
+                self.info.get(out=self.host_info)  # sync: checkpoint, reads statuses on the host
+                syncs += 1
+                status = self.host_info[16 * self.nsys:].view(np.int32)
+                if not (status == RUNNING).any():
+                    break
+                if done >= maxmax + unit:
+                    raise RuntimeError(
+                        f"{self.method}_batched: {int((status == RUNNING).sum())} systems still "
+                        f"running after {done} iterations with maxiter <= {maxmax}; this is a bug "
+                        "in managed_solve's CUDA Krylov kernels, please report it")
+                if check_every is None:
+                    spacing *= 2
+        # Later work on the caller's stream must see x.
+        caller.wait_event(stream.record())
+        h = self.host_info
+        ns = self.nsys
+        return (self.x, h[8 * ns:16 * ns].view(np.int64).copy(),
+                np.sqrt(h[:8 * ns].view(np.float64)), h[16 * ns:].view(np.int32).astype(np.int8),
+                syncs)
