@@ -14,6 +14,7 @@ the module never ends up split parameter by parameter.
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any
 
@@ -168,6 +169,32 @@ class ManagedModule(nn.Module):
                     if t is not None:
                         t._ms_manager = mgr
         return self
+
+    def state_dict(self, *args: Any, **kwargs: Any):
+        """``nn.Module.state_dict`` with plain tensors (same memory), so checkpoints load anywhere.
+
+        ``torch.load(..., weights_only=True)`` refuses tensor subclasses, and a
+        checkpoint should not need managed_solve to be read. With
+        ``keep_vars=True`` the ManagedTensor parameters themselves are returned.
+        """
+        sd = super().state_dict(*args, **kwargs)
+        if kwargs.get("keep_vars", False):
+            return sd
+        for k, v in sd.items():
+            if isinstance(v, ManagedTensor):
+                sd[k] = v.as_subclass(torch.Tensor)
+        return sd
+
+    def __deepcopy__(self, memo: dict) -> ManagedModule:
+        # The manager is shared by the copy, never copied (it holds locks and
+        # the process's ledger); a reservation belongs to the original only.
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            if k == "_ms_reservation":
+                continue
+            new.__dict__[k] = v if k == "manager" else copy.deepcopy(v, memo)
+        return new
 
     def _manager(self) -> DeviceManager:
         return self.__dict__.get("manager") or type(self).manager or default_manager()

@@ -50,8 +50,8 @@ _ATTR_FUNCS = ("__get__", "__set__", "__delete__")
 _KIND_OP, _KIND_PLAIN, _KIND_ATTR = 0, 1, 2
 # Functions that never compute on operands: no placement, plain torch behaviour.
 _NO_PLACEMENT = frozenset({
-    _Tensor.__repr__, _Tensor.__format__, _Tensor.__reduce_ex__, _Tensor.__deepcopy__,
-    _Tensor.__setstate__, _Tensor.numel, _Tensor.dim, _Tensor.size, _Tensor.element_size,
+    _Tensor.__repr__, _Tensor.__format__, _Tensor.__reduce_ex__,
+    _Tensor.numel, _Tensor.dim, _Tensor.size, _Tensor.element_size,
     _Tensor.data_ptr, _Tensor.is_contiguous, _Tensor.register_hook, _Tensor.backward,
     _Tensor.storage_offset, _Tensor.stride, _Tensor.get_device, _Tensor.untyped_storage,
     _Tensor.__len__, _Tensor.__hash__, _Tensor.__bool__, _Tensor.item, _Tensor.tolist,
@@ -364,6 +364,28 @@ class ManagedTensor(torch.Tensor):
                 except NotImplementedError:  # sparse layouts
                     pass
             return _label(ret, sim_target, cls)
+
+    # ------------------------------------------------------------------ copying
+    def __deepcopy__(self, memo: dict) -> ManagedTensor:
+        if id(self) in memo:
+            return memo[id(self)]
+        new = self.detach().clone()  # keeps the placement (also a simulated one)
+        if self.requires_grad:
+            new.requires_grad_()
+        if self.grad is not None:
+            new.grad = self.grad.detach().clone()
+        for name in ("_is_param", "_ms_manager"):
+            if name in self.__dict__:
+                setattr(new, name, self.__dict__[name])  # the manager is shared, never copied
+        memo[id(self)] = new
+        if self._ms_pin is not None:
+            new.pin(self._ms_pin)
+        return new
+
+    def __getstate__(self) -> dict:
+        # Pickling (torch.save) keeps the placement label and pin, not the
+        # manager or a reservation: they belong to this process.
+        return {k: v for k, v in self.__dict__.items() if k not in ("_ms_manager", "_ms_reservation")}
 
     # ------------------------------------------------------------------ placement
     def _manager(self) -> DeviceManager:

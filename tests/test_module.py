@@ -63,8 +63,31 @@ def test_from_module_wraps_in_place_keeping_state_dict_and_forward():
     x = torch.randn(5, 8, dtype=torch.float64)
     np.testing.assert_allclose(_np(m(x)), _np(ref(x)), rtol=1e-14)
     m.load_state_dict(rsd)  # loading works with managed parameters
+    assert all(type(v) is torch.Tensor for v in sd.values())  # checkpoints need no managed_solve
+    import io
+
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    np.testing.assert_array_equal(_np(loaded["0.weight"]), _np(rsd["0.weight"]))
     with pytest.raises(TypeError, match=r"from_module\(module=...\): expected a torch.nn.Module"):
         ManagedModule.from_module(torch.ones(2))
+
+
+def test_deepcopy_shares_the_manager_and_copies_placement():
+    dm = DeviceManager(simulate="2x1GiB")
+    m = ManagedModule.from_module(_net(), manager=dm).to("sim:1")
+    m[0].weight.pin()
+    c = copy.deepcopy(m)
+    assert c.manager is dm and type(c) is type(m)
+    assert all(p.placement == "sim:1" and isinstance(p, nn.Parameter) for p in c.parameters())
+    assert c[0].weight is not m[0].weight and str(c[0].weight.pinned) == "sim:1"
+    x = torch.randn(2, 8, dtype=torch.float64)
+    np.testing.assert_array_equal(_np(c(x)), _np(m(x)))
+    with torch.no_grad():
+        c[0].weight.add_(1.0)
+    assert not torch.equal(c[0].weight, m[0].weight)  # no shared memory
 
 
 def test_optimizer_steps_equal_a_plain_module():
