@@ -447,22 +447,24 @@ class ManagedTensor(torch.Tensor):
         dev = kwargs.get("device", args[0] if args else None)
         if _is_managed_device_arg(dev):
             key = str(dev)
+            tdev = torch_device(key)
             if "device" in kwargs:
-                kwargs = {**kwargs, "device": "cpu"}
+                kwargs = {**kwargs, "device": tdev}
             else:
-                args = ("cpu", *args[1:])
-            if key == self.placement:
+                args = (tdev, *args[1:])
+            if _is_sim(key):
+                if key == self.placement:
+                    with _DisableSubclass():
+                        out = _base_to(self, *args, **kwargs)
+                    return _label(out, key, type(self))
+                kwargs = {**kwargs, "copy": True}  # a move is a copy, also sim -> sim
                 with _DisableSubclass():
                     out = _base_to(self, *args, **kwargs)
-                return _label(out, key if _is_sim(key) else None, type(self))
-            kwargs = {**kwargs, "copy": True}  # a move is a copy, also sim -> sim
-            with _DisableSubclass():
-                out = _base_to(self, *args, **kwargs)
-            out = _label(out, key if _is_sim(key) else None, type(self))
-            out._ms_manager = self._ms_manager
-            if _is_sim(key):
+                out = _label(out, key, type(self))
+                out._ms_manager = self._ms_manager
                 _account(out, key, self._manager())
-            return out
+                return out
+            # A real device named by a Device object: torch's own rules from here.
         parsed = torch._C._nn._parse_to(*args, **kwargs)
         with _DisableSubclass():
             out = _base_to(self, *args, **kwargs)

@@ -179,6 +179,8 @@ def test_to_cuda_cpu_obey_and_keep_values(env):
     np.testing.assert_array_equal(_np(c), [0.0, 1.0, 2.0])
     assert a.to(torch.float32).placement == A  # a dtype change keeps the placement
     assert a.managed_device == dm.get_device(A)
+    moved = a.to(dm.get_device(B))  # a Device object names the same place as its string
+    assert moved.placement == B and moved.device == torch.device("cpu" if B.startswith("sim") else B)
 
 
 def test_cuda_disperse_spreads_over_simulated_gpus():
