@@ -543,6 +543,9 @@ def _instantiations(T: str, I: str) -> dict[str, str]:
         names[f"bicg_spmv_v{s}"] = f"ms_bicg_spmv_v<{T}, {I}, {_B[s]}>"
         names[f"bicg_spmv_t{s}"] = f"ms_bicg_spmv_t<{T}, {I}, {_B[s]}>"
     names["zero_x"] = f"ms_zero_x<{T}>"
+    # extern "C" kernels go through name expressions too: their lowered name is their own.
+    names["init_status"] = "ms_init_status"
+    names["bicg_check"] = "ms_bicg_check"
     return names
 
 
@@ -562,8 +565,6 @@ def kernels(device_id: int, dtype: Any, index_dtype: Any) -> dict[str, Any]:
             mod = cp.RawModule(code=SOURCE, options=("-std=c++17",),
                                name_expressions=list(names.values()))
             fns = {k: mod.get_function(v) for k, v in names.items()}
-            fns["init_status"] = mod.get_function("ms_init_status")
-            fns["bicg_check"] = mod.get_function("ms_bicg_check")
         _modules[key] = fns
         return fns
 
