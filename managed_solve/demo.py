@@ -82,14 +82,23 @@ def _picture(mesh, x, path: str) -> bool:
         return False
     if mesh.faces.shape[1] != 3:
         return False
+    from mpl_toolkits.mplot3d.art3d import Poly3DCollection
+
     v = mesh.vertices
+    face_vals = np.asarray(x)[mesh.faces].mean(axis=1)
+    norm = matplotlib.colors.Normalize(face_vals.min(), face_vals.max())
+    cmap = matplotlib.colormaps["viridis"]
     fig = plt.figure(figsize=(6, 6))
     ax = fig.add_subplot(111, projection="3d")
-    face_vals = np.asarray(x)[mesh.faces].mean(axis=1)
-    surf = ax.plot_trisurf(v[:, 0], v[:, 1], v[:, 2], triangles=mesh.faces, cmap="viridis",
-                           linewidth=0.0, antialiased=False)
-    surf.set_array(face_vals)
-    fig.colorbar(surf, ax=ax, shrink=0.6, label="u")
+    # Facecolors computed here (not set_array on plot_trisurf, whose depth sort
+    # can reorder faces against the values).
+    ax.add_collection3d(Poly3DCollection(v[mesh.faces], facecolors=cmap(norm(face_vals)),
+                                         edgecolor="none"))
+    lo, hi = v.min(axis=0), v.max(axis=0)
+    ax.set_xlim(lo[0], hi[0])
+    ax.set_ylim(lo[1], hi[1])
+    ax.set_zlim(lo[2], hi[2])
+    fig.colorbar(matplotlib.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, shrink=0.6, label="u")
     ax.set_title("managed-solve demo: one solution of the sweep")
     ax.set_box_aspect((1, 1, 1))
     ax.set_axis_off()
