@@ -426,3 +426,22 @@ def test_two_gpus_share_the_work_and_results_stay_where_solved():
 
 def test_package_exports_solve_many():
     assert ms.solve_many is solve_many
+
+
+def test_symmetry_check_sorted_unsorted_and_cached():
+    A = poisson2d(6)
+    assert sched.is_symmetric(A)
+    assert not sched.is_symmetric(convection(6))
+    B = A.copy()
+    B.data[3] += 1e-6  # breaks symmetry beyond the 1e-12 tolerance
+    assert not sched.is_symmetric(B)
+    U = sp.csr_matrix((A.data[::-1].copy(), A.indices[::-1].copy(), A.indptr), shape=A.shape)
+    U2 = sp.csr_matrix((np.ones(4), [1, 0, 1, 0], [0, 2, 4]), shape=(2, 2))
+    U2.has_sorted_indices = False
+    assert sched.is_symmetric(U2)
+    assert sched.is_symmetric(U) == sched.is_symmetric(U.sorted_indices())
+    cache: dict = {}
+    assert sched.is_symmetric(A, cache) and cache[id(A)] == (A, True)
+    cache[id(A)] = (A, False)  # a cached answer is reused for the same object only
+    assert not sched.is_symmetric(A, cache)
+    assert sched.is_symmetric(A.copy(), cache)
