@@ -34,9 +34,9 @@ def icosphere_naive(subdivisions: int):
              (10, 7, 6), (7, 1, 8), (3, 9, 4), (3, 4, 2), (3, 2, 6), (3, 6, 8), (3, 8, 9), (4, 9, 5),
              (2, 4, 11), (6, 2, 10), (8, 6, 7), (9, 8, 1)]
     for _ in range(subdivisions):
-        mid = {}
+        mid: dict = {}
 
-        def midpoint(a, b):
+        def midpoint(a, b, mid=mid):
             key = (min(a, b), max(a, b))
             if key not in mid:
                 p = (np.array(verts[a]) + np.array(verts[b])) / 2.0

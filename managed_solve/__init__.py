@@ -13,6 +13,11 @@ from .manager import default_heuristic as _default_heuristic
 from .result import SolveError as SolveError
 from .result import SolveResult as SolveResult
 from .result import Status as Status
+from .scheduler import solve_many as solve_many
+
+# Imported eagerly: the submodule `managed_solve.solve` would otherwise shadow the
+# function of the same name once anything imports it.
+from .solve import solve as solve
 from .system import LinearSystem as LinearSystem
 
 __version__ = "0.1.0"
@@ -24,8 +29,6 @@ HEURISTIC_FUNCTION = _default_heuristic
 # Submodules loaded on first attribute access (they import numba, torch, ...).
 _LAZY_MODULES = {"mesh", "pde", "assembly", "kernels", "solvers", "dlpack", "tensor", "module"}
 _LAZY_NAMES = {
-    "solve": ("solve", "solve"),
-    "solve_many": ("scheduler", "solve_many"),
     "ManagedTensor": ("tensor", "ManagedTensor"),
     "ManagedModule": ("module", "ManagedModule"),
     "as_torch": ("dlpack", "as_torch"),
