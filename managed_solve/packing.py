@@ -205,14 +205,19 @@ def pack(estimates: Iterable[Estimate], *, rows: int, max_bytes: int,
         # Each system goes to the batch its midpoint row falls in, so batches
         # get about `per` rows each and no small remainder is left at the end.
         cur: list[Estimate] = []
-        cur_k, cum = 0, 0
+        cur_k, cum, cur_sum = 0, 0, 0
         for e in members:
             k = min(nb - 1, int((cum + e.n / 2) // per))
-            if cur and (k > cur_k or batch_bytes([*cur, e]) > max_bytes):
+            # The exact (callback) size is asked only near the limit: asking at
+            # every step would cost O(batch size squared).
+            full = (cur_sum + e.nbytes > max_bytes // 2
+                    and batch_bytes([*cur, e]) > max_bytes)
+            if cur and (k > cur_k or full):
                 emit(cur, route, group)
-                cur = []
+                cur, cur_sum = [], 0
             cur_k = max(cur_k, k)
             cur.append(e)
+            cur_sum += e.nbytes
             cum += e.n
         if cur:
             emit(cur, route, group)

@@ -477,8 +477,8 @@ class _Runner:
                 _method, _dt, jacobi = b.group
                 target = str(dev)  # PackedBatch puts "sim:k" batches on the host
 
-                def stage(systems=systems, jacobi=jacobi, target=target):
-                    return _core()[0].pack(systems, device=target, jacobi=jacobi)
+                def stage(systems=systems, jacobi=jacobi, target=target, dev=dev):
+                    return _pack(systems, jacobi, target, dev)
 
                 fut = stager.submit(stage) if stager is not None else _now(stage)
             return _Staged(b, res, fut)
@@ -619,6 +619,51 @@ class _Stager:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+
+
+def _pack(systems: list[LinearSystem], jacobi: bool, target: str, dev: Device) -> Any:
+    """A batch on its device. To a GPU, host systems are packed on the host and sent in bulk.
+
+    ``PackedBatch.pack`` straight to a GPU copies each system's arrays on its
+    own (4 small synchronous copies a system: 44 ms for W2's 400 systems on an
+    H200). Packing on the host and copying each packed array once, through
+    pinned buffers on the current (staging) stream, costs one host pass and
+    four large asynchronous copies.
+    """
+    PackedBatch = _core()[0]
+    if dev.kind != "cuda" or any(s.device != "cpu" for s in systems):
+        return PackedBatch.pack(systems, device=target, jacobi=jacobi)
+    host = PackedBatch.pack(systems, device="cpu", jacobi=jacobi)
+    cp = _backend.cupy()
+    stream = cp.cuda.get_current_stream()
+    # The pinned pool may hand a freed buffer out again while its copy is in
+    # flight, so every buffer lives as long as the batch.
+    keep: list[np.ndarray] = []
+
+    def up(a: Any) -> Any:
+        if a is None:
+            return None
+        pinned = _pinned_like(cp, a)
+        np.copyto(pinned, a)
+        keep.append(pinned)
+        out = cp.empty(a.shape, dtype=a.dtype)
+        out.set(pinned, stream=stream)
+        return out
+
+    with dev.context():
+        batch = PackedBatch(indptr=up(host.indptr), indices=up(host.indices), data=up(host.data),
+                           b=up(host.b), x0=up(host.x0), offsets=host.offsets,
+                           row_sys=up(host.row_sys), rtol=host.rtol, atol=host.atol,
+                           maxiter=host.maxiter, dinv=up(host.dinv), device=target,
+                           names=host.names)
+    batch._pinned_buffers = keep
+    return batch
+
+
+def _pinned_like(cp: Any, a: np.ndarray) -> np.ndarray:
+    """A page-locked host array shaped like ``a`` (CuPy's pinned pool reuses the memory)."""
+    mem = cp.cuda.alloc_pinned_memory(a.nbytes)
+    return np.frombuffer(mem, dtype=a.dtype, count=a.size).reshape(a.shape)
 
 
 def _solve_packed(systems: list[LinearSystem], packed: Any, method: str, device: Device,
