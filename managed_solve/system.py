@@ -203,7 +203,9 @@ class LinearSystem:
         if dt not in _FLOATS:
             raise TypeError(f"{call}: dtype={dt} is not supported; use float32 or float64")
         xp = _backend.array_module(b)
-        a_xp = _backend.array_module(A) if kind != "operator" else xp
+        # A CSR's data array, not the matrix: cupyx sparse matrices raise
+        # NotImplementedError from `.device`, which the array test probes.
+        a_xp = _backend.array_module(A.data if kind == "csr" else A) if kind != "operator" else xp
         if a_xp is not xp:
             raise ValueError(
                 f"{call}: A is on {'a GPU' if a_xp is not np else 'the host'} but b is on "
@@ -302,7 +304,12 @@ class LinearSystem:
 
         kind, idx = parse_device_name(str(device), what="device")
         if kind in ("cpu", "sim"):
-            A = _backend.to_host(self.A) if self.kind != "operator" else self.A
+            if self.kind == "operator":
+                A = self.A
+            elif _backend.is_cupy_sparse(self.A):  # before to_host: see the note in __init__
+                A = self.A.get()
+            else:
+                A = _backend.to_host(self.A)
             b, x0 = _backend.to_host(self.b), _backend.to_host(self.x0) if self.x0 is not None else None
         else:
             cp = _backend.cupy()

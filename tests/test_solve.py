@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
 import scipy.sparse.linalg as sla
 
-import managed_solve.solve as solve_mod
 from managed_solve import DeviceManager, LinearSystem, SolveError, Status
 from managed_solve.devices import SimulatedOutOfMemory
 from managed_solve.solve import solve
+
+# The module, not the function the package re-exports under the same name.
+solve_mod = importlib.import_module("managed_solve.solve")
 
 METHODS = ["cg", "bicgstab", "gmres", "minres", "direct"]
 
@@ -247,6 +251,8 @@ def test_gpu_inputs_stay_and_numpy_inputs_go_where_told():
     res = solve(csp.csr_matrix(A), cp.asarray(b), method="auto")
     assert res.device == "cuda:0" and isinstance(res.x, cp.ndarray)
     assert res.method == "cg"  # symmetric, positive diagonal, on a GPU: not direct
+    back = solve(csp.csr_matrix(A), cp.asarray(b), device="cpu", method="cg")
+    assert back.device == "cpu" and isinstance(back.x, np.ndarray) and back.converged
     res = solve(A, b, device="cuda:0", method="bicgstab")
     assert res.device == "cuda:0" and isinstance(res.x, cp.ndarray)
     np.testing.assert_allclose(res.x.get(), sla.spsolve(A.tocsc(), b), rtol=1e-6)

@@ -90,7 +90,9 @@ def test_preconditioners_reduce_iterations(backend):
         out = cg(Ad, bd, rtol=1e-8, maxiter=20_000, M=make_preconditioner(name, Ad))
         assert out.code == 0, name
         x = host(out.x)
-        assert np.linalg.norm(b - A @ x) <= 2e-8 * np.linalg.norm(b)
+        # The raw solver stops on its recurrence residual; on this cond ~ 1e6
+        # problem the true one may lag by a few times (solve() restarts then).
+        assert np.linalg.norm(b - A @ x) <= 1e-7 * np.linalg.norm(b)
         its[name] = out.iterations
     # Measured here: about 1700 unpreconditioned, 150 Jacobi, 40 Chebyshev, 75 Neumann.
     assert its["jacobi"] < its[None] / 5
