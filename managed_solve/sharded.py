@@ -318,6 +318,10 @@ class _HostOps:
         out[1] = np.dot(w, u)
         out[2] = np.dot(r, r)
 
+    @staticmethod
+    def cg_scalars(sc, tot, tol2, hist, pos) -> None:
+        _cg_scalars_xp(np, sc, tot, tol2, hist, pos)
+
 
 class _CudaOps:
     @staticmethod
@@ -358,6 +362,32 @@ class _CudaOps:
             out[0] = cp.dot(r, u)
             out[1] = cp.dot(w, u)
             out[2] = cp.dot(r, r)
+
+    @staticmethod
+    def cg_scalars(sc, tot, tol2, hist, pos) -> None:
+        if sc.dtype == np.float64:
+            from .solvers import _cuda_sharded
+
+            _cuda_sharded.cg_scalars(sc, tot, tol2, hist, pos)
+        else:
+            _cg_scalars_xp(_backend.cupy(), sc, tot, tol2, hist, pos)
+
+
+def _cg_scalars_xp(xp, sc, tot, tol2, hist, pos) -> None:
+    """CG's scalar recurrences on 1-element arrays (the twin of ``ms_sharded_cg_scalars``).
+
+    ``sc = [gamma, alpha, beta, bad]``; ``tot = [(r,u), (Au,u), (r,r)]``.
+    """
+    g, delta, rr = tot[0:1], tot[1:2], tot[2:3]
+    beta = _safe_div(xp, g, sc[0:1])
+    # (p, A p) of textbook CG, from the fused reduction.
+    curv = delta - beta * _safe_div(xp, g, sc[1:2])
+    sc[3:4] = xp.where((curv <= 0) & (rr > tol2), 1, sc[3:4])
+    sc[1:2] = _safe_div(xp, g, curv)
+    sc[2:3] = beta
+    sc[0:1] = g
+    if pos >= 0:
+        hist[pos] = rr[0]
 
 
 # ====================================================================== shards
@@ -789,24 +819,26 @@ class ShardedSystem:
         if r0 <= tol or maxiter == 0:
             return xs, (_CONVERGED if r0 <= tol else _MAXITER), 0, syncs, {}
 
-        gamma, alpha, beta, bad = [], [], [], []
+        # sc = [gamma, alpha, beta, bad] per shard, kept on its device.
+        sc = []
         for k, sh in enumerate(sh_):
             xp = sh.xp
             with comm.on(k):
-                gamma.append(tt[k][0:1].copy())
-                alpha.append(_safe_div(xp, tt[k][0:1], tt[k][1:2]))
-                beta.append(xp.zeros(1, self.dtype))
-                bad.append(tt[k][1:2] <= 0)
+                v = xp.zeros(4, self.dtype)
+                v[0:1] = tt[k][0:1]
+                v[1:2] = _safe_div(xp, tt[k][0:1], tt[k][1:2])
+                v[3:4] = (tt[k][1:2] <= 0).astype(self.dtype)
+                sc.append(v)
                 p[k][...] = ue[k][: sh.nloc]
                 s_[k][...] = w[k]
-        hist = None
         with comm.on(0):
-            hist = sh_[0].xp.empty(every, dtype=np.float64)
+            hist = sh_[0].xp.empty(every, dtype=self.dtype)
+        tol2 = tol * tol
         start = 1
         for it in range(1, maxiter + 1):
             for k in range(P):
                 with comm.on(k):
-                    ops.update_xr(alpha[k], p[k], s_[k], xs[k], r[k])
+                    ops.update_xr(sc[k][1:2], p[k], s_[k], xs[k], r[k])
             precondition()
             self._exchange_and_spmv(ue, w)
             for k, sh in enumerate(sh_):
@@ -815,23 +847,13 @@ class ShardedSystem:
             slot ^= 1
             tt = self._allreduce(parts, red, tot, slot)
             for k, sh in enumerate(sh_):
-                xp = sh.xp
                 with comm.on(k):
-                    g_new, delta = tt[k][0:1], tt[k][1:2]
-                    beta[k] = _safe_div(xp, g_new, gamma[k])
-                    # (p, A p) of textbook CG, from the fused reduction.
-                    curv = delta - beta[k] * _safe_div(xp, g_new, alpha[k])
-                    rnorm_small = tt[k][2:3] > (tol * tol)
-                    bad[k] = bad[k] | ((curv <= 0) & rnorm_small)
-                    alpha[k] = _safe_div(xp, g_new, curv)
-                    gamma[k] = g_new.copy()
-                    ops.update_ps(beta[k], ue[k][: sh.nloc], w[k], p[k], s_[k])
-                    if k == 0:
-                        hist[it - start] = tt[0][2]
+                    ops.cg_scalars(sc[k], tt[k], tol2, hist, it - start if k == 0 else -1)
+                    ops.update_ps(sc[k][2:3], ue[k][: sh.nloc], w[k], p[k], s_[k])
             if it - start + 1 == every or it == maxiter:
                 # sync: reads the residual history and the breakdown flag on the host
                 h = np.sqrt(np.maximum(comm.read(0, hist[: it - start + 1]), 0.0))
-                broke = bool(comm.read(0, bad[0])[0])
+                broke = bool(comm.read(0, sc[0][3:4])[0])
                 syncs += 1
                 hit = np.flatnonzero(h <= tol)
                 if broke:

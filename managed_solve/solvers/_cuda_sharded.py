@@ -47,6 +47,23 @@ extern "C" __global__ void ms_sharded_dots3(const double* __restrict__ r,
 """
 
 
+_SCALARS_SRC = r"""
+extern "C" __global__ void ms_sharded_cg_scalars(double* sc, const double* __restrict__ tot,
+                                                 double tol2, double* hist, long long pos) {
+    // sc = [gamma, alpha, beta, bad]; tot = [(r,u), (Au,u), (r,r)] summed over shards.
+    const double g = tot[0], delta = tot[1], rr = tot[2];
+    const double beta = sc[0] != 0.0 ? g / sc[0] : 0.0;
+    const double ga = sc[1] != 0.0 ? g / sc[1] : 0.0;
+    const double curv = delta - beta * ga;  // (p, A p) of textbook CG
+    if (curv <= 0.0 && rr > tol2) sc[3] = 1.0;
+    sc[1] = curv != 0.0 ? g / curv : 0.0;
+    sc[2] = beta;
+    sc[0] = g;
+    if (pos >= 0) hist[pos] = rr;
+}
+"""
+
+
 @functools.cache
 def _kernels():
     cp = _backend.cupy()
@@ -61,7 +78,8 @@ def _kernels():
         "ms_sharded_update_ps",
     )
     dots3 = cp.RawKernel(_DOTS_SRC, "ms_sharded_dots3")
-    return update_xr, update_ps, dots3
+    scalars = cp.RawKernel(_SCALARS_SRC, "ms_sharded_cg_scalars")
+    return update_xr, update_ps, dots3, scalars
 
 
 def update_xr(alpha, p, s, x, r) -> None:
@@ -85,3 +103,14 @@ def dots3(r, u, w, out) -> None:
     # Enough blocks to fill an H200 (132 SMs x 8) without a long atomic tail.
     blocks = int(min(1024, (n + threads - 1) // threads))
     _kernels()[2]((blocks,), (threads,), (r, u, w, cp.int64(n), out))
+
+
+def cg_scalars(sc, tot, tol2, hist, pos) -> None:
+    """One thread updates CG's scalars from the reduced sums (float64 only).
+
+    Replaces about twenty 1-element array operations (each a launch) per
+    shard and iteration; ``hist[pos] = (r, r)`` when ``pos >= 0``.
+    """
+    cp = _backend.cupy()
+    h = sc if hist is None else hist
+    _kernels()[3]((1,), (1,), (sc, tot, cp.float64(tol2), h, cp.int64(pos)))
