@@ -57,7 +57,8 @@ def setup() -> tuple[int, int, str]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    use_gpu = _backend.cuda_probe()[0] > local
+    # Every rank must agree on the backend: GPUs only when each local rank gets one.
+    use_gpu = _backend.cuda_probe()[0] >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     device = f"cuda:{local}" if use_gpu else "cpu"
     if use_gpu:
         torch.cuda.set_device(local)
