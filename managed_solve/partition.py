@@ -36,6 +36,7 @@ __all__ = [
     "build_partition",
     "choose_shard_count",
     "needs_sharding",
+    "predict_shard_bytes",
     "rcm_permutation",
 ]
 
@@ -371,3 +372,32 @@ def choose_shard_count(nbytes: int, available: Sequence[int], *,
         if nbytes * (1.0 + (halo_margin if k > 1 else 0.0)) <= sum(avail[:k]):
             return k
     return 0
+
+
+# Vectors of n/P entries each shard keeps during a solve (b and x included).
+_SHARD_VECTORS = {"cg": 6, "bicgstab": 10}
+
+
+def predict_shard_bytes(n: int, nnz: int, nshards: int, *, itemsize: int = 8,
+                        method: str = "cg", jacobi: bool = False,
+                        halo_fraction: float = 0.02) -> int:
+    """Device bytes one shard of a balanced sharded solve needs (the largest shard).
+
+    CSR block (int32 indices) plus the solver's vectors, with ``halo_fraction``
+    of extra entries for halo columns and send buffers (banded PDE matrices
+    after RCM: a few percent).
+
+    Examples
+    --------
+    >>> predict_shard_bytes(1000, 5000, 2) < predict_shard_bytes(1000, 5000, 1)
+    True
+    """
+    if method not in _SHARD_VECTORS:
+        raise ValueError(f"predict_shard_bytes(method={method!r}): expected 'cg' or 'bicgstab'.")
+    if nshards < 1:
+        raise ValueError(f"predict_shard_bytes(nshards={nshards}): expected at least 1.")
+    rows = -(-int(n) // int(nshards))
+    entries = -(-int(nnz) // int(nshards))
+    vectors = _SHARD_VECTORS[method] + (2 if jacobi else 0)
+    csr = entries * (itemsize + 4) + (rows + 1) * 4
+    return int((csr + vectors * rows * itemsize) * (1.0 + halo_fraction))

@@ -146,3 +146,18 @@ def test_choose_shard_count_and_needs_sharding():
     assert part.needs_sharding(5 * G, [4 * G, 4 * G])
     assert not part.needs_sharding(3 * G, [4 * G, 4 * G])
     assert not part.needs_sharding(5 * G, [4 * G])  # one device: nothing to shard over
+
+
+def test_predict_shard_bytes_matches_the_solver_arrays():
+    from managed_solve import sharded
+    from managed_solve.manager import DeviceManager
+
+    A = poisson2d(40)
+    S = sharded.ShardedSystem(A, "all", reorder=None, manager=DeviceManager(simulate="2x1GiB"))
+    csr = max(s.nbytes for s in S.shards)
+    vectors = 6 * max(s.nloc for s in S.shards) * 8
+    pred = part.predict_shard_bytes(A.shape[0], A.nnz, 2)
+    assert csr + vectors <= pred <= 1.1 * (csr + vectors)
+    assert part.predict_shard_bytes(A.shape[0], A.nnz, 2, method="bicgstab") > pred
+    with pytest.raises(ValueError, match="method"):
+        part.predict_shard_bytes(10, 10, 2, method="gmres")
