@@ -49,6 +49,9 @@ GRAPH_CHUNK = 24
 # only pay off below it.
 GRAPH_MAX_ROWS = 1 << 20
 FIRST_CHECK = 32
+# Mean stored entries per row from which the products use a warp per row
+# instead of a thread per row (PDE stencils, 5-27 per row, stay on threads).
+VECTOR_MIN_NNZ_PER_ROW = 32
 CG_SLOTS, BICG_SLOTS = 3, 4
 CG_ACCS, BICG_ACCS = 3, 6  # CG: pq, rz, rr.  BiCGStab: rho, rr, rv, ss, tt, ts.
 
@@ -77,6 +80,24 @@ __device__ __forceinline__ double ms_row_dot(const I* __restrict__ indptr, const
     for (I j = indptr[i]; j < end; ++j) sum += (double)data[j] * (double)v[indices[j]];
     return sum;
 }
+
+// The same product with a warp per row (long rows): lanes stride over the row,
+// a butterfly leaves the sum on every lane.
+template <typename T, typename I>
+__device__ __forceinline__ double ms_row_dot_warp(const I* __restrict__ indptr,
+                                                  const I* __restrict__ indices,
+                                                  const T* __restrict__ data, const T* v, ll i) {
+    double sum = 0.0;
+    const I end = indptr[i + 1];
+    for (I j = indptr[i] + (I)(threadIdx.x & 31); j < end; j += 32)
+        sum += (double)data[j] * (double)v[indices[j]];
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    return sum;
+}
+
+// Warp-per-row loop: warp w takes rows w, w + W, ... (every lane the same rows).
+#define MS_VEC_ROWS(i) for (ll i = tid >> 5; i < n; i += G >> 5) {
 
 // One block's view of system 0's status (SINGLE): read once, so that every
 // thread of the block takes the same branch before the block reduction.
@@ -221,7 +242,7 @@ extern "C" __global__ void ms_init_status(const double* acc, int nsys, int slot,
 // ---------------------------------------------------------------- CG (acc: 0 pq, 1 rz, 2 rr)
 
 // q = A p and p.q; zeroes the next slot.
-template <typename T, typename I, bool SINGLE>
+template <typename T, typename I, bool SINGLE, bool VEC>
 __global__ void ms_cg_spmv(const I* __restrict__ indptr, const I* __restrict__ indices,
                            const T* __restrict__ data, const T* __restrict__ p, T* __restrict__ q,
                            const int* __restrict__ row_sys, const int* status, double* acc,
@@ -234,19 +255,33 @@ __global__ void ms_cg_spmv(const I* __restrict__ indptr, const I* __restrict__ i
     if (!ms_block_running<SINGLE>(status)) return;
     SegSum<1, SINGLE> sum;
     double* const out[1] = {ACC(0, slot)};
-    MS_WARP_ROWS(i)
-        int s = -1;
-        double c[1] = {0.0};
-        if (i < n) {
+    if (VEC) {
+        MS_VEC_ROWS(i)
+            int s = -1;
+            double c[1] = {0.0};
             const int si = SINGLE ? 0 : row_sys[i];
             if (SINGLE || status[si] == MS_RUNNING) {
-                const double qi = ms_row_dot(indptr, indices, data, p, i);
-                q[i] = (T)qi;
-                c[0] = (double)p[i] * qi;
+                const double qi = ms_row_dot_warp(indptr, indices, data, p, i);
+                if ((threadIdx.x & 31) == 0) { q[i] = (T)qi; c[0] = (double)p[i] * qi; }
                 s = si;
             }
+            sum.add(s, c, out);
         }
-        sum.add(s, c, out);
+    } else {
+        MS_WARP_ROWS(i)
+            int s = -1;
+            double c[1] = {0.0};
+            if (i < n) {
+                const int si = SINGLE ? 0 : row_sys[i];
+                if (SINGLE || status[si] == MS_RUNNING) {
+                    const double qi = ms_row_dot(indptr, indices, data, p, i);
+                    q[i] = (T)qi;
+                    c[0] = (double)p[i] * qi;
+                    s = si;
+                }
+            }
+            sum.add(s, c, out);
+        }
     }
     sum.finish(out);
 }
@@ -382,7 +417,7 @@ __global__ void ms_bicg_direction(T* p, T* z, const T* r, const T* v, const T* _
 }
 
 // v = A p-hat and r~.v
-template <typename T, typename I, bool SINGLE>
+template <typename T, typename I, bool SINGLE, bool VEC>
 __global__ void ms_bicg_spmv_v(const I* __restrict__ indptr, const I* __restrict__ indices,
                                const T* __restrict__ data, const T* __restrict__ ph,
                                T* __restrict__ v, const T* __restrict__ rt,
@@ -393,19 +428,33 @@ __global__ void ms_bicg_spmv_v(const I* __restrict__ indptr, const I* __restrict
     if (!ms_block_running<SINGLE>(status)) return;
     SegSum<1, SINGLE> sum;
     double* const out[1] = {ACC(2, slot)};
-    MS_WARP_ROWS(i)
-        int s = -1;
-        double c[1] = {0.0};
-        if (i < n) {
+    if (VEC) {
+        MS_VEC_ROWS(i)
+            int s = -1;
+            double c[1] = {0.0};
             const int si = SINGLE ? 0 : row_sys[i];
             if (SINGLE || status[si] == MS_RUNNING) {
-                const double vi = ms_row_dot(indptr, indices, data, ph, i);
-                v[i] = (T)vi;
-                c[0] = (double)rt[i] * vi;
+                const double vi = ms_row_dot_warp(indptr, indices, data, ph, i);
+                if ((threadIdx.x & 31) == 0) { v[i] = (T)vi; c[0] = (double)rt[i] * vi; }
                 s = si;
             }
+            sum.add(s, c, out);
         }
-        sum.add(s, c, out);
+    } else {
+        MS_WARP_ROWS(i)
+            int s = -1;
+            double c[1] = {0.0};
+            if (i < n) {
+                const int si = SINGLE ? 0 : row_sys[i];
+                if (SINGLE || status[si] == MS_RUNNING) {
+                    const double vi = ms_row_dot(indptr, indices, data, ph, i);
+                    v[i] = (T)vi;
+                    c[0] = (double)rt[i] * vi;
+                    s = si;
+                }
+            }
+            sum.add(s, c, out);
+        }
     }
     sum.finish(out);
 }
@@ -447,7 +496,7 @@ __global__ void ms_bicg_update_s(T* x, T* r, T* z, const T* p, const T* v, const
 }
 
 // Half-step convergence test; t = A s-hat, sums t.t and t.s.
-template <typename T, typename I, bool SINGLE>
+template <typename T, typename I, bool SINGLE, bool VEC>
 __global__ void ms_bicg_spmv_t(const I* __restrict__ indptr, const I* __restrict__ indices,
                                const T* __restrict__ data, const T* __restrict__ sh,
                                const T* __restrict__ sv, T* __restrict__ t,
@@ -459,24 +508,46 @@ __global__ void ms_bicg_spmv_t(const I* __restrict__ indptr, const I* __restrict
     if (!ms_block_running<SINGLE>(status)) return;
     SegSum<2, SINGLE> sum;
     double* const out[2] = {ACC(4, slot), ACC(5, slot)};
-    MS_WARP_ROWS(i)
-        int s = -1;
-        double c[2] = {0.0, 0.0};
-        if (i < n) {
+    if (VEC) {
+        const bool lead = (threadIdx.x & 31) == 0;
+        MS_VEC_ROWS(i)
+            int s = -1;
+            double c[2] = {0.0, 0.0};
             const int si = SINGLE ? 0 : row_sys[i];
             if (SINGLE || status[si] == MS_RUNNING) {
                 const double ss = ACC(3, slot)[si];
                 if (ss <= tol2[si]) {  // converged at the half step (x already has alpha p-hat)
-                    if (i == offs[si]) { status[si] = MS_CONVERGED; iters[si] += 1; res2[si] = ss; }
+                    if (lead && i == offs[si]) {
+                        status[si] = MS_CONVERGED; iters[si] += 1; res2[si] = ss;
+                    }
                 } else {
-                    const double ti = ms_row_dot(indptr, indices, data, sh, i);
-                    t[i] = (T)ti;
-                    c[0] = ti * ti; c[1] = ti * (double)sv[i];
+                    const double ti = ms_row_dot_warp(indptr, indices, data, sh, i);
+                    if (lead) { t[i] = (T)ti; c[0] = ti * ti; c[1] = ti * (double)sv[i]; }
                     s = si;
                 }
             }
+            sum.add(s, c, out);
         }
-        sum.add(s, c, out);
+    } else {
+        MS_WARP_ROWS(i)
+            int s = -1;
+            double c[2] = {0.0, 0.0};
+            if (i < n) {
+                const int si = SINGLE ? 0 : row_sys[i];
+                if (SINGLE || status[si] == MS_RUNNING) {
+                    const double ss = ACC(3, slot)[si];
+                    if (ss <= tol2[si]) {  // converged at the half step
+                        if (i == offs[si]) { status[si] = MS_CONVERGED; iters[si] += 1; res2[si] = ss; }
+                    } else {
+                        const double ti = ms_row_dot(indptr, indices, data, sh, i);
+                        t[i] = (T)ti;
+                        c[0] = ti * ti; c[1] = ti * (double)sv[i];
+                        s = si;
+                    }
+                }
+            }
+            sum.add(s, c, out);
+        }
     }
     sum.finish(out);
 }
@@ -538,10 +609,10 @@ def _instantiations(T: str, I: str) -> dict[str, str]:
             names[f"bicg_direction{s}{j}"] = f"ms_bicg_direction<{T}, {I}, {_B[s]}, {_B[j]}>"
             names[f"bicg_update_s{s}{j}"] = f"ms_bicg_update_s<{T}, {I}, {_B[s]}, {_B[j]}>"
             names[f"bicg_update_r{s}{j}"] = f"ms_bicg_update_r<{T}, {I}, {_B[s]}, {_B[j]}>"
-        names[f"cg_spmv{s}"] = f"ms_cg_spmv<{T}, {I}, {_B[s]}>"
+            names[f"cg_spmv{s}{j}"] = f"ms_cg_spmv<{T}, {I}, {_B[s]}, {_B[j]}>"
+            names[f"bicg_spmv_v{s}{j}"] = f"ms_bicg_spmv_v<{T}, {I}, {_B[s]}, {_B[j]}>"
+            names[f"bicg_spmv_t{s}{j}"] = f"ms_bicg_spmv_t<{T}, {I}, {_B[s]}, {_B[j]}>"
         names[f"cg_direction{s}"] = f"ms_cg_direction<{T}, {I}, {_B[s]}>"
-        names[f"bicg_spmv_v{s}"] = f"ms_bicg_spmv_v<{T}, {I}, {_B[s]}>"
-        names[f"bicg_spmv_t{s}"] = f"ms_bicg_spmv_t<{T}, {I}, {_B[s]}>"
     names["zero_x"] = f"ms_zero_x<{T}>"
     # extern "C" kernels go through name expressions too: their lowered name is their own.
     names["init_status"] = "ms_init_status"
@@ -598,6 +669,8 @@ class _Solver:
         self.k = kernels(dev, dt, batch.index_dtype)
         self.single = int(nsys == 1)
         self.jac = int(batch.dinv is not None)
+        # A warp per row once rows are long enough to give most lanes work.
+        self.vspmv = int(batch.nnz >= VECTOR_MIN_NNZ_PER_ROW * max(n, 1))
         self.grid = _grid_rows(n, dev)
         self.sgrid = max(1, math.ceil(nsys / 128))
         cg = method == "cg"
@@ -663,7 +736,7 @@ class _Solver:
         if self.method == "cg":
             r, p, q = self.vec
             z = self.z if j else r
-            self._rows(k[f"cg_spmv{s}"], *A, p, q, b.row_sys, self.status, self.acc, self.ns,
+            self._rows(k[f"cg_spmv{s}{self.vspmv}"], *A, p, q, b.row_sys, self.status, self.acc, self.ns,
                        slot, self.nn)
             self._rows(k[f"cg_update{s}{j}"], self.x, r, z, p, q, dinv, b.row_sys, self.status,
                        self.offs, self.res2, self.acc, self.ns, slot, self.nn)
@@ -678,11 +751,11 @@ class _Solver:
             self._rows(k[f"bicg_direction{s}{j}"], p, z, r, v, dinv, b.row_sys, self.status,
                        self.iters, self.maxiter, self.tol2, self.offs, self.res2, self.acc,
                        self.ns, slot, self.nn)
-            self._rows(k[f"bicg_spmv_v{s}"], *A, ph, v, rt, b.row_sys, self.status, self.acc,
+            self._rows(k[f"bicg_spmv_v{s}{self.vspmv}"], *A, ph, v, rt, b.row_sys, self.status, self.acc,
                        self.ns, slot, self.nn)
             self._rows(k[f"bicg_update_s{s}{j}"], self.x, r, z, p, v, dinv, b.row_sys,
                        self.status, self.offs, self.res2, self.acc, self.ns, slot, self.nn)
-            self._rows(k[f"bicg_spmv_t{s}"], *A, sh, r, t, b.row_sys, self.status, self.iters,
+            self._rows(k[f"bicg_spmv_t{s}{self.vspmv}"], *A, sh, r, t, b.row_sys, self.status, self.iters,
                        self.tol2, self.offs, self.res2, self.acc, self.ns, slot, self.nn)
             self._rows(k[f"bicg_update_r{s}{j}"], self.x, r, z, t, rt, b.row_sys, self.status,
                        self.iters, self.offs, self.res2, self.acc, self.ns, slot, self.nn)
