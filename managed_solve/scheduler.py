@@ -667,9 +667,15 @@ def _pinned_like(cp: Any, a: np.ndarray) -> np.ndarray:
 
 
 def _solve_packed(systems: list[LinearSystem], packed: Any, method: str, device: Device,
-                  manager: DeviceManager) -> list[SolveResult]:
-    """One packed batch through the batched core, with each system's true residual checked."""
-    _PackedBatch, cg_batched, bicgstab_batched = _core()
+                  manager: DeviceManager, *, restart: bool = True) -> list[SolveResult]:
+    """One packed batch through the batched core, with each system's true residual checked.
+
+    Systems whose recurrence residual converged while the true one misses
+    the tolerance (rounding drift) run again as one warm-started batch
+    (``restart``); any still missing it, and "auto" systems on which CG broke
+    down, finish alone through ``solve()``.
+    """
+    PackedBatch, cg_batched, bicgstab_batched = _core()
     core = cg_batched if method == "cg" else bicgstab_batched
     t0 = time.perf_counter()
     out = core(packed)
@@ -684,7 +690,8 @@ def _solve_packed(systems: list[LinearSystem], packed: Any, method: str, device:
     bn = xp.sqrt(xp.bincount(seg, weights=packed.b * packed.b, minlength=packed.nsys))
     rn, bn = _backend.to_host(rn), _backend.to_host(bn)  # sync: one host read of per-system norms
     xs = packed.unpack(out.x)
-    results = []
+    results: list[SolveResult] = []
+    drifted: list[int] = []
     for k, s in enumerate(systems):
         tol = max(s.rtol * float(bn[k]), s.atol)
         code = int(out.status[k])
@@ -692,9 +699,7 @@ def _solve_packed(systems: list[LinearSystem], packed: Any, method: str, device:
                           seconds=seconds, method=method, name=s.name,
                           info={"host_syncs": int(out.host_syncs)})
         if code == 0 and not float(rn[k]) <= tol:
-            # The recurrence residual drifted from the true one (rounding): finish this
-            # system alone, warm-started from the batch's answer.
-            res = _polish(s, xs[k], method, device, manager)
+            drifted.append(k)
         elif code == 2 and s.method == "auto":
             # "auto" chose CG from symmetry and a positive diagonal, but the matrix is
             # indefinite: solve() picks a method that does not break down.
@@ -702,7 +707,25 @@ def _solve_packed(systems: list[LinearSystem], packed: Any, method: str, device:
         elif code == 0:
             res.message = Status.CONVERGED.message
         results.append(res)
+    if drifted and restart:
+        warm = [_with_x0(systems[k], xs[k]) for k in drifted]
+        sub = PackedBatch.pack(warm, device=str(device), jacobi=packed.dinv is not None)
+        again = _solve_packed(warm, sub, method, device, manager, restart=False)
+        for k, res in zip(drifted, again, strict=True):
+            res.iterations += results[k].iterations
+            res.info["restarted"] = True
+            results[k] = res
+    elif drifted:
+        for k in drifted:
+            results[k] = _polish(systems[k], xs[k], method, device, manager)
     return results
+
+
+def _with_x0(s: LinearSystem, x0: Any) -> LinearSystem:
+    t = object.__new__(LinearSystem)
+    t.__dict__.update(s.__dict__)
+    t.x0 = x0
+    return t
 
 
 _STATUS = {0: Status.CONVERGED, 1: Status.MAXITER, 2: Status.BREAKDOWN}
@@ -712,11 +735,8 @@ def _polish(s: LinearSystem, x0: Any, method: str, device: Device,
             manager: DeviceManager) -> SolveResult:
     from .solve import solve  # see _Runner._run_single
 
-    t = object.__new__(LinearSystem)
-    t.__dict__.update(s.__dict__)
+    t = _with_x0(s, x0) if x0 is not None else _with_x0(s, s.x0)
     t.method = method
-    if x0 is not None:
-        t.x0 = x0
     res = solve(t, device=device, manager=manager)
     res.info["polished"] = True
     return res

@@ -446,3 +446,25 @@ def test_symmetry_check_sorted_unsorted_and_cached():
     cache[id(A)] = (A, False)  # a cached answer is reused for the same object only
     assert not sched.is_symmetric(A, cache)
     assert sched.is_symmetric(A.copy(), cache)
+
+
+def test_true_residual_check_restarts_drifted_systems(monkeypatch):
+    """A batch whose recurrence says converged but whose true residual misses rtol runs again."""
+    PackedBatch, cg_batched, bicgstab_batched = sched._core()
+    calls = []
+
+    def drifting_cg(batch, **kw):
+        out = cg_batched(batch, **kw)
+        calls.append(batch.nsys)
+        if len(calls) == 1:  # first batch: spoil every other system's answer, claim convergence
+            for name, v in zip(batch.names, batch.unpack(out.x), strict=True):
+                if int(name[1:]) % 2:  # odd grid sizes
+                    v *= 1.01
+        return out
+
+    monkeypatch.setattr(sched, "_core", lambda: (PackedBatch, drifting_cg, bicgstab_batched))
+    systems = [LinearSystem(poisson2d(m), np.ones(m * m), name=f"p{m}") for m in range(4, 12)]
+    results = solve_many(systems, manager=DeviceManager(simulate="1x64MiB"))
+    assert_solves(systems, results)
+    assert calls[:2] == [8, 4]  # one batch, then the 4 spoiled systems together
+    assert [bool(r.info.get("restarted")) for r in results] == [m % 2 == 1 for m in range(4, 12)]
