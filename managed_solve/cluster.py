@@ -255,7 +255,7 @@ def _shares(actors: Sequence[_Actor]) -> dict[int, float]:
 def solve_many_ray(systems: Iterable[Any], *, address: str | None = None, return_on: str = "host",
                    num_nodes_hint: int | None = None, nodes: Sequence[NodeSpec] | None = None,
                    max_restarts: int = 1, max_task_retries: int = 1, max_attempts: int = 3,
-                   on_chunk: Callable[[ChunkEvent], None] | None = None,
+                   start_timeout: float = 120.0, on_chunk: Callable[[ChunkEvent], None] | None = None,
                    **local_kwargs: Any) -> list[SolveResult]:
     """Solve many independent systems over the nodes of a Ray cluster.
 
@@ -283,6 +283,10 @@ def solve_many_ray(systems: Iterable[Any], *, address: str | None = None, return
         tests, or a hand-picked subset).
     max_restarts, max_task_retries : int
         Ray restarts of a dead actor and Ray's own retries of its calls.
+    start_timeout : float
+        Seconds to wait for the actors to start; one that cannot be placed by
+        then (its node lacks the resources asked for) is left out, and the
+        call fails only when none started.
     max_attempts : int
         Tries of one chunk (on different actors where possible) before its
         systems come back as ``DEVICE_ERROR`` results.
@@ -389,6 +393,7 @@ def solve_many_ray(systems: Iterable[Any], *, address: str | None = None, return
                                    f"({len(ray.nodes())} nodes known); start one with `ray start`")
             actors = [_Actor(sp_, _start_actor(ray, sp_, node_kwargs, max_restarts, max_task_retries))
                       for sp_ in specs]
+            _await_start(ray, actors, start_timeout, call)
             _Dispatcher(ray, actors, valid, results, return_on=return_on,
                         max_attempts=max_attempts, on_chunk=on_chunk, bar=bar).run()
     finally:
@@ -429,6 +434,29 @@ def _start_actor(ray: Any, spec: NodeSpec, node_kwargs: dict, max_restarts: int,
     if spec.env:
         opts["runtime_env"] = {"env_vars": {k: str(v) for k, v in spec.env.items()}}
     return ray.remote(_NodeSolver).options(**opts).remote(spec.name, node_kwargs)
+
+
+def _await_start(ray: Any, actors: list[_Actor], timeout: float, call: str) -> None:
+    """Wait until each actor answers a ping; leave out those that cannot start."""
+    pings = {a.handle.ping.remote(): a for a in actors}
+    ready, late = ray.wait(list(pings), num_returns=len(pings), timeout=timeout)
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayError as exc:
+            pings[ref].alive = False
+            log.warning("%s: the actor for node %s failed to start: %s", call, pings[ref].spec.name, exc)
+    for ref in late:
+        a = pings[ref]
+        a.alive = False
+        log.warning("%s: the actor for node %s did not start within %.0f s (it asks for %g GPUs "
+                    "and %g CPUs); going on without it", call, a.spec.name, timeout,
+                    a.spec.num_gpus, a.spec.num_cpus)
+    if not any(a.alive for a in actors):
+        raise RuntimeError(
+            f"{call}: none of the {len(actors)} Ray actors started within {timeout:.0f} s; check "
+            "`ray status` for free GPUs/CPUs on the nodes, or pass nodes=[NodeSpec(...)] asking "
+            "for fewer resources")
 
 
 class _Dispatcher:

@@ -278,3 +278,13 @@ def test_chunks_follow_weights_then_measured_throughput():
     # a dead actor's share goes to the living
     a3.alive = False
     assert cl._shares([a1, a3]) == {id(a1): 1.0}
+
+
+def test_a_node_that_cannot_start_is_left_out(cluster):
+    pairs = mix(6, seed=9)
+    greedy = NodeSpec("greedy", weight=99, num_gpus=99, num_cpus=0)  # no node has 99 GPUs
+    res = solve_many_ray(pairs, nodes=[greedy, *sim_nodes((1,))], start_timeout=2)
+    assert_solved(pairs, res)
+    assert {r.info["node"] for r in res} == {"node0"}
+    with pytest.raises(RuntimeError, match="none of the 1 Ray actors started"):
+        solve_many_ray(pairs, nodes=[greedy], start_timeout=1)
