@@ -20,7 +20,15 @@ Layout (``n`` vertices, ``m`` elements of ``k`` vertices):
 Each kernel takes arrays and writes into arrays its caller allocated. The
 per-row bodies are plain Python functions compiled twice, by ``numba.njit``
 for the CPU twin (``prange`` over rows) and by ``numba.cuda.jit(device=True)``
-for the CUDA kernel (one thread per row). The counting pass of the incidence
+for the CUDA kernel (one thread per row). Per-element math (``cotan.triangle_row``,
+``tet.tetra_row``) is a ``@numba.njit`` function called from both: Numba
+compiles an njit function for whichever target calls it, and the CUDA
+simulator calls it as a normal function. Checked on an H100 and an H200
+(numba-cuda with NumPy 2.5, through the ``_compat`` shim) and under the
+simulator. Under the simulator, device functions receive wrapped arrays an
+njit function cannot type, so only scalars cross into njit functions; the
+row bodies, which index arrays, are therefore compiled twice instead of
+being njit functions themselves. The counting pass of the incidence
 is a serial CPU loop (a few ms for millions of elements); every other pass is
 parallel on both targets.
 """

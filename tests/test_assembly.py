@@ -67,6 +67,11 @@ def test_cuda_assembly_on_a_non_default_stream_matches_cpu():
     assert isinstance(A, csp.csr_matrix)
     assert abs(A.get() - ref).max() <= 1e-12 * abs(ref).max()
     np.testing.assert_allclose(y.get(), ref @ np.ones(m.n_vertices), rtol=1e-12, atol=1e-12)
+    A64 = assembly.assemble(m, stiffness=1.0, lumped_mass=2.0, device="cuda:0", index_dtype=np.int64)
+    assert A64.indices.dtype == np.int64 and A64.indptr.dtype == np.int64
+    assert abs(A64.get() - ref).max() <= 1e-12 * abs(ref).max()
+    np.testing.assert_allclose((A64 @ cp.ones(m.n_vertices)).get(), ref @ np.ones(m.n_vertices),
+                               rtol=1e-12, atol=1e-12)
     w = assembly.lumped_mass(m, device="cuda:0")
     assert isinstance(w, cp.ndarray)
     np.testing.assert_allclose(w.get(), assembly.lumped_mass(m), rtol=1e-14)
