@@ -124,6 +124,10 @@ def main(argv=None) -> float:
         print(f"initial_loss={first:.10e}")
         print(f"final_loss={last:.10e}")
     if world > 1:
+        # Without this barrier a rank that finishes first tears its gloo pairs
+        # down while another is still in destroy_process_group, and that one
+        # aborts ("terminate called without an active exception").
+        dist.barrier()
         dist.destroy_process_group()
     return last
 
