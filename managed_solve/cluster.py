@@ -255,7 +255,7 @@ def _shares(actors: Sequence[_Actor]) -> dict[int, float]:
 def solve_many_ray(systems: Iterable[Any], *, address: str | None = None, return_on: str = "host",
                    num_nodes_hint: int | None = None, nodes: Sequence[NodeSpec] | None = None,
                    max_restarts: int = 1, max_task_retries: int = 1, max_attempts: int = 3,
-                   start_timeout: float = 120.0, on_chunk: Callable[[ChunkEvent], None] | None = None,
+                   start_timeout: float = 120.0, keep_actors: bool = False, on_chunk: Callable[[ChunkEvent], None] | None = None,
                    **local_kwargs: Any) -> list[SolveResult]:
     """Solve many independent systems over the nodes of a Ray cluster.
 
@@ -287,6 +287,11 @@ def solve_many_ray(systems: Iterable[Any], *, address: str | None = None, return
         Seconds to wait for the actors to start; one that cannot be placed by
         then (its node lacks the resources asked for) is left out, and the
         call fails only when none started.
+    keep_actors : bool
+        Leave the actors running after the call, for the next call in this
+        process with the same nodes and node arguments to reuse (no start-up,
+        warm caches; measured in ``benchmarks/bench_ray.py``). They keep their
+        GPUs reserved in Ray until :func:`release_actors` or ``ray.shutdown()``.
     max_attempts : int
         Tries of one chunk (on different actors where possible) before its
         systems come back as ``DEVICE_ERROR`` results.
@@ -391,13 +396,18 @@ def solve_many_ray(systems: Iterable[Any], *, address: str | None = None, return
             if not specs:
                 raise RuntimeError(f"{call}: the Ray cluster has no alive node with CPUs or GPUs "
                                    f"({len(ray.nodes())} nodes known); start one with `ray start`")
-            actors = [_Actor(sp_, _start_actor(ray, sp_, node_kwargs, max_restarts, max_task_retries))
-                      for sp_ in specs]
+            opts = (max_restarts, max_task_retries)
+            actors = [_Actor(sp_, _acquire(ray, sp_, node_kwargs, opts)) for sp_ in specs]
             _await_start(ray, actors, start_timeout, call)
             _Dispatcher(ray, actors, valid, results, return_on=return_on,
                         max_attempts=max_attempts, on_chunk=on_chunk, bar=bar).run()
     finally:
         for a in actors:
+            key = _pool_key(ray, a.spec, node_kwargs, (max_restarts, max_task_retries))
+            if keep_actors and a.alive and not started:
+                _POOL[key] = a.handle
+                continue
+            _POOL.pop(key, None)
             try:
                 ray.kill(a.handle, no_restart=True)
             except Exception:  # already dead: nothing to release
@@ -421,6 +431,48 @@ def solve_many_ray(systems: Iterable[Any], *, address: str | None = None, return
                 + "\n".join(lines) + "\nPass on_error='return' to get them back with their "
                 "status instead.", out, failed)
     return out
+
+
+# Actors kept by keep_actors=True, by (Ray job, node spec, node arguments, restart options).
+_POOL: dict[tuple, Any] = {}
+
+
+def _pool_key(ray: Any, spec: NodeSpec, node_kwargs: dict, opts: tuple) -> tuple:
+    job = ray.get_runtime_context().get_job_id()  # changes after ray.shutdown() + init
+    return (job, spec.name, spec.weight, spec.num_gpus, spec.num_cpus, spec.node_id,
+            tuple(sorted(spec.env.items())), repr(sorted(node_kwargs.items())), opts)
+
+
+def _acquire(ray: Any, spec: NodeSpec, node_kwargs: dict, opts: tuple) -> Any:
+    """A kept actor for this node when it still answers, else a new one."""
+    handle = _POOL.pop(_pool_key(ray, spec, node_kwargs, opts), None)
+    if handle is not None:
+        try:
+            ray.get(handle.ping.remote(), timeout=10)
+            return handle
+        except Exception:  # died since the last call: start a fresh one
+            pass
+    return _start_actor(ray, spec, node_kwargs, *opts)
+
+
+def release_actors() -> int:
+    """Stop the actors kept by ``keep_actors=True``; returns how many there were.
+
+    Examples
+    --------
+    >>> release_actors()
+    0
+    """
+    n = len(_POOL)
+    if n:
+        ray = _backend.require("ray", "release_actors()")
+        for handle in _POOL.values():
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:  # already gone with its cluster
+                pass
+    _POOL.clear()
+    return n
 
 
 def _start_actor(ray: Any, spec: NodeSpec, node_kwargs: dict, max_restarts: int,
@@ -513,7 +565,9 @@ class _Dispatcher:
             return None
         target = max(self.min_cost, 0.5 * self.remaining * _shares(self.actors)[id(a)])
         idx, cost = [], 0.0
-        while self.pending and (not idx or cost + self.cost[self.pending[0]] <= target):
+        while self.pending and (not idx or cost + self.cost[self.pending[0]] <= target
+                                or self.remaining - cost < self.min_cost):
+            # (the last clause: a remainder below the smallest chunk joins this one)
             i = self.pending.popleft()
             idx.append(i)
             cost += self.cost[i]

@@ -288,3 +288,15 @@ def test_a_node_that_cannot_start_is_left_out(cluster):
     assert {r.info["node"] for r in res} == {"node0"}
     with pytest.raises(RuntimeError, match="none of the 1 Ray actors started"):
         solve_many_ray(pairs, nodes=[greedy], start_timeout=1)
+
+
+def test_kept_actors_are_reused_then_released(cluster):
+    pairs = mix(4, seed=10)
+    first, second = [], []
+    assert_solved(pairs, solve_many_ray(pairs, nodes=sim_nodes((1,)), keep_actors=True,
+                                        on_chunk=first.append))
+    assert len(cl._POOL) == 1
+    assert_solved(pairs, solve_many_ray(pairs, nodes=sim_nodes((1,)), keep_actors=True,
+                                        on_chunk=second.append))
+    assert {e.actor._actor_id for e in first} == {e.actor._actor_id for e in second}
+    assert cl.release_actors() == 1 and not cl._POOL
