@@ -631,9 +631,11 @@ def _pack(systems: list[LinearSystem], jacobi: bool, target: str, dev: Device) -
     four large asynchronous copies.
     """
     PackedBatch = _core()[0]
-    if dev.kind != "cuda" or any(s.device != "cpu" for s in systems):
+    if any(s.device != "cpu" for s in systems):
         return PackedBatch.pack(systems, device=target, jacobi=jacobi)
-    host = PackedBatch.pack(systems, device="cpu", jacobi=jacobi)
+    host = _host_pack(systems, jacobi, device="cpu" if dev.kind == "cuda" else target)
+    if dev.kind != "cuda":
+        return host
     cp = _backend.cupy()
     stream = cp.cuda.get_current_stream()
     # The pinned pool may hand a freed buffer out again while its copy is in
@@ -658,6 +660,56 @@ def _pack(systems: list[LinearSystem], jacobi: bool, target: str, dev: Device) -
                            names=host.names)
     batch._pinned_buffers = keep
     return batch
+
+
+def _host_pack(systems: list[LinearSystem], jacobi: bool, device: str = "cpu") -> Any:
+    """``PackedBatch.pack`` for host CSR systems, vectorised over systems.
+
+    The same arrays as ``PackedBatch.pack(systems, device="cpu")`` (a test
+    checks it), built with one concatenation per array instead of a Python
+    step per system: 3,087 W2 systems packed in 0.19 s by the loop on an
+    H200 host, the cost that kept two GPUs from scaling on W2-large.
+    """
+    from .solvers.batch import PackedBatch, default_maxiter
+
+    k = len(systems)
+    dt = np.dtype(np.float32) if all(s.dtype == np.float32 for s in systems) else np.dtype(np.float64)
+    sizes = np.fromiter((s.n for s in systems), np.int64, k)
+    nnzs = np.fromiter((s.nnz for s in systems), np.int64, k)
+    offsets = np.zeros(k + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    nnz_off = np.zeros(k + 1, dtype=np.int64)
+    np.cumsum(nnzs, out=nnz_off[1:])
+    n, nnz = int(offsets[-1]), int(nnz_off[-1])
+    idt = np.dtype(np.int32) if max(n, nnz) <= np.iinfo(np.int32).max else np.dtype(np.int64)
+    data = np.concatenate([s.A.data for s in systems]).astype(dt, copy=False)
+    indices = np.concatenate([s.A.indices for s in systems]).astype(idt)
+    indices += np.repeat(offsets[:-1].astype(idt), nnzs)
+    indptr = np.empty(n + 1, dtype=idt)
+    indptr[:-1] = np.concatenate([s.A.indptr[:-1] for s in systems])
+    indptr[:-1] += np.repeat(nnz_off[:-1].astype(idt), sizes)
+    indptr[-1] = nnz
+    b = np.concatenate([s.b for s in systems]).astype(dt, copy=False)
+    x0 = None
+    if any(s.x0 is not None for s in systems):
+        x0 = np.concatenate([s.x0 if s.x0 is not None else np.zeros(s.n, dt) for s in systems])
+        x0 = x0.astype(dt, copy=False)
+    dinv = None
+    if jacobi:
+        d = np.concatenate([s.A.diagonal() for s in systems]).astype(dt, copy=False)
+        if not d.all():
+            which = int(np.searchsorted(offsets, int(np.flatnonzero(d == 0)[0]), side="right")) - 1
+            raise ValueError(f"solve_many(M='jacobi'): systems {systems[which].name or which} has "
+                             "a zero on its diagonal, so Jacobi cannot scale it; use M=None")
+        dinv = (1.0 / d).astype(dt, copy=False)
+    return PackedBatch(
+        indptr=indptr, indices=indices, data=data, b=b, x0=x0, offsets=offsets,
+        row_sys=np.repeat(np.arange(k, dtype=np.int32), sizes),
+        rtol=np.array([s.rtol for s in systems], dtype=np.float64),
+        atol=np.array([s.atol for s in systems], dtype=np.float64),
+        maxiter=np.array([s.maxiter if s.maxiter is not None else default_maxiter(s.n)
+                          for s in systems], dtype=np.int64),
+        dinv=dinv, device=device, names=[s.name for s in systems])
 
 
 def _pinned_like(cp: Any, a: np.ndarray) -> np.ndarray:

@@ -468,3 +468,27 @@ def test_true_residual_check_restarts_drifted_systems(monkeypatch):
     assert_solves(systems, results)
     assert calls[:2] == [8, 4]  # one batch, then the 4 spoiled systems together
     assert [bool(r.info.get("restarted")) for r in results] == [m % 2 == 1 for m in range(4, 12)]
+
+
+@pytest.mark.parametrize("jacobi", [False, True])
+def test_vectorised_host_pack_matches_packed_batch(jacobi):
+    PackedBatch = sched._core()[0]
+    rng = np.random.default_rng(30)
+    systems = []
+    for k, m in enumerate(rng.integers(2, 9, size=7)):
+        m = int(m)
+        x0 = rng.standard_normal(m * m) if k % 3 == 0 else None
+        systems.append(LinearSystem(convection(m) if k % 2 else poisson2d(m), rng.standard_normal(m * m),
+                                    x0=x0, rtol=1e-6 * (k + 1), maxiter=50 if k == 2 else None,
+                                    name=f"h{k}"))
+    ours = sched._host_pack(systems, jacobi)
+    ref = PackedBatch.pack(systems, device="cpu", jacobi=jacobi)
+    for attr in ("indptr", "indices", "data", "b", "x0", "offsets", "row_sys", "rtol", "atol",
+                 "maxiter", "dinv"):
+        a, r = getattr(ours, attr), getattr(ref, attr)
+        if r is None:
+            assert a is None, attr
+            continue
+        assert a.dtype == r.dtype, attr
+        np.testing.assert_array_equal(a, r, err_msg=attr)
+    assert ours.names == ref.names
