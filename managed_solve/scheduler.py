@@ -683,7 +683,7 @@ def _host_pack(systems: list[LinearSystem], jacobi: bool, device: str = "cpu") -
     n, nnz = int(offsets[-1]), int(nnz_off[-1])
     idt = np.dtype(np.int32) if max(n, nnz) <= np.iinfo(np.int32).max else np.dtype(np.int64)
     data = np.concatenate([s.A.data for s in systems]).astype(dt, copy=False)
-    indices = np.concatenate([s.A.indices for s in systems]).astype(idt)
+    indices = np.concatenate([s.A.indices for s in systems]).astype(idt, copy=False)  # fresh array
     indices += np.repeat(offsets[:-1].astype(idt), nnzs)
     indptr = np.empty(n + 1, dtype=idt)
     indptr[:-1] = np.concatenate([s.A.indptr[:-1] for s in systems])
