@@ -20,7 +20,8 @@ Layout (``n`` vertices, ``m`` elements of ``k`` vertices):
 Each kernel takes arrays and writes into arrays its caller allocated. The
 per-row bodies are plain Python functions compiled twice, by ``numba.njit``
 for the CPU twin (``prange`` over rows) and by ``numba.cuda.jit(device=True)``
-for the CUDA kernel (one thread per row). Per-element math (``cotan.triangle_row``,
+for the CUDA kernel (one thread per row); the incidence is built on the GPU
+with atomics and then sorted per vertex. Per-element math (``cotan.triangle_row``,
 ``tet.tetra_row``) is a ``@numba.njit`` function called from both: Numba
 compiles an njit function for whichever target calls it, and the CUDA
 simulator calls it as a normal function. Checked on an H100 and an H200
@@ -28,8 +29,8 @@ simulator calls it as a normal function. Checked on an H100 and an H200
 simulator. Under the simulator, device functions receive wrapped arrays an
 njit function cannot type, so only scalars cross into njit functions; the
 row bodies, which index arrays, are therefore compiled twice instead of
-being njit functions themselves. The counting pass of the incidence
-is a serial CPU loop (a few ms for millions of elements); every other pass is
+being njit functions themselves. On the CPU the incidence is one serial
+counting sort (tens of ms for millions of elements); every other pass is
 parallel on both targets.
 """
 
@@ -65,6 +66,58 @@ def incidence_cpu(elements, inc_ptr, inc_elem, inc_local):
             inc_elem[p] = e
             inc_local[p] = j
             cursor[v] = p + 1
+
+
+@cuda.jit
+def incidence_count_cuda(elements, inc_ptr):
+    """Counting pass of the incidence on the GPU (one thread per element, atomics).
+
+    ``inc_ptr`` (n+1,) holds zeros on entry and the counts, shifted by one,
+    on exit; its cumulative sum (``cupy.cumsum``) is the incidence pointer.
+    Together with :func:`incidence_fill_cuda` and :func:`incidence_sort_cuda`
+    the CUDA twin of :func:`incidence_cpu`.
+    """
+    e = cuda.grid(1)
+    if e < elements.shape[0]:
+        for j in range(elements.shape[1]):
+            cuda.atomic.add(inc_ptr, elements[e, j] + 1, 1)
+
+
+@cuda.jit
+def incidence_fill_cuda(elements, cursor, inc_elem, inc_local):
+    """Scatter (element, local index) into each vertex's range; ``cursor`` starts at ``inc_ptr[:-1]``."""
+    e = cuda.grid(1)
+    if e < elements.shape[0]:
+        for j in range(elements.shape[1]):
+            p = cuda.atomic.add(cursor, elements[e, j], 1)
+            inc_elem[p] = e
+            inc_local[p] = j
+
+
+def _sort_incidence_row(i, inc_ptr, inc_elem, inc_local):
+    # Atomics scatter in arbitrary order; sorting by element restores the
+    # order of the serial CPU pass, so results do not depend on scheduling.
+    for a in range(inc_ptr[i] + 1, inc_ptr[i + 1]):
+        e = inc_elem[a]
+        l = inc_local[a]
+        b = a - 1
+        while b >= inc_ptr[i] and inc_elem[b] > e:
+            inc_elem[b + 1] = inc_elem[b]
+            inc_local[b + 1] = inc_local[b]
+            b -= 1
+        inc_elem[b + 1] = e
+        inc_local[b + 1] = l
+
+
+_sort_incidence_row_dev = cuda.jit(device=True)(_sort_incidence_row)
+
+
+@cuda.jit
+def incidence_sort_cuda(inc_ptr, inc_elem, inc_local):
+    """Sort each vertex's incidences by element (one thread per vertex)."""
+    i = cuda.grid(1)
+    if i < inc_ptr.shape[0] - 1:
+        _sort_incidence_row_dev(i, inc_ptr, inc_elem, inc_local)
 
 
 def _unique_neighbours_row(i, elements, inc_ptr, inc_elem, cand, row_nnz):

@@ -201,19 +201,24 @@ def symbolic(mesh: Mesh, *, device: Any = "cpu", index_dtype: Any = None,
     faces = mesh.faces
     m, k = faces.shape
     n = mesh.n_vertices
-    # The incidence count is a serial CPU pass (milliseconds); the row passes
-    # below run on the target.
-    inc_ptr = np.zeros(n + 1, dtype=np.int64)
-    inc_elem = np.empty(m * k, dtype=faces.dtype)
-    inc_local = np.empty(m * k, dtype=np.int8)
-    kp.incidence_cpu(faces, inc_ptr, inc_elem, inc_local)
     xp = t.xp
     with _device_context(t):
         if t.backend == "cuda":
-            inc_ptr, inc_elem, inc_local = xp.asarray(inc_ptr), xp.asarray(inc_elem), xp.asarray(inc_local)
             vertices, dfaces = xp.asarray(mesh.vertices), xp.asarray(faces)
         else:
             vertices, dfaces = mesh.vertices, faces
+        inc_ptr = xp.zeros(n + 1, dtype=np.int64)
+        inc_elem = xp.empty(m * k, dtype=faces.dtype)
+        inc_local = xp.empty(m * k, dtype=np.int8)
+        if t.backend == "cpu":
+            kp.incidence_cpu(dfaces, inc_ptr, inc_elem, inc_local)
+        else:
+            _launch(kp.incidence_count_cuda, m, (dfaces, inc_ptr), t)
+            inc_ptr = xp.cumsum(inc_ptr)
+            cursor = inc_ptr[:-1].copy()
+            _launch(kp.incidence_fill_cuda, m, (dfaces, cursor, inc_elem, inc_local), t)
+            _launch(kp.incidence_sort_cuda, n, (inc_ptr, inc_elem, inc_local), t)
+            del cursor
         cand = xp.empty(m * k * k, dtype=faces.dtype)
         row_nnz = xp.empty(n, dtype=np.int64)
         if t.backend == "cpu":
