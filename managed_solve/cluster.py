@@ -255,7 +255,8 @@ def _shares(actors: Sequence[_Actor]) -> dict[int, float]:
 def solve_many_ray(systems: Iterable[Any], *, address: str | None = None, return_on: str = "host",
                    num_nodes_hint: int | None = None, nodes: Sequence[NodeSpec] | None = None,
                    max_restarts: int = 1, max_task_retries: int = 1, max_attempts: int = 3,
-                   start_timeout: float = 120.0, keep_actors: bool = False, on_chunk: Callable[[ChunkEvent], None] | None = None,
+                   start_timeout: float = 120.0, keep_actors: bool = False,
+                   on_chunk: Callable[[ChunkEvent], None] | None = None,
                    **local_kwargs: Any) -> list[SolveResult]:
     """Solve many independent systems over the nodes of a Ray cluster.
 
@@ -552,10 +553,10 @@ class _Dispatcher:
         return sorted((a for a in self.actors if a.alive), key=lambda a: -share[id(a)])
 
     def _retry_for(self, a: _Actor) -> _Chunk | None:
-        # A chunk goes back to an actor it failed on only when no other is alive.
-        others = [x for x in self.actors if x.alive and x is not a]
+        # A chunk goes back to an actor it failed on only when it failed on every live one.
+        live = {id(x) for x in self.actors if x.alive}
         for k, c in enumerate(self.retry):
-            if id(a) not in c.failed_on or not others:
+            if id(a) not in c.failed_on or live <= c.failed_on:
                 del self.retry[k]
                 return c
         return None

@@ -314,3 +314,22 @@ def test_backend_ray_through_solve_many_equals_local(cluster):
     for r, q in zip(remote, local, strict=True):
         assert r.status is q.status and isinstance(r.x, np.ndarray)
         np.testing.assert_allclose(r.x, q.x, rtol=1e-9, atol=1e-12)
+
+
+def test_a_retried_chunk_prefers_an_actor_it_has_not_failed_on():
+    systems = {i: LinearSystem(poisson2d(3), np.ones(9)) for i in range(4)}
+    a1, a2, a3 = _FakeActor(1), _FakeActor(1), _FakeActor(1)
+    d = cl._Dispatcher(None, [a1, a2, a3], systems, [None] * 4, return_on="host", max_attempts=5,
+                       on_chunk=None, bar=None)
+    c = cl._Chunk([0, 1], 2.0, attempt=1, failed_on={id(a1)})
+    d.retry.append(c)
+    assert d._retry_for(a1) is None and d._retry_for(a2) is c
+    c.failed_on |= {id(a2)}
+    d.retry.append(c)
+    a3.alive = False  # failed on every live actor: any of them may try again
+    assert d._retry_for(a1) is c
+    # past max_attempts the systems come back as DEVICE_ERROR, once each
+    c.attempt = 5
+    d._again(c, a1, "boom")
+    assert [r.status for r in d.results[:2]] == [Status.DEVICE_ERROR] * 2
+    assert "boom" in d.results[0].message and d.results[2] is None
