@@ -273,6 +273,7 @@ def solve_many_ray(systems: Iterable[Any], *, address: str | None = None, return
         ``None``: use the Ray instance this process is connected to, else start
         a local one and shut it down afterwards. ``"auto"`` (on a cluster node)
         or ``"ray://head:10001"`` (from outside) connects to a running cluster.
+        Ignored when this process is already connected to Ray.
     return_on : {"host", "refs"}
         ``"host"``: each ``x`` is a NumPy array. ``"refs"``: each ``x`` is a
         ``ray.ObjectRef`` left in the object store of the node that solved it

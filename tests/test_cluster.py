@@ -177,6 +177,9 @@ def test_simulated_nodes_share_the_work_in_input_order(cluster):
 
 def test_return_on_refs_leaves_x_in_the_object_store(cluster):
     pairs = mix(8, seed=3)
+    # one x above Ray's 100 KiB inline limit: it lives in the node's object store and must
+    # outlive the actor that made it (the actors are gone when the call returns)
+    pairs.append((poisson2d(120), np.ones(120 * 120)))
     res = solve_many_ray(pairs, return_on="refs", nodes=sim_nodes((1, 1)))
     assert all(isinstance(r.x, ray.ObjectRef) for r in res)
     xs = ray.get([r.x for r in res])
