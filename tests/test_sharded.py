@@ -311,3 +311,17 @@ def test_simulated_device_too_small():
     A = poisson2d(40)
     with pytest.raises(RuntimeError, match="shard over more devices"):
         sharded.ShardedSystem(A, "all", manager=dm)
+
+
+def test_float32_system(kind):
+    # float32 takes the generic (non-fused) scalar and dot path on GPUs.
+    A = poisson2d(16)
+    devs, dm = devices_for(kind, 2)
+    b = np.ones(256)
+    S = sharded.ShardedSystem(A, devs, manager=dm, dtype=np.float32)
+    res = S.solve(b, rtol=1e-5)
+    assert res.converged and host(res.x).dtype == np.float32
+    ref = spla.spsolve(A.tocsc(), b)
+    assert np.linalg.norm(host(res.x) - ref) <= 1e-4 * np.linalg.norm(ref)
+    with pytest.raises(TypeError, match="float32 or float64"):
+        sharded.ShardedSystem(A, devs, manager=dm, dtype=np.int64)
