@@ -276,9 +276,11 @@ def test_gpu_no_allocation_inside_the_loop(method):
     pool = cp.get_default_memory_pool()
     A = poisson2d(64)
     b = np.ones(A.shape[0])
-    # rtol out of reach: both solves run to maxiter.
-    batch = PackedBatch.from_csr(*_to_gpu(A, b), rtol=1e-30, maxiter=50)
-    batch_long = PackedBatch.from_csr(*_to_gpu(A, b), rtol=1e-30, maxiter=400)
+    # rtol 1e-30 takes about 360 CG and 330 BiCGStab iterations here (the
+    # recurrence residual keeps falling below rounding level): both solves
+    # stop at maxiter.
+    batch = PackedBatch.from_csr(*_to_gpu(A, b), rtol=1e-30, maxiter=40)
+    batch_long = PackedBatch.from_csr(*_to_gpu(A, b), rtol=1e-30, maxiter=300)
     solve = cg_batched if method == "cg" else bicgstab_batched
     out = solve(batch)  # compiles, warms the pool
     del out
@@ -294,7 +296,7 @@ def test_gpu_no_allocation_inside_the_loop(method):
     long = solve(batch_long)
     cp.cuda.Device().synchronize()
     long_total = pool.total_bytes() - total1
-    assert long.iterations[0] == 400 and long.status[0] == 1
+    assert long.iterations[0] == 300 and long.status[0] == 1
     # 8x the iterations, the same bytes: nothing is allocated per iteration.
     assert long_total == short_total
     # The workspace is the solution plus at most 3 (CG) or 5 (BiCGStab) vectors.
@@ -306,16 +308,18 @@ def test_gpu_no_allocation_inside_the_loop(method):
 
 @pytest.mark.gpu
 def test_gpu_host_syncs_grow_logarithmically():
-    A = poisson2d(32)
+    A = poisson2d(256)  # rtol 1e-30 needs about 1,400 CG iterations here
     b = np.ones(A.shape[0])
     out_a = cg_batched(PackedBatch.from_csr(*_to_gpu(A, b), rtol=1e-30, atol=0.0, maxiter=100))
-    out_b = cg_batched(PackedBatch.from_csr(*_to_gpu(A, b), rtol=1e-30, atol=0.0, maxiter=3000))
-    assert out_a.iterations[0] == 100 and out_b.iterations[0] == 3000
-    # Checkpoints after 32, 64, 128, ... iterations: about log2(iterations / 16).
-    assert out_a.host_syncs <= 4
-    assert out_b.host_syncs <= 8
-    fixed = cg_batched(PackedBatch.from_csr(*_to_gpu(A, b), rtol=1e-30, maxiter=3000), check_every=3000)
-    assert fixed.host_syncs == 1 and fixed.iterations[0] == 3000
+    out_b = cg_batched(PackedBatch.from_csr(*_to_gpu(A, b), rtol=1e-30, atol=0.0, maxiter=1000))
+    assert out_a.iterations[0] == 100 and out_b.iterations[0] == 1000
+    assert out_a.status[0] == 1 and out_b.status[0] == 1
+    # Checkpoints spaced 32, 64, 128, ... iterations apart (rounded up to the
+    # 24-iteration graph chunk): 48, 120 | 48, 120, 264, 528, 1008.
+    assert out_a.host_syncs == 2
+    assert out_b.host_syncs == 5
+    fixed = cg_batched(PackedBatch.from_csr(*_to_gpu(A, b), rtol=1e-30, maxiter=1000), check_every=1000)
+    assert fixed.host_syncs == 1 and fixed.iterations[0] == 1000
     # Atomic sums make the last bits differ from run to run; both are solutions.
     np.testing.assert_allclose(host(fixed.x), host(out_b.x), rtol=1e-8, atol=1e-8)
 
@@ -332,7 +336,10 @@ def test_gpu_many_systems_each_meets_its_rtol():
         out = solve(batch)
         cpu = solve(PackedBatch.pack(systems))
         assert (out.status == 0).all()
-        assert np.abs(out.iterations - cpu.iterations).max() <= 2
+        # Atomic sums change the rounding; BiCGStab's jagged residual history
+        # turns that into a few iterations more or less (up to 4 of 44 seen).
+        margin = 2 if solve is cg_batched else 2 + 0.1 * cpu.iterations
+        assert (np.abs(out.iterations - cpu.iterations) <= margin).all()
         for s, x in zip(systems, batch.unpack(host(out.x)), strict=True):
             assert true_residual(s.A, x, s.b) <= 1.5 * s.rtol * np.linalg.norm(s.b)
 
