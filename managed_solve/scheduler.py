@@ -634,56 +634,66 @@ class _Stager:
 
 
 def _pack(systems: list[LinearSystem], jacobi: bool, target: str, dev: Device) -> Any:
-    """A batch on its device. To a GPU, host systems are packed on the host and sent in bulk.
+    """A batch on its device. To a GPU, host systems are packed into pinned memory and sent in bulk.
 
     ``PackedBatch.pack`` straight to a GPU copies each system's arrays on its
     own (4 small synchronous copies a system: 44 ms for W2's 400 systems on an
-    H200). Packing on the host and copying each packed array once, through
-    pinned buffers on the current (staging) stream, costs one host pass and
-    four large asynchronous copies.
+    H200). Here the host systems are concatenated straight into page-locked
+    buffers, and each packed array goes over in one asynchronous copy on the
+    current (staging) stream.
     """
     PackedBatch = _core()[0]
     if any(s.device != "cpu" for s in systems):
         return PackedBatch.pack(systems, device=target, jacobi=jacobi)
-    host = _host_pack(systems, jacobi, device="cpu" if dev.kind == "cuda" else target)
     if dev.kind != "cuda":
-        return host
+        return _host_pack(systems, jacobi, device=target)
     cp = _backend.cupy()
-    stream = cp.cuda.get_current_stream()
     # The pinned pool may hand a freed buffer out again while its copy is in
     # flight, so every buffer lives as long as the batch.
     keep: list[np.ndarray] = []
 
+    def pinned(shape: int, dtype: Any) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        mem = cp.cuda.alloc_pinned_memory(max(1, shape * dtype.itemsize))
+        a = np.frombuffer(mem, dtype=dtype, count=shape)
+        keep.append(a)
+        return a
+
+    host = _host_pack(systems, jacobi, device="cpu", empty=pinned)
+    stream = cp.cuda.get_current_stream()
+
     def up(a: Any) -> Any:
         if a is None:
             return None
-        pinned = _pinned_like(cp, a)
-        np.copyto(pinned, a)
-        keep.append(pinned)
+        if not any(a is k for k in keep):  # small arrays made by numpy itself
+            a = np.ascontiguousarray(a)
         out = cp.empty(a.shape, dtype=a.dtype)
-        out.set(pinned, stream=stream)
+        out.set(a, stream=stream)
         return out
 
     with dev.context():
         batch = PackedBatch(indptr=up(host.indptr), indices=up(host.indices), data=up(host.data),
-                           b=up(host.b), x0=up(host.x0), offsets=host.offsets,
-                           row_sys=up(host.row_sys), rtol=host.rtol, atol=host.atol,
-                           maxiter=host.maxiter, dinv=up(host.dinv), device=target,
-                           names=host.names)
-    batch._pinned_buffers = keep
+                            b=up(host.b), x0=up(host.x0), offsets=host.offsets,
+                            row_sys=up(host.row_sys), rtol=host.rtol, atol=host.atol,
+                            maxiter=host.maxiter, dinv=up(host.dinv), device=target,
+                            names=host.names)
+    batch._pinned_buffers = (keep, host)
     return batch
 
 
-def _host_pack(systems: list[LinearSystem], jacobi: bool, device: str = "cpu") -> Any:
+def _host_pack(systems: list[LinearSystem], jacobi: bool, device: str = "cpu", *,
+               empty: Callable[[int, Any], np.ndarray] | None = None) -> Any:
     """``PackedBatch.pack`` for host CSR systems, vectorised over systems.
 
     The same arrays as ``PackedBatch.pack(systems, device="cpu")`` (a test
     checks it), built with one concatenation per array instead of a Python
-    step per system: 3,087 W2 systems packed in 0.19 s by the loop on an
-    H200 host, the cost that kept two GPUs from scaling on W2-large.
+    step per system (3,087 W2 systems took 0.19 s through the per-system loop
+    on an H200 host, the cost that kept two GPUs from scaling on W2-large).
+    ``empty(size, dtype)`` allocates the large outputs (pinned memory for GPUs).
     """
     from .solvers.batch import PackedBatch, default_maxiter
 
+    empty = empty or (lambda size, dtype: np.empty(size, dtype=dtype))
     k = len(systems)
     dt = np.dtype(np.float32) if all(s.dtype == np.float32 for s in systems) else np.dtype(np.float64)
     sizes = np.fromiter((s.n for s in systems), np.int64, k)
@@ -694,18 +704,18 @@ def _host_pack(systems: list[LinearSystem], jacobi: bool, device: str = "cpu") -
     np.cumsum(nnzs, out=nnz_off[1:])
     n, nnz = int(offsets[-1]), int(nnz_off[-1])
     idt = np.dtype(np.int32) if max(n, nnz) <= np.iinfo(np.int32).max else np.dtype(np.int64)
-    data = np.concatenate([s.A.data for s in systems]).astype(dt, copy=False)
-    indices = np.concatenate([s.A.indices for s in systems]).astype(idt, copy=False)  # fresh array
+    data = np.concatenate([s.A.data for s in systems], out=empty(nnz, dt))
+    indices = np.concatenate([s.A.indices for s in systems], out=empty(nnz, idt))
     indices += np.repeat(offsets[:-1].astype(idt), nnzs)
-    indptr = np.empty(n + 1, dtype=idt)
-    indptr[:-1] = np.concatenate([s.A.indptr[:-1] for s in systems])
+    indptr = empty(n + 1, idt)
+    np.concatenate([s.A.indptr[:-1] for s in systems], out=indptr[:-1])
     indptr[:-1] += np.repeat(nnz_off[:-1].astype(idt), sizes)
     indptr[-1] = nnz
-    b = np.concatenate([s.b for s in systems]).astype(dt, copy=False)
+    b = np.concatenate([s.b for s in systems], out=empty(n, dt))
     x0 = None
     if any(s.x0 is not None for s in systems):
-        x0 = np.concatenate([s.x0 if s.x0 is not None else np.zeros(s.n, dt) for s in systems])
-        x0 = x0.astype(dt, copy=False)
+        x0 = np.concatenate([s.x0 if s.x0 is not None else np.zeros(s.n, dt) for s in systems],
+                            out=empty(n, dt))
     dinv = None
     if jacobi:
         d = np.concatenate([s.A.diagonal() for s in systems]).astype(dt, copy=False)
@@ -713,21 +723,17 @@ def _host_pack(systems: list[LinearSystem], jacobi: bool, device: str = "cpu") -
             which = int(np.searchsorted(offsets, int(np.flatnonzero(d == 0)[0]), side="right")) - 1
             raise ValueError(f"solve_many(M='jacobi'): systems {systems[which].name or which} has "
                              "a zero on its diagonal, so Jacobi cannot scale it; use M=None")
-        dinv = (1.0 / d).astype(dt, copy=False)
+        dinv = empty(n, dt)
+        np.divide(1.0, d, out=dinv)
+    row_sys = empty(n, np.int32)
+    row_sys[:] = np.repeat(np.arange(k, dtype=np.int32), sizes)
     return PackedBatch(
-        indptr=indptr, indices=indices, data=data, b=b, x0=x0, offsets=offsets,
-        row_sys=np.repeat(np.arange(k, dtype=np.int32), sizes),
+        indptr=indptr, indices=indices, data=data, b=b, x0=x0, offsets=offsets, row_sys=row_sys,
         rtol=np.array([s.rtol for s in systems], dtype=np.float64),
         atol=np.array([s.atol for s in systems], dtype=np.float64),
         maxiter=np.array([s.maxiter if s.maxiter is not None else default_maxiter(s.n)
                           for s in systems], dtype=np.int64),
         dinv=dinv, device=device, names=[s.name for s in systems])
-
-
-def _pinned_like(cp: Any, a: np.ndarray) -> np.ndarray:
-    """A page-locked host array shaped like ``a`` (CuPy's pinned pool reuses the memory)."""
-    mem = cp.cuda.alloc_pinned_memory(a.nbytes)
-    return np.frombuffer(mem, dtype=a.dtype, count=a.size).reshape(a.shape)
 
 
 def _solve_packed(systems: list[LinearSystem], packed: Any, method: str, device: Device,
