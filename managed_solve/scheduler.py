@@ -433,9 +433,10 @@ class _Runner:
     # ---------------------------------------------------------------- workers
     def run(self) -> None:
         threads = []
+        direct = any(b.route == DIRECT for q in self.queues.values() for b in q)
         for d in self.all_devices:
             # The host runs its LU batches one per core; everything else one per device.
-            count = (os.cpu_count() or 1) if d.kind == "cpu" else 1
+            count = (os.cpu_count() or 1) if d.kind == "cpu" and direct else 1
             for k in range(count):
                 t = threading.Thread(target=self._worker, args=(d,), daemon=True,
                                      name=f"solve_many-{d}-{k}")
