@@ -379,3 +379,25 @@ def test_gpu_warp_per_row_products(monkeypatch, method, force):
             continue
         assert info == 0 and abs(int(out.iterations[k]) - its) <= 2
         np.testing.assert_allclose(x, x_ref, atol=1e-7 * np.linalg.norm(x_ref))
+
+
+@pytest.mark.parametrize("method", ["cg", "bicgstab"])
+def test_row_layout_with_jacobi_and_x0(device, method):
+    """The row-parallel CPU layout (one large system) with both options, against SciPy."""
+    rng = np.random.default_rng(11)
+    m = int(np.ceil(np.sqrt(ROWS_LAYOUT_MIN))) + 1
+    D = sp.diags(10.0 ** rng.uniform(-1, 1, m * m))
+    A = (D @ poisson2d(m) @ D).tocsr()
+    b = rng.standard_normal(m * m)
+    x0 = rng.standard_normal(m * m)
+    batch = PackedBatch.pack([LinearSystem(A, b, x0=x0, rtol=1e-7, maxiter=3000)], device=device,
+                             jacobi=True)
+    solve = cg_batched if method == "cg" else bicgstab_batched
+    out = solve(batch)
+    ref_solver = spla.cg if method == "cg" else spla.bicgstab
+    x_ref, info, its = scipy_reference(ref_solver, A, b, rtol=1e-7, maxiter=3000, x0=x0,
+                                       M=sp.diags(1.0 / A.diagonal()))
+    assert out.status[0] == 0 and info == 0
+    assert abs(int(out.iterations[0]) - its) <= max(2, 0.05 * its)
+    np.testing.assert_allclose(host(out.x), x_ref, atol=1e-5 * np.linalg.norm(x_ref))
+    assert true_residual(A, host(out.x), b) <= 1.01e-7 * np.linalg.norm(b)
