@@ -908,7 +908,8 @@ def _packed_bytes(manager: DeviceManager, systems: Sequence[LinearSystem | None]
 def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = None,
                method: str = "auto", M: Any = None, rtol: float | None = None,
                progress: bool = False, return_on: str = "device", on_error: str = "return",
-               manager: DeviceManager | None = None) -> list[SolveResult]:
+               manager: DeviceManager | None = None, backend: str = "local",
+               **cluster_options: Any) -> list[SolveResult]:
     """Solve many independent linear systems, batched and dispersed over every device.
 
     Small systems are packed into block-diagonal batches solved by the
@@ -948,6 +949,11 @@ def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = 
         did not converge, listing which and why.
     manager : DeviceManager, optional
         Default: ``managed_solve.device_manager``.
+    backend : {"local", "ray"}
+        ``"ray"`` runs the same call over the nodes of a Ray cluster
+        (:func:`managed_solve.cluster.solve_many_ray`; ``return_on`` is then
+        "host" or "refs", "device" meaning "host"); ``cluster_options``
+        (``address``, ``num_nodes_hint``, ...) go there.
 
     Returns
     -------
@@ -978,6 +984,21 @@ def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = 
     >>> bool(np.allclose(2 * A @ res[1].x, 1.0))
     True
     """
+    if backend == "ray":
+        if manager is not None:
+            raise TypeError("solve_many(backend='ray', manager=...): a manager cannot travel to "
+                            "other nodes; each node makes its own. Drop manager=.")
+        from .cluster import solve_many_ray  # the Ray backend sits beside, imported on demand
+
+        return solve_many_ray(systems, return_on="host" if return_on == "device" else return_on,
+                              disperse=disperse, devices=devices, method=method, M=M, rtol=rtol,
+                              progress=progress, on_error=on_error, **cluster_options)
+    if backend != "local":
+        raise ValueError(f"solve_many(backend={backend!r}): expected 'local' (this machine) or "
+                         "'ray' (a Ray cluster)")
+    if cluster_options:
+        raise TypeError(f"solve_many: unexpected argument(s) {sorted(cluster_options)}; options "
+                        "other than solve_many's own apply to backend='ray' only")
     _check_arguments(method, M, rtol, return_on, on_error, progress)
     items = list(systems)
     mgr = manager if manager is not None else default_manager()

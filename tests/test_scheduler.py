@@ -500,3 +500,13 @@ def test_vectorised_host_pack_matches_packed_batch(jacobi):
         assert a.dtype == r.dtype, attr
         np.testing.assert_array_equal(a, r, err_msg=attr)
     assert ours.names == ref.names
+
+
+def test_backend_argument_is_checked(sims):
+    pairs = [(poisson2d(3), np.ones(9))]
+    with pytest.raises(ValueError, match="backend='mpi'"):
+        solve_many(pairs, backend="mpi", manager=sims)
+    with pytest.raises(TypeError, match="address"):
+        solve_many(pairs, address="auto", manager=sims)
+    with pytest.raises(TypeError, match="manager"):
+        solve_many(pairs, backend="ray", manager=sims)
