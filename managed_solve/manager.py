@@ -65,9 +65,9 @@ def raw_size_of(obj: Any) -> int:
         return obj
     if isinstance(obj, float) and obj >= 0 and math.isfinite(obj):
         return int(obj)
-    mod = type(obj).__module__
-    if mod.startswith("torch"):
-        return _torch_size(obj)
+    torch = sys.modules.get("torch")  # only sized as torch when torch is already in use
+    if torch is not None and isinstance(obj, (torch.Tensor, torch.nn.Module)):
+        return _torch_size(obj)  # subclasses (ManagedTensor) included
     if hasattr(obj, "parameters") and hasattr(obj, "buffers"):
         return _torch_size(obj)
     if hasattr(obj, "indptr") and hasattr(obj, "indices") and hasattr(obj, "data"):

@@ -329,3 +329,15 @@ def test_dispersal_over_real_gpus():
     held = [dm.reserve(256 * MiB, disperse=True) for _ in range(2 * len(gpus))]
     counts = [sum(r.device == g for r in held) for g in gpus]
     assert counts == [2] * len(gpus)
+
+
+def test_tensor_subclasses_sized_as_tensors(no_heuristic, dm):
+    torch = pytest.importorskip("torch")
+
+    class Sub(torch.Tensor):
+        pass
+
+    dense = torch.zeros(10, 10).as_subclass(Sub)
+    assert dm.size_of(dense) == 400
+    sparse = torch.eye(1000).to_sparse_csr()
+    assert dm.size_of(sparse) == 1000 * 4 + 1001 * 8 + 1000 * 8
