@@ -342,7 +342,14 @@ def _status(out: _common.Outcome, method: str, residual: float, tol: float,
 
 
 def _fused_ok(system: LinearSystem, method: str, callback: Any) -> bool:
-    """The batched fused core applies: CSR, CG/BiCGStab, no or Jacobi preconditioner, no callback."""
+    """The batched fused core applies: CSR, CG/BiCGStab, no or Jacobi preconditioner, no callback.
+
+    The generic path is kept only for what the fused core cannot do (dense A,
+    operators, polynomial or user M, callbacks), not for speed. Measured on
+    one H200, 2D Poisson, float64, rtol 1e-8: n = 16k, fused 18 us/iteration,
+    cupyx cg 241, generic CuPy CG 575 (Python dispatch of ~25 small CuPy
+    operations per iteration); n = 1M, fused 55, cupyx 200, generic 456.
+    """
     if system.kind != "csr" or method not in ("cg", "bicgstab") or callback is not None:
         return False
     if not (system.M is None or _is_jacobi(system.M)):
