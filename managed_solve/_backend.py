@@ -93,8 +93,9 @@ def torch_module() -> ModuleType:
 
 
 def is_cupy_array(x: Any) -> bool:
-    mod = type(x).__module__
-    return mod.startswith("cupy") and hasattr(x, "device") and hasattr(x, "data")
+    # By type name, not attributes: cupyx sparse matrices raise NotImplementedError
+    # from their `.device` property, which hasattr() does not catch.
+    return type(x).__name__ == "ndarray" and type(x).__module__.startswith("cupy")
 
 
 def is_cupy_sparse(x: Any) -> bool:

@@ -216,3 +216,15 @@ def test_free_bytes_are_device_wide():
     finally:
         proc.communicate("done\n", timeout=60)
     assert before - during >= (2 << 30) * 0.95, (before, during)
+
+
+@pytest.mark.gpu
+def test_array_module_of_cupyx_sparse():
+    cp = _backend.cupy()
+    import cupyx.scipy.sparse as csp
+
+    A = csp.identity(4, format="csr")
+    assert not _backend.is_cupy_array(A) and _backend.is_cupy_sparse(A)
+    assert _backend.array_module(A) is cp
+    assert _backend.is_cupy_array(cp.zeros(3))
+    assert _backend.to_host(A).nnz == 4
