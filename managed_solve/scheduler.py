@@ -682,15 +682,34 @@ def _pack(systems: list[LinearSystem], jacobi: bool, target: str, dev: Device) -
     return batch
 
 
+_COPY_POOL: ThreadPoolExecutor | None = None
+_COPY_POOL_LOCK = threading.Lock()
+# Systems are copied into a batch in pieces of about this many stored entries,
+# one piece per thread: the copies are memory-bound and NumPy releases the GIL
+# while it copies, so several cores move the bytes of a large batch together.
+_COPY_CHUNK_NNZ = 1 << 21
+
+
+def _copy_pool() -> ThreadPoolExecutor:
+    global _COPY_POOL
+    with _COPY_POOL_LOCK:
+        if _COPY_POOL is None:
+            _COPY_POOL = ThreadPoolExecutor(min(8, os.cpu_count() or 1),
+                                            thread_name_prefix="solve_many-copy")
+        return _COPY_POOL
+
+
 def _host_pack(systems: list[LinearSystem], jacobi: bool, device: str = "cpu", *,
-               empty: Callable[[int, Any], np.ndarray] | None = None) -> Any:
-    """``PackedBatch.pack`` for host CSR systems, vectorised over systems.
+               empty: Callable[[int, Any], np.ndarray] | None = None,
+               chunk_nnz: int = _COPY_CHUNK_NNZ) -> Any:
+    """``PackedBatch.pack`` for host CSR systems, vectorised over systems, copied in parallel.
 
     The same arrays as ``PackedBatch.pack(systems, device="cpu")`` (a test
-    checks it), built with one concatenation per array instead of a Python
-    step per system (3,087 W2 systems took 0.19 s through the per-system loop
-    on an H200 host, the cost that kept two GPUs from scaling on W2-large).
-    ``empty(size, dtype)`` allocates the large outputs (pinned memory for GPUs).
+    checks it), built with one concatenation per array and piece instead of a
+    Python step per system (3,087 W2 systems took 0.19 s through the
+    per-system loop on an H200 host, the cost that kept two GPUs from scaling
+    on W2-large). ``empty(size, dtype)`` allocates the outputs (pinned memory
+    for GPUs); pieces of about ``chunk_nnz`` entries are copied on a thread pool.
     """
     from .solvers.batch import PackedBatch, default_maxiter
 
@@ -705,29 +724,46 @@ def _host_pack(systems: list[LinearSystem], jacobi: bool, device: str = "cpu", *
     np.cumsum(nnzs, out=nnz_off[1:])
     n, nnz = int(offsets[-1]), int(nnz_off[-1])
     idt = np.dtype(np.int32) if max(n, nnz) <= np.iinfo(np.int32).max else np.dtype(np.int64)
-    data = np.concatenate([s.A.data for s in systems], out=empty(nnz, dt))
-    indices = np.concatenate([s.A.indices for s in systems], out=empty(nnz, idt))
-    indices += np.repeat(offsets[:-1].astype(idt), nnzs)
-    indptr = empty(n + 1, idt)
-    np.concatenate([s.A.indptr[:-1] for s in systems], out=indptr[:-1])
-    indptr[:-1] += np.repeat(nnz_off[:-1].astype(idt), sizes)
-    indptr[-1] = nnz
-    b = np.concatenate([s.b for s in systems], out=empty(n, dt))
-    x0 = None
-    if any(s.x0 is not None for s in systems):
-        x0 = np.concatenate([s.x0 if s.x0 is not None else np.zeros(s.n, dt) for s in systems],
-                            out=empty(n, dt))
-    dinv = None
-    if jacobi:
-        d = np.concatenate([s.A.diagonal() for s in systems]).astype(dt, copy=False)
-        if not d.all():
-            which = int(np.searchsorted(offsets, int(np.flatnonzero(d == 0)[0]), side="right")) - 1
-            raise ValueError(f"solve_many(M='jacobi'): systems {systems[which].name or which} has "
-                             "a zero on its diagonal, so Jacobi cannot scale it; use M=None")
-        dinv = empty(n, dt)
-        np.divide(1.0, d, out=dinv)
+    data, indices, indptr, b = empty(nnz, dt), empty(nnz, idt), empty(n + 1, idt), empty(n, dt)
+    x0 = empty(n, dt) if any(s.x0 is not None for s in systems) else None
+    dinv = empty(n, dt) if jacobi else None
     row_sys = empty(n, np.int32)
-    row_sys[:] = np.repeat(np.arange(k, dtype=np.int32), sizes)
+    indptr[-1] = nnz
+
+    def fill(lo: int, hi: int) -> None:
+        part = systems[lo:hi]
+        r0, r1, z0, z1 = offsets[lo], offsets[hi], nnz_off[lo], nnz_off[hi]
+        np.concatenate([s.A.data for s in part], out=data[z0:z1])
+        np.concatenate([s.A.indices for s in part], out=indices[z0:z1])
+        indices[z0:z1] += np.repeat(offsets[lo:hi].astype(idt), nnzs[lo:hi])
+        np.concatenate([s.A.indptr[:-1] for s in part], out=indptr[r0:r1])
+        indptr[r0:r1] += np.repeat(nnz_off[lo:hi].astype(idt), sizes[lo:hi])
+        np.concatenate([s.b for s in part], out=b[r0:r1])
+        if x0 is not None:
+            np.concatenate([s.x0 if s.x0 is not None else np.zeros(s.n, dt) for s in part],
+                           out=x0[r0:r1])
+        if dinv is not None:
+            d = np.concatenate([s.A.diagonal() for s in part]).astype(dt, copy=False)
+            if not d.all():
+                which = lo + int(np.searchsorted(offsets[lo:hi + 1] - r0,
+                                                 int(np.flatnonzero(d == 0)[0]), side="right")) - 1
+                raise ValueError(f"solve_many(M='jacobi'): system {systems[which].name or which} "
+                                 "has a zero on its diagonal, so Jacobi cannot scale it; use M=None")
+            np.divide(1.0, d, out=dinv[r0:r1])
+        row_sys[r0:r1] = np.repeat(np.arange(lo, hi, dtype=np.int32), sizes[lo:hi])
+
+    # Pieces of about chunk_nnz entries, cut at system boundaries.
+    cuts = [0]
+    if k:
+        targets = np.arange(chunk_nnz, nnz, chunk_nnz)
+        cuts += sorted({int(c) for c in np.searchsorted(nnz_off, targets)} - {0, k})
+        cuts.append(k)
+    pieces = list(zip(cuts[:-1], cuts[1:], strict=True))
+    if len(pieces) > 1:
+        for f in [_copy_pool().submit(fill, lo, hi) for lo, hi in pieces]:
+            f.result()  # re-raises a piece's error here
+    elif pieces:
+        fill(*pieces[0])
     return PackedBatch(
         indptr=indptr, indices=indices, data=data, b=b, x0=x0, offsets=offsets, row_sys=row_sys,
         rtol=np.array([s.rtol for s in systems], dtype=np.float64),

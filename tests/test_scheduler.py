@@ -470,8 +470,9 @@ def test_true_residual_check_restarts_drifted_systems(monkeypatch):
     assert [bool(r.info.get("restarted")) for r in results] == [m % 2 == 1 for m in range(4, 12)]
 
 
+@pytest.mark.parametrize("chunk_nnz", [1 << 21, 40])  # one piece; many pieces on the pool
 @pytest.mark.parametrize("jacobi", [False, True])
-def test_vectorised_host_pack_matches_packed_batch(jacobi):
+def test_vectorised_host_pack_matches_packed_batch(jacobi, chunk_nnz):
     PackedBatch = sched._core()[0]
     rng = np.random.default_rng(30)
     systems = []
@@ -487,7 +488,7 @@ def test_vectorised_host_pack_matches_packed_batch(jacobi):
         made.append(np.full(size, -1, dtype=dtype))
         return made[-1]
 
-    ours = sched._host_pack(systems, jacobi, empty=empty)
+    ours = sched._host_pack(systems, jacobi, empty=empty, chunk_nnz=chunk_nnz)
     ref = PackedBatch.pack(systems, device="cpu", jacobi=jacobi)
     for attr in ("indptr", "indices", "data", "b", "x0", "row_sys") + (("dinv",) if jacobi else ()):
         assert any(getattr(ours, attr) is m for m in made), attr
@@ -510,3 +511,13 @@ def test_backend_argument_is_checked(sims):
         solve_many(pairs, address="auto", manager=sims)
     with pytest.raises(TypeError, match="manager"):
         solve_many(pairs, backend="ray", manager=sims)
+
+
+@pytest.mark.parametrize("chunk_nnz", [1 << 21, 30])
+def test_host_pack_names_a_system_jacobi_cannot_scale(chunk_nnz):
+    systems = [LinearSystem(poisson2d(4), np.ones(16), name=f"z{k}") for k in range(5)]
+    A = poisson2d(4).tolil()
+    A[2, 2] = 0.0
+    systems[3] = LinearSystem(A.tocsr(), np.ones(16), name="zero-diagonal")
+    with pytest.raises(ValueError, match="zero-diagonal has a zero on its diagonal"):
+        sched._host_pack(systems, True, chunk_nnz=chunk_nnz)
