@@ -23,18 +23,33 @@ import sys
 _ANCHOR_WORDS = re.compile(r"(anchor|scipy|cupyx|numpy|torch_cg|loop|host|naive|plain)", re.I)
 
 
+_ROLE_TOKENS = re.compile(r"^(ours|anchor|candidate|cupyx|scipy|numpy|torch|plain|managed|managed_pinned|"
+                          r"dlpack|host_round_trip|loop|naive|block-diagonal)$", re.I)
+_ANCHOR_WHO = {"cupyx", "scipy", "numpy", "torch", "plain", "host_round_trip", "anchor"}
+
+
 def _metric(bench: dict) -> tuple[float, str]:
     extra = bench.get("extra_info", {})
-    if "per_iteration_s" in extra:
-        return float(extra["per_iteration_s"]), "per iteration"
+    for key in ("per_iteration_s", "seconds_per_iteration"):
+        if key in extra:
+            return float(extra[key]), "per iteration" if "metric" not in extra else "per system"
     return float(bench["stats"]["median"]), "median call"
 
 
 def _is_anchor(bench: dict) -> bool:
-    role = bench.get("extra_info", {}).get("role")
+    extra = bench.get("extra_info", {})
+    role = extra.get("role", extra.get("who"))
     if role is not None:
-        return role == "anchor"
+        return role in _ANCHOR_WHO
     return bool(_ANCHOR_WORDS.search(bench["name"]))
+
+
+def _pair_key(bench: dict) -> str:
+    """The benchmark's name with its role token removed: ours and its anchor share it."""
+    name = bench["name"]
+    base, _, params = name.partition("[")
+    tokens = [t for t in params.rstrip("]").split("-") if t and not _ROLE_TOKENS.match(t)]
+    return base + "[" + "-".join(tokens) + "]" if params else base
 
 
 def _fmt_time(s: float) -> str:
@@ -52,23 +67,25 @@ def build_rows(data: dict) -> list[dict]:
     rows = []
     for group, benches in sorted(groups.items()):
         anchors = [b for b in benches if _is_anchor(b)]
-        anchor = min(anchors, key=lambda b: _metric(b)[0]) if anchors else None
-        for b in sorted(benches, key=lambda b: (_is_anchor(b), b["name"])):
+        by_key = {_pair_key(a): a for a in anchors}
+        for b in sorted(benches, key=lambda b: (_pair_key(b), _is_anchor(b), b["name"])):
             value, kind = _metric(b)
+            anchor = by_key.get(_pair_key(b)) or (anchors[0] if len(anchors) == 1 else None)
             ratio = None
-            if anchor is not None and b is not anchor:
+            if anchor is not None and b is not anchor and not _is_anchor(b):
                 ratio = value / _metric(anchor)[0]
             extra = b.get("extra_info", {})
+            note = extra.get("note", extra.get("bandwidth_fraction", ""))
             rows.append({
                 "group": group,
                 "name": b["name"],
                 "value": value,
                 "kind": kind,
-                "anchor": anchor["name"] if anchor is not None else "",
+                "anchor": anchor["name"] if anchor is not None and not _is_anchor(b) else "",
                 "ratio": ratio,
-                "is_anchor": b is anchor or _is_anchor(b),
+                "is_anchor": _is_anchor(b),
                 "device": extra.get("device", ""),
-                "note": extra.get("note", extra.get("bandwidth_fraction", "")),
+                "note": note,
             })
     return rows
 
