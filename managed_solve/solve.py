@@ -54,7 +54,7 @@ _FALLBACK = {"cg": "minres", "bicgstab": "gmres"}
 def solve(A_or_system: Any, b: Any = None, *, x0: Any = None, rtol: float = 1e-8,
           atol: float = 0.0, maxiter: int | None = None, method: str = "auto", M: Any = None,
           callback: Callable[[Any], None] | None = None, device: Any = None,
-          dtype: Any = None, manager: Any = None) -> SolveResult:
+          dtype: Any = None, manager: Any = None, devices: Any = None) -> SolveResult:
     """Solve one sparse (or dense, or operator) linear system ``A x = b``.
 
     Parameters
@@ -92,10 +92,18 @@ def solve(A_or_system: Any, b: Any = None, *, x0: Any = None, rtol: float = 1e-8
         CPU backend, but "auto" chooses methods as for a GPU). None: inputs already on a GPU stay there; host inputs
         go where the DeviceManager places them, with ``nbytes +
         workspace_bytes(method)`` reserved for the duration of the solve.
+        ``"all"`` (or a list of names) shards the system over every GPU
+        (see ``devices``).
     dtype : {float32, float64}, optional
         Precision of the solve (default: float32 only when A and b are).
     manager : DeviceManager, optional
         Default: ``managed_solve.device_manager``.
+    devices : "all", int or list of device names, optional
+        Shard one large system over several GPUs (real or simulated): rows are
+        split into nnz-balanced blocks after a reverse Cuthill-McKee
+        reordering, halos are exchanged each iteration, and x is gathered on
+        the first device (:func:`managed_solve.sharded.solve_sharded`). CG or
+        BiCGStab, optionally with ``M="jacobi"``.
 
     Returns
     -------
@@ -130,6 +138,10 @@ def solve(A_or_system: Any, b: Any = None, *, x0: Any = None, rtol: float = 1e-8
     from .manager import default_manager  # the manager sits below; default made on demand
 
     mgr = manager if manager is not None else default_manager()
+    many = devices if devices is not None else (
+        device if (isinstance(device, str) and device == "all") or isinstance(device, (list, tuple)) else None)
+    if many is not None:
+        return _sharded(system, many, mgr)
     on_gpu = system.device.startswith("cuda")
 
     if device is not None:
@@ -159,6 +171,28 @@ def solve(A_or_system: Any, b: Any = None, *, x0: Any = None, rtol: float = 1e-8
 
 
 # ---------------------------------------------------------------------- set-up
+
+def _sharded(system: LinearSystem, devices: Any, mgr: Any) -> SolveResult:
+    """One system over several devices (sharded.py); the same options as one device."""
+    from .sharded import solve_sharded  # sharded sits beside solve: imported on use
+
+    if system.kind != "csr":
+        raise ValueError("solve(A, b, devices=...): sharding needs A as a sparse matrix; "
+                         f"A arrived as {system.kind}. Convert it with scipy.sparse.csr_matrix(A).")
+    method = system.method
+    if method == "auto":
+        symmetric = _is_symmetric(system)
+        method = "cg" if symmetric and bool((system.A.diagonal() > 0).all()) else "bicgstab"  # sync
+    if method not in ("cg", "bicgstab"):
+        raise ValueError(f"solve(A, b, devices=...): method={method!r} cannot be sharded; "
+                         "use method='cg' (SPD) or 'bicgstab', or solve on one device.")
+    if system.M not in (None, "jacobi"):
+        raise ValueError("solve(A, b, devices=...): sharded solves take M=None or M='jacobi', "
+                         f"got {system.M!r}.")
+    return solve_sharded(system.A, system.b, devices=devices, x0=system.x0, rtol=system.rtol,
+                         atol=system.atol, maxiter=system.maxiter, method=method, M=system.M,
+                         manager=mgr)
+
 
 def _as_system(A: Any, b: Any, **opts: Any) -> LinearSystem:
     if isinstance(A, LinearSystem):
