@@ -1,0 +1,19 @@
+"""Numba kernels, installed as ``managed_solve.kernels``: every CUDA kernel has a CPU twin.
+
+One kernel family per module, imported where used (importing ``numba.cuda``
+is not free, so nothing is imported here):
+
+- ``pattern``: the symbolic phase (CSR pattern of vertex adjacency and the
+  element-to-slot map), CPU and CUDA;
+- ``cotan``: cotangent Laplacian and mass matrices on triangle meshes;
+- ``tet``: P1 stiffness and mass on tetrahedra;
+- ``stencil``: 5-point and 7-point finite-difference Laplacians with a
+  variable coefficient;
+- ``krylov``: CPU twins of the fused batched CG and BiCGStab kernels (the CUDA
+  side is CUDA C in ``managed_solve.solvers._cuda_krylov``);
+- ``_compat``: the NumPy 2.5 / numba-cuda ``np.row_stack`` shim, imported
+  before ``numba.cuda`` everywhere.
+
+A kernel takes arrays and writes into arrays its caller allocated; the
+per-element math is one ``@numba.njit`` function called by both twins.
+"""

@@ -498,6 +498,8 @@ class ManagedTensor(torch.Tensor):
             Spread tensors over GPUs (earliest predicted finish) instead of
             packing them.
 
+        Notes
+        -----
         Without any GPU (real or simulated) the tensor stays on the CPU, with
         one log line.
         """

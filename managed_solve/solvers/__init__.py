@@ -1,9 +1,13 @@
 """Single-system Krylov and direct solvers, preconditioners (re-exports only).
 
-The batched fused core lives in :mod:`managed_solve.solvers.batch` and
-:mod:`managed_solve.solvers.batched`, imported where used.
+The batched fused core (one implementation for one system or many):
+:class:`PackedBatch`, :func:`cg_batched`, :func:`bicgstab_batched`.
 """
 
+from .batch import PackedBatch as PackedBatch
+from .batched import BatchOutcome as BatchOutcome
+from .batched import bicgstab_batched as bicgstab_batched
+from .batched import cg_batched as cg_batched
 from .bicgstab import bicgstab as bicgstab
 from .cg import cg as cg
 from .direct import direct as direct
