@@ -28,7 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -52,6 +52,7 @@ from .packing import (
     split,
     target_rows,
 )
+from .partition import choose_shard_count
 from .result import SolveError, SolveResult, Status
 from .system import METHODS, PRECONDITIONERS, LinearSystem
 
@@ -283,6 +284,7 @@ class Plan:
     next_id: int
     rows: int
     oversized: list[int]  # input positions too large for any one device's room
+    sharded: list[int] = field(default_factory=list)  # of those, solved over several GPUs
 
     def finish_times(self) -> dict[str, float]:
         return {s.name: s.busy for s in self.slots}
@@ -299,9 +301,10 @@ def plan_work(estimates: Iterable[Estimate], devices: Sequence[Device], manager:
               slots: list[Slot] | None = None) -> Plan:
     """Pack estimates into batches and disperse them over ``devices`` (nothing runs).
 
-    Systems too large for every device's room go to the CPU. (Sharding one
-    system over several GPUs is a later issue: :func:`_place_oversized` is the
-    hook where ``managed_solve.sharded`` will take them.)
+    A Krylov system too large for every device's room is sharded over the
+    accelerators when two or more of them can hold it together
+    (``Plan.sharded``; solved by ``managed_solve.sharded`` once the batches
+    are done); otherwise it goes to the CPU.
 
     Examples
     --------
@@ -326,7 +329,12 @@ def plan_work(estimates: Iterable[Estimate], devices: Sequence[Device], manager:
     next_id = max((b.id for b in batches), default=-1) + 1
     cpu = str(manager.cpu)
     extra: list[Batch] = []
+    sharded: list[int] = []
+    rooms = [s.room for s in slots if s.kind != "cpu"]
     for e in too_big:
+        if e.route == BATCH and len(rooms) >= 2 and choose_shard_count(e.nbytes, rooms) >= 2:
+            sharded.append(e.index)
+            continue
         extra.append(_place_oversized(e, next_id, batch_bytes))
         next_id += 1
     extra += unplaced
@@ -337,17 +345,30 @@ def plan_work(estimates: Iterable[Estimate], devices: Sequence[Device], manager:
             for s in slots:
                 if s.name == cpu:
                     s.busy += b.cost / s.speed
-    return Plan(queues, slots, ests, next_id, rows, [e.index for e in too_big])
+    return Plan(queues, slots, ests, next_id, rows, [e.index for e in too_big], sharded)
+
+
+def _run_sharded(s: LinearSystem, devs: Sequence[Device], mgr: DeviceManager) -> SolveResult:
+    """One system over every accelerator; a device failure falls back to the CPU."""
+    from .solve import solve  # solve.py sits above packing in the layers, beside us
+
+    gpus = [str(d) for d in devs if d.kind != "cpu"]
+    try:
+        return solve(s, devices=gpus, manager=mgr)
+    except Exception as exc:
+        if not is_device_error(exc):
+            raise
+        log.warning("managed_solve: sharded solve over %s failed (%s); solving on the CPU",
+                    ", ".join(gpus), exc)
+        res = solve(s, device=mgr.cpu, manager=mgr)
+        res.info["sharded_failure"] = f"{type(exc).__name__}: {exc}"
+        return res
 
 
 def _place_oversized(e: Estimate, batch_id: int, batch_bytes: Callable | None) -> Batch:
-    """A system larger than any one device's room: for now, alone on the CPU.
-
-    Hook for issue "one system, many GPUs": with two or more GPUs whose rooms
-    add up, this is where ``managed_solve.sharded`` takes the system instead.
-    """
-    log.info("managed_solve: systems[%d] (%d unknowns) fits on no single device; solving on the "
-             "CPU (sharding over GPUs is not implemented yet)", e.index, e.n)
+    """A system larger than any one device's room that cannot be sharded: alone on the CPU."""
+    log.info("managed_solve: systems[%d] (%d unknowns) fits on no device, nor sharded over the "
+             "accelerators; solving on the CPU", e.index, e.n)
     nbytes = int(batch_bytes([e])) if batch_bytes is not None else e.nbytes
     return Batch(batch_id, [e.index], e.route, e.group, e.n, e.nnz, nbytes, e.cost)
 
@@ -1071,6 +1092,11 @@ def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = 
         plan = plan_work(ests, devs, mgr, batch_bytes=batch_bytes)
         runner = _Runner(valid, plan, devs, mgr, results, bar=bar, batch_bytes=batch_bytes)
         runner.run()
+        # Sharded systems use every accelerator at once: after the batches.
+        for i in plan.sharded:
+            results[i] = _run_sharded(valid[i], devs, mgr)
+            if bar is not None:
+                bar.update(1)
     finally:
         if bar is not None:
             bar.close()

@@ -1,0 +1,40 @@
+"""solve_many sends a system that fits no single accelerator to the sharded solver."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import scipy.sparse.linalg as spla
+
+from managed_solve import DeviceManager, solve_many
+
+
+def _poisson(n):
+    T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(n, n))
+    return (sp.kron(sp.eye(n), T) + sp.kron(T, sp.eye(n))).tocsr()
+
+
+@pytest.fixture
+def mix():
+    big = _poisson(100)  # 10,000 unknowns: about 1.3 MB with its CG workspace
+    small = [_poisson(n) for n in (8, 12, 16)]
+    rng = np.random.default_rng(3)
+    return [(A, rng.standard_normal(A.shape[0])) for A in [small[0], big, small[1], small[2]]]
+
+
+def test_oversized_system_is_sharded_over_two_devices(mix):
+    dm = DeviceManager(simulate="2x1MiB", reserved=0.0)
+    res = solve_many(mix, manager=dm, rtol=1e-10)
+    big = res[1]
+    assert big.converged and big.info.get("shards") == 2
+    assert big.info["devices"] == ["sim:0", "sim:1"]
+    for (A, b), r in zip(mix, res, strict=True):
+        assert r.converged
+        np.testing.assert_allclose(r.to_numpy(), spla.spsolve(A.tocsc(), b), rtol=1e-6, atol=1e-8)
+
+
+def test_oversized_system_with_one_device_goes_to_the_cpu(mix):
+    dm = DeviceManager(simulate="1x1MiB", reserved=0.0)
+    res = solve_many(mix, manager=dm, rtol=1e-10)
+    assert res[1].converged and res[1].device == "cpu" and "shards" not in res[1].info
