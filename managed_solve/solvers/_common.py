@@ -105,6 +105,62 @@ def true_residual_norm(A: Any, b: Any, x: Any) -> float:
     return float(norm(xp, r))  # sync: one host read per solve
 
 
+def initial_iterate(xp: Any, matvec: Callable[[Any], Any], b: Any, x0: Any) -> tuple[Any, Any]:
+    """``(x, r)``: a copy of ``x0`` in b's dtype (zeros if None) and its residual ``b - A x``."""
+    if x0 is None:
+        return xp.zeros_like(b), b.copy()
+    x = x0.astype(b.dtype, copy=True)
+    return x, b - matvec(x)
+
+
+@dataclass
+class KrylovSetup:
+    """What every generic Krylov loop derives from its arguments before iterating."""
+
+    xp: Any
+    n: int
+    maxiter: int
+    every: int
+    matvec: Callable[[Any], Any]
+    tol: float
+    host_syncs: int
+
+
+def krylov_setup(A: Any, b: Any, rtol: float, atol: float, maxiter: int | None,
+                 check_every: int | None) -> KrylovSetup:
+    """The array module, iteration limit, checkpoint interval, operator and stopping threshold.
+
+    Reads ``||b||`` on the host once (counted in ``host_syncs``).
+    """
+    xp = _backend.array_module(b)
+    n = b.shape[0]
+    maxiter = default_maxiter(n) if maxiter is None else int(maxiter)
+    every = checkpoint_interval(xp, check_every)
+    matvec = as_matvec(A)
+    b_norm = float(norm(xp, b))  # sync: the stopping threshold needs ||b|| once
+    return KrylovSetup(xp, n, maxiter, every, matvec, stop_threshold(rtol, atol, b_norm), 1)
+
+
+def identity(v: Any) -> Any:
+    """The preconditioner of an unpreconditioned solve."""
+    return v
+
+
+def read_checkpoint(history: Any, count: int, flag: Any, tol: float) -> tuple[Any, bool, int | None]:
+    """The host copy of the last ``count`` residual norms, the breakdown flag, the first converged one.
+
+    Called at a loop's checkpoint; the caller counts it as one host synchronisation.
+    """
+    h = _backend.to_host(history[:count])  # sync: the residual history, read by the caller's loop
+    broke = bool(flag)  # sync: the breakdown flag, in the same checkpoint
+    return h, broke, first_below(h, tol)
+
+
+def is_finite(v: float) -> bool:
+    """A host float that is neither NaN nor infinite."""
+    return v == v and abs(v) != float("inf")
+
+
 def first_below(history: Any, tol: float) -> int | None:
     """Index of the first entry of a host array at or below ``tol`` (None if none)."""
     hits = np.flatnonzero(np.asarray(history) <= tol)

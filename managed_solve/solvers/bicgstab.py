@@ -17,14 +17,14 @@ from ._common import (
     CONVERGED,
     MAXITER,
     Outcome,
-    as_matvec,
-    checkpoint_interval,
-    default_maxiter,
-    first_below,
+    identity,
+    initial_iterate,
+    is_finite,
+    krylov_setup,
     norm,
     outcome_from_batch,
+    read_checkpoint,
     safe_div,
-    stop_threshold,
 )
 
 _BREAKDOWN = (
@@ -76,23 +76,10 @@ def bicgstab(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float 
     >>> out.code, bool(np.linalg.norm(np.ones(40) - A @ out.x) < 1e-8)
     (0, True)
     """
-    xp = _backend.array_module(b)
-    n = b.shape[0]
-    maxiter = default_maxiter(n) if maxiter is None else int(maxiter)
-    every = checkpoint_interval(xp, check_every)
-    matvec = as_matvec(A)
-    precond = M if M is not None else (lambda v: v)
-    syncs = 0
-
-    b_norm = float(norm(xp, b))  # sync: the stopping threshold needs ||b|| once
-    syncs += 1
-    tol = stop_threshold(rtol, atol, b_norm)
-    if x0 is None:
-        x = xp.zeros_like(b)
-        r = b.copy()
-    else:
-        x = x0.astype(b.dtype, copy=True)
-        r = b - matvec(x)
+    st = krylov_setup(A, b, rtol, atol, maxiter, check_every)
+    xp, maxiter, every, matvec, tol, syncs = st.xp, st.maxiter, st.every, st.matvec, st.tol, st.host_syncs
+    precond = M if M is not None else identity
+    x, r = initial_iterate(xp, matvec, b, x0)
     rnorm = norm(xp, r)
     r0 = float(rnorm)  # sync: an initial guess may already solve the system
     syncs += 1
@@ -142,14 +129,12 @@ def bicgstab(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float 
             callback(x)
         if it - start + 1 == every or it == maxiter:
             # sync: reads the residual history and the breakdown flag on the host
-            h = _backend.to_host(hist[: it - start + 1])
-            broke = bool(bad)
+            h, broke, k = read_checkpoint(hist, it - start + 1, bad, tol)
             syncs += 1
-            k = first_below(h, tol)
             if k is not None:
                 return Outcome(x, CONVERGED, it, float(h[k]), host_syncs=syncs,
                                info={"converged_at": start + k})
-            if broke or not (h[-1] == h[-1] and abs(h[-1]) != float("inf")):
+            if broke or not is_finite(h[-1]):
                 return Outcome(x, BREAKDOWN, it, float(h[-1]), _BREAKDOWN, host_syncs=syncs)
             start = it + 1
     return Outcome(x, MAXITER, maxiter, float(_backend.to_host(rnorm)), host_syncs=syncs)

@@ -18,14 +18,14 @@ from ._common import (
     CONVERGED,
     MAXITER,
     Outcome,
-    as_matvec,
-    checkpoint_interval,
-    default_maxiter,
-    first_below,
+    identity,
+    initial_iterate,
+    is_finite,
+    krylov_setup,
     norm,
     outcome_from_batch,
+    read_checkpoint,
     safe_div,
-    stop_threshold,
 )
 
 _INDEFINITE = (
@@ -78,23 +78,11 @@ def cg(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 0.0,
     >>> out.code, bool(np.linalg.norm(np.ones(50) - A @ out.x) < 1e-8)
     (0, True)
     """
-    xp = _backend.array_module(b)
-    n = b.shape[0]
-    maxiter = default_maxiter(n) if maxiter is None else int(maxiter)
-    every = checkpoint_interval(xp, check_every)
-    matvec = as_matvec(A)
-    syncs = 0
-
-    b_norm = float(norm(xp, b))  # sync: the stopping threshold needs ||b|| once
-    syncs += 1
-    tol = stop_threshold(rtol, atol, b_norm)
-    if x0 is None:
-        x = xp.zeros_like(b)
-        r = b.copy()
-    else:
-        x = x0.astype(b.dtype, copy=True)
-        r = b - matvec(x)
-    z = M(r) if M is not None else r
+    st = krylov_setup(A, b, rtol, atol, maxiter, check_every)
+    xp, maxiter, every, matvec, tol, syncs = st.xp, st.maxiter, st.every, st.matvec, st.tol, st.host_syncs
+    precond = M if M is not None else identity
+    x, r = initial_iterate(xp, matvec, b, x0)
+    z = precond(r)
     p = z.copy()
     rz = xp.dot(r, z)
     rnorm = norm(xp, r)
@@ -115,7 +103,7 @@ def cg(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 0.0,
         alpha = safe_div(xp, rz, pq)
         x += alpha * p
         r -= alpha * q
-        z = M(r) if M is not None else r
+        z = precond(r)
         rz_new = xp.dot(r, z)
         beta = safe_div(xp, rz_new, rz)
         p *= beta
@@ -127,13 +115,11 @@ def cg(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 0.0,
             callback(x)
         if it - start + 1 == every or it == maxiter:
             # sync: reads the residual history and the breakdown flag on the host
-            h = _backend.to_host(hist[: it - start + 1])
-            broke = bool(bad)
+            h, broke, k = read_checkpoint(hist, it - start + 1, bad, tol)
             syncs += 1
-            k = first_below(h, tol)
             if broke:
                 return Outcome(x, BREAKDOWN, it, float(h[-1]), _INDEFINITE, host_syncs=syncs)
-            if k is not None or not _finite(h[-1]):
+            if k is not None or not is_finite(h[-1]):
                 if k is None:
                     return Outcome(x, BREAKDOWN, it, float(h[-1]),
                                    "CG produced a non-finite residual; A may be singular or "
@@ -161,8 +147,4 @@ def cg_fused(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float 
     batch = PackedBatch.from_csr(A, b, x0=x0, rtol=rtol, atol=atol, maxiter=maxiter, jacobi=jacobi)
     out = cg_batched(batch, check_every=check_every)
     return outcome_from_batch(out, _INDEFINITE)
-
-
-def _finite(v: float) -> bool:
-    return v == v and abs(v) != float("inf")
 

@@ -22,12 +22,10 @@ from ._common import (
     CONVERGED,
     MAXITER,
     Outcome,
-    as_matvec,
-    checkpoint_interval,
-    default_maxiter,
+    identity,
+    krylov_setup,
     norm,
     safe_div,
-    stop_threshold,
 )
 
 
@@ -131,18 +129,11 @@ def gmres(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 0
     """
     if int(restart) < 1:
         raise ValueError(f"gmres(restart={restart!r}): expected a positive integer, e.g. 30")
-    xp = _backend.array_module(b)
-    n = b.shape[0]
+    st = krylov_setup(A, b, rtol, atol, maxiter, check_every)
+    xp, n, maxiter, every, matvec, tol, syncs = (st.xp, st.n, st.maxiter, st.every, st.matvec,
+                                                 st.tol, st.host_syncs)
     m = min(int(restart), n)
-    maxiter = default_maxiter(n) if maxiter is None else int(maxiter)
-    every = checkpoint_interval(xp, check_every)
-    matvec = as_matvec(A)
-    precond = M if M is not None else (lambda v: v)
-    syncs = 0
-
-    b_norm = float(norm(xp, b))  # sync: the stopping threshold needs ||b|| once
-    syncs += 1
-    tol = stop_threshold(rtol, atol, b_norm)
+    precond = M if M is not None else identity
     x = xp.zeros_like(b) if x0 is None else x0.astype(b.dtype, copy=True)
     V = xp.empty((m + 1, n), dtype=b.dtype)
     H = xp.zeros((m + 1, m), dtype=b.dtype)

@@ -16,13 +16,12 @@ from ._common import (
     CONVERGED,
     MAXITER,
     Outcome,
-    as_matvec,
-    checkpoint_interval,
-    default_maxiter,
-    first_below,
+    identity,
+    initial_iterate,
+    krylov_setup,
     norm,
+    read_checkpoint,
     safe_div,
-    stop_threshold,
 )
 
 
@@ -71,23 +70,10 @@ def minres(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 
     >>> out.code, bool(np.linalg.norm(np.ones(41) - A @ out.x) < 1e-8)
     (0, True)
     """
-    xp = _backend.array_module(b)
-    n = b.shape[0]
-    maxiter = default_maxiter(n) if maxiter is None else int(maxiter)
-    every = checkpoint_interval(xp, check_every)
-    matvec = as_matvec(A)
-    precond = M if M is not None else (lambda v: v)
-    syncs = 0
-
-    b_norm = float(norm(xp, b))  # sync: the stopping threshold needs ||b|| once
-    syncs += 1
-    tol = stop_threshold(rtol, atol, b_norm)
-    if x0 is None:
-        x = xp.zeros_like(b)
-        r1 = b.copy()
-    else:
-        x = x0.astype(b.dtype, copy=True)
-        r1 = b - matvec(x)
+    st = krylov_setup(A, b, rtol, atol, maxiter, check_every)
+    xp, maxiter, every, matvec, tol, syncs = st.xp, st.maxiter, st.every, st.matvec, st.tol, st.host_syncs
+    precond = M if M is not None else identity
+    x, r1 = initial_iterate(xp, matvec, b, x0)
     y = precond(r1)
     beta1_sq = float(xp.dot(r1, y))  # sync: checks M once before the loop
     syncs += 1
@@ -146,10 +132,8 @@ def minres(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 
             callback(x)
         if it - start + 1 == every or it == maxiter:
             # sync: reads the residual-estimate history and the flag on the host
-            h = _backend.to_host(hist[: it - start + 1])
-            broke = bool(bad)
+            h, broke, k = read_checkpoint(hist, it - start + 1, bad, tol)
             syncs += 1
-            k = first_below(h, tol)
             if broke:
                 return Outcome(x, BREAKDOWN, it, float(h[-1]),
                                "MINRES: the preconditioner M is not positive definite; use an SPD "
