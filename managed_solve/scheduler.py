@@ -201,7 +201,9 @@ def _krylov_method(s: LinearSystem, cache: dict | None) -> str:
     hit = cache.get(key) if cache is not None else None
     if hit is not None and hit[0] is s.A:
         return hit[1]
-    method = "cg" if bool((s.A.diagonal() > 0).all()) else "bicgstab"  # sync: one read per matrix
+    from .solve import krylov_method  # solve.py sits beside us: see _Runner._run_single
+
+    method = krylov_method(s.A, True, indefinite="bicgstab")  # sync: one read per matrix
     if cache is not None:
         cache[key] = (s.A, method)
     return method

@@ -181,8 +181,7 @@ def _sharded(system: LinearSystem, devices: Any, mgr: Any) -> SolveResult:
                          f"A arrived as {system.kind}. Convert it with scipy.sparse.csr_matrix(A).")
     method = system.method
     if method == "auto":
-        symmetric = _is_symmetric(system)
-        method = "cg" if symmetric and bool((system.A.diagonal() > 0).all()) else "bicgstab"  # sync
+        method = krylov_method(system.A, _is_symmetric(system), indefinite="bicgstab")
     if method not in ("cg", "bicgstab"):
         raise ValueError(f"solve(A, b, devices=...): method={method!r} cannot be sharded; "
                          "use method='cg' (SPD) or 'bicgstab', or solve on one device.")
@@ -298,11 +297,40 @@ def _choose_method(system: LinearSystem, device_kind: str, symmetric: bool | Non
         return "direct"
     if host and system.kind == "dense" and system.n <= DIRECT_MAX_DENSE_N:
         return "direct"
-    if symmetric:
-        diag = system.A.diagonal()
-        positive = bool((diag > 0).all())  # sync: once, choosing the method
-        return "cg" if positive else "minres"
-    return "bicgstab"
+    return krylov_method(system.A, symmetric)
+
+
+def krylov_method(A: Any, symmetric: bool | None, *, indefinite: str = "minres") -> str:
+    """The Krylov method for a matrix: the package's one rule, also used by ``solve_many``.
+
+    Parameters
+    ----------
+    A : sparse matrix or dense array
+        Only its diagonal is read, and only when ``symmetric`` is true.
+    symmetric : bool or None
+        Whether A is symmetric (None: unknown, treated as not symmetric).
+    indefinite : str
+        The method for a symmetric A whose diagonal is not all positive:
+        ``"minres"`` for :func:`solve`; ``"bicgstab"`` where only CG and
+        BiCGStab exist (the batched core, sharded solves).
+
+    Returns
+    -------
+    str
+        ``"cg"`` for a symmetric A with a positive diagonal, ``indefinite``
+        for another symmetric A, ``"bicgstab"`` otherwise.
+
+    Examples
+    --------
+    >>> import scipy.sparse as sp
+    >>> A = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(4, 4), format="csr")
+    >>> krylov_method(A, True), krylov_method(-A, True), krylov_method(A, False)
+    ('cg', 'minres', 'bicgstab')
+    """
+    if not symmetric:
+        return "bicgstab"
+    positive = bool((A.diagonal() > 0).all())  # sync: once, choosing the method
+    return "cg" if positive else indefinite
 
 
 # ---------------------------------------------------------------------- running
