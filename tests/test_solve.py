@@ -12,6 +12,7 @@ import scipy.sparse.linalg as sla
 from managed_solve import DeviceManager, LinearSystem, SolveError, Status
 from managed_solve.devices import SimulatedOutOfMemory
 from managed_solve.solve import solve
+from tests._problems import BACKENDS, host, on, poisson2d
 
 # The module, not the function the package re-exports under the same name.
 solve_mod = importlib.import_module("managed_solve.solve")
@@ -19,28 +20,9 @@ solve_mod = importlib.import_module("managed_solve.solve")
 METHODS = ["cg", "bicgstab", "gmres", "minres", "direct"]
 
 
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.fixture(params=BACKENDS)
 def backend(request):
     return request.param
-
-
-def poisson2d(m, dtype=np.float64):
-    T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(m, m))
-    return sp.kronsum(T, T).tocsr().astype(dtype)
-
-
-def on(backend, *arrays):
-    if backend == "cpu":
-        return arrays if len(arrays) > 1 else arrays[0]
-    import cupy as cp
-    import cupyx.scipy.sparse as csp
-
-    out = tuple(csp.csr_matrix(a) if sp.issparse(a) else cp.asarray(a) for a in arrays)
-    return out if len(out) > 1 else out[0]
-
-
-def host(x):
-    return x.get() if hasattr(x, "get") else np.asarray(x)
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -9,33 +9,9 @@ import scipy.sparse.linalg as sla
 
 from managed_solve.solve import solve
 from managed_solve.solvers.bicgstab import bicgstab
+from tests._problems import assert_matches_spsolve, assert_solves, convection_diffusion, on
 
 GPU_SLACK = 8  # the CuPy loop reads the residual every 8 iterations
-
-
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def backend(request):
-    return request.param
-
-
-def convection_diffusion(m, dtype=np.float64, wind=0.4):
-    """2D upwind convection-diffusion: non-symmetric, well posed."""
-    T = sp.diags([-1.0 - wind, 2.0 + wind, -1.0], [-1, 0, 1], shape=(m, m))
-    return sp.kronsum(T, sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(m, m))).tocsr().astype(dtype)
-
-
-def on(backend, *arrays):
-    if backend == "cpu":
-        return arrays if len(arrays) > 1 else arrays[0]
-    import cupy as cp
-    import cupyx.scipy.sparse as csp
-
-    out = tuple(csp.csr_matrix(a) if sp.issparse(a) else cp.asarray(a) for a in arrays)
-    return out if len(out) > 1 else out[0]
-
-
-def host(x):
-    return x.get() if hasattr(x, "get") else np.asarray(x)
 
 
 @pytest.mark.parametrize("dtype,rtol", [(np.float64, 1e-8), (np.float32, 1e-4)])
@@ -53,13 +29,7 @@ def test_generic_bicgstab_matches_scipy(backend, dtype, rtol):
     # SciPy does not call back on its half-step exit, hence one more here at most.
     hi = count[0] + (1 if backend == "cpu" else GPU_SLACK + 1)
     assert count[0] - 2 <= out.iterations <= hi
-    x = host(out.x)
-    assert x.dtype == dtype
-    rel = np.linalg.norm(b.astype(np.float64) - A.astype(np.float64) @ x) / np.linalg.norm(b)
-    assert rel <= 5 * rtol
-    tol = 1e-5 if dtype == np.float64 else 5e-2
-    assert np.linalg.norm(x - x_true) / np.linalg.norm(x_true) < tol
-    assert np.linalg.norm(x - x_ref) / np.linalg.norm(x_ref) < tol
+    assert_solves(out.x, A, b, dtype, rtol, x_true=x_true, x_ref=x_ref)
 
 
 @pytest.mark.parametrize("dtype,rtol", [(np.float64, 1e-8), (np.float32, 1e-4)])
@@ -71,9 +41,7 @@ def test_solve_bicgstab_csr_uses_fused_core(backend, dtype, rtol):
     assert res.converged, res.message
     assert res.info["path"] == "batched"
     assert res.relative_residual <= rtol
-    x_direct = sla.spsolve(A.astype(np.float64).tocsc(), b.astype(np.float64))
-    tol = 1e-6 if dtype == np.float64 else 1e-2
-    assert np.linalg.norm(host(res.x) - x_direct) / np.linalg.norm(x_direct) < tol
+    assert_matches_spsolve(res.x, A, b, dtype)
 
 
 def test_bicgstab_dense_operator_and_jacobi():

@@ -9,30 +9,7 @@ import scipy.sparse.linalg as sla
 
 from managed_solve.solve import solve
 from managed_solve.solvers.direct import direct
-
-
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def backend(request):
-    return request.param
-
-
-def poisson2d(m, dtype=np.float64):
-    T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(m, m))
-    return sp.kronsum(T, T).tocsr().astype(dtype)
-
-
-def on(backend, *arrays):
-    if backend == "cpu":
-        return arrays if len(arrays) > 1 else arrays[0]
-    import cupy as cp
-    import cupyx.scipy.sparse as csp
-
-    out = tuple(csp.csr_matrix(a) if sp.issparse(a) else cp.asarray(a) for a in arrays)
-    return out if len(out) > 1 else out[0]
-
-
-def host(x):
-    return x.get() if hasattr(x, "get") else np.asarray(x)
+from tests._problems import host, on, poisson2d
 
 
 @pytest.mark.parametrize("symmetric", [True, False])

@@ -17,11 +17,7 @@ from managed_solve.solvers.preconditioners import (
     neumann,
     spectral_radius_bound,
 )
-
-
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def backend(request):
-    return request.param
+from tests._problems import host, on
 
 
 def anisotropic_badly_scaled(m, eps=0.01, spread=3.0, seed=0):
@@ -31,20 +27,6 @@ def anisotropic_badly_scaled(m, eps=0.01, spread=3.0, seed=0):
     s = np.exp(np.random.default_rng(seed).uniform(-spread, spread, m * m))
     S = sp.diags(s)
     return (S @ A @ S).tocsr()
-
-
-def on(backend, *arrays):
-    if backend == "cpu":
-        return arrays if len(arrays) > 1 else arrays[0]
-    import cupy as cp
-    import cupyx.scipy.sparse as csp
-
-    out = tuple(csp.csr_matrix(a) if sp.issparse(a) else cp.asarray(a) for a in arrays)
-    return out if len(out) > 1 else out[0]
-
-
-def host(x):
-    return x.get() if hasattr(x, "get") else np.asarray(x)
 
 
 def as_matrix(apply, n):

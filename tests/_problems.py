@@ -1,0 +1,64 @@
+"""Test problems and device helpers shared by the solver tests.
+
+Used by ``tests/solvers/`` (through ``tests/solvers/conftest.py`` for the
+``backend`` fixture) and ``tests/test_solve.py``. The "cuda" backend moves
+inputs with CuPy directly, not through the library, so a wrong library
+transfer cannot hide a wrong solver.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import scipy.sparse.linalg as sla
+
+# Parameters of every ``backend`` fixture: the mark sits on the parameter so
+# ``-m gpu`` selects the CUDA runs.
+BACKENDS = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def poisson2d(m, dtype=np.float64):
+    """The 5-point Laplacian on an m x m grid: SPD, n = m * m."""
+    T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(m, m))
+    return sp.kronsum(T, T).tocsr().astype(dtype)
+
+
+def convection_diffusion(m, dtype=np.float64, wind=0.4):
+    """2D upwind convection-diffusion: non-symmetric, well posed."""
+    T = sp.diags([-1.0 - wind, 2.0 + wind, -1.0], [-1, 0, 1], shape=(m, m))
+    return sp.kronsum(T, sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(m, m))).tocsr().astype(dtype)
+
+
+def on(backend, *arrays):
+    """The arrays (CSR matrices and vectors) on ``backend``; one array alone is returned bare."""
+    if backend == "cpu":
+        return arrays if len(arrays) > 1 else arrays[0]
+    import cupy as cp
+    import cupyx.scipy.sparse as csp
+
+    out = tuple(csp.csr_matrix(a) if sp.issparse(a) else cp.asarray(a) for a in arrays)
+    return out if len(out) > 1 else out[0]
+
+
+def host(x):
+    """A NumPy copy of a NumPy or CuPy array."""
+    return x.get() if hasattr(x, "get") else np.asarray(x)
+
+
+def assert_solves(x, A, b, dtype, rtol, *, x_true, x_ref, residual_factor=5):
+    """x (any device) keeps ``dtype``, meets ``residual_factor * rtol`` and matches both references."""
+    x = host(x)
+    assert x.dtype == dtype
+    rel = np.linalg.norm(b.astype(np.float64) - A.astype(np.float64) @ x) / np.linalg.norm(b)
+    assert rel <= residual_factor * rtol
+    tol = 1e-5 if dtype == np.float64 else 5e-2
+    assert np.linalg.norm(x - x_true) / np.linalg.norm(x_true) < tol
+    assert np.linalg.norm(x - x_ref) / np.linalg.norm(x_ref) < tol
+
+
+def assert_matches_spsolve(x, A, b, dtype):
+    """x (any device) agrees with SciPy's sparse LU solution in float64."""
+    x_direct = sla.spsolve(A.astype(np.float64).tocsc(), b.astype(np.float64))
+    tol = 1e-6 if dtype == np.float64 else 1e-2
+    assert np.linalg.norm(host(x) - x_direct) / np.linalg.norm(x_direct) < tol
