@@ -356,7 +356,7 @@ def _run_sharded(s: LinearSystem, devs: Sequence[Device], mgr: DeviceManager) ->
 
     gpus = [str(d) for d in devs if d.kind != "cpu"]
     try:
-        return solve(s, devices=gpus, manager=mgr)
+        res = solve(s, devices=gpus, manager=mgr)
     except Exception as exc:
         if not is_device_error(exc):
             raise
@@ -364,7 +364,8 @@ def _run_sharded(s: LinearSystem, devs: Sequence[Device], mgr: DeviceManager) ->
                     ", ".join(gpus), exc)
         res = solve(s, device=mgr.cpu, manager=mgr)
         res.info["sharded_failure"] = f"{type(exc).__name__}: {exc}"
-        return res
+    res.name = s.name
+    return res
 
 
 def _place_oversized(e: Estimate, batch_id: int, batch_bytes: Callable | None) -> Batch:

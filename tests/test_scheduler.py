@@ -196,7 +196,8 @@ class LedgerWatch(DeviceManager):
 def test_admission_never_over_budget_and_oversized_systems_spill_to_the_cpu():
     dm = LedgerWatch(simulate="2x1MiB")  # room for a few thousand unknowns per batch
     systems = mixed_systems(40, seed=7, lo=3, hi=20)
-    big = LinearSystem(poisson2d(100), np.ones(10_000), name="big")  # about 1.5 MB: fits no sim
+    # about 3.4 MB: fits no sim, nor both together (so it is not sharded either)
+    big = LinearSystem(poisson2d(150), np.ones(22_500), name="big")
     systems.insert(5, big)
     results = solve_many(systems, manager=dm)
     assert_solves(systems, results)

@@ -7,7 +7,7 @@ import pytest
 import scipy.sparse as sp
 import scipy.sparse.linalg as spla
 
-from managed_solve import DeviceManager, solve_many
+from managed_solve import DeviceManager, LinearSystem, solve_many
 
 
 def _poisson(n):
@@ -20,18 +20,19 @@ def mix():
     big = _poisson(100)  # 10,000 unknowns: about 1.3 MB with its CG workspace
     small = [_poisson(n) for n in (8, 12, 16)]
     rng = np.random.default_rng(3)
-    return [(A, rng.standard_normal(A.shape[0])) for A in [small[0], big, small[1], small[2]]]
+    return [LinearSystem(A, rng.standard_normal(A.shape[0]), name=f"s{k}")
+            for k, A in enumerate([small[0], big, small[1], small[2]])]
 
 
 def test_oversized_system_is_sharded_over_two_devices(mix):
     dm = DeviceManager(simulate="2x1MiB", reserved=0.0)
     res = solve_many(mix, manager=dm, rtol=1e-10)
     big = res[1]
-    assert big.converged and big.info.get("shards") == 2
+    assert big.converged and big.info.get("shards") == 2 and big.name == "s1"
     assert big.info["devices"] == ["sim:0", "sim:1"]
-    for (A, b), r in zip(mix, res, strict=True):
-        assert r.converged
-        np.testing.assert_allclose(r.to_numpy(), spla.spsolve(A.tocsc(), b), rtol=1e-6, atol=1e-8)
+    for s, r in zip(mix, res, strict=True):
+        assert r.converged and r.name == s.name
+        np.testing.assert_allclose(r.to_numpy(), spla.spsolve(s.A.tocsc(), s.b), rtol=1e-6, atol=1e-8)
 
 
 def test_oversized_system_with_one_device_goes_to_the_cpu(mix):
