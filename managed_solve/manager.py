@@ -116,6 +116,7 @@ class Prediction:
     seconds: float
     nbytes: int
     source: str  # "model" (size-based) or "measured" (from hints)
+    iterations: int | None = None  # iterations the last solve of this kind took, if recorded
 
 
 @dataclass
@@ -145,6 +146,7 @@ class _Hint:
     peak_bytes: int
     count: int
     device: str
+    iterations: int = 0
 
 
 class Reservation:
@@ -319,16 +321,20 @@ class DeviceManager:
             if hint is not None:
                 self._hints.move_to_end(key)
                 scale = self._speed.get(hint.device, self._speed[str(dev)]) / self._speed[str(dev)]
-                return Prediction(hint.seconds * scale, max(int(nbytes), hint.peak_bytes), "measured")
+                return Prediction(hint.seconds * scale, max(int(nbytes), hint.peak_bytes), "measured",
+                                  hint.iterations or None)
             return Prediction(float(cost) / self._speed[str(dev)], int(nbytes), "model")
 
     def record(self, signature: Any, seconds: float, peak_bytes: int = 0, *,
-               device: Device | str | None = None, cost: float | None = None) -> None:
+               device: Device | str | None = None, cost: float | None = None,
+               iterations: int | None = None) -> None:
         """Learn from a finished piece of work.
 
-        Updates the hint for ``signature`` (time, peak memory) and, given the
-        device and the work's ``cost``, that device's learned speed, which
-        generalises to work never seen before.
+        Updates the hint for ``signature`` (time, peak memory, and for an
+        iterative solve its iteration count, which places the next solve's
+        first convergence check) and, given the device and the work's
+        ``cost``, that device's learned speed, which generalises to work never
+        seen before.
         """
         if not (seconds >= 0 and math.isfinite(seconds)):
             raise ValueError(f"record(seconds={seconds}): expected a finite time >= 0")
@@ -337,9 +343,11 @@ class DeviceManager:
         with self._cond:
             hint = self._hints.get(key)
             dname = str(dev) if dev is not None else (hint.device if hint else str(self._cpu))
+            its = int(iterations) if iterations else 0
             if hint is None:
-                self._hints[key] = _Hint(float(seconds), int(peak_bytes), 1, dname)
+                self._hints[key] = _Hint(float(seconds), int(peak_bytes), 1, dname, its)
             else:
+                hint.iterations = its or hint.iterations
                 if hint.device != dname:  # rescale the old estimate to the new device
                     hint.seconds *= self._speed.get(hint.device, 1.0) / self._speed.get(dname, 1.0)
                     hint.device = dname
@@ -375,7 +383,8 @@ class DeviceManager:
         with open(path) as fh:
             data = json.load(fh)
         try:
-            hints = {k: _Hint(float(v["seconds"]), int(v["peak_bytes"]), int(v["count"]), str(v["device"]))
+            hints = {k: _Hint(float(v["seconds"]), int(v["peak_bytes"]), int(v["count"]), str(v["device"]),
+                              int(v.get("iterations", 0)))
                      for k, v in data.get("hints", {}).items()}
             speeds = {k: float(v) for k, v in data.get("speed", {}).items()}
         except (KeyError, TypeError, ValueError) as exc:

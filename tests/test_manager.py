@@ -341,3 +341,16 @@ def test_tensor_subclasses_sized_as_tensors(no_heuristic, dm):
     assert dm.size_of(dense) == 400
     sparse = torch.eye(1000).to_sparse_csr()
     assert dm.size_of(sparse) == 1000 * 4 + 1001 * 8 + 1000 * 8
+
+
+def test_hints_remember_iterations(tmp_path):
+    dm = DeviceManager(simulate="1x1GiB")
+    sig = (4096, 20000, "float64", "cg", "csr")
+    assert dm.predict(sig, device="sim:0").iterations is None
+    dm.record(sig, 0.01, 1000, device="sim:0", iterations=137)
+    assert dm.predict(sig, device="sim:0").iterations == 137
+    dm.record(sig, 0.01, 1000, device="sim:0")  # a record without a count keeps the last one
+    assert dm.predict(sig, device="sim:0").iterations == 137
+    path = tmp_path / "h.json"
+    dm.save_hints(str(path))
+    assert DeviceManager(simulate="1x1GiB", hints_path=str(path)).predict(sig).iterations == 137

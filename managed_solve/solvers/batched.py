@@ -61,6 +61,11 @@ class BatchOutcome:
         return self.status == CONVERGED
 
 
+def _check_first(call: str, first_check: int | None) -> None:
+    if first_check is not None and (int(first_check) != first_check or first_check < 1):
+        raise ValueError(f"{call}: first_check must be a positive integer or None, got {first_check!r}")
+
+
 def _check(batch: Any, call: str, check_every: int | None) -> None:
     if not isinstance(batch, PackedBatch):
         raise TypeError(f"{call}: batch must be a PackedBatch, got {type(batch).__name__}; "
@@ -69,7 +74,8 @@ def _check(batch: Any, call: str, check_every: int | None) -> None:
         raise ValueError(f"{call}: check_every must be a positive integer or None, got {check_every!r}")
 
 
-def cg_batched(batch: PackedBatch, *, check_every: int | None = None) -> BatchOutcome:
+def cg_batched(batch: PackedBatch, *, check_every: int | None = None,
+               first_check: int | None = None) -> BatchOutcome:
     """Conjugate gradients on every system of a batch (SPD systems).
 
     Parameters
@@ -79,8 +85,13 @@ def cg_batched(batch: PackedBatch, *, check_every: int | None = None) -> BatchOu
         ``batch.dinv`` is set.
     check_every : int, optional
         GPU only: read the convergence flags every ``check_every`` iterations.
-        Default: after 32 iterations, then at doubling spacings, so a solve
-        makes O(log iterations) host synchronisations.
+        Default: after 32 iterations (or ``first_check``), then at doubling
+        spacings, so a solve makes O(log iterations) host synchronisations.
+    first_check : int, optional
+        GPU only: iterations before the first read of the flags, for a
+        caller that predicts the iteration count (``solve`` passes the count
+        its DeviceManager learned for the same kind of system): a prediction
+        at or past the true count means one host synchronisation per solve.
 
     Returns
     -------
@@ -107,14 +118,16 @@ def cg_batched(batch: PackedBatch, *, check_every: int | None = None) -> BatchOu
     True
     """
     _check(batch, "cg_batched(batch)", check_every)
+    _check_first("cg_batched(batch)", first_check)
     if batch.xp is not np:
         from . import _cuda_krylov
 
-        return BatchOutcome(*_cuda_krylov.solve(batch, "cg", check_every))
+        return BatchOutcome(*_cuda_krylov.solve(batch, "cg", check_every, first_check))
     return _cpu_solve(batch, "cg")
 
 
-def bicgstab_batched(batch: PackedBatch, *, check_every: int | None = None) -> BatchOutcome:
+def bicgstab_batched(batch: PackedBatch, *, check_every: int | None = None,
+                     first_check: int | None = None) -> BatchOutcome:
     """BiCGStab on every system of a batch (general non-singular systems).
 
     Parameters and returns as :func:`cg_batched`; status 2 (breakdown) when
@@ -136,10 +149,11 @@ def bicgstab_batched(batch: PackedBatch, *, check_every: int | None = None) -> B
     (0, True)
     """
     _check(batch, "bicgstab_batched(batch)", check_every)
+    _check_first("bicgstab_batched(batch)", first_check)
     if batch.xp is not np:
         from . import _cuda_krylov
 
-        return BatchOutcome(*_cuda_krylov.solve(batch, "bicgstab", check_every))
+        return BatchOutcome(*_cuda_krylov.solve(batch, "bicgstab", check_every, first_check))
     return _cpu_solve(batch, "bicgstab")
 
 
