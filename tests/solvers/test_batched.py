@@ -401,3 +401,26 @@ def test_row_layout_with_jacobi_and_x0(device, method):
     assert abs(int(out.iterations[0]) - its) <= max(2, 0.05 * its)
     np.testing.assert_allclose(host(out.x), x_ref, atol=1e-5 * np.linalg.norm(x_ref))
     assert true_residual(A, host(out.x), b) <= 1.01e-7 * np.linalg.norm(b)
+
+
+def test_first_check_validated():
+    A = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(8, 8), format="csr")
+    batch = PackedBatch.from_csr(A, np.ones(8))
+    with pytest.raises(ValueError, match="first_check"):
+        cg_batched(batch, first_check=0)
+    with pytest.raises(ValueError, match="first_check"):
+        bicgstab_batched(batch, first_check=2.5)
+    assert cg_batched(batch, first_check=1000).status.tolist() == [0]  # ignored on the CPU
+
+
+@pytest.mark.gpu
+def test_gpu_first_check_at_the_predicted_count_reads_the_host_once():
+    A = poisson2d(128)
+    b = np.ones(A.shape[0])
+    first = cg_batched(PackedBatch.from_csr(*_to_gpu(A, b), rtol=1e-8))
+    its = int(first.iterations[0])
+    assert first.status[0] == 0 and first.host_syncs >= 2
+    again = cg_batched(PackedBatch.from_csr(*_to_gpu(A, b), rtol=1e-8), first_check=its)
+    assert again.host_syncs == 1 and int(again.iterations[0]) == its and again.status[0] == 0
+    capped = cg_batched(PackedBatch.from_csr(*_to_gpu(A, b), rtol=1e-30, maxiter=200), first_check=200)
+    assert capped.host_syncs == 1 and capped.iterations[0] == 200 and capped.status[0] == 1
