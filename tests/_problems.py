@@ -1,7 +1,9 @@
 """Test problems and device helpers shared by the solver tests.
 
-Used by ``tests/solvers/`` (through ``tests/solvers/conftest.py`` for the
-``backend`` fixture) and ``tests/test_solve.py``. The "cuda" backend moves
+Used by ``tests/solvers/`` and ``tests/test_solve.py``, each of which
+parametrises its own ``backend`` fixture with :data:`BACKENDS` (a conftest
+in ``tests/solvers/`` would shadow the root one that ``test_cluster.py``
+imports as ``conftest``). The "cuda" backend moves
 inputs with CuPy directly, not through the library, so a wrong library
 transfer cannot hide a wrong solver.
 """

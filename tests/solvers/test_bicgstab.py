@@ -9,9 +9,20 @@ import scipy.sparse.linalg as sla
 
 from managed_solve.solve import solve
 from managed_solve.solvers.bicgstab import bicgstab
-from tests._problems import assert_matches_spsolve, assert_solves, convection_diffusion, on
+from tests._problems import (
+    BACKENDS,
+    assert_matches_spsolve,
+    assert_solves,
+    convection_diffusion,
+    on,
+)
 
 GPU_SLACK = 8  # the CuPy loop reads the residual every 8 iterations
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
 
 
 @pytest.mark.parametrize("dtype,rtol", [(np.float64, 1e-8), (np.float32, 1e-4)])

@@ -9,11 +9,16 @@ import scipy.sparse.linalg as sla
 
 from managed_solve.solve import solve
 from managed_solve.solvers.cg import cg
-from tests._problems import assert_matches_spsolve, assert_solves, on, poisson2d
+from tests._problems import BACKENDS, assert_matches_spsolve, assert_solves, on, poisson2d
 
 # On CuPy the generic loop reads the residual every 8 iterations, so it may
 # run up to 7 iterations past SciPy's stopping point.
 GPU_SLACK = 8
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
 
 
 def scipy_iterations(solver, A, b, **kw):

@@ -9,7 +9,12 @@ import scipy.sparse.linalg as sla
 
 from managed_solve.solve import solve
 from managed_solve.solvers.direct import direct
-from tests._problems import host, on, poisson2d
+from tests._problems import BACKENDS, host, on, poisson2d
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
 
 
 @pytest.mark.parametrize("symmetric", [True, False])

@@ -8,10 +8,15 @@ import scipy.sparse.linalg as sla
 
 from managed_solve.solve import solve
 from managed_solve.solvers.gmres import gmres
-from tests._problems import assert_solves, on
+from tests._problems import BACKENDS, assert_solves, on
 from tests._problems import convection_diffusion as _convection_diffusion
 
 GPU_SLACK = 8
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
 
 
 def convection_diffusion(m, dtype=np.float64):

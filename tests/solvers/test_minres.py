@@ -9,7 +9,12 @@ import scipy.sparse.linalg as sla
 
 from managed_solve.solve import solve
 from managed_solve.solvers.minres import minres
-from tests._problems import assert_solves, on
+from tests._problems import BACKENDS, assert_solves, on
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
 
 
 def helmholtz(m, dtype=np.float64, shift=0.3):

@@ -17,7 +17,12 @@ from managed_solve.solvers.preconditioners import (
     neumann,
     spectral_radius_bound,
 )
-from tests._problems import host, on
+from tests._problems import BACKENDS, host, on
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
 
 
 def anisotropic_badly_scaled(m, eps=0.01, spread=3.0, seed=0):
