@@ -54,7 +54,7 @@ from .packing import (
 )
 from .partition import choose_shard_count
 from .result import SolveError, SolveResult, Status
-from .system import METHODS, PRECONDITIONERS, LinearSystem
+from .system import METHODS, PRECONDITIONERS, LinearSystem, is_symmetric
 
 log = logging.getLogger("managed_solve")
 
@@ -153,44 +153,6 @@ def _invalid(exc: Exception, i: int, item: Any) -> SolveResult:
 
 
 # --------------------------------------------------------------------------- estimation
-def is_symmetric(A: Any, cache: dict | None = None) -> bool:
-    """Whether a CSR matrix equals its transpose (to 1e-12 relative), on the device A lies on.
-
-    Systems of one workload often share a matrix object, so the answer is
-    cached by object within one ``solve_many`` call. With sorted indices the
-    test is one transpose and three comparisons (about half the cost of
-    ``abs(A - A.T).max()``).
-
-    Examples
-    --------
-    >>> import scipy.sparse as sp
-    >>> is_symmetric(sp.diags([1.0, 2.0, 1.0], [-1, 0, 1], shape=(4, 4), format="csr"))
-    True
-    >>> is_symmetric(sp.diags([1.0, 2.0], [0, 1], shape=(4, 4), format="csr"))
-    False
-    """
-    if cache is not None:
-        hit = cache.get(id(A))
-        if hit is not None and hit[0] is A:
-            return hit[1]
-    xp = _backend.array_module(A.data)
-    if A.nnz == 0:
-        result = True
-    elif A.has_sorted_indices:
-        T = A.T.tocsr()  # sorted indices, like A
-        scale = float(xp.abs(A.data).max())  # sync: one read per distinct matrix
-        result = bool(xp.array_equal(T.indptr, A.indptr)) and bool(  # sync: as above
-            xp.array_equal(T.indices, A.indices)) and bool(
-            float(xp.abs(T.data - A.data).max()) <= 1e-12 * max(scale, 1.0))
-    else:
-        d = A - A.T
-        scale = float(xp.abs(A.data).max())  # sync: as above
-        result = d.nnz == 0 or float(abs(d).max()) <= 1e-12 * max(scale, 1.0)
-    if cache is not None:
-        cache[id(A)] = (A, result)
-    return result
-
-
 def _krylov_method(s: LinearSystem, cache: dict | None) -> str:
     """CG for symmetric matrices with a positive diagonal, else BiCGStab ("auto")."""
     if s.method in ("cg", "bicgstab"):

@@ -119,7 +119,9 @@ def test_address_none_starts_a_local_instance_and_shuts_it_down():
 # --------------------------------------------------------------------------- one instance for the rest
 @pytest.fixture(scope="module")
 def cluster():
-    from conftest import GPU_COUNT
+    from managed_solve._backend import cuda_probe
+
+    GPU_COUNT = cuda_probe()[0]
 
     # Logical GPUs on a machine without one: Ray only counts them (weights,
     # num_gpus requests); with real GPUs Ray's GPU ids must name real devices.

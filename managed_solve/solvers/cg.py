@@ -133,7 +133,7 @@ def cg(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 0.0,
 
 def cg_fused(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 0.0,
              maxiter: int | None = None, jacobi: bool = False,
-             check_every: int | None = None) -> Outcome:
+             check_every: int | None = None, first_check: int | None = None) -> Outcome:
     """CG on a CSR matrix through the batched fused core (a batch of one system).
 
     The fused loop reads the residual on the host only at its checkpoints and
@@ -145,6 +145,6 @@ def cg_fused(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float 
     from .batched import cg_batched
 
     batch = PackedBatch.from_csr(A, b, x0=x0, rtol=rtol, atol=atol, maxiter=maxiter, jacobi=jacobi)
-    out = cg_batched(batch, check_every=check_every)
+    out = cg_batched(batch, check_every=check_every, first_check=first_check)
     return outcome_from_batch(out, _INDEFINITE)
 
