@@ -326,7 +326,10 @@ def _metis_permutation(A: sp.csr_matrix, nparts: int) -> np.ndarray:
     P = (abs(A) + abs(A.T)).tocsr()
     P.setdiag(0)
     P.eliminate_zeros()
-    _, parts = pymetis.part_graph(nparts, xadj=P.indptr, adjncy=P.indices)
+    if hasattr(pymetis, "CSRAdjacency"):  # pymetis >= 2025 (xadj/adjncy are deprecated there)
+        _, parts = pymetis.part_graph(nparts, pymetis.CSRAdjacency(P.indptr, P.indices))
+    else:
+        _, parts = pymetis.part_graph(nparts, xadj=P.indptr, adjncy=P.indices)
     return np.argsort(np.asarray(parts), kind="stable").astype(np.int64)
 
 

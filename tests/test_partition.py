@@ -161,3 +161,33 @@ def test_predict_shard_bytes_matches_the_solver_arrays():
     assert part.predict_shard_bytes(A.shape[0], A.nnz, 2, method="bicgstab") > pred
     with pytest.raises(ValueError, match="method"):
         part.predict_shard_bytes(10, 10, 2, method="gmres")
+
+
+@pytest.mark.parametrize("nparts", [2, 3])
+def test_metis_partition_layout_and_small_halo(nparts):
+    pytest.importorskip("pymetis")  # the `metis` extra; installed by `make test`
+    A = poisson2d(30)
+    q = np.random.default_rng(5).permutation(A.shape[0])
+    B = A[q][:, q].tocsr()
+    p = part.build_partition(B, nparts, reorder="metis")
+    check_layout(p, B)
+    assert p.nnz_per_shard().sum() == B.nnz
+    metis = p.halo_sizes().sum()
+    scrambled = part.build_partition(B, nparts, reorder=None).halo_sizes().sum()
+    # METIS cuts few edges of a grid: halos of a few grid lines, not most rows.
+    assert metis <= 6 * 30 * (nparts - 1) < scrambled
+
+
+def test_metis_sharded_solve_matches_spsolve():
+    pytest.importorskip("pymetis")
+    import scipy.sparse.linalg as spla
+
+    from managed_solve import DeviceManager
+    from managed_solve.sharded import solve_sharded
+
+    A = poisson2d(20)
+    b = np.random.default_rng(1).standard_normal(A.shape[0])
+    res = solve_sharded(A, b, devices=["sim:0", "sim:1"], reorder="metis", rtol=1e-10,
+                        manager=DeviceManager(simulate="2x1GiB"))
+    assert res.converged and res.info["reorder"] == "metis"
+    np.testing.assert_allclose(res.to_numpy(), spla.spsolve(A.tocsc(), b), rtol=1e-7, atol=1e-9)
