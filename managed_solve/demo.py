@@ -138,10 +138,14 @@ def main(args: argparse.Namespace) -> int:
     t_solve = time.perf_counter() - t0
 
     rows = {}
-    for r in results:
+    counted = set()  # systems of one batch share its time: count each batch once
+    for k, r in enumerate(results):
         row = rows.setdefault(r.device, [0, 0.0, 0])
         row[0] += 1
-        row[1] += r.seconds
+        key = (r.device, r.info.get("batch", ("alone", k)))
+        if key not in counted:
+            counted.add(key)
+            row[1] += r.seconds
         row[2] += r.x.size if r.x is not None else 0
     print()
     print(f"{'device':8s} {'name':28s} {'memory':>10s} {'systems':>8s} {'busy s':>8s}")

@@ -54,7 +54,7 @@ from .packing import (
 )
 from .partition import choose_shard_count
 from .result import SolveError, SolveResult, Status
-from .system import METHODS, PRECONDITIONERS, LinearSystem, is_symmetric
+from .system import METHODS, PRECONDITIONERS, LinearSystem, is_symmetric, prefers_cg
 
 log = logging.getLogger("managed_solve")
 
@@ -189,7 +189,9 @@ def _route(s: LinearSystem, *, host_only: bool, cache: dict | None = None) -> tu
             s.M is not None and not (isinstance(s.M, str) and s.M == "jacobi")):
         return SINGLE, (s.method, _dtype_name(s.dtype))
     if host_only and s.method == "auto" and s.M is None and s.n <= DIRECT_MAX_N:
-        return DIRECT, ("direct", _dtype_name(s.dtype), is_symmetric(s.A, cache))
+        symmetric = is_symmetric(s.A, cache)
+        if not prefers_cg(s.A, s.rtol, symmetric):
+            return DIRECT, ("direct", _dtype_name(s.dtype), symmetric)
     return BATCH, (_krylov_method(s, cache), _dtype_name(s.dtype), s.M == "jacobi")
 
 

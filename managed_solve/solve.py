@@ -24,7 +24,7 @@ from .solvers.direct import direct
 from .solvers.gmres import gmres
 from .solvers.minres import minres
 from .solvers.preconditioners import make_preconditioner
-from .system import LinearSystem
+from .system import LinearSystem, prefers_cg
 
 log = logging.getLogger("managed_solve")
 
@@ -293,7 +293,8 @@ def _choose_method(system: LinearSystem, device_kind: str, symmetric: bool | Non
     # GPU's choice, so tests on them exercise the iterative paths.
     host = device_kind == "cpu"
     if host and system.kind == "csr" and system.n <= DIRECT_MAX_N \
-            and system.nnz <= _DIRECT_MAX_ROW_NNZ * system.n:
+            and system.nnz <= _DIRECT_MAX_ROW_NNZ * system.n \
+            and not prefers_cg(system.A, system.rtol, symmetric):
         return "direct"
     if host and system.kind == "dense" and system.n <= DIRECT_MAX_DENSE_N:
         return "direct"

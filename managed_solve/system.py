@@ -127,6 +127,52 @@ def _all_finite(a: Any) -> bool:
     return bool(xp.isfinite(a).all())  # sync: one host read at validation
 
 
+# On the CPU a sparse LU beats CG on ill-conditioned systems (W2's Poisson
+# grids: spsolve 4.7-5.2 s vs CG far slower), but not on systems CG finds easy:
+# on icosphere meshes (642..10,242 vertices) SuperLU took 4-900 ms while CG
+# converged in 5-122 iterations (0.1-16 ms), with this bound at 12-1,228, about
+# ten times the true count. Below this bound, CG is preferred (measured on the
+# 2-core development machine, 2026-11-22).
+CG_PREFERRED_BOUND = 2000.0
+
+
+def prefers_cg(A: Any, rtol: float, symmetric: bool | None) -> bool:
+    """Whether CG's Gershgorin iteration bound is low enough to skip a sparse LU on the CPU."""
+    return bool(symmetric) and cg_iteration_bound(A, rtol) <= CG_PREFERRED_BOUND
+
+
+def cg_iteration_bound(A: Any, rtol: float) -> float:
+    """Upper bound on the CG iterations a symmetric CSR matrix needs, from Gershgorin discs.
+
+    The eigenvalues of A lie in ``[min(a_ii - r_i), max(a_ii + r_i)]`` with
+    ``r_i`` the absolute off-diagonal row sums, so for a strictly diagonally
+    dominant A with a positive diagonal ``kappa <= hi / lo`` and CG needs at
+    most about ``0.5 * sqrt(kappa) * ln(2 / rtol)`` iterations. Infinite when
+    A is not strictly diagonally dominant (a Poisson matrix: its bound says
+    nothing). Used to prefer CG over a sparse LU on the CPU for systems that are
+    easy for CG (a heat step with a small time step, a strongly screened
+    Poisson problem), where the LU's fill-in costs more than a few sweeps.
+
+    Examples
+    --------
+    >>> import scipy.sparse as sp
+    >>> heat = sp.diags([-0.1, 1.2, -0.1], [-1, 0, 1], shape=(50, 50), format="csr")
+    >>> round(cg_iteration_bound(heat, 1e-8), 1)
+    11.3
+    >>> cg_iteration_bound(sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(50, 50), format="csr"), 1e-8)
+    inf
+    """
+    xp = _backend.array_module(A.data)
+    d = xp.asarray(A.diagonal())
+    rows = xp.asarray(abs(A).sum(axis=1)).ravel()
+    off = rows - xp.abs(d)
+    lo = float((d - off).min())  # sync: one read for the bound
+    if not lo > 0:
+        return float("inf")
+    hi = float((d + off).max())  # sync: as above
+    return 0.5 * float(np.sqrt(hi / lo)) * float(np.log(2.0 / max(rtol, 1e-300)))
+
+
 def is_symmetric(A: Any, cache: dict | None = None) -> bool:
     """Whether a CSR matrix equals its transpose (to 1e-12 relative), on the device A lies on.
 
