@@ -53,9 +53,12 @@ def anchor_assemble(xp, sparse, V, F):
 
 def _record(benchmark, name, k, device):
     m = _mesh(k)
+    # One report group per machine side: ours and the anchor pair up in report.py.
+    benchmark.group = "w3-gpu" if name.startswith("gpu") else "w3-cpu"
+    role = "anchor" if "anchor" in name else ("reported" if "symbolic" in name else "ours")
     benchmark.extra_info.update(
         n_vertices=m.n_vertices, n_triangles=m.n_faces, dtype="float64", index_dtype="int32",
-        device=device, subdivisions=k,
+        device=device, subdivisions=k, role=role,
     )
     _times[name] = benchmark
 

@@ -72,7 +72,8 @@ def build_rows(data: dict) -> list[dict]:
             value, kind = _metric(b)
             anchor = by_key.get(_pair_key(b)) or (anchors[0] if len(anchors) == 1 else None)
             ratio = None
-            if anchor is not None and b is not anchor and not _is_anchor(b):
+            reported_only = b.get("extra_info", {}).get("role") == "reported"  # no anchor of its kind
+            if anchor is not None and b is not anchor and not _is_anchor(b) and not reported_only:
                 ratio = value / _metric(anchor)[0]
             extra = b.get("extra_info", {})
             note = extra.get("note", extra.get("bandwidth_fraction", ""))
