@@ -53,8 +53,6 @@ def anchor_assemble(xp, sparse, V, F):
 
 def _record(benchmark, name, k, device):
     m = _mesh(k)
-    # One report group per machine side: ours and the anchor pair up in report.py.
-    benchmark.group = "w3-gpu" if name.startswith("gpu") else "w3-cpu"
     role = "anchor" if "anchor" in name else ("reported" if "symbolic" in name else "ours")
     benchmark.extra_info.update(
         n_vertices=m.n_vertices, n_triangles=m.n_faces, dtype="float64", index_dtype="int32",
@@ -75,6 +73,7 @@ def _gpu():
 
 
 # ------------------------------------------------------------------- CPU
+@pytest.mark.benchmark(group="w3-cpu")
 def test_cpu_symbolic(benchmark):
     m = _mesh(CPU_K)
     assembly.symbolic(m)  # JIT warm-up
@@ -87,6 +86,7 @@ def test_cpu_symbolic(benchmark):
     _record(benchmark, "cpu_symbolic", CPU_K, f"cpu ({platform.processor() or 'host'}, {os.cpu_count()} cores)")
 
 
+@pytest.mark.benchmark(group="w3-cpu")
 def test_cpu_numeric_ours(benchmark):
     m = _mesh(CPU_K)
     ref = anchor_assemble(np, __import__("scipy.sparse").sparse, m.vertices, m.faces)
@@ -96,6 +96,7 @@ def test_cpu_numeric_ours(benchmark):
     _record(benchmark, "cpu_ours", CPU_K, "cpu")
 
 
+@pytest.mark.benchmark(group="w3-cpu")
 def test_cpu_anchor_numpy_scipy(benchmark):
     import scipy.sparse as sp
 
@@ -113,6 +114,7 @@ def test_cpu_anchor_numpy_scipy(benchmark):
 
 # ------------------------------------------------------------------- GPU
 @pytest.mark.gpu
+@pytest.mark.benchmark(group="w3-gpu")
 def test_gpu_symbolic(benchmark):
     cp = _gpu()
     m = _mesh(GPU_K)
@@ -131,6 +133,7 @@ def test_gpu_symbolic(benchmark):
 
 
 @pytest.mark.gpu
+@pytest.mark.benchmark(group="w3-gpu")
 def test_gpu_numeric_ours(benchmark):
     cp = _gpu()
     m = _mesh(GPU_K)
@@ -152,6 +155,7 @@ def test_gpu_numeric_ours(benchmark):
 
 
 @pytest.mark.gpu
+@pytest.mark.benchmark(group="w3-gpu")
 def test_gpu_anchor_cupy(benchmark):
     cp = _gpu()
     import cupyx.scipy.sparse as csp

@@ -82,7 +82,7 @@ def build_rows(data: dict) -> list[dict]:
                 "name": b["name"],
                 "value": value,
                 "kind": kind,
-                "anchor": anchor["name"] if anchor is not None and not _is_anchor(b) else "",
+                "anchor": anchor["name"] if ratio is not None else "",
                 "ratio": ratio,
                 "is_anchor": _is_anchor(b),
                 "device": extra.get("device", ""),
