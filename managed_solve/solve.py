@@ -382,7 +382,7 @@ def _run(system: LinearSystem, method: str, symmetric: bool | None, dev: Device,
         cost = float(system.nbytes + system.workspace_bytes(method)) * max(out.iterations, 1)
         mgr.record(sig, seconds, peak_bytes=system.nbytes + system.workspace_bytes(method),
                    device=dev, cost=cost,
-                   iterations=out.iterations if status is Status.CONVERGED else None)
+                   iterations=out.iterations if status in (Status.CONVERGED, Status.MAXITER) else None)
     info = dict(out.info)
     info.setdefault("path", "generic" if method != "direct" else "direct")
     info["host_syncs"] = out.host_syncs
