@@ -23,7 +23,7 @@ import sys
 _ANCHOR_WORDS = re.compile(r"(anchor|scipy|cupyx|numpy|torch_cg|loop|host|naive|plain)", re.I)
 
 
-_ROLE_TOKENS = re.compile(r"^(ours|anchor|candidate|cupyx|scipy|numpy|torch|plain|managed|managed_pinned|"
+_ROLE_TOKENS = re.compile(r"^(ours|ours_solve|anchor|candidate|cupyx|scipy|numpy|torch|plain|managed|managed_pinned|"
                           r"dlpack|host_round_trip|loop|naive|block-diagonal)$", re.I)
 _ANCHOR_WHO = {"cupyx", "scipy", "numpy", "torch", "plain", "host_round_trip", "anchor"}
 
