@@ -81,3 +81,19 @@ def test_demo_missing_mesh_is_one_line(capsys):
     assert main(["demo", "--mesh", "/no/such/mesh.obj"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "no such file" in err and "Traceback" not in err
+
+
+def test_demo_on_a_user_mesh_file(tmp_path, capsys):
+    meshio = pytest.importorskip("meshio")
+    from managed_solve.cli import main
+    from managed_solve.mesh import torus
+
+    m = torus(1.0, 0.4, nu=24, nv=12)
+    path = tmp_path / "part.obj"
+    meshio.write_points_cells(str(path), m.vertices, [("triangle", m.faces)])
+    rc = main(["demo", "--mesh", str(path), "--systems", "6", "--device", "cpu",
+               "--out", str(tmp_path / "d.png")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert f"6 systems on 1 mesh(es), {6 * m.n_vertices:,} unknowns" in out
+    assert float(re.search(r"largest relative residual: ([0-9.e+-]+)", out).group(1)) < 1e-7
