@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 # On machines without a GPU the CPU build of torch is enough (and lies on disk
 # on the development machines); override with `make test TORCH=torch` elsewhere.
 TORCH  ?= torch==2.13.0
-EXTRAS ?= test,torch,mesh,nvml
+EXTRAS ?= test,torch,mesh,nvml,ray
 
 .PHONY: all demo test test-gpu bench docs lint info clean
 
