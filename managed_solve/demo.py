@@ -117,7 +117,11 @@ def main(args: argparse.Namespace) -> int:
     devices = [args.device] if args.device else None
     if args.device and args.device != "cpu":
         devices = [args.device, "cpu"]
-    manager = DeviceManager(devices=devices, simulate=args.simulate)
+    try:
+        manager = DeviceManager(devices=devices, simulate=args.simulate)
+    except ValueError as exc:
+        flag = f"--device {args.device}" if args.device else f"--simulate {args.simulate}"
+        raise ValueError(f"{flag}: {exc}") from None
     print("managed-solve demo")
     print(manager.report())
     print()

@@ -97,3 +97,11 @@ def test_demo_on_a_user_mesh_file(tmp_path, capsys):
     assert rc == 0, out
     assert f"6 systems on 1 mesh(es), {6 * m.n_vertices:,} unknowns" in out
     assert float(re.search(r"largest relative residual: ([0-9.e+-]+)", out).group(1)) < 1e-7
+
+
+def test_demo_unknown_device_names_the_flag(capsys):
+    from managed_solve.cli import main
+
+    assert main(["demo", "--device", "cuda:7", "--small"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--device cuda:7" in err and "Traceback" not in err
