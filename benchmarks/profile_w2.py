@@ -19,9 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_w2_many import RTOL, poisson2d, w2_pairs, w2_sizes  # noqa: E402
-
 import numpy as np  # noqa: E402
+from bench_w2_many import RTOL, poisson2d, w2_pairs, w2_sizes  # noqa: E402
 
 from managed_solve import LinearSystem, _backend  # noqa: E402
 from managed_solve import scheduler as sched  # noqa: E402

@@ -658,7 +658,9 @@ def _solve_packed(systems: list[LinearSystem], packed: Any, method: str, device:
         code = int(out.status[k])
         res = SolveResult(xs[k], _STATUS[code], int(out.iterations[k]), float(rn[k]), float(bn[k]),
                           seconds=seconds, method=method, name=s.name,
-                          info={"host_syncs": int(out.host_syncs)})
+                          info={"host_syncs": int(out.host_syncs),
+                                "checkpoints": int(out.checkpoints),
+                                "compactions": int(out.compactions)})
         if code == 0 and not float(rn[k]) <= tol:
             drifted.append(k)
         elif code == 2 and s.method == "auto":

@@ -18,10 +18,16 @@ Design (the GPU half of :mod:`managed_solve.solvers.batched`):
   Every thread derives the same decision from the same complete scalars, so
   a thread that sees the new status early only skips work that no longer
   matters.
-- The host reads statuses at checkpoints spaced 32, 64, 128, ... iterations
-  apart (``check_every`` fixes the spacing): O(log iterations) host
-  synchronisations. Small systems replay a CUDA graph of 24 iterations, so
-  launch overhead is paid once per chunk.
+- Statuses go to the host by asynchronous copies into page-locked buffers
+  at checkpoints (every 24-iteration graph chunk, or every 8 iterations for
+  large systems). The host keeps two checkpoints' worth of iterations queued
+  beyond the last one it read, so its reads never leave the GPU idle; the
+  only wait with nothing queued behind it comes when ``maxiter`` is reached
+  (``host_syncs`` counts those: 0 or 1 a solve). Small systems replay a CUDA
+  graph of 24 iterations, so launch overhead is paid once per chunk.
+- Compaction: once the running systems hold at most half the rows the
+  kernels walk, the kernels walk a list of those rows only (same iterates;
+  finished systems stop costing even the masked pass).
 - All workspace is allocated before the loop; nothing is allocated inside it.
 
 The kernels compute the same iterates as the Numba twins in
@@ -33,6 +39,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -48,7 +55,15 @@ GRAPH_CHUNK = 24
 # per kernel at 1M rows on an H100) that launch latency is hidden; graphs
 # only pay off below it.
 GRAPH_MAX_ROWS = 1 << 20
-FIRST_CHECK = 32
+# Checkpoint spacing without graphs (large systems: one iteration is long).
+CHECK_EVERY = 8
+# Checkpoints' worth of iterations the host keeps queued beyond the last it read.
+AHEAD = 2
+# Compaction: once the running systems hold at most this fraction of the rows
+# the kernels walk, and those are at least COMPACT_MIN_ROWS, the kernels walk
+# only the running systems' rows.
+COMPACT_FRACTION = 0.5
+COMPACT_MIN_ROWS = 1 << 15
 # Mean stored entries per row from which the products use a warp per row
 # instead of a thread per row (PDE stencils, 5-27 per row, stay on threads).
 VECTOR_MIN_NNZ_PER_ROW = 32
@@ -97,7 +112,10 @@ __device__ __forceinline__ double ms_row_dot_warp(const I* __restrict__ indptr,
 }
 
 // Warp-per-row loop: warp w takes rows w, w + W, ... (every lane the same rows).
-#define MS_VEC_ROWS(i) for (ll i = tid >> 5; i < n; i += G >> 5) {
+// Row of loop position t: after compaction (compact != 0) the list act of the
+// rows of the systems still running, otherwise t itself.
+#define MS_ROW(t) (compact ? (ll)act[t] : (ll)(t))
+#define MS_VEC_ROWS(i) for (ll w_ = tid >> 5; w_ < n; w_ += G >> 5) { const ll i = MS_ROW(w_);
 
 // One block's view of system 0's status (SINGLE): read once, so that every
 // thread of the block takes the same branch before the block reduction.
@@ -181,7 +199,9 @@ struct SegSum {
     const ll tid = (ll)blockIdx.x * blockDim.x + threadIdx.x;
 // Warp-uniform row loop: every lane runs the same number of steps (for SegSum).
 #define MS_WARP_ROWS(i) for (ll base_ = tid - (threadIdx.x & 31); base_ < n; base_ += G) { \
-    const ll i = base_ + (threadIdx.x & 31);
+    const ll t_ = base_ + (threadIdx.x & 31); \
+    const bool in_ = t_ < n; \
+    const ll i = in_ ? MS_ROW(t_) : t_;
 
 // ---------------------------------------------------------------- set-up
 
@@ -192,13 +212,15 @@ __global__ void ms_init(const I* __restrict__ indptr, const I* __restrict__ indi
                         const T* __restrict__ dinv, T* r, T* z, T* copy,
                         const int* __restrict__ row_sys, double* bb, double* acc,
                         int nsys, int slot, int nslot, int rr_id, int rz_id, ll n) {
+    const int compact = 0;  // set-up covers every row
+    const I* act = nullptr;
     MS_GRID_STRIDE
     SegSum<3, SINGLE> sum;
     double* const out[3] = {bb, ACC(rr_id, slot), ACC(rz_id, slot)};
     MS_WARP_ROWS(i)
         int s = -1;
         double c[3] = {0.0, 0.0, 0.0};
-        if (i < n) {
+        if (in_) {
             s = SINGLE ? 0 : row_sys[i];
             const double bi = (double)b[i];
             const T ri = (T)(HASX0 ? bi - ms_row_dot(indptr, indices, data, x, i) : bi);
@@ -246,7 +268,8 @@ template <typename T, typename I, bool SINGLE, bool VEC>
 __global__ void ms_cg_spmv(const I* __restrict__ indptr, const I* __restrict__ indices,
                            const T* __restrict__ data, const T* __restrict__ p, T* __restrict__ q,
                            const int* __restrict__ row_sys, const int* status, double* acc,
-                           int nsys, int slot, ll n) {
+                           int nsys, int slot, ll n,
+    const I* __restrict__ act, int compact) {
     const int nslot = 3, next = (slot + 1) % 3;
     MS_GRID_STRIDE
     for (ll s = tid; s < nsys; s += G) {
@@ -271,7 +294,7 @@ __global__ void ms_cg_spmv(const I* __restrict__ indptr, const I* __restrict__ i
         MS_WARP_ROWS(i)
             int s = -1;
             double c[1] = {0.0};
-            if (i < n) {
+            if (in_) {
                 const int si = SINGLE ? 0 : row_sys[i];
                 if (SINGLE || status[si] == MS_RUNNING) {
                     const double qi = ms_row_dot(indptr, indices, data, p, i);
@@ -290,7 +313,8 @@ __global__ void ms_cg_spmv(const I* __restrict__ indptr, const I* __restrict__ i
 template <typename T, typename I, bool SINGLE, bool JAC>
 __global__ void ms_cg_update(T* x, T* r, T* z, const T* p, const T* q, const T* __restrict__ dinv,
                              const int* __restrict__ row_sys, int* status, const ll* offs,
-                             double* res2, double* acc, int nsys, int slot, ll n) {
+                             double* res2, double* acc, int nsys, int slot, ll n,
+    const I* __restrict__ act, int compact) {
     const int nslot = 3, prev = (slot + 2) % 3;
     MS_GRID_STRIDE
     if (!ms_block_running<SINGLE>(status)) return;
@@ -299,7 +323,7 @@ __global__ void ms_cg_update(T* x, T* r, T* z, const T* p, const T* q, const T* 
     MS_WARP_ROWS(i)
         int s = -1;
         double c[2] = {0.0, 0.0};
-        if (i < n) {
+        if (in_) {
             const int si = SINGLE ? 0 : row_sys[i];
             if (SINGLE || status[si] == MS_RUNNING) {
                 const double pq = ACC(0, slot)[si];
@@ -326,11 +350,13 @@ __global__ void ms_cg_update(T* x, T* r, T* z, const T* p, const T* q, const T* 
 template <typename T, typename I, bool SINGLE>
 __global__ void ms_cg_direction(T* p, const T* z, const int* __restrict__ row_sys, int* status,
                                 ll* iters, const ll* maxiter, const double* tol2, const ll* offs,
-                                double* res2, const double* acc, int nsys, int slot, ll n) {
+                                double* res2, const double* acc, int nsys, int slot, ll n,
+    const I* __restrict__ act, int compact) {
     const int nslot = 3, prev = (slot + 2) % 3;
     MS_GRID_STRIDE
     if (!ms_block_running<SINGLE>(status)) return;
-    for (ll i = tid; i < n; i += G) {
+    for (ll t_ = tid; t_ < n; t_ += G) {
+        const ll i = MS_ROW(t_);
         const int si = SINGLE ? 0 : row_sys[i];
         if (!SINGLE && status[si] != MS_RUNNING) continue;
         const double rr = ACC(2, slot)[si], rz = ACC(1, slot)[si];
@@ -383,7 +409,8 @@ template <typename T, typename I, bool SINGLE, bool JAC>
 __global__ void ms_bicg_direction(T* p, T* z, const T* r, const T* v, const T* __restrict__ dinv,
                                   const int* __restrict__ row_sys, int* status, const ll* iters,
                                   const ll* maxiter, const double* tol2, const ll* offs,
-                                  double* res2, double* acc, int nsys, int slot, ll n) {
+                                  double* res2, double* acc, int nsys, int slot, ll n,
+    const I* __restrict__ act, int compact) {
     const int nslot = 4, next = (slot + 1) % 4, prev = (slot + 3) % 4, prev2 = (slot + 2) % 4;
     MS_GRID_STRIDE
     for (ll s = tid; s < nsys; s += G) {
@@ -391,7 +418,8 @@ __global__ void ms_bicg_direction(T* p, T* z, const T* r, const T* v, const T* _
         for (int a = 0; a < 6; ++a) ACC(a, next)[s] = 0.0;
     }
     if (!ms_block_running<SINGLE>(status)) return;
-    for (ll i = tid; i < n; i += G) {
+    for (ll t_ = tid; t_ < n; t_ += G) {
+        const ll i = MS_ROW(t_);
         const int si = SINGLE ? 0 : row_sys[i];
         if (!SINGLE && status[si] != MS_RUNNING) continue;
         const ll it = iters[si];
@@ -422,7 +450,8 @@ __global__ void ms_bicg_spmv_v(const I* __restrict__ indptr, const I* __restrict
                                const T* __restrict__ data, const T* __restrict__ ph,
                                T* __restrict__ v, const T* __restrict__ rt,
                                const int* __restrict__ row_sys, const int* status, double* acc,
-                               int nsys, int slot, ll n) {
+                               int nsys, int slot, ll n,
+    const I* __restrict__ act, int compact) {
     const int nslot = 4;
     MS_GRID_STRIDE
     if (!ms_block_running<SINGLE>(status)) return;
@@ -444,7 +473,7 @@ __global__ void ms_bicg_spmv_v(const I* __restrict__ indptr, const I* __restrict
         MS_WARP_ROWS(i)
             int s = -1;
             double c[1] = {0.0};
-            if (i < n) {
+            if (in_) {
                 const int si = SINGLE ? 0 : row_sys[i];
                 if (SINGLE || status[si] == MS_RUNNING) {
                     const double vi = ms_row_dot(indptr, indices, data, ph, i);
@@ -463,7 +492,8 @@ __global__ void ms_bicg_spmv_v(const I* __restrict__ indptr, const I* __restrict
 template <typename T, typename I, bool SINGLE, bool JAC>
 __global__ void ms_bicg_update_s(T* x, T* r, T* z, const T* p, const T* v, const T* __restrict__ dinv,
                                  const int* __restrict__ row_sys, int* status, const ll* offs,
-                                 double* res2, double* acc, int nsys, int slot, ll n) {
+                                 double* res2, double* acc, int nsys, int slot, ll n,
+    const I* __restrict__ act, int compact) {
     const int nslot = 4, prev = (slot + 3) % 4;
     MS_GRID_STRIDE
     if (!ms_block_running<SINGLE>(status)) return;
@@ -472,7 +502,7 @@ __global__ void ms_bicg_update_s(T* x, T* r, T* z, const T* p, const T* v, const
     MS_WARP_ROWS(i)
         int s = -1;
         double c[1] = {0.0};
-        if (i < n) {
+        if (in_) {
             const int si = SINGLE ? 0 : row_sys[i];
             if (SINGLE || status[si] == MS_RUNNING) {
                 const double rv = ACC(2, slot)[si];
@@ -502,7 +532,8 @@ __global__ void ms_bicg_spmv_t(const I* __restrict__ indptr, const I* __restrict
                                const T* __restrict__ sv, T* __restrict__ t,
                                const int* __restrict__ row_sys, int* status, ll* iters,
                                const double* tol2, const ll* offs, double* res2, double* acc,
-                               int nsys, int slot, ll n) {
+                               int nsys, int slot, ll n,
+    const I* __restrict__ act, int compact) {
     const int nslot = 4;
     MS_GRID_STRIDE
     if (!ms_block_running<SINGLE>(status)) return;
@@ -532,7 +563,7 @@ __global__ void ms_bicg_spmv_t(const I* __restrict__ indptr, const I* __restrict
         MS_WARP_ROWS(i)
             int s = -1;
             double c[2] = {0.0, 0.0};
-            if (i < n) {
+            if (in_) {
                 const int si = SINGLE ? 0 : row_sys[i];
                 if (SINGLE || status[si] == MS_RUNNING) {
                     const double ss = ACC(3, slot)[si];
@@ -557,7 +588,7 @@ template <typename T, typename I, bool SINGLE, bool JAC>
 __global__ void ms_bicg_update_r(T* x, T* r, const T* z, const T* t, const T* __restrict__ rt,
                                  const int* __restrict__ row_sys, int* status, ll* iters,
                                  const ll* offs, double* res2, double* acc, int nsys, int slot,
-                                 ll n) {
+                                 ll n, const I* __restrict__ act, int compact) {
     const int nslot = 4;
     MS_GRID_STRIDE
     if (!ms_block_running<SINGLE>(status)) return;
@@ -566,7 +597,7 @@ __global__ void ms_bicg_update_r(T* x, T* r, const T* z, const T* t, const T* __
     MS_WARP_ROWS(i)
         int s = -1;
         double c[2] = {0.0, 0.0};
-        if (i < n) {
+        if (in_) {
             const int si = SINGLE ? 0 : row_sys[i];
             if (SINGLE || status[si] == MS_RUNNING) {
                 const double tt = ACC(4, slot)[si];
@@ -694,9 +725,15 @@ class _Solver:
         self.res2 = self.info[: 8 * nsys].view(np.float64)
         self.iters = self.info[8 * nsys: 16 * nsys].view(np.int64)
         self.status = self.info[16 * nsys:].view(np.int32)
-        self.host_info = np.empty(nsys * 20, dtype=np.uint8)
         self.nn = np.int64(n)
         self.ns = np.int32(nsys)
+        # Compaction: the iteration kernels walk ``act[:nact]`` (rows of running
+        # systems) once most rows belong to finished systems.
+        self.act = cp.empty(n if nsys > 1 else 0, dtype=batch.index_dtype)
+        self.nact = np.int64(n)
+        self.compact = np.int32(0)
+        self.compactions = 0
+        self.sizes = np.diff(batch.offsets).astype(np.int64)
 
     # -- launches ---------------------------------------------------------------------
     def _rows(self, fn: Any, *args: Any) -> None:
@@ -737,12 +774,12 @@ class _Solver:
             r, p, q = self.vec
             z = self.z if j else r
             self._rows(k[f"cg_spmv{s}{self.vspmv}"], *A, p, q, b.row_sys, self.status, self.acc, self.ns,
-                       slot, self.nn)
+                       slot, self.nact, self.act, self.compact)
             self._rows(k[f"cg_update{s}{j}"], self.x, r, z, p, q, dinv, b.row_sys, self.status,
-                       self.offs, self.res2, self.acc, self.ns, slot, self.nn)
+                       self.offs, self.res2, self.acc, self.ns, slot, self.nact, self.act, self.compact)
             self._rows(k[f"cg_direction{s}"], p, z, b.row_sys, self.status, self.iters,
                        self.maxiter, self.tol2, self.offs, self.res2, self.acc, self.ns, slot,
-                       self.nn)
+                       self.nact, self.act, self.compact)
         else:
             r, rt, p, v, t = self.vec
             z = self.z if j else p
@@ -750,15 +787,15 @@ class _Solver:
             sh = z if j else r
             self._rows(k[f"bicg_direction{s}{j}"], p, z, r, v, dinv, b.row_sys, self.status,
                        self.iters, self.maxiter, self.tol2, self.offs, self.res2, self.acc,
-                       self.ns, slot, self.nn)
+                       self.ns, slot, self.nact, self.act, self.compact)
             self._rows(k[f"bicg_spmv_v{s}{self.vspmv}"], *A, ph, v, rt, b.row_sys, self.status, self.acc,
-                       self.ns, slot, self.nn)
+                       self.ns, slot, self.nact, self.act, self.compact)
             self._rows(k[f"bicg_update_s{s}{j}"], self.x, r, z, p, v, dinv, b.row_sys,
-                       self.status, self.offs, self.res2, self.acc, self.ns, slot, self.nn)
+                       self.status, self.offs, self.res2, self.acc, self.ns, slot, self.nact, self.act, self.compact)
             self._rows(k[f"bicg_spmv_t{s}{self.vspmv}"], *A, sh, r, t, b.row_sys, self.status, self.iters,
-                       self.tol2, self.offs, self.res2, self.acc, self.ns, slot, self.nn)
+                       self.tol2, self.offs, self.res2, self.acc, self.ns, slot, self.nact, self.act, self.compact)
             self._rows(k[f"bicg_update_r{s}{j}"], self.x, r, z, t, rt, b.row_sys, self.status,
-                       self.iters, self.offs, self.res2, self.acc, self.ns, slot, self.nn)
+                       self.iters, self.offs, self.res2, self.acc, self.ns, slot, self.nact, self.act, self.compact)
 
     def _before_read(self, it: int) -> None:
         """BiCGStab applies its stopping tests at the start of an iteration; run them now."""
@@ -768,7 +805,58 @@ class _Solver:
                 self.maxiter, self.tol2, self.res2))
 
     # -- the loop -------------------------------------------------------------------
+    def _capture(self, stream: Any) -> Any:
+        """A CUDA graph of GRAPH_CHUNK iterations with the current row set."""
+        stream.begin_capture()
+        try:
+            for it in range(GRAPH_CHUNK):
+                self._iteration(it)
+        finally:
+            graph = stream.end_capture()
+        return graph
+
+    def _compact(self, status: np.ndarray, stream: Any) -> bool:
+        """Restrict the iteration kernels to running systems' rows, when that halves the work.
+
+        Called at a checkpoint with the statuses the host just read. Systems
+        finished since then are still in the list (masked, as before); the
+        list only shrinks. The rows go up through a page-locked buffer on the
+        solver's stream; ``act`` was allocated with the workspace.
+        """
+        if self.nsys == 1 or int(self.nact) < COMPACT_MIN_ROWS:
+            return False
+        running = np.flatnonzero(status == RUNNING)
+        lens = self.sizes[running]
+        m = int(lens.sum())
+        if m == 0 or m > COMPACT_FRACTION * int(self.nact):
+            return False
+        starts = self.batch.offsets[:-1][running].astype(np.int64)
+        pos = np.zeros(len(running), dtype=np.int64)
+        np.cumsum(lens[:-1], out=pos[1:])
+        host = _pinned(m * self.act.itemsize, self.act.dtype, self._keep)
+        np.add(np.arange(m, dtype=np.int64), np.repeat(starts - pos, lens), out=host, casting="unsafe")
+        self.cp.cuda.runtime.memcpyAsync(self.act.data.ptr, host.ctypes.data, host.nbytes,
+                                         self.cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
+        self.nact = np.int64(m)
+        self.compact = np.int32(1)
+        self.compactions += 1
+        return True
+
     def run(self, check_every: int | None, first_check: int | None = None) -> tuple:
+        """Launch iterations ahead of the host; read statuses without draining the GPU.
+
+        After every ``spacing`` iterations the statuses go to a page-locked
+        host buffer (an asynchronous copy) and an event is recorded. The host
+        keeps up to AHEAD checkpoints' worth of iterations queued beyond the
+        last one it has read, and waits on the oldest checkpoint's event while
+        later work is still queued, so the GPU never idles on the host; the
+        extra iterations queued after convergence run masked (threads of
+        finished systems skip their rows). The only wait with nothing queued
+        behind it is the last one when ``maxiter`` is reached: that count is
+        returned as ``host_syncs`` (0 or 1), the checkpoint count as
+        ``checkpoints``. ``first_check`` (a predicted iteration count) lets
+        the host queue that many iterations before its first read.
+        """
         cp = self.cp
         caller = cp.cuda.get_current_stream()
         stream = cp.cuda.Stream(non_blocking=True)
@@ -777,48 +865,89 @@ class _Solver:
         use_graph = self.n <= GRAPH_MAX_ROWS
         unit = GRAPH_CHUNK if use_graph else 1
         maxmax = int(self.batch.maxiter.max())
-        # The first checkpoint goes where convergence is predicted (a hint learned from
-        # an earlier solve of the same kind), so a repeated solve reads the host once.
-        spacing = int(check_every) if check_every is not None else max(FIRST_CHECK, int(first_check or 0))
-        syncs = 0
-        done = 0
+        last = -(-maxmax // unit) * unit  # iterations launched at most
+        spacing = int(check_every) if check_every is not None else (GRAPH_CHUNK if use_graph else CHECK_EVERY)
+        spacing = max(unit, -(-spacing // unit) * unit)
+        ahead = max(AHEAD * spacing, int(first_check or 0))
+        self._keep: list = []  # page-locked buffers, alive until their copies are done
+        free: list[np.ndarray] = []
+        pending: deque = deque()  # (iterations at the checkpoint, event, host buffer)
+        syncs = checkpoints = 0
+        launched = seen = 0
+        final = None
         with stream:
             self._setup()
-            graph = None
-            if use_graph and maxmax > 0:
-                stream.begin_capture()
-                try:
-                    for it in range(GRAPH_CHUNK):
-                        self._iteration(it)
-                finally:
-                    graph = stream.end_capture()
+            graph = self._capture(stream) if use_graph and maxmax > 0 else None
             while True:
-                target = min(done + spacing, maxmax)
-                target = -(-target // unit) * unit
-                while done < target:
-                    if graph is not None:
-                        graph.launch(stream)
-                        done += GRAPH_CHUNK
-                    else:
-                        self._iteration(done)
-                        done += 1
-                self._before_read(done)
-                self.info.get(out=self.host_info)  # sync: checkpoint, reads statuses on the host
-                syncs += 1
-                status = self.host_info[16 * self.nsys:].view(np.int32)
-                if not (status == RUNNING).any():
+                while launched < last and (launched - seen < ahead or not pending):
+                    target = min(launched + spacing, last)
+                    while launched < target:
+                        if graph is not None:
+                            graph.launch(stream)
+                            launched += GRAPH_CHUNK
+                        else:
+                            self._iteration(launched)
+                            launched += 1
+                    self._before_read(launched)
+                    buf = free.pop() if free else _pinned(self.info.nbytes, np.uint8, self._keep)
+                    cp.cuda.runtime.memcpyAsync(buf.ctypes.data, self.info.data.ptr, self.info.nbytes,
+                                                cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+                    pending.append((launched, stream.record(), buf))
+                if not pending:  # maxmax == 0: set-up decided every system
+                    buf = _pinned(self.info.nbytes, np.uint8, self._keep)
+                    self.info.get(out=buf)  # sync: the statuses set-up wrote, nothing queued behind
+                    syncs += 1
+                    final = buf
                     break
-                if done >= maxmax + unit:
+                at, event, buf = pending.popleft()
+                if not pending:
+                    syncs += 1  # this wait drains the queue (maxiter reached, or check_every)
+                event.synchronize()  # sync: checkpoint `at`; later iterations stay queued
+                checkpoints += 1
+                seen = at
+                status = buf[16 * self.nsys:].view(np.int32)
+                if not (status == RUNNING).any():
+                    final = buf
+                    break
+                if at >= last:
                     raise RuntimeError(
                         f"{self.method}_batched: {int((status == RUNNING).sum())} systems still "
-                        f"running after {done} iterations with maxiter <= {maxmax}; this is a bug "
+                        f"running after {at} iterations with maxiter <= {maxmax}; this is a bug "
                         "in managed_solve's CUDA Krylov kernels, please report it")
-                if check_every is None:
-                    spacing *= 2
-        # Later work on the caller's stream must see x.
+                ahead = AHEAD * spacing
+                if self._compact(status, stream) and graph is not None:
+                    self._keep.append(graph)  # its queued launches still run
+                    graph = self._capture(stream)
+                free.append(buf)
+        # Later work on the caller's stream must see x; masked iterations still queued
+        # on ours finish first, and the workspace is only reused after them.
         caller.wait_event(stream.record())
-        h = self.host_info
+        if pending:
+            _retire(stream.record(), self._keep + [graph])
         ns = self.nsys
+        h = final
         return (self.x, h[8 * ns:16 * ns].view(np.int64).copy(),
                 np.sqrt(h[:8 * ns].view(np.float64)), h[16 * ns:].view(np.int32).astype(np.int8),
-                syncs)
+                syncs, checkpoints, self.compactions)
+
+
+def _pinned(nbytes: int, dtype: Any, keep: list) -> np.ndarray:
+    """A NumPy array over page-locked memory (kept alive by ``keep``)."""
+    cp = _backend.cupy()
+    dt = np.dtype(dtype)
+    mem = cp.cuda.alloc_pinned_memory(max(1, nbytes))
+    keep.append(mem)
+    return np.frombuffer(mem, dtype=dt, count=nbytes // dt.itemsize)
+
+
+# Page-locked buffers whose device -> host copies were still queued when their
+# solve returned (masked iterations after convergence): released once done.
+_retired: deque = deque()
+_retired_lock = threading.Lock()
+
+
+def _retire(event: Any, keep: list) -> None:
+    with _retired_lock:
+        while _retired and _retired[0][0].done:
+            _retired.popleft()
+        _retired.append((event, keep))

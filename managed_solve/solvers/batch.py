@@ -182,6 +182,7 @@ class PackedBatch:
         batch += n * w if x0 else 0
         batch += n * w if jacobi else 0
         work = (1 + WORK_VECTORS[method] + (1 if jacobi else 0)) * n * w
+        work += n * iw if nsys > 1 else 0  # the compaction row list
         scalars = nsys * _PER_SYSTEM_BYTES
         return int(batch + work + scalars + _ARRAYS_PER_SOLVE * _POOL_ROUND)
 

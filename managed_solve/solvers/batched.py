@@ -47,7 +47,12 @@ class BatchOutcome:
     status : numpy int8 array, shape (nsys,)
         0 converged, 1 maxiter, 2 breakdown.
     host_syncs : int
-        Host-device synchronisations the solve made (0 on the CPU).
+        Waits of the host on the GPU with no work queued behind them (GPU:
+        0 or 1 a solve, 1 when ``maxiter`` is reached; 0 on the CPU).
+    checkpoints : int
+        Status reads by the host (GPU; each overlaps queued iterations).
+    compactions : int
+        Times the kernels' row set shrank to the running systems (GPU).
     """
 
     x: Any
@@ -55,6 +60,8 @@ class BatchOutcome:
     residual_norms: np.ndarray
     status: np.ndarray
     host_syncs: int = 0
+    checkpoints: int = 0
+    compactions: int = 0
 
     @property
     def converged(self) -> np.ndarray:
@@ -84,14 +91,13 @@ def cg_batched(batch: PackedBatch, *, check_every: int | None = None,
         On the CPU (NumPy) or a GPU (CuPy); Jacobi preconditioning when
         ``batch.dinv`` is set.
     check_every : int, optional
-        GPU only: read the convergence flags every ``check_every`` iterations.
-        Default: after 32 iterations (or ``first_check``), then at doubling
-        spacings, so a solve makes O(log iterations) host synchronisations.
+        GPU only: iterations between checkpoints (copies of the convergence
+        flags to the host, read while later iterations stay queued). Default:
+        24 (one CUDA graph chunk), 8 for systems of over 1M rows.
     first_check : int, optional
-        GPU only: iterations before the first read of the flags, for a
+        GPU only: iterations queued before the host's first read, for a
         caller that predicts the iteration count (``solve`` passes the count
-        its DeviceManager learned for the same kind of system): a prediction
-        at or past the true count means one host synchronisation per solve.
+        its DeviceManager learned for the same kind of system).
 
     Returns
     -------
