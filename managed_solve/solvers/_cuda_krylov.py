@@ -55,6 +55,9 @@ GRAPH_CHUNK = 24
 # per kernel at 1M rows on an H100) that launch latency is hidden; graphs
 # only pay off below it.
 GRAPH_MAX_ROWS = 1 << 20
+# Row loops of the kernels with sums: a contiguous run of rows per warp (True)
+# or grid-stride steps (False); see MS_WARP_ROWS.
+CONTIGUOUS_ROWS = True
 # Checkpoint spacing without graphs (large systems: one iteration is long).
 CHECK_EVERY = 8
 # Checkpoints' worth of iterations the host keeps queued beyond the last it read.
@@ -115,7 +118,15 @@ __device__ __forceinline__ double ms_row_dot_warp(const I* __restrict__ indptr,
 // Row of loop position t: after compaction (compact != 0) the list act of the
 // rows of the systems still running, otherwise t itself.
 #define MS_ROW(t) (compact ? (ll)act[t] : (ll)(t))
+#if MS_CONTIGUOUS
+// Warp w takes a contiguous run of rows, so consecutive steps mostly stay in
+// one system and SegSum flushes (atomics) about once per warp.
+#define MS_VEC_ROWS(i) const ll vper_ = (n + (G >> 5) - 1) / (G >> 5); \
+    const ll vhi_ = min(n, ((tid >> 5) + 1) * vper_); \
+    for (ll w_ = (tid >> 5) * vper_; w_ < vhi_; ++w_) { const ll i = MS_ROW(w_);
+#else
 #define MS_VEC_ROWS(i) for (ll w_ = tid >> 5; w_ < n; w_ += G >> 5) { const ll i = MS_ROW(w_);
+#endif
 
 // One block's view of system 0's status (SINGLE): read once, so that every
 // thread of the block takes the same branch before the block reduction.
@@ -198,10 +209,22 @@ struct SegSum {
 #define MS_GRID_STRIDE const ll G = (ll)gridDim.x * blockDim.x; \
     const ll tid = (ll)blockIdx.x * blockDim.x + threadIdx.x;
 // Warp-uniform row loop: every lane runs the same number of steps (for SegSum).
+#if MS_CONTIGUOUS
+// Warp w takes rows [w * per, (w + 1) * per), 32 consecutive rows a step (per a
+// multiple of 32): coalesced, and SegSum flushes about once per warp instead of
+// once per step (grid-stride steps land in a different system each time).
+#define MS_WARP_ROWS(i) const ll per_ = (((n + (G >> 5) - 1) / (G >> 5)) + 31) & ~31LL; \
+    const ll whi_ = min(n, ((tid >> 5) + 1) * per_); \
+    for (ll base_ = (tid >> 5) * per_; base_ < whi_; base_ += 32) { \
+    const ll t_ = base_ + (threadIdx.x & 31); \
+    const bool in_ = t_ < n; \
+    const ll i = in_ ? MS_ROW(t_) : t_;
+#else
 #define MS_WARP_ROWS(i) for (ll base_ = tid - (threadIdx.x & 31); base_ < n; base_ += G) { \
     const ll t_ = base_ + (threadIdx.x & 31); \
     const bool in_ = t_ < n; \
     const ll i = in_ ? MS_ROW(t_) : t_;
+#endif
 
 // ---------------------------------------------------------------- set-up
 
@@ -657,14 +680,14 @@ _modules: dict[tuple, dict[str, Any]] = {}
 
 def kernels(device_id: int, dtype: Any, index_dtype: Any) -> dict[str, Any]:
     """Compiled kernels for one device and (value, index) dtype pair; compiled once, cached."""
-    key = (int(device_id), np.dtype(dtype).str, np.dtype(index_dtype).str)
+    key = (int(device_id), np.dtype(dtype).str, np.dtype(index_dtype).str, CONTIGUOUS_ROWS)
     with _lock:
         if key in _modules:
             return _modules[key]
         cp = _backend.cupy()
         names = _instantiations(_TYPES[np.dtype(dtype)], _TYPES[np.dtype(index_dtype)])
         with cp.cuda.Device(device_id):
-            mod = cp.RawModule(code=SOURCE, options=("-std=c++17",),
+            mod = cp.RawModule(code=SOURCE, options=("-std=c++17", f"-DMS_CONTIGUOUS={int(CONTIGUOUS_ROWS)}"),
                                name_expressions=list(names.values()))
             fns = {k: mod.get_function(v) for k, v in names.items()}
         _modules[key] = fns

@@ -334,7 +334,10 @@ def test_gpu_converged_solve_never_drains_the_queue(method):
     out = solve(PackedBatch.from_csr(*_to_gpu(A, b), rtol=1e-8, maxiter=5000))
     ref = solve(PackedBatch.from_csr(A, b, rtol=1e-8, maxiter=5000))
     assert out.status[0] == 0 and out.host_syncs == 0
-    assert abs(int(out.iterations[0]) - int(ref.iterations[0])) <= 2
+    # BiCGStab's jagged residual history turns rounding differences into a few
+    # iterations more or less (149 on the CPU, 144 on an H200).
+    its = int(ref.iterations[0])
+    assert abs(int(out.iterations[0]) - its) <= (2 if method == "cg" else 2 + 0.1 * its)
     assert out.checkpoints == -(-int(out.iterations[0]) // 24)  # read the chunk it converged in
     # The masked iterations queued after convergence did not move x.
     assert true_residual(A, host(out.x), b) <= 1.5e-8 * np.linalg.norm(b)
@@ -362,7 +365,9 @@ def test_gpu_compaction_gives_the_same_iterates(monkeypatch, method, vector):
     monkeypatch.setattr(_cuda_krylov, "COMPACT_MIN_ROWS", 1 << 40)  # compaction off
     plain = solve(PackedBatch.pack(systems, device="cuda:0"))
     assert plain.compactions == 0 and (plain.status == 0).all()
-    margin = 1 if method == "cg" else 3  # atomics change the rounding from run to run
+    # Atomic sums change the rounding from run to run: CG's counts move by at
+    # most one, BiCGStab's by up to 9 of 175 seen (without compaction too).
+    margin = 1 if method == "cg" else 2 + 0.1 * plain.iterations
     assert (np.abs(out.iterations - plain.iterations) <= margin).all()
     batch = PackedBatch.pack(systems)
     for s, x, y in zip(systems, batch.unpack(host(out.x)), batch.unpack(host(plain.x)), strict=True):
