@@ -524,6 +524,7 @@ class _Runner:
                 res.seconds = seconds
             res.info.setdefault("batch", b.id)
             res.info.setdefault("batch_size", b.nsys)
+            res.info.setdefault("reserved_bytes", b.nbytes)
             self._deliver(i, res)
         self._done()
 
