@@ -11,6 +11,8 @@ is not free, so nothing is imported here):
   variable coefficient;
 - ``krylov``: CPU twins of the fused batched CG and BiCGStab kernels (the CUDA
   side is CUDA C in ``managed_solve.solvers._cuda_krylov``);
+- ``packing``: the in-place index fix-up of block-diagonal batch packing
+  (``managed_solve.solvers.batch.pack_host``; CPU only, the host builds batches);
 - ``_compat``: the NumPy 2.5 / numba-cuda ``np.row_stack`` shim, imported
   before ``numba.cuda`` everywhere.
 

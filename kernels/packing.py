@@ -1,0 +1,116 @@
+"""Block-diagonal packing on the CPU: the index fix-up pass of ``pack_host``.
+
+``managed_solve.solvers.batch.pack_host`` packs many CSR systems into one
+block-diagonal CSR. It first concatenates each system's arrays into the
+batch's buffers with NumPy (plain copies, the GIL released), so that system
+``k`` owns rows ``offsets[k]:offsets[k+1]`` and entries
+``nnz_off[k]:nnz_off[k+1]`` but its column indices and row pointers are still
+its own (local, starting at 0). One pass of these kernels then makes them
+global, in place and without temporaries:
+
+- ``indices[nnz_off[k]:nnz_off[k+1]] += offsets[k]`` (columns of the block);
+- ``indptr[offsets[k]:offsets[k+1]] += nnz_off[k]`` (where its rows start);
+- ``row_sys[offsets[k]:offsets[k+1]] = k`` (the row-to-system map);
+- with Jacobi, ``dinv[i] = 1 / a_ii`` from the packed entries, in the same
+  sweep over the rows (replacing one ``A.diagonal()`` per system).
+
+The kernels are serial over the systems ``lo:hi`` they are given and release
+the GIL (``nogil=True``): ``pack_host`` runs pieces of a batch on its copy
+thread pool, each piece's copies followed by its fix-up while the piece is
+still in cache. Parallelism comes from that pool rather than from
+``parallel=True``: two GPU stager threads pack at once, and Numba's
+workqueue threading layer (used where neither OpenMP nor TBB is installed)
+aborts the process when two threads launch parallel kernels concurrently,
+which no caller here can rule out.
+
+Results are bit-identical to the NumPy formulation (``np.repeat`` of the
+offsets, ``1.0 / A.diagonal()``): integer additions are exact, and
+``1 / d`` for float32 ``d`` computed in float64 and rounded to float32 equals
+float32 division (double rounding is innocuous for division when the wider
+format has at least ``2p + 2`` bits).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+__all__ = ["shift_blocks", "shift_blocks_jacobi"]
+
+
+@numba.njit(nogil=True, cache=True)
+def shift_blocks(lo, hi, offsets, nnz_off, indptr, indices, row_sys):
+    """Make systems ``lo:hi`` of concatenated CSR arrays block-diagonal, in place.
+
+    Parameters
+    ----------
+    lo, hi : int
+        The systems to fix (``hi`` excluded); other parts of the arrays are not touched.
+    offsets, nnz_off : int64 arrays, shape (nsys + 1,)
+        First row and first stored entry of each system in the batch.
+    indptr : int32 or int64 array, shape (n + 1,)
+        Rows ``offsets[k]:offsets[k+1]`` hold system ``k``'s own ``indptr[:-1]``;
+        ``nnz_off[k]`` is added to them.
+    indices : int32 or int64 array, shape (nnz,)
+        Entries ``nnz_off[k]:nnz_off[k+1]`` hold system ``k``'s own column
+        indices; ``offsets[k]`` is added to them.
+    row_sys : int32 array, shape (n,)
+        Filled with ``k`` on system ``k``'s rows.
+    """
+    for k in range(lo, hi):
+        r0, r1, z0, z1 = offsets[k], offsets[k + 1], nnz_off[k], nnz_off[k + 1]
+        # Loops over per-system views from 0: Numba drops its wrap-around
+        # checks and vectorises them (2.0 instead of 5.1 ns a row for W2).
+        ix, ip, rs = indices[z0:z1], indptr[r0:r1], row_sys[r0:r1]
+        if r0 != 0:  # the first system's indices are already global
+            for j in range(ix.shape[0]):
+                ix[j] += r0
+        if z0 != 0:
+            for i in range(ip.shape[0]):
+                ip[i] += z0
+        for i in range(rs.shape[0]):
+            rs[i] = k
+
+
+# error_model="numpy": 1 / 0 gives inf (the caller reports it) instead of raising.
+@numba.njit(nogil=True, cache=True, error_model="numpy")
+def shift_blocks_jacobi(lo, hi, offsets, nnz_off, indptr, indices, row_sys, data, dinv):
+    """:func:`shift_blocks` plus the inverse diagonal ``dinv[i] = 1 / a_ii`` of each row.
+
+    ``data`` holds the packed values (``data[nnz_off[k]:nnz_off[k+1]]`` are
+    system ``k``'s entries); ``a_ii`` is the sum of row ``i``'s entries in
+    column ``i`` (zero when none is stored), as ``scipy.sparse``'s
+    ``diagonal()`` gives it.
+
+    Returns
+    -------
+    int
+        The first row (global) of systems ``lo:hi`` whose diagonal entry is
+        zero, or -1 when there is none. ``dinv`` is then infinite there; the
+        caller reports the system.
+    """
+    first_zero = -1
+    zero = np.zeros(1, dtype=data.dtype)[0]  # sums in the values' dtype, as scipy's diagonal()
+    for k in range(lo, hi):
+        r0, r1, z0, z1 = offsets[k], offsets[k + 1], nnz_off[k], nnz_off[k + 1]
+        ix, dv, ip = indices[z0:z1], data[z0:z1], indptr[r0:r1]
+        rs, di = row_sys[r0:r1], dinv[r0:r1]
+        m, nz = ip.shape[0], ix.shape[0]
+        for i in range(m):
+            # Local row pointers: the next row's is not shifted yet; the last
+            # row ends at the system's stored-entry count. Unsigned loop
+            # bounds spare Numba's wrap-around checks.
+            start = np.uint64(ip[i])
+            stop = np.uint64(ip[i + 1]) if i + 1 < m else np.uint64(nz)
+            d = zero
+            for j in range(start, stop):
+                c = ix[j]
+                if c == i:
+                    d += dv[j]
+                ix[j] = c + r0
+            ip[i] += z0
+            rs[i] = k
+            if d == 0 and first_zero < 0:
+                first_zero = r0 + i
+            di[i] = 1.0 / d
+    return first_zero
