@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import sys
 from types import ModuleType
 from typing import Any
 
@@ -103,7 +104,9 @@ def is_cupy_sparse(x: Any) -> bool:
 
 
 def is_torch_tensor(x: Any) -> bool:
-    torch = __import__("sys").modules.get("torch")
+    if type(x) is np.ndarray:  # the common case, without a module look-up
+        return False
+    torch = sys.modules.get("torch")
     return torch is not None and isinstance(x, torch.Tensor)
 
 
@@ -116,6 +119,8 @@ def is_scipy_sparse(x: Any) -> bool:
 def array_module(*arrays: Any) -> ModuleType:
     """``numpy`` or ``cupy``, from the arrays given (CuPy's ``get_array_module``)."""
     for a in arrays:
+        if type(a) is np.ndarray:  # the common case: no type-name tests
+            continue
         if is_cupy_array(a) or is_cupy_sparse(a):
             return cupy()
     return np

@@ -361,9 +361,10 @@ def solve_many_ray(systems: Iterable[Any], *, address: str | None = None, return
     items = list(systems)
     results: list[SolveResult | None] = [None] * len(items)
     valid: dict[int, LinearSystem] = {}
+    memo: dict = {}  # arrays found finite, for this call
     for i, item in enumerate(items):
         try:
-            valid[i] = scheduler._validate(item, i, method=method, M=M, rtol=rtol)
+            valid[i] = scheduler._validate(item, i, method=method, M=M, rtol=rtol, memo=memo)
         except (TypeError, ValueError) as exc:
             results[i] = scheduler._invalid(exc, i, item)
     for i, s in list(valid.items()):

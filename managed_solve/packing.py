@@ -97,6 +97,7 @@ class Estimate:
     route: str = BATCH
     group: tuple = ()  # systems share a batch only within one group (method, dtype, jacobi)
     home: str | None = None  # device the arrays already lie on
+    iterations: float = 0.0  # predicted Krylov iterations (0: not predicted; pack() uses n)
 
 
 @dataclass

@@ -9,6 +9,7 @@ arrived and the fix.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -24,10 +25,19 @@ def _where(what: str) -> str:
     return f"{what}(...)"
 
 
+_F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
+
+
 def result_dtype(*dtypes: Any) -> np.dtype:
     """float32 only when every input is float32; integers promote to float64."""
-    dts = [np.dtype(d) for d in dtypes if d is not None]
-    return np.dtype(np.float32) if dts and all(d == np.float32 for d in dts) else np.dtype(np.float64)
+    found = False
+    for d in dtypes:
+        if d is None:
+            continue
+        if np.dtype(d) != _F32:  # a dtype against a dtype: no conversion per comparison
+            return _F64
+        found = True
+    return _F32 if found else _F64
 
 
 def check_dtype(dtype: Any, *, call: str, arg: str) -> np.dtype:
@@ -123,8 +133,62 @@ def as_vector(v: Any, n: int, *, call: str, arg: str, xp: Any = None) -> Any:
 
 
 def _all_finite(a: Any) -> bool:
+    """Whether every entry of a float array is finite (no NaN, no Inf), on its device.
+
+    Fast path: one reduction, ``a . a`` for a host vector (a BLAS dot: reads
+    ``a`` once, allocates nothing, and, called through SciPy, raises no
+    overflow warning) or ``a.sum()`` otherwise. A NaN or an Inf anywhere makes
+    that result non-finite, so a finite result proves every entry finite. A
+    non-finite result may also be an overflow of huge finite entries, so only
+    then the exact elementwise test decides. W2's matrices (23k entries on
+    average): 6.1 us for ``isfinite(a).all()``, 2.9 us for the dot.
+    """
+    if a.size == 0:
+        return True
+    dot = _blas_dot(a.dtype) if type(a) is np.ndarray and a.ndim == 1 else None
+    if dot is not None and a.size < _BLAS_MAX:
+        fast = dot(a, a)
+    else:
+        with np.errstate(over="ignore", invalid="ignore"):  # huge entries are decided below
+            fast = a.sum()
+    if math.isfinite(float(fast)):  # sync: one host read at validation
+        return True
     xp = _backend.array_module(a)
-    return bool(xp.isfinite(a).all())  # sync: one host read at validation
+    return bool(xp.isfinite(a).all())  # sync: as above, only after an overflow, NaN or Inf
+
+
+_BLAS_DOT: dict = {}  # filled on first use: scipy.linalg is not imported with the package
+
+
+def _blas_dot(dtype: np.dtype) -> Any:
+    """SciPy's BLAS ``sdot`` or ``ddot`` for a float32 or float64 vector, else None."""
+    if not _BLAS_DOT:
+        from scipy.linalg import blas
+
+        _BLAS_DOT.update({_F32: blas.sdot, _F64: blas.ddot})
+    return _BLAS_DOT.get(dtype)
+
+
+_BLAS_MAX = 2**31 - 1  # BLAS lengths are 32-bit integers
+
+
+def _checked_finite(a: Any, memo: dict | None) -> bool:
+    """:func:`_all_finite`, remembering arrays found finite in ``memo`` (by object)."""
+    if memo is not None:
+        hit = memo.get(id(a))
+        if hit is not None and hit is a:
+            return True
+    ok = _all_finite(a)
+    if ok and memo is not None:
+        memo[id(a)] = a
+    return ok
+
+
+def _nonnegative_finite(v: Any) -> bool:
+    """``v`` is a finite number >= 0 (Python numbers without a NumPy call)."""
+    if type(v) is float or type(v) is int:
+        return math.isfinite(v) and v >= 0
+    return bool(np.isfinite(v) and v >= 0)
 
 
 # On the CPU a sparse LU beats CG on ill-conditioned systems (W2's Poisson
@@ -261,8 +325,10 @@ class LinearSystem:
     def __init__(self, A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 0.0,
                  maxiter: int | None = None, method: str = "auto", M: Any = None,
                  name: str | None = None, dtype: Any = None, check_finite: bool = True,
-                 _call: str | None = None):
+                 _call: str | None = None, _finite_memo: dict | None = None):
         # _call: the public call to name in errors (solve() passes "solve(A, b)").
+        # _finite_memo: arrays already found finite, by object, for a caller that
+        # validates many systems sharing matrices within one call (solve_many).
         call = _call or (f"LinearSystem({name!r})" if name else "LinearSystem(A, b)")
         A, kind = as_operator(A, call=call)
         shape = tuple(int(s) for s in A.shape)
@@ -278,9 +344,9 @@ class LinearSystem:
         b = as_vector(b, n, call=call, arg="b")
         if x0 is not None:
             x0 = as_vector(x0, n, call=call, arg="x0")
-        if not (np.isfinite(rtol) and rtol >= 0):
+        if not _nonnegative_finite(rtol):
             raise ValueError(f"{call}: rtol must be a finite number >= 0, got {rtol}")
-        if not (np.isfinite(atol) and atol >= 0):
+        if not _nonnegative_finite(atol):
             raise ValueError(f"{call}: atol must be a finite number >= 0, got {atol}")
         if rtol == 0 and atol == 0:
             raise ValueError(f"{call}: rtol and atol are both 0, so no iterate can converge; set rtol=1e-8")
@@ -314,18 +380,18 @@ class LinearSystem:
         if kind == "csr":
             if A.dtype != dt:
                 A = A.astype(dt)
-            if check_finite and A.nnz and not _all_finite(A.data):
+            if check_finite and A.nnz and not _checked_finite(A.data, _finite_memo):
                 raise ValueError(f"{call}: A has NaN or Inf entries; clean the matrix before solving")
         elif kind == "dense":
             A = A.astype(dt, copy=False)
-            if check_finite and not _all_finite(A):
+            if check_finite and not _checked_finite(A, _finite_memo):
                 raise ValueError(f"{call}: A has NaN or Inf entries; clean the matrix before solving")
         b = b.astype(dt, copy=False)
-        if check_finite and not _all_finite(b):
+        if check_finite and not _checked_finite(b, _finite_memo):
             raise ValueError(f"{call}: b has NaN or Inf entries")
         if x0 is not None:
             x0 = xp.asarray(x0).astype(dt, copy=False)
-            if check_finite and not _all_finite(x0):
+            if check_finite and not _checked_finite(x0, _finite_memo):
                 raise ValueError(f"{call}: x0 has NaN or Inf entries")
 
         self.A, self.kind, self.b, self.x0 = A, kind, b, x0

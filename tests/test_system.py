@@ -97,6 +97,46 @@ def test_nan_and_inf_are_rejected(where):
         LinearSystem(A, b, x0=x0)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_finiteness_check_huge_finite_entries_pass_nan_and_inf_still_fail(dtype):
+    """The fast check (one reduction) overflows on huge finite entries: the exact test decides."""
+    big = np.finfo(dtype).max / 2
+    A = lap(dtype=dtype) * big  # every sum and dot of these overflows to inf
+    b = np.full(6, big, dtype=dtype)
+    x0 = np.full(6, -big, dtype=dtype)
+    dense = A.toarray()
+    with np.errstate(over="ignore"):
+        assert not np.isfinite(np.dot(b, b)) and not np.isfinite(dense.sum() + big * 6)
+    s = LinearSystem(A, b, x0=x0)
+    assert s.dtype == dtype
+    LinearSystem(dense, b, x0=x0)
+    for bad in (np.nan, np.inf, -np.inf):
+        for where in ("A", "dense A", "b", "x0"):
+            A2, d2, b2, x2 = A.copy(), dense.copy(), b.copy(), x0.copy()
+            if where == "A":
+                A2.data[3] = bad
+            elif where == "dense A":
+                d2[2, 4] = bad
+            elif where == "b":
+                b2[5] = bad
+            else:
+                x2[1] = bad
+            with pytest.raises(ValueError, match=f"{where.split()[-1]} has NaN or Inf"):
+                LinearSystem(d2 if where == "dense A" else A2, b2, x0=x2)
+
+
+def test_finiteness_memo_skips_arrays_already_checked_only():
+    A, b = lap(), np.ones(6)
+    memo: dict = {}
+    LinearSystem(A, b, _finite_memo=memo)
+    assert memo[id(A.data)] is A.data and memo[id(b)] is b
+    b2 = b.copy()
+    b2[0] = np.nan
+    with pytest.raises(ValueError, match="b has NaN or Inf"):
+        LinearSystem(A, b2, _finite_memo=memo)  # a new array is checked
+    assert id(b2) not in memo
+
+
 @pytest.mark.filterwarnings("ignore:Sparse:UserWarning")
 def test_torch_inputs_are_views_not_copies():
     torch = pytest.importorskip("torch")
