@@ -36,6 +36,18 @@ TARGET_ROWS = {"cuda": 1 << 20, "sim": 1 << 15, "cpu": 1 << 15}
 # Batches each device should get at least, so longest-first dispersal has
 # small pieces left to even out the finish times.
 BATCHES_PER_DEVICE = 4
+# A system of at least this many rows, or a quarter of the target batch rows,
+# is a batch of its own: a batch cannot be split between devices, so one
+# large system must be free to go to any of them. On a 2xH200 host, W2-large's
+# four 1024^2 systems (about 1,900 CG iterations each, the small ones 60-180)
+# went into one 5.4M-row batch with 133 small systems: one GPU ran 551 ms of it
+# while the other ran everything else (1.38x from two GPUs, not 1.8x).
+ALONE_ROWS = 1_000_000
+# Systems share a batch only within a factor of this in predicted iterations:
+# the batch runs until its slowest system converges, and one long system
+# among many short ones makes a batch both long and hard to balance. W2's
+# systems (32^2..96^2 unknowns, 60-180 iterations) stay together.
+ITERATION_SPREAD = 4.0
 
 
 def predict_iterations(n: int, *, rtol: float = 1e-8, method: str = "cg",
@@ -155,15 +167,19 @@ def target_rows(total_rows: int, ndevices: int, kind: str = "cuda", *,
 
 def pack(estimates: Iterable[Estimate], *, rows: int, max_bytes: int,
          batch_bytes: Callable[[Sequence[Estimate]], int] | None = None,
-         first_id: int = 0) -> tuple[list[Batch], list[Estimate]]:
+         first_id: int = 0, alone_rows: int | None = None) -> tuple[list[Batch], list[Estimate]]:
     """Pack systems into batches of about ``rows`` rows and at most ``max_bytes``.
 
-    Systems of route ``BATCH`` are packed per group, sorted by size so a batch
-    holds systems of similar iteration counts (they finish together, and the
-    masked-out work of converged systems stays small). Systems with
-    ``n >= rows`` run alone. ``SINGLE`` systems become batches of one;
-    ``DIRECT`` systems are grouped like ``BATCH`` ones (each then solves on
-    its own host thread).
+    Systems of route ``BATCH`` are packed per group. A system of at least
+    ``alone_rows`` rows (default: ``ALONE_ROWS`` or a quarter of ``rows``,
+    whichever is smaller) runs alone, so dispersal can send large systems to
+    different devices. The others are sorted by predicted iterations
+    (``Estimate.iterations``, else from ``n``) and cut into bands within a
+    factor ``ITERATION_SPREAD`` of each other, so a batch holds systems that
+    finish together (the masked-out work of converged systems stays small);
+    each band is spread evenly over the batches it needs. ``SINGLE`` systems
+    become batches of one; ``DIRECT`` systems are grouped like ``BATCH``
+    ones (each then solves on its own host thread).
 
     Returns the batches and the systems that fit in no batch of
     ``max_bytes`` (too large for any single device: the caller decides).
@@ -171,12 +187,16 @@ def pack(estimates: Iterable[Estimate], *, rows: int, max_bytes: int,
     Examples
     --------
     >>> es = [Estimate(i, 100, 460, 10_000, 1e6) for i in range(10)]
-    >>> batches, too_big = pack(es, rows=300, max_bytes=1 << 30)
-    >>> [b.nsys for b in batches], too_big
-    ([2, 3, 2, 3], [])
+    >>> batches, too_big = pack(es, rows=450, max_bytes=1 << 30)
+    >>> [b.nsys for b in batches], too_big  # 1,000 rows: three even batches, no remainder
+    ([3, 4, 3], [])
+    >>> es.append(Estimate(10, 400, 1840, 40_000, 1e7))  # a quarter of 450 rows or more: alone
+    >>> [b.nsys for b in pack(es, rows=450, max_bytes=1 << 30)[0]]
+    [1, 3, 4, 3]
     """
     batch_bytes = batch_bytes or _sum_bytes
     rows = max(1, int(rows))
+    alone = int(alone_rows) if alone_rows is not None else min(ALONE_ROWS, max(1, rows // 4))
     out: list[Batch] = []
     too_big: list[Estimate] = []
     groups: dict[tuple, list[Estimate]] = {}
@@ -198,33 +218,50 @@ def pack(estimates: Iterable[Estimate], *, rows: int, max_bytes: int,
             groups.setdefault((e.route, e.group), []).append(e)
 
     for (route, group), members in groups.items():
-        # Largest first (ties by input order, so the plan is deterministic).
-        members.sort(key=lambda e: (-e.n, e.index))
-        total = sum(e.n for e in members)
-        # Spread the rows evenly over the number of batches needed, so no
-        # small remainder batch is left at the end.
-        nb = max(1, math.ceil(total / rows))
-        per = total / nb
-        # Each system goes to the batch its midpoint row falls in, so batches
-        # get about `per` rows each and no small remainder is left at the end.
-        cur: list[Estimate] = []
-        cur_k, cum, cur_sum = 0, 0, 0
+        its = {e.index: e.iterations or predict_iterations(e.n) for e in members}
+        # Most iterations first (then largest, then input order: a deterministic plan).
+        members.sort(key=lambda e: (-its[e.index], -e.n, e.index))
+        bands: list[list[Estimate]] = []
         for e in members:
-            k = min(nb - 1, int((cum + e.n / 2) // per))
-            # The exact (callback) size is asked only near the limit: asking at
-            # every step would cost O(batch size squared).
-            full = (cur_sum + e.nbytes > max_bytes // 2
-                    and batch_bytes([*cur, e]) > max_bytes)
-            if cur and (k > cur_k or full):
-                emit(cur, route, group)
-                cur, cur_sum = [], 0
-            cur_k = max(cur_k, k)
-            cur.append(e)
-            cur_sum += e.nbytes
-            cum += e.n
-        if cur:
-            emit(cur, route, group)
+            if e.n >= alone:
+                emit([e], route, group)
+            elif bands and its[e.index] * ITERATION_SPREAD >= its[bands[-1][0].index]:
+                bands[-1].append(e)
+            else:
+                bands.append([e])
+        for band in bands:
+            _pack_band(band, rows, max_bytes, batch_bytes, lambda m, r=route, g=group: emit(m, r, g))
     return out, too_big
+
+
+def _pack_band(members: list[Estimate], rows: int, max_bytes: int,
+               batch_bytes: Callable[[Sequence[Estimate]], int],
+               emit: Callable[[list[Estimate]], None]) -> None:
+    """Systems of similar iteration counts, in order, spread evenly over the batches they need."""
+    total = sum(e.n for e in members)
+    # Spread the rows evenly over the number of batches needed, so no
+    # small remainder batch is left at the end.
+    nb = max(1, math.ceil(total / rows))
+    per = total / nb
+    # Each system goes to the batch its midpoint row falls in, so batches
+    # get about `per` rows each and no small remainder is left at the end.
+    cur: list[Estimate] = []
+    cur_k, cum, cur_sum = 0, 0, 0
+    for e in members:
+        k = min(nb - 1, int((cum + e.n / 2) // per))
+        # The exact (callback) size is asked only near the limit: asking at
+        # every step would cost O(batch size squared).
+        full = (cur_sum + e.nbytes > max_bytes // 2
+                and batch_bytes([*cur, e]) > max_bytes)
+        if cur and (k > cur_k or full):
+            emit(cur)
+            cur, cur_sum = [], 0
+        cur_k = max(cur_k, k)
+        cur.append(e)
+        cur_sum += e.nbytes
+        cum += e.n
+    if cur:
+        emit(cur)
 
 
 def split(batch: Batch, estimates: dict[int, Estimate], *, next_id: int,
