@@ -13,6 +13,7 @@ is not free, so nothing is imported here):
   side is CUDA C in ``managed_solve.solvers._cuda_krylov``);
 - ``packing``: the in-place index fix-up of block-diagonal batch packing
   (``managed_solve.solvers.batch.pack_host``; CPU only, the host builds batches);
+- ``symmetry``: a one-pass symmetry test of a host CSR matrix (CPU only);
 - ``_compat``: the NumPy 2.5 / numba-cuda ``np.row_stack`` shim, imported
   before ``numba.cuda`` everywhere.
 

@@ -277,7 +277,12 @@ def is_symmetric(A: Any, cache: dict | None = None) -> bool:
         scale = float(xp.abs(A.data).max())  # sync: one read per distinct matrix
         limit = 1e-12 * max(scale, 1.0)
         result = None
-        if A.has_sorted_indices:
+        if xp is np and A.has_canonical_format:
+            from .kernels.symmetry import DIFFERENT_PATTERN, csr_symmetry
+
+            code = csr_symmetry(A.indptr, A.indices, A.data, limit)
+            result = None if code == DIFFERENT_PATTERN else bool(code)
+        elif A.has_sorted_indices:
             T = A.T.tocsr()  # sorted indices, like A
             if bool(xp.array_equal(T.indptr, A.indptr)) and bool(  # sync: as above
                     xp.array_equal(T.indices, A.indices)):

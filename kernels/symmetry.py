@@ -1,0 +1,43 @@
+"""Symmetry of a host CSR matrix in one pass, without building the transpose.
+
+``managed_solve.system.is_symmetric`` decides between CG and BiCGStab for
+every distinct matrix ``solve`` and ``solve_many`` meet. Transposing a 1M-row
+2D Poisson matrix and comparing costs about 77 ms on the host; for a matrix
+in canonical form (sorted indices, no duplicates) this kernel matches each
+stored ``(i, j)`` with row ``j``'s entries in one O(nnz) pass (one cursor
+per row, the GIL released). CPU only: GPU matrices keep the
+transpose path on the device.
+"""
+
+from __future__ import annotations
+
+import numba
+
+__all__ = ["csr_symmetry"]
+
+SYMMETRIC, DIFFERENT_VALUES, DIFFERENT_PATTERN = 1, 0, -1
+
+
+@numba.njit(nogil=True, cache=True)
+def csr_symmetry(indptr, indices, data, limit):
+    """1 if ``|a_ij - a_ji| <= limit`` for every stored entry, 0 if some pair differs by more,
+    -1 if some stored ``(i, j)`` has no stored ``(j, i)`` (the caller then compares ``A - A.T``,
+    since an unstored entry is a zero and a small stored value may still match it).
+
+    ``indices`` must be sorted within each row, without duplicates. Rows are
+    walked in order while a cursor per row ``j`` steps through row ``j``'s
+    columns: with a symmetric pattern, the entries ``(i, j)`` of rows
+    ``i = 0, 1, ...`` meet row ``j``'s columns exactly in order.
+    """
+    n = indptr.shape[0] - 1
+    cursor = indptr[:-1].copy()
+    for i in range(n):
+        for p in range(indptr[i], indptr[i + 1]):
+            j = indices[p]
+            q = cursor[j]
+            if q == indptr[j + 1] or indices[q] != i:
+                return DIFFERENT_PATTERN
+            cursor[j] = q + 1
+            if abs(data[p] - data[q]) > limit:
+                return DIFFERENT_VALUES
+    return SYMMETRIC
