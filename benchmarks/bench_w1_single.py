@@ -154,6 +154,7 @@ def bench_w1_gpu(benchmark, gpu_bandwidth, who, m, dtype):
     if who == "ours":
         assert out.iterations[0] == K
         benchmark.extra_info["host_syncs"] = out.host_syncs
+        benchmark.extra_info["checkpoints"] = out.checkpoints
     elif who == "ours_solve":
         assert out.iterations == K
         benchmark.extra_info["host_syncs"] = out.info["host_syncs"]

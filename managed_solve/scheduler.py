@@ -430,15 +430,55 @@ class _Runner:
         self.next_id = plan.next_id
         self.delivered = 0
         self.batches_run: list[tuple[str, int, int]] = []  # (device, batch id, nsys), for tests
+        self.stolen: list[tuple[str, str, int]] = []  # (thief, victim, batch id)
 
     # ---------------------------------------------------------------- queue
     def _pop(self, name: str) -> Batch | None:
         with self.cond:
-            while not self.queues[name] and self.outstanding > 0:
+            while True:
+                if self.queues[name]:
+                    return self.queues[name].popleft()
+                stolen = self._steal(name)
+                if stolen is not None:
+                    return stolen
+                if self.outstanding <= 0:
+                    return None
                 self.cond.wait()
-            if not self.queues[name]:
-                return None
-            return self.queues[name].popleft()
+
+    def _steal(self, name: str) -> Batch | None:
+        """A batch queued on another device of the same kind, for an idle one (lock held).
+
+        The plan balances predicted times; measured times differ (a learned
+        hint off, a device shared with other work), so a device whose queue
+        runs dry takes the last (shortest) batch of the device with the most
+        predicted work left, if it fits here and did not fail here. Batches
+        whose systems already lie on their device stay there.
+        """
+        dev = self.by_name[name]
+        if dev.kind == "cpu":
+            return None
+        def left(q: str) -> float:  # predicted seconds of the batches still queued there
+            return sum(b.cost for b in self.queues[q]) / self.manager.speed(self.by_name[q])
+
+        victims = sorted((q for q in self.queues if q != name and self.queues[q]
+                          and self.by_name[q].kind == dev.kind), key=lambda q: -left(q))
+        for victim in victims:
+            b = self.queues[victim][-1]
+            if name in b.tried or b.route == DIRECT:
+                continue
+            if any(self.plan.estimates[i].home == victim for i in b.indices
+                   if i in self.plan.estimates):
+                continue
+            if self.manager.available_bytes(dev) < b.nbytes:
+                continue
+            self.queues[victim].pop()
+            speed_v = self.manager.speed(self.by_name[victim])
+            speed_me = self.manager.speed(dev)
+            self.queued_seconds[victim] = max(0.0, self.queued_seconds.get(victim, 0.0) - b.cost / speed_v)
+            self.queued_seconds[name] = self.queued_seconds.get(name, 0.0) + b.cost / speed_me
+            self.stolen.append((name, victim, b.id))
+            return b
+        return None
 
     def _done(self, new: Sequence[tuple[str, Batch]] = ()) -> None:
         with self.cond:
@@ -474,7 +514,7 @@ class _Runner:
 
     def _pop_nowait(self, name: str) -> Batch | None:
         with self.cond:
-            return self.queues[name].popleft() if self.queues[name] else None
+            return self.queues[name].popleft() if self.queues[name] else self._steal(name)
 
     def _worker(self, dev: Device) -> None:
         """Run a device's queue; on accelerators, stage the next batch while this one computes."""

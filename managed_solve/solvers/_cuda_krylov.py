@@ -118,15 +118,16 @@ __device__ __forceinline__ double ms_row_dot_warp(const I* __restrict__ indptr,
 // Row of loop position t: after compaction (compact != 0) the list act of the
 // rows of the systems still running, otherwise t itself.
 #define MS_ROW(t) (compact ? (ll)act[t] : (ll)(t))
-#if MS_CONTIGUOUS
-// Warp w takes a contiguous run of rows, so consecutive steps mostly stay in
-// one system and SegSum flushes (atomics) about once per warp.
-#define MS_VEC_ROWS(i) const ll vper_ = (n + (G >> 5) - 1) / (G >> 5); \
-    const ll vhi_ = min(n, ((tid >> 5) + 1) * vper_); \
-    for (ll w_ = (tid >> 5) * vper_; w_ < vhi_; ++w_) { const ll i = MS_ROW(w_);
-#else
-#define MS_VEC_ROWS(i) for (ll w_ = tid >> 5; w_ < n; w_ += G >> 5) { const ll i = MS_ROW(w_);
-#endif
+// Warp-per-row loop. Several systems (and MS_CONTIGUOUS): warp w takes a
+// contiguous run of rows, so consecutive steps mostly stay in one system and
+// SegSum flushes (atomics) about once per warp; one system: grid-stride.
+#define MS_VEC_ROWS(i) \
+    const bool vrun_ = MS_CONTIGUOUS && !SINGLE; \
+    const ll vper_ = vrun_ ? (n + (G >> 5) - 1) / (G >> 5) : 0; \
+    const ll vlo_ = vrun_ ? (tid >> 5) * vper_ : (tid >> 5); \
+    const ll vhi_ = vrun_ ? min(n, vlo_ + vper_) : n; \
+    const ll vstep_ = vrun_ ? 1 : (G >> 5); \
+    for (ll w_ = vlo_; w_ < vhi_; w_ += vstep_) { const ll i = MS_ROW(w_);
 
 // One block's view of system 0's status (SINGLE): read once, so that every
 // thread of the block takes the same branch before the block reduction.
@@ -209,22 +210,22 @@ struct SegSum {
 #define MS_GRID_STRIDE const ll G = (ll)gridDim.x * blockDim.x; \
     const ll tid = (ll)blockIdx.x * blockDim.x + threadIdx.x;
 // Warp-uniform row loop: every lane runs the same number of steps (for SegSum).
-#if MS_CONTIGUOUS
-// Warp w takes rows [w * per, (w + 1) * per), 32 consecutive rows a step (per a
-// multiple of 32): coalesced, and SegSum flushes about once per warp instead of
-// once per step (grid-stride steps land in a different system each time).
-#define MS_WARP_ROWS(i) const ll per_ = (((n + (G >> 5) - 1) / (G >> 5)) + 31) & ~31LL; \
-    const ll whi_ = min(n, ((tid >> 5) + 1) * per_); \
-    for (ll base_ = (tid >> 5) * per_; base_ < whi_; base_ += 32) { \
+// Warp-uniform row loop: every lane runs the same number of steps (for
+// SegSum), 32 consecutive rows a step. Several systems (and MS_CONTIGUOUS):
+// warp w takes rows [w * per, (w + 1) * per) (per a multiple of 32), so SegSum
+// flushes about once per warp instead of once per step (grid-stride steps
+// land in a different system each time; 73 vs 82 us an iteration for W2's
+// largest 120 systems on an H200). One system: grid-stride (slightly faster).
+#define MS_WARP_ROWS(i) \
+    const bool run_ = MS_CONTIGUOUS && !SINGLE; \
+    const ll per_ = run_ ? ((((n + (G >> 5) - 1) / (G >> 5)) + 31) & ~31LL) : 0; \
+    const ll lo_ = run_ ? (tid >> 5) * per_ : tid - (threadIdx.x & 31); \
+    const ll hi_ = run_ ? min(n, lo_ + per_) : n; \
+    const ll step_ = run_ ? 32 : G; \
+    for (ll base_ = lo_; base_ < hi_; base_ += step_) { \
     const ll t_ = base_ + (threadIdx.x & 31); \
     const bool in_ = t_ < n; \
     const ll i = in_ ? MS_ROW(t_) : t_;
-#else
-#define MS_WARP_ROWS(i) for (ll base_ = tid - (threadIdx.x & 31); base_ < n; base_ += G) { \
-    const ll t_ = base_ + (threadIdx.x & 31); \
-    const bool in_ = t_ < n; \
-    const ll i = in_ ? MS_ROW(t_) : t_;
-#endif
 
 // ---------------------------------------------------------------- set-up
 
