@@ -86,13 +86,14 @@ def report(t_start: float, wall: float) -> None:
               f"  ({1e3 * (t1 - t0):7.1f})  {extra}")
 
 
-def run(title, systems, devices, dm, rounds):
+def run(title, systems, devices, dm, rounds, **kw):
     print(f"== {title}: {len(systems)} systems on {devices}")
-    sched.solve_many(systems, devices=devices, manager=dm)  # warm-up, compiles, learns
+    kw = kw or {"devices": devices}
+    sched.solve_many(systems, manager=dm, **kw)  # warm-up, compiles, learns
     for r in range(rounds):
         EVENTS.clear()
         t0 = time.perf_counter()
-        out = sched.solve_many(systems, devices=devices, manager=dm)
+        out = sched.solve_many(systems, manager=dm, **kw)
         for d in devices:
             if d.startswith("cuda"):
                 _backend.synchronize(int(d.split(":")[1]))
@@ -118,6 +119,9 @@ def main():
     first = ["cuda:0"] if ngpu else ["cpu"]  # the CPU only to try the script here
     dm = DeviceManager(["cuda:0"] + (["cuda:1"] if ngpu > 1 else []) if ngpu else ["cpu"])
     run("W2", w2, first, dm, args.rounds)
+    if ngpu:  # exactly the benchmark's call: (A, b) pairs, rtol given, a manager of one GPU
+        run("W2 as bench_w2_gpu_solve_many", w2_pairs(sizes), first, DeviceManager(["cuda:0"]),
+            args.rounds, rtol=RTOL)
     if args.large:
         big = poisson2d(1024)
         large = [LinearSystem(A, b, rtol=RTOL) for A, b in w2_pairs(w2_sizes(10_000, seed=1))]
