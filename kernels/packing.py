@@ -34,8 +34,48 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
-__all__ = ["shift_blocks", "shift_blocks_jacobi"]
+__all__ = ["gather", "shift_blocks", "shift_blocks_jacobi"]
+
+
+@intrinsic
+def _pointer(typingctx, address):
+    """An integer address as a ``void*`` (for ``numba.carray``)."""
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+
+    return types.voidptr(types.int64), codegen
+
+
+@numba.njit(nogil=True, cache=True)
+def gather(addresses, lengths, out):
+    """Concatenate arrays given by address into ``out``, in one call without the GIL.
+
+    ``np.concatenate`` releases and re-takes the GIL around every input array
+    it copies. With thousands of small systems a batch, each re-take waits
+    for whatever other Python thread holds the GIL (up to the 5 ms switch
+    interval): on the 2-core development machine, packing 3,143 W2 systems
+    took 154 ms alone and 15.8 s beside one busy Python thread. Here the
+    caller reads each array's address once (holding the GIL, about 1 us) and
+    the copies run in one GIL-free call.
+
+    Parameters
+    ----------
+    addresses : int64 array, shape (k,)
+        Data addresses of C-contiguous arrays of ``out``'s dtype, alive for the call.
+    lengths : int64 array, shape (k,)
+        Their lengths; ``out`` holds ``lengths.sum()`` elements.
+    out : 1-D array
+    """
+    pos = 0
+    for k in range(addresses.shape[0]):
+        n = lengths[k]
+        out[pos:pos + n] = numba.carray(_pointer(addresses[k]), (n,), out.dtype)
+        pos += n
 
 
 @numba.njit(nogil=True, cache=True)

@@ -479,15 +479,18 @@ def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cp
     row_sys = empty(n, np.int32)
     indptr[-1] = nnz
 
+    # Families whose arrays all have the batch's dtype are copied by address in
+    # one GIL-free call per piece (see kernels.packing.gather); others (mixed
+    # dtypes, strided views) by np.concatenate, which casts on the way.
+    copies = [_Family(idxs, nnzs, nnz_off, indices), _Family(ptrs, sizes, offsets, indptr),
+              _Family(datas, nnzs, nnz_off, data), _Family(bs, sizes, offsets, b)]
+    if x0 is not None:
+        copies.append(_Family(x0s, sizes, offsets, x0))
+
     def fill(lo: int, hi: int) -> None:
-        r0, r1, z0, z1 = offsets[lo], offsets[hi], nnz_off[lo], nnz_off[hi]
-        # Copies (casting to the batch's dtypes on the way), then one in-place pass.
-        np.concatenate(idxs[lo:hi], out=indices[z0:z1])
-        np.concatenate(ptrs[lo:hi], out=indptr[r0:r1])
-        np.concatenate(datas[lo:hi], out=data[z0:z1])
-        np.concatenate(bs[lo:hi], out=b[r0:r1])
-        if x0 is not None:
-            np.concatenate(x0s[lo:hi], out=x0[r0:r1])
+        # Copies (casting to the batch's dtypes where needed), then one in-place pass.
+        for fam in copies:
+            fam.copy(lo, hi)
         if dinv is None:
             shift_blocks(lo, hi, offsets, nnz_off, indptr, indices, row_sys)
             return
@@ -518,6 +521,26 @@ def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cp
         maxiter=np.array([s.maxiter if s.maxiter is not None else default_maxiter(m)
                           for s, m in zip(systems, sizes.tolist(), strict=True)], dtype=np.int64),
         dinv=dinv, device=device, names=[s.name for s in systems])
+
+
+class _Family:
+    """One array of every system (their ``data``, say) and where it goes in the batch."""
+
+    def __init__(self, parts: list, lengths: np.ndarray, starts: np.ndarray, out: np.ndarray):
+        self.parts, self.lengths, self.starts, self.out = parts, lengths, starts, out
+        dt = out.dtype
+        self.addresses = None
+        if all(p.dtype == dt and p.flags.c_contiguous for p in parts):
+            self.addresses = np.fromiter((p.ctypes.data for p in parts), np.int64, len(parts))
+
+    def copy(self, lo: int, hi: int) -> None:
+        out = self.out[self.starts[lo]:self.starts[hi]]
+        if self.addresses is None:
+            np.concatenate(self.parts[lo:hi], out=out)
+        else:
+            from ..kernels.packing import gather
+
+            gather(self.addresses[lo:hi], self.lengths[lo:hi], out)
 
 
 def _pack_host_to_gpu(systems: Sequence[Any], *, jacobi: bool, device_id: int, dtype: Any,

@@ -160,3 +160,16 @@ def test_jacobi_kernel_reports_the_first_zero_diagonal_row():
     dinv = np.empty(7)
     assert shift_blocks_jacobi(0, 2, offsets, nnz_off, indptr, indices, row_sys, data, dinv) == 5
     assert np.isinf(dinv[5:]).all() and np.isfinite(dinv[:5]).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.int64])
+def test_gather_by_address_equals_concatenate(dtype):
+    from managed_solve.kernels.packing import gather
+
+    rng = np.random.default_rng(5)
+    parts = [(rng.random(int(rng.integers(0, 40))) * 100).astype(dtype) for _ in range(50)]
+    addresses = np.fromiter((p.ctypes.data for p in parts), np.int64, len(parts))
+    lengths = np.fromiter((p.size for p in parts), np.int64, len(parts))
+    out = np.empty(int(lengths.sum()), dtype=dtype)
+    gather(addresses, lengths, out)
+    np.testing.assert_array_equal(out, np.concatenate(parts))
