@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numba
 
-__all__ = ["csr_symmetry"]
+__all__ = ["csr_symmetry", "csr_symmetry_scaled"]
 
 SYMMETRIC, DIFFERENT_VALUES, DIFFERENT_PATTERN = 1, 0, -1
 
@@ -41,3 +41,14 @@ def csr_symmetry(indptr, indices, data, limit):
             if abs(data[p] - data[q]) > limit:
                 return DIFFERENT_VALUES
     return SYMMETRIC
+
+
+@numba.njit(nogil=True, cache=True)
+def csr_symmetry_scaled(indptr, indices, data, rel):
+    """:func:`csr_symmetry` with ``limit = rel * max(max |a_ij|, 1)``, the scale found in the same call."""
+    scale = 0.0
+    for k in range(data.shape[0]):
+        a = abs(data[k])
+        if a > scale:
+            scale = a
+    return csr_symmetry(indptr, indices, data, rel * max(scale, 1.0))

@@ -256,22 +256,23 @@ def is_symmetric(A: Any, cache: dict | None = None) -> bool:
         result = True
     else:
         xp = _backend.array_module(A.data)
-        scale = float(xp.abs(A.data).max())  # sync: one read per distinct matrix
-        limit = 1e-12 * max(scale, 1.0)
         result = None
         if xp is np and A.has_canonical_format:
-            from .kernels.symmetry import DIFFERENT_PATTERN, csr_symmetry
+            from .kernels.symmetry import DIFFERENT_PATTERN, csr_symmetry_scaled
 
-            code = csr_symmetry(A.indptr, A.indices, A.data, limit)
+            code = csr_symmetry_scaled(A.indptr, A.indices, A.data, 1e-12)
             result = None if code == DIFFERENT_PATTERN else bool(code)
-        elif A.has_sorted_indices:
-            T = A.T.tocsr()  # sorted indices, like A
-            if bool(xp.array_equal(T.indptr, A.indptr)) and bool(  # sync: as above
-                    xp.array_equal(T.indices, A.indices)):
-                result = bool(float(xp.abs(T.data - A.data).max()) <= limit)  # sync: as above
         if result is None:
-            d = A - A.T
-            result = bool(d.nnz == 0 or float(abs(d).max()) <= limit)  # sync: as above
+            scale = float(xp.abs(A.data).max())  # sync: one read per distinct matrix
+            limit = 1e-12 * max(scale, 1.0)
+            if xp is not np and A.has_sorted_indices:
+                T = A.T.tocsr()  # sorted indices, like A
+                if bool(xp.array_equal(T.indptr, A.indptr)) and bool(  # sync: as above
+                        xp.array_equal(T.indices, A.indices)):
+                    result = bool(float(xp.abs(T.data - A.data).max()) <= limit)  # sync: as above
+            if result is None:
+                d = A - A.T
+                result = bool(d.nnz == 0 or float(abs(d).max()) <= limit)  # sync: as above
     if cache is not None:
         cache[id(A)] = (A, result)
     return result

@@ -58,3 +58,16 @@ def test_tiny_stored_entry_without_partner_is_still_symmetric():
     A = sp.csr_matrix(np.array([[2.0, 1e-20], [0.0, 2.0]]))
     assert csr_symmetry(A.indptr, A.indices, A.data, 1e-12) == DIFFERENT_PATTERN
     assert is_symmetric(A)
+
+
+def test_scaled_variant_finds_the_scale_itself():
+    from managed_solve.kernels.symmetry import csr_symmetry_scaled
+
+    A = sp.csr_matrix(np.array([[1e6, 2.0], [2.0 + 1e-5, 1e6]]))  # limit 1e-12 * 1e6 = 1e-6
+    assert csr_symmetry_scaled(A.indptr, A.indices, A.data, 1e-12) == DIFFERENT_VALUES
+    C = sp.csr_matrix(np.array([[1e6, 2.0], [2.0 + 1e-7, 1e6]]))
+    assert csr_symmetry_scaled(C.indptr, C.indices, C.data, 1e-12) == SYMMETRIC
+    assert csr_symmetry_scaled(A.indptr, A.indices, A.data, 1e-12 * 1e3) == SYMMETRIC
+    B = sp.csr_matrix(np.array([[1e-3, 2e-13], [0.0, 1e-3]]))  # scale below 1: limit 1e-12 absolute
+    assert csr_symmetry_scaled(B.indptr, B.indices, B.data, 1e-12) == DIFFERENT_PATTERN
+    assert is_symmetric(B)

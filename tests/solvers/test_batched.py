@@ -480,3 +480,25 @@ def test_gpu_first_check_at_the_predicted_count_reads_the_host_once():
     assert again.host_syncs <= 1 and int(again.iterations[0]) == its and again.status[0] == 0
     capped = cg_batched(PackedBatch.from_csr(*_to_gpu(A, b), rtol=1e-30, maxiter=200), first_check=200)
     assert capped.host_syncs == 1 and capped.iterations[0] == 200 and capped.status[0] == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("count", [1, 37])
+def test_gpu_fused_residual_norms_match_the_host(dtype, count):
+    from managed_solve.solvers._cuda_krylov import residual_norms
+
+    rng = np.random.default_rng(13)
+    systems = [LinearSystem(poisson2d(int(m), dtype), rng.standard_normal(int(m) ** 2).astype(dtype))
+               for m in rng.integers(3, 40, size=count)]
+    batch = PackedBatch.pack(systems, device="cuda:0")
+    import cupy as cp
+
+    x = cp.asarray(rng.standard_normal(batch.n).astype(dtype))
+    rn, bn = residual_norms(batch, x)
+    xs = PackedBatch.pack(systems).unpack(host(x))
+    for k, (s, xk) in enumerate(zip(systems, xs, strict=True)):
+        A = s.A.astype(np.float64)
+        ref_r = np.linalg.norm(s.b.astype(np.float64) - A @ xk.astype(np.float64))
+        assert rn[k] == pytest.approx(ref_r, rel=1e-12)
+        assert bn[k] == pytest.approx(np.linalg.norm(s.b.astype(np.float64)), rel=1e-12)
