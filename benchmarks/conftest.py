@@ -11,6 +11,12 @@ from managed_solve import _backend
 
 GPU_COUNT = _backend.cuda_probe()[0]
 
+# Packing piece size, to compare settings between runs of the same benchmarks.
+if os.environ.get("BENCH_COPY_CHUNK_NNZ"):
+    from managed_solve.solvers import batch as _batch
+
+    _batch.COPY_CHUNK_NNZ = int(os.environ["BENCH_COPY_CHUNK_NNZ"])
+
 
 def pytest_report_header(config):
     return [f"benchmarks: {GPU_COUNT} usable CUDA GPU(s); CPU {platform.processor() or platform.machine()} "

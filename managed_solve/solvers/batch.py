@@ -428,7 +428,7 @@ def _copy_pool() -> ThreadPoolExecutor:
 def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cpu",
               dtype: Any = None, index_dtype: Any = None,
               empty: Callable[[int, Any], np.ndarray] | None = None,
-              chunk_nnz: int = COPY_CHUNK_NNZ) -> PackedBatch:
+              chunk_nnz: int | None = None) -> PackedBatch:
     """:meth:`PackedBatch.pack` of host CSR systems: copied in parallel pieces, one fix-up pass each.
 
     Each piece of about ``chunk_nnz`` stored entries (cut at system
@@ -449,6 +449,7 @@ def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cp
     from ..kernels.packing import shift_blocks, shift_blocks_jacobi
 
     empty = empty or (lambda size, dtype: np.empty(size, dtype=dtype))
+    chunk_nnz = int(chunk_nnz or COPY_CHUNK_NNZ)  # the module's value at call time
     k = len(systems)
     # The per-system attributes are read once, here: every later step slices these lists.
     mats = [s.A for s in systems]
