@@ -74,3 +74,29 @@ def test_singular_matrix_gives_breakdown_with_fix(backend, kind):
     assert "singular" in res.message and "boundary" in res.message
     with pytest.raises(Exception, match="singular"):
         res.raise_for_status()
+
+
+def test_gpu_sparse_path_prefers_cudss_when_nvmath_is_installed(monkeypatch):
+    """The cuDSS branch's wiring (nvmath-python is not on the GPU image: a stand-in module)."""
+    import importlib
+    import types
+
+    from managed_solve import _backend
+
+    direct_mod = importlib.import_module("managed_solve.solvers.direct")  # the module, not the function
+
+    calls = []
+
+    def direct_solver(a, b, /, **kwargs):
+        calls.append((a, b))
+        return sla.spsolve(a.tocsc(), b)
+
+    fake = types.SimpleNamespace(direct_solver=direct_solver)
+    real = _backend._maybe
+    monkeypatch.setattr(_backend, "_maybe",
+                        lambda name: fake if name == "nvmath.sparse.advanced" else real(name))
+    A = sp.diags([-1.0, 2.5, -1.0], [-1, 0, 1], shape=(30, 30), format="csr")
+    b = np.ones(30)
+    x, how = direct_mod._gpu_sparse(A, b, None)
+    assert how == "cuDSS (nvmath-python)" and len(calls) == 1 and calls[0][0] is A
+    np.testing.assert_allclose(A @ x, b, rtol=1e-12)
