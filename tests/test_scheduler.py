@@ -7,6 +7,8 @@ here; the ``gpu`` / ``multi_gpu`` cases run the same on real GPUs.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -567,3 +569,27 @@ def test_an_idle_device_takes_queued_batches_from_a_slow_one(monkeypatch):
     assert runner.stolen and all(thief != str(slow) for thief, _v, _b in runner.stolen)
     assert ran[str(slow)] < planned[str(slow)]
     assert sum(ran.values()) == sum(planned.values())  # nothing run twice or lost
+
+
+def test_large_matrices_method_found_beside_the_estimates(monkeypatch):
+    """The prefetch of large matrices' method gives the same routes and results."""
+    monkeypatch.setattr(sched, "PREFETCH_MIN_NNZ", 100)
+    seen = []
+    real = sched._krylov_method
+
+    def spy(s, cache):
+        seen.append(threading.current_thread().name)
+        return real(s, cache)
+
+    monkeypatch.setattr(sched, "_krylov_method", spy)
+    big = poisson2d(20)  # 400 rows, about 2,000 entries: "large" here
+    systems = [LinearSystem(big, np.ones(400), rtol=1e-8, name="big")]
+    systems += [LinearSystem(poisson2d(4), np.ones(16), rtol=1e-8, name=f"s{k}") for k in range(5)]
+    systems.append(LinearSystem(convection(12), np.ones(144), rtol=1e-8, name="nonsym"))
+    dm = DeviceManager(simulate="1x1GiB")
+    results = solve_many(systems, manager=dm)
+    assert all(r.converged for r in results)
+    assert any(name.startswith("managed_solve-prefetch") for name in seen)
+    assert results[0].method == "cg" and results[-1].method == "bicgstab"
+    for s, r in zip(systems, results, strict=True):
+        assert np.linalg.norm(s.b - s.A @ r.to_numpy()) <= 1e-8 * np.linalg.norm(s.b)
