@@ -12,6 +12,8 @@ import functools
 import importlib
 import logging
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 from typing import Any
 
@@ -101,6 +103,25 @@ def is_cupy_array(x: Any) -> bool:
 
 def is_cupy_sparse(x: Any) -> bool:
     return type(x).__module__.startswith("cupyx.scipy.sparse")
+
+
+_POOLS: dict[str, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def thread_pool(name: str, workers: int) -> ThreadPoolExecutor:
+    """The process-wide helper-thread pool ``name``, made on first use.
+
+    For work that releases the GIL (Numba ``nogil`` kernels, copies): the
+    batch packer's pieces, the scheduler's early symmetry tests. Threads are
+    named ``managed_solve-<name>``.
+    """
+    with _POOLS_LOCK:
+        pool = _POOLS.get(name)
+        if pool is None:
+            pool = _POOLS[name] = ThreadPoolExecutor(max(1, int(workers)),
+                                                     thread_name_prefix=f"managed_solve-{name}")
+        return pool
 
 
 def is_torch_tensor(x: Any) -> bool:

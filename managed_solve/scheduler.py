@@ -195,20 +195,8 @@ def _prefetch_methods(systems: Sequence[LinearSystem | None], cache: dict) -> di
             big[id(s.A)] = s
     if not big:
         return {}
-    pool = _prefetch_pool()
+    pool = _backend.thread_pool("prefetch", 2)
     return {key: pool.submit(_krylov_method, s, cache) for key, s in big.items()}
-
-
-_PREFETCH_POOL: ThreadPoolExecutor | None = None
-_PREFETCH_LOCK = threading.Lock()
-
-
-def _prefetch_pool() -> ThreadPoolExecutor:
-    global _PREFETCH_POOL
-    with _PREFETCH_LOCK:
-        if _PREFETCH_POOL is None:
-            _PREFETCH_POOL = ThreadPoolExecutor(2, thread_name_prefix="managed_solve-prefetch")
-        return _PREFETCH_POOL
 
 
 def _dtype_name(dt: np.dtype) -> str:
@@ -489,6 +477,7 @@ class _Runner:
         dev = self.by_name[name]
         if dev.kind == "cpu":
             return None
+
         def left(q: str) -> float:  # predicted seconds of the batches still queued there
             return sum(b.cost for b in self.queues[q]) / self.manager.speed(self.by_name[q])
 

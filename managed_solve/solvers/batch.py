@@ -10,9 +10,7 @@ maps each row to its system for the per-system scalars of the GPU kernels.
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -408,23 +406,12 @@ def _inverse_diagonal(A: Any, dt: np.dtype, *, call: str) -> Any:
     return (1.0 / d).astype(dt, copy=False)
 
 
-_COPY_POOL: ThreadPoolExecutor | None = None
-_COPY_POOL_LOCK = threading.Lock()
 # Systems are copied into a batch in pieces of about this many stored entries,
 # one piece per thread: the copies are memory-bound and run without the GIL,
 # so several cores move the bytes of a large batch together. On a 32-core
 # H200 host, back-to-back W2 runs gave solve_many 61.9 ms with pieces of 512k
 # entries against 65.1 ms with 2M (W2-large on two GPUs: 770 vs 798 ms).
 COPY_CHUNK_NNZ = 1 << 19
-
-
-def _copy_pool() -> ThreadPoolExecutor:
-    global _COPY_POOL
-    with _COPY_POOL_LOCK:
-        if _COPY_POOL is None:
-            _COPY_POOL = ThreadPoolExecutor(min(8, os.cpu_count() or 1),
-                                            thread_name_prefix="managed_solve-pack")
-        return _COPY_POOL
 
 
 def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cpu",
@@ -513,7 +500,7 @@ def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cp
         cuts.append(k)
     pieces = list(zip(cuts[:-1], cuts[1:], strict=True))
     if len(pieces) > 1:
-        for f in [_copy_pool().submit(fill, lo, hi) for lo, hi in pieces]:
+        for f in [_backend.thread_pool("pack", min(8, os.cpu_count() or 1)).submit(fill, lo, hi) for lo, hi in pieces]:
             f.result()  # re-raises a piece's error here, the first piece's first
     elif pieces:
         fill(*pieces[0])
