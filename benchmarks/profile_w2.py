@@ -10,7 +10,9 @@ worker's timeline. Run on a GPU machine:
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import functools
+import gc
 import sys
 import threading
 import time
@@ -28,25 +30,47 @@ from managed_solve.manager import DeviceManager  # noqa: E402
 from managed_solve.solvers import _cuda_krylov, batch, batched  # noqa: E402
 
 EVENTS: list[tuple[str, str, float, float, str]] = []
-_lock = threading.Lock()
+# Re-entrant: a garbage collection may start (and log itself) while a thread holds it.
+_lock = threading.RLock()
 
 
-def timed(owner, name, label=None, note=None):
+def timed(owner, name, label=None, note=None, result_note=None):
     fn = getattr(owner, name)
     label = label or name
 
     @functools.wraps(fn)
     def wrapper(*a, **k):
         t0 = time.perf_counter()
+        out = None
         try:
-            return fn(*a, **k)
+            out = fn(*a, **k)
+            return out
         finally:
             t1 = time.perf_counter()
             extra = note(a, k) if note else ""
+            if result_note is not None and out is not None:
+                extra += result_note(out)
+            event = (threading.current_thread().name, label, t0, t1, extra)
             with _lock:
-                EVENTS.append((threading.current_thread().name, label, t0, t1, extra))
+                EVENTS.append(event)
 
     setattr(owner, name, wrapper)
+
+
+_gc_start: dict = {}
+
+
+def _gc_event(phase, info):
+    """Garbage collections of generations 1 and 2 as timeline events (they hold the GIL)."""
+    if info["generation"] < 1:
+        return
+    if phase == "start":
+        _gc_start["t"] = time.perf_counter()
+        return
+    t0, t1 = _gc_start.get("t", time.perf_counter()), time.perf_counter()
+    if t1 - t0 > 5e-4:  # list.append is atomic; no lock (a collection may run inside one)
+        EVENTS.append((threading.current_thread().name, f"gc gen{info['generation']}", t0, t1,
+                       f"collected {info['collected']}"))
 
 
 def _rows(a, k):
@@ -67,7 +91,15 @@ def install():
     timed(batch, "pack_host", note=_rows)
     timed(batch.PackedBatch, "unpack")
     timed(batched, "cg_batched", note=lambda a, k: f"{a[0].nsys} sys, {a[0].n:,} rows")
-    timed(_cuda_krylov, "solve", label="cuda solve")
+    timed(_cuda_krylov, "solve", label="cuda solve",
+          result_note=lambda out: f"gpu {1e3 * out[7]:.1f} ms, {out[5]} checkpoints, "
+                                  f"{out[6]} compactions, its<= {int(out[1].max())}")
+    timed(_cuda_krylov, "residual_norms")
+    timed(sched, "_prefetch_methods")
+    timed(sched, "_select_devices")
+    timed(sched, "_packed_bytes")
+    timed(sched, "is_symmetric", label="is_symmetric (per call)")
+    gc.callbacks.append(_gc_event)
 
 
 def report(t_start: float, wall: float) -> None:
@@ -80,7 +112,7 @@ def report(t_start: float, wall: float) -> None:
         print(f"  {label:28s} calls {count:6d}  total {sec * 1e3:9.1f} ms")
     print("  timeline (ms from start):")
     for th, label, t0, t1, extra in sorted(EVENTS, key=lambda e: e[2]):
-        if "per system" in label:
+        if "per " in label:
             continue
         print(f"    {th:28s} {label:18s} {1e3 * (t0 - t_start):8.1f} -> {1e3 * (t1 - t_start):8.1f}"
               f"  ({1e3 * (t1 - t0):7.1f})  {extra}")
@@ -90,6 +122,7 @@ def run(title, systems, devices, dm, rounds, **kw):
     print(f"== {title}: {len(systems)} systems on {devices}")
     kw = kw or {"devices": devices}
     sched.solve_many(systems, manager=dm, **kw)  # warm-up, compiles, learns
+    walls = []
     for r in range(rounds):
         EVENTS.clear()
         t0 = time.perf_counter()
@@ -98,6 +131,7 @@ def run(title, systems, devices, dm, rounds, **kw):
             if d.startswith("cuda"):
                 _backend.synchronize(int(d.split(":")[1]))
         wall = time.perf_counter() - t0
+        walls.append(wall)
         bad = sum(not x.converged for x in out)
         syncs = [x.info.get("host_syncs") for x in out if "host_syncs" in x.info]
         its = [x.iterations for x in out]
@@ -105,30 +139,67 @@ def run(title, systems, devices, dm, rounds, **kw):
               f"{sorted(set(syncs))}, iterations {min(its)}..{max(its)}")
         if r == rounds - 1:
             report(t0, wall)
+    return float(np.median(walls))
+
+
+CONFIGS = {
+    "default": {},
+    "no-graph-batches": {"graph_batches": False},
+    "switch-0.5ms": {"switch": 5e-4},  # the interpreter's GIL switch interval (default 5 ms)
+    "gc-off": {"gc": False},
+}
+
+
+def configure(name):
+    """Apply one experiment's settings (module flags, interpreter settings)."""
+    cfg = CONFIGS[name]
+    _cuda_krylov.GRAPH_BATCHES = cfg.get("graph_batches", True)
+    sys.setswitchinterval(cfg.get("switch", 5e-3))
+    (gc.enable if cfg.get("gc", True) else gc.disable)()
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--large", action="store_true")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--configs", default="default",
+                    help=f"comma-separated W2-large experiments among {', '.join(CONFIGS)}")
+    ap.add_argument("--skip-w2", action="store_true")
+    ap.add_argument("--large-count", type=int, default=10_000, help="W2 systems in W2-large")
+    ap.add_argument("--big-m", type=int, default=1024, help="grid side of W2-large's four large systems")
+    ap.add_argument("--watchdog", type=float, default=0,
+                    help="seconds after which every thread's stack is printed and the run stops")
     args = ap.parse_args()
+    if args.watchdog:
+        faulthandler.dump_traceback_later(args.watchdog, exit=True)
     install()
     ngpu = _backend.cuda_probe()[0]
     sizes = w2_sizes()
     w2 = [LinearSystem(A, b, rtol=RTOL) for A, b in w2_pairs(sizes)]
     first = ["cuda:0"] if ngpu else ["cpu"]  # the CPU only to try the script here
     dm = DeviceManager(["cuda:0"] + (["cuda:1"] if ngpu > 1 else []) if ngpu else ["cpu"])
-    run("W2", w2, first, dm, args.rounds)
-    if ngpu:  # exactly the benchmark's call: (A, b) pairs, rtol given, a manager of one GPU
+    if not args.skip_w2:
+        run("W2", w2, first, dm, args.rounds)
+    if ngpu and not args.skip_w2:  # exactly the benchmark's call: (A, b) pairs, rtol given, a manager of one GPU
         run("W2 as bench_w2_gpu_solve_many", w2_pairs(sizes), first, DeviceManager(["cuda:0"]),
             args.rounds, rtol=RTOL)
     if args.large:
-        big = poisson2d(1024)
-        large = [LinearSystem(A, b, rtol=RTOL) for A, b in w2_pairs(w2_sizes(10_000, seed=1))]
-        large += [LinearSystem(big, np.ones(1024 * 1024), rtol=RTOL) for _ in range(4)]
-        run("W2-large 1 GPU", large, first, dm, 1)
-        if ngpu > 1:
-            run("W2-large 2 GPUs", large, ["cuda:0", "cuda:1"], dm, 1)
+        m = args.big_m
+        big = poisson2d(m)
+        large = [LinearSystem(A, b, rtol=RTOL) for A, b in w2_pairs(w2_sizes(args.large_count, seed=1))]
+        large += [LinearSystem(big, np.ones(m * m), rtol=RTOL) for _ in range(4)]
+        summary = []
+        for name in args.configs.split(","):
+            configure(name)
+            one = run(f"W2-large 1 GPU [{name}]", large, first, dm, args.rounds)
+            two = run(f"W2-large 2 GPUs [{name}]", large, ["cuda:0", "cuda:1"], dm,
+                      args.rounds) if ngpu > 1 else float("nan")
+            summary.append((name, one, two))
+        configure("default")
+        print("== W2-large summary (median wall of the rounds)")
+        print(f"  {'config':20s} {'1 GPU ms':>9s} {'2 GPUs ms':>9s} {'speed-up':>8s}")
+        for name, one, two in summary:
+            print(f"  {name:20s} {1e3 * one:9.1f} {1e3 * two:9.1f} {one / two:8.2f}")
 
 
 if __name__ == "__main__":

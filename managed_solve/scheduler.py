@@ -765,7 +765,8 @@ def _solve_packed(systems: list[LinearSystem], packed: Any, method: str, device:
                           seconds=seconds, method=method, name=s.name,
                           info={"host_syncs": int(out.host_syncs),
                                 "checkpoints": int(out.checkpoints),
-                                "compactions": int(out.compactions)})
+                                "compactions": int(out.compactions),
+                                "gpu_seconds": out.gpu_seconds})
         if code == 0 and not float(rn[k]) <= tol:
             drifted.append(k)
         elif code == 2 and s.method == "auto":

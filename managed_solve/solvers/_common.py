@@ -173,4 +173,5 @@ def outcome_from_batch(out: Any, breakdown_message: str) -> Outcome:
     msg = breakdown_message if code == BREAKDOWN else ""
     return Outcome(out.x, code, int(out.iterations[0]), float(out.residual_norms[0]), msg,
                    host_syncs=int(out.host_syncs),
-                   info={"path": "batched", "checkpoints": int(out.checkpoints)})
+                   info={"path": "batched", "checkpoints": int(out.checkpoints),
+                         "gpu_seconds": out.gpu_seconds})

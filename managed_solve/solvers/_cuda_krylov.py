@@ -53,8 +53,14 @@ THREADS = 256
 GRAPH_CHUNK = 24
 # Above this many rows one iteration's kernels run long enough (about 10 us
 # per kernel at 1M rows on an H100) that launch latency is hidden; graphs
-# only pay off below it.
+# only pay off below it for a single system.
 GRAPH_MAX_ROWS = 1 << 20
+# Batches of several systems use graphs at every size (GRAPH_BATCHES): then
+# the host needs the GIL once per GRAPH_CHUNK iterations instead of three
+# launches per iteration. With one worker thread per GPU plus stagers in one
+# process, a launch loop that waits for the GIL (up to the 5 ms switch
+# interval behind a busy thread) lets a GPU run dry.
+GRAPH_BATCHES = True
 # Row loops of the kernels with sums: a contiguous run of rows per warp (True)
 # or grid-stride steps (False); see MS_WARP_ROWS.
 CONTIGUOUS_ROWS = True
@@ -933,7 +939,7 @@ class _Solver:
         stream = cp.cuda.Stream(non_blocking=True)
         # The batch was written on the caller's stream; ours must see it.
         stream.wait_event(caller.record())
-        use_graph = self.n <= GRAPH_MAX_ROWS
+        use_graph = self.n <= GRAPH_MAX_ROWS or (self.nsys > 1 and GRAPH_BATCHES)
         unit = GRAPH_CHUNK if use_graph else 1
         maxmax = int(self.batch.maxiter.max())
         last = -(-maxmax // unit) * unit  # iterations launched at most
@@ -947,6 +953,7 @@ class _Solver:
         launched = seen = 0
         final = None
         with stream:
+            started = stream.record()  # GPU time of the solve, read once it is over
             self._setup()
             graph = self._capture(stream) if use_graph and maxmax > 0 else None
             while True:
@@ -966,6 +973,7 @@ class _Solver:
                     pending.append((launched, stream.record(), buf))
                 if not pending:  # maxmax == 0: set-up decided every system
                     buf = _pinned(self.info.nbytes, np.uint8, self._keep)
+                    done = stream.record()
                     self.info.get(out=buf)  # sync: the statuses set-up wrote, nothing queued behind
                     syncs += 1
                     final = buf
@@ -978,7 +986,7 @@ class _Solver:
                 seen = at
                 status = buf[16 * self.nsys:].view(np.int32)
                 if not (status == RUNNING).any():
-                    final = buf
+                    final, done = buf, event
                     break
                 if at >= last:
                     raise RuntimeError(
@@ -997,9 +1005,10 @@ class _Solver:
             _retire(stream.record(), self._keep + [graph])
         ns = self.nsys
         h = final
+        gpu_seconds = cp.cuda.get_elapsed_time(started, done) / 1e3  # both events are complete
         return (self.x, h[8 * ns:16 * ns].view(np.int64).copy(),
                 np.sqrt(h[:8 * ns].view(np.float64)), h[16 * ns:].view(np.int32).astype(np.int8),
-                syncs, checkpoints, self.compactions)
+                syncs, checkpoints, self.compactions, gpu_seconds)
 
 
 def _pinned(nbytes: int, dtype: Any, keep: list) -> np.ndarray:

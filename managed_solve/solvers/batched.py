@@ -53,6 +53,10 @@ class BatchOutcome:
         Status reads by the host (GPU; each overlaps queued iterations).
     compactions : int
         Times the kernels' row set shrank to the running systems (GPU).
+    gpu_seconds : float or None
+        Device time from the solve's first kernel to the checkpoint that saw
+        every system finished (CUDA events; None on the CPU). Wall time far
+        above it means the host kept the GPU waiting.
     """
 
     x: Any
@@ -62,6 +66,7 @@ class BatchOutcome:
     host_syncs: int = 0
     checkpoints: int = 0
     compactions: int = 0
+    gpu_seconds: float | None = None
 
     @property
     def converged(self) -> np.ndarray:
