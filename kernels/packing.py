@@ -38,7 +38,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["gather", "shift_blocks", "shift_blocks_jacobi"]
+__all__ = ["gather", "inverse_diagonal_rows", "shift_blocks", "shift_blocks_jacobi"]
 
 
 @intrinsic
@@ -153,4 +153,43 @@ def shift_blocks_jacobi(lo, hi, offsets, nnz_off, indptr, indices, row_sys, data
             if d == 0 and first_zero < 0:
                 first_zero = r0 + i
             di[i] = 1.0 / d
+    return first_zero
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy")
+def inverse_diagonal_rows(ra, rb, indptr, indices, data, col0, out):
+    """``out[i - ra] = 1 / a_ii`` for rows ``ra:rb`` of one system, from its packed entries.
+
+    ``pack_host`` splits a system too large for one copy piece into row
+    ranges, copied in parallel; each range's Jacobi diagonal is read here
+    from the entries it has just packed (cast to the batch's dtype, so the
+    result is the same as :func:`shift_blocks_jacobi`'s).
+
+    Parameters
+    ----------
+    ra, rb : int
+        Rows of the system (its own numbering).
+    indptr : int array
+        The system's own row pointers (row ``i`` holds entries ``indptr[i]:indptr[i+1]``).
+    indices, data : arrays
+        The system's packed column indices (already shifted by ``col0``) and values.
+    col0 : int
+        The system's first row in the batch (its column shift).
+    out : array, shape (rb - ra,)
+
+    Returns
+    -------
+    int
+        The first row of ``ra:rb`` (own numbering) whose diagonal entry is zero, or -1.
+    """
+    first_zero = -1
+    zero = np.zeros(1, dtype=data.dtype)[0]  # sums in the values' dtype, as scipy's diagonal()
+    for i in range(ra, rb):
+        d = zero
+        for j in range(indptr[i], indptr[i + 1]):
+            if indices[j] == i + col0:
+                d += data[j]
+        if d == 0 and first_zero < 0:
+            first_zero = i
+        out[i - ra] = 1.0 / d
     return first_zero

@@ -435,7 +435,7 @@ def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cp
     systems) into reused buffers, as the pinned pool gives them, went from 9.6
     to 7.0 ns a row, with Jacobi from 15.2 to 9.3 (``benchmarks/host_overhead.py``).
     """
-    from ..kernels.packing import shift_blocks, shift_blocks_jacobi
+    from ..kernels.packing import inverse_diagonal_rows, shift_blocks, shift_blocks_jacobi
 
     empty = empty or (lambda size, dtype: np.empty(size, dtype=dtype))
     chunk_nnz = int(chunk_nnz or COPY_CHUNK_NNZ)  # the module's value at call time
@@ -492,18 +492,55 @@ def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cp
                              f"but {label} has a zero on its diagonal; use jacobi=False "
                              "(solve_many: M=None) or reorder the system")
 
-    # Pieces of about chunk_nnz entries, cut at system boundaries.
-    cuts = [0]
-    if k:
-        targets = np.arange(chunk_nnz, nnz, chunk_nnz)
-        cuts += sorted({int(c) for c in np.searchsorted(nnz_off, targets)} - {0, k})
-        cuts.append(k)
-    pieces = list(zip(cuts[:-1], cuts[1:], strict=True))
-    if len(pieces) > 1:
-        for f in [_backend.thread_pool("pack", min(8, os.cpu_count() or 1)).submit(fill, lo, hi) for lo, hi in pieces]:
+    def fill_rows(j: int, ra: int, rb: int) -> None:
+        # Rows ra:rb of system j alone (a system larger than two pieces is split).
+        r0, z0 = int(offsets[j]), int(nnz_off[j])
+        A, ptr = mats[j], mats[j].indptr
+        za, zb = int(ptr[ra]), int(ptr[rb])
+        ix = indices[z0 + za:z0 + zb]
+        np.copyto(ix, A.indices[za:zb], casting="unsafe")
+        if r0:
+            ix += r0
+        np.copyto(data[z0 + za:z0 + zb], A.data[za:zb], casting="unsafe")
+        np.add(ptr[ra:rb], z0, out=indptr[r0 + ra:r0 + rb], casting="unsafe")
+        np.copyto(b[r0 + ra:r0 + rb], bs[j][ra:rb], casting="unsafe")
+        if x0 is not None:
+            np.copyto(x0[r0 + ra:r0 + rb], x0s[j][ra:rb], casting="unsafe")
+        row_sys[r0 + ra:r0 + rb] = j
+        if dinv is not None:
+            z1 = int(nnz_off[j + 1])
+            zero_row = inverse_diagonal_rows(ra, rb, ptr, indices[z0:z1], data[z0:z1], r0,
+                                             dinv[r0 + ra:r0 + rb])
+            if zero_row >= 0:
+                label = systems[j].name or f"systems[{j}]"
+                raise ValueError(f"PackedBatch.pack(jacobi=True): Jacobi needs a non-zero diagonal, "
+                                 f"but {label} has a zero on its diagonal; use jacobi=False "
+                                 "(solve_many: M=None) or reorder the system")
+
+    # Pieces of about chunk_nnz entries: runs of systems cut at system
+    # boundaries, and a system of two pieces or more cut into row ranges (one
+    # 1M-row system was one serial 30 ms copy on the H200 host).
+    tasks: list[tuple] = []
+    split = np.flatnonzero(nnzs >= 2 * chunk_nnz).tolist() if k else []
+    start = 0
+    for j in split + [k]:
+        if j > start:  # the run of systems start:j
+            targets = np.arange(int(nnz_off[start]) + chunk_nnz, int(nnz_off[j]), chunk_nnz)
+            cuts = [start] + sorted({int(c) for c in np.searchsorted(nnz_off, targets)}
+                                    - {start, j}) + [j]
+            tasks += [(fill, lo, hi) for lo, hi in zip(cuts[:-1], cuts[1:], strict=True)]
+        if j < k:
+            ptr = mats[j].indptr
+            rows = np.searchsorted(ptr, np.arange(0, int(nnzs[j]), chunk_nnz), side="right") - 1
+            bounds = sorted({int(r) for r in rows} | {0, int(sizes[j])})
+            tasks += [(fill_rows, j, ra, rb) for ra, rb in zip(bounds[:-1], bounds[1:], strict=True)]
+        start = j + 1
+    if len(tasks) > 1:
+        pool = _backend.thread_pool("pack", min(8, os.cpu_count() or 1))
+        for f in [pool.submit(*t) for t in tasks]:
             f.result()  # re-raises a piece's error here, the first piece's first
-    elif pieces:
-        fill(*pieces[0])
+    elif tasks:
+        tasks[0][0](*tasks[0][1:])
     return PackedBatch(
         indptr=indptr, indices=indices, data=data, b=b, x0=x0, offsets=offsets, row_sys=row_sys,
         rtol=np.array([s.rtol for s in systems], dtype=np.float64),

@@ -66,7 +66,8 @@ def reference_pack(systems, dt, idt, jacobi: bool) -> dict:
 DTYPES = {"float64": [np.float64], "float32": [np.float32], "mixed": [np.float32, np.float64]}
 
 
-@pytest.mark.parametrize("chunk_nnz", [1 << 21, 50])  # one piece; many pieces on the pool
+# One piece; pieces on the pool, the larger systems cut into row ranges; nearly all cut.
+@pytest.mark.parametrize("chunk_nnz", [1 << 21, 50, 8])
 @pytest.mark.parametrize("jacobi", [False, True])
 @pytest.mark.parametrize("with_x0", [False, True])
 @pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
@@ -173,3 +174,26 @@ def test_gather_by_address_equals_concatenate(dtype):
     out = np.empty(int(lengths.sum()), dtype=dtype)
     gather(addresses, lengths, out)
     np.testing.assert_array_equal(out, np.concatenate(parts))
+
+
+@pytest.mark.parametrize("chunk_nnz", [1 << 21, 16])  # whole systems; the large one in row ranges
+def test_zero_diagonal_named_whether_or_not_the_system_is_split(chunk_nnz):
+    rng = np.random.default_rng(3)
+    small = LinearSystem(random_matrix(rng, 5, np.float64, np.int32), np.ones(5), name="small")
+    A = random_matrix(rng, 40, np.float64, np.int32).tolil()
+    A[17, 17] = 0.0
+    bad = LinearSystem(A.tocsr(), np.ones(40), name="holey")
+    assert bad.nnz >= 2 * 16
+    with pytest.raises(ValueError, match="holey has a zero on its diagonal"):
+        pack_host([small, bad, small], jacobi=True, chunk_nnz=chunk_nnz)
+
+
+def test_inverse_diagonal_rows_against_scipy():
+    from managed_solve.kernels.packing import inverse_diagonal_rows
+
+    rng = np.random.default_rng(4)
+    A = random_matrix(rng, 50, np.float32, np.int64)
+    out = np.empty(20, np.float32)
+    # Columns shifted by 7, as a system starting at row 7 of a batch has them.
+    assert inverse_diagonal_rows(10, 30, A.indptr, A.indices + 7, A.data, 7, out) == -1
+    np.testing.assert_array_equal(out, np.divide(1.0, A.diagonal()[10:30]).astype(np.float32))
