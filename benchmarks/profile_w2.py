@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import numpy as np  # noqa: E402
 from bench_w2_many import RTOL, poisson2d, w2_pairs, w2_sizes  # noqa: E402
 
-from managed_solve import LinearSystem, _backend  # noqa: E402
+from managed_solve import LinearSystem, _backend, packing  # noqa: E402
 from managed_solve import scheduler as sched  # noqa: E402
 from managed_solve.manager import DeviceManager  # noqa: E402
 from managed_solve.solvers import _cuda_krylov, batch, batched  # noqa: E402
@@ -147,6 +147,8 @@ CONFIGS = {
     "no-graph-batches": {"graph_batches": False},
     "switch-0.5ms": {"switch": 5e-4},  # the interpreter's GIL switch interval (default 5 ms)
     "gc-off": {"gc": False},
+    "batches-per-gpu-2": {"bpd": 2},  # packing.BATCHES_PER_DEVICE (default 4)
+    "batches-per-gpu-3": {"bpd": 3},
 }
 
 
@@ -155,6 +157,8 @@ def configure(name):
     cfg = CONFIGS[name]
     _cuda_krylov.GRAPH_BATCHES = cfg.get("graph_batches", True)
     sys.setswitchinterval(cfg.get("switch", 5e-3))
+    sched.target_rows = functools.partial(packing.target_rows,
+                                          batches_per_device=cfg.get("bpd", packing.BATCHES_PER_DEVICE))
     (gc.enable if cfg.get("gc", True) else gc.disable)()
 
 

@@ -62,6 +62,15 @@ class SolveResult:
         Wall time of the solve on that device.
     message : str
         What happened, with the fix where there is one.
+    name : str or None
+        The system's name.
+    info : dict
+        Details of the path taken, by key where it applies: ``path``,
+        ``host_syncs`` (host waits on the GPU with nothing queued behind),
+        ``checkpoints`` and ``compactions`` (batched GPU core),
+        ``gpu_seconds`` (device time of the batched GPU solve, from CUDA
+        events; wall time far above it means the host kept the GPU waiting),
+        ``batch``, ``batch_size`` and ``reserved_bytes`` (``solve_many``).
     """
 
     x: Any
