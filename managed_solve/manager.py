@@ -25,7 +25,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -558,14 +558,31 @@ class DeviceManager:
             return self._ledger[self.get_device(device)].reserved_bytes
 
     # ------------------------------------------------------------------ planning
-    def plan(self, items: Iterable[Any], *, disperse: bool = True,
-             seconds: Sequence[float] | None = None) -> list[Placement]:
+    def plan(self, items: Any, *, disperse: bool = True,
+             seconds: Sequence[float] | None = None) -> list[Placement] | Placement:
         """Where each item would go, in order, without reserving or allocating.
 
         Items are anything :meth:`size_of` sizes (a module built on the meta
         device is sized from shapes alone). Later items see the earlier ones'
         bytes and predicted time, as real reservations would.
+
+        ``items`` is a list, tuple or iterator of items (returns a list of
+        :class:`Placement`), or one item, such as a module (returns its
+        :class:`Placement`).
+
+        Examples
+        --------
+        >>> import torch
+        >>> dm = DeviceManager(simulate="2x1GiB")
+        >>> with torch.device("meta"):
+        ...     net = torch.nn.Linear(1024, 1024)
+        >>> place = dm.plan(net)  # sized from shapes, nothing allocated
+        >>> str(place.device), place.nbytes >= 2 * 4 * (1024 * 1024 + 1024)  # weights and gradients
+        ('sim:0', True)
         """
+        if not isinstance(items, (list, tuple, Iterator)):
+            (one,) = self.plan([items], disperse=disperse, seconds=seconds)
+            return one
         items = list(items)
         with self._cond:
             ledger = {d: _Ledger(l.reserved_bytes, l.busy_seconds) for d, l in self._ledger.items()}

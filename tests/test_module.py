@@ -264,3 +264,18 @@ def test_example_multiple_models_spreads_and_equals_one_device_runs(capsys):
     assert set(placement) == {"sim:0", "sim:1"} and sum(map(int, placement.values())) == 16
     steps = eval(next(line for line in out if line.startswith("steps per model:")).split(":", 1)[1])
     assert len(set(steps)) >= 4  # the models really converge at different speeds
+
+
+def test_plan_takes_one_module_and_returns_its_placement():
+    """``device_manager.plan(module)``, as the issue writes it, without a list."""
+    dm = DeviceManager(simulate="2x1GiB")
+    with torch.device("meta"):
+        big = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.Linear(4096, 4096))
+    room = [dm.available_bytes(d) for d in dm.accelerators]
+    place = dm.plan(big)  # a Sequential is iterable, yet one item here
+    assert place.item is big and str(place.device) == "sim:0"
+    assert place.nbytes == dm.plan([big])[0].nbytes >= 2 * 4 * 2 * 4096 * 4097
+    assert all(p.device.type == "meta" for p in big.parameters())  # nothing allocated
+    assert [dm.available_bytes(d) for d in dm.accelerators] == room  # nothing reserved
+    places = dm.plan(iter([big, 1 << 20]))  # iterators still give a list
+    assert [str(p.device) for p in places] == ["sim:0", "sim:1"]
