@@ -95,6 +95,11 @@ def install():
           result_note=lambda out: f"gpu {1e3 * out[7]:.1f} ms, {out[5]} checkpoints, "
                                   f"{out[6]} compactions, its<= {int(out[1].max())}")
     timed(_cuda_krylov, "residual_norms")
+    timed(_cuda_krylov._Solver, "__init__", label="solver init")
+    timed(_cuda_krylov._Solver, "_setup", label="solver setup")
+    timed(_cuda_krylov._Solver, "_capture", label="graph capture")
+    timed(_cuda_krylov._Solver, "_compact", label="compaction")
+    timed(sched._Runner, "_deliver", label="deliver (per result)")
     timed(sched, "_prefetch_methods")
     timed(sched, "_select_devices")
     timed(sched, "_packed_bytes")
