@@ -152,6 +152,7 @@ CONFIGS = {
     "no-graph-batches": {"graph_batches": False},
     "switch-0.5ms": {"switch": 5e-4},  # the interpreter's GIL switch interval (default 5 ms)
     "gc-off": {"gc": False},
+    "workspace-on-worker": {"prepare": False},  # scheduler.PREPARE_WORKSPACE off
     "batches-per-gpu-2": {"bpd": 2},  # packing.BATCHES_PER_DEVICE (default 4)
     "batches-per-gpu-3": {"bpd": 3},
 }
@@ -162,6 +163,7 @@ def configure(name):
     cfg = CONFIGS[name]
     _cuda_krylov.GRAPH_BATCHES = cfg.get("graph_batches", True)
     sys.setswitchinterval(cfg.get("switch", 5e-3))
+    sched.PREPARE_WORKSPACE = cfg.get("prepare", True)
     sched.target_rows = functools.partial(packing.target_rows,
                                           batches_per_device=cfg.get("bpd", packing.BATCHES_PER_DEVICE))
     (gc.enable if cfg.get("gc", True) else gc.disable)()

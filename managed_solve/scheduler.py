@@ -76,6 +76,10 @@ DIRECT_MAX_N = 200_000
 # devices, which compute with NumPy/Numba on the host) runs one batch at a time.
 _HOST_KERNEL_LOCK = threading.Lock()
 
+# GPU batches get their solver workspace built in the stager thread, with the
+# packing, while the device computes the batch before (see _Runner._start).
+PREPARE_WORKSPACE = True
+
 
 class SolveManyError(SolveError):
     """Raised by ``solve_many(..., on_error="raise")`` after every system finished.
@@ -575,11 +579,18 @@ class _Runner:
             fut = None
             if b.route == BATCH:
                 systems = [self.systems[i] for i in b.indices]
-                _method, _dt, jacobi = b.group
+                method, _dt, jacobi = b.group
                 target = str(dev)  # PackedBatch puts "sim:k" batches on the host
 
-                def stage(systems=systems, jacobi=jacobi, target=target, dev=dev):
-                    return _pack(systems, jacobi, target, dev)
+                def stage(systems=systems, jacobi=jacobi, target=target, dev=dev, method=method):
+                    packed = _pack(systems, jacobi, target, dev)
+                    if dev.kind == "cuda" and PREPARE_WORKSPACE:
+                        # The solver's workspace too (its bytes are in the batch's
+                        # reservation): off the worker's path between two batches.
+                        from .solvers._cuda_krylov import prepare
+
+                        prepare(packed, method)
+                    return packed
 
                 fut = stager.submit(stage) if stager is not None else _now(stage)
             return _Staged(b, res, fut)
@@ -711,7 +722,7 @@ class _Stager:
         def staged():
             cp = _backend.cupy()
             with self.dev.context():
-                stream = cp.cuda.Stream(non_blocking=True)
+                stream = _stager_stream(cp, self.dev)
                 with stream:
                     out = fn()
                 stream.synchronize()  # sync: the copy is complete before the compute stream reads it
@@ -721,6 +732,25 @@ class _Stager:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+
+
+_STAGER_STREAMS: dict[str, Any] = {}
+_STAGER_STREAMS_LOCK = threading.Lock()
+
+
+def _stager_stream(cp: Any, dev: Device) -> Any:
+    """One copy stream per GPU for the process (called inside the device's context).
+
+    CuPy's memory pool keeps freed blocks per stream: a stream that lives
+    across batches and calls gets its batches' memory back instead of
+    allocating anew for each fresh stream.
+    """
+    key = str(dev)
+    with _STAGER_STREAMS_LOCK:
+        stream = _STAGER_STREAMS.get(key)
+        if stream is None:
+            stream = _STAGER_STREAMS[key] = cp.cuda.Stream(non_blocking=True)
+        return stream
 
 
 def _pack(systems: list[LinearSystem], jacobi: bool, target: str, dev: Device) -> Any:

@@ -537,3 +537,36 @@ def test_cpu_batches_report_no_gpu_time():
     systems = _skewed_systems(np.random.default_rng(6))[:3]
     out = cg_batched(PackedBatch.pack(systems))
     assert out.gpu_seconds is None and (out.status == 0).all()
+
+
+@pytest.mark.gpu
+def test_gpu_prepared_workspace_is_used_once_and_gives_the_same_solve():
+    """solve_many's stagers build a batch's workspace ahead (``_cuda_krylov.prepare``)."""
+    import weakref
+
+    from managed_solve.solvers import _cuda_krylov
+
+    systems = _skewed_systems(np.random.default_rng(8))
+    plain = cg_batched(PackedBatch.pack(systems, device="cuda:0"))
+    batch = PackedBatch.pack(systems, device="cuda:0")
+    _cuda_krylov.prepare(batch, "cg")
+    ws = weakref.ref(batch._workspace)
+    assert batch._workspace.batch is None  # no batch <-> workspace cycle while it waits
+    out = cg_batched(batch)
+    assert "_workspace" not in batch.__dict__  # used once
+    assert (out.status == 0).all() and (np.abs(out.iterations - plain.iterations) <= 1).all()
+    np.testing.assert_allclose(host(out.x), host(plain.x), rtol=1e-6, atol=1e-9)
+    # A workspace prepared for another method is not used; a dropped batch frees its own.
+    other = PackedBatch.pack(systems, device="cuda:0")
+    _cuda_krylov.prepare(other, "cg")
+    assert (bicgstab_batched(other).status == 0).all()
+    dropped = PackedBatch.pack(systems, device="cuda:0")
+    _cuda_krylov.prepare(dropped, "cg")
+    gone = weakref.ref(dropped._workspace)
+    del dropped
+    assert gone() is None
+    import cupy as cp
+
+    cp.cuda.Device(0).synchronize()
+    _cuda_krylov._release_done()  # masked iterations queued after convergence kept it until done
+    assert ws() is None
