@@ -756,6 +756,9 @@ def residual_norms(batch: Any, x: Any) -> tuple[np.ndarray, np.ndarray]:
             batch.indptr, batch.indices, batch.data, batch.b, x, batch.row_sys, sums[:ns],
             sums[ns:], np.int64(batch.n)))
         h = sums.get()  # sync: one read of the per-system norms
+    # The caller's stream waited for the solve's stream, masked iterations included:
+    # the batch and workspace kept for them can go now, not at the next solve.
+    _release_done()
     return np.sqrt(h[:ns]), np.sqrt(h[ns:])
 
 

@@ -570,3 +570,24 @@ def test_gpu_prepared_workspace_is_used_once_and_gives_the_same_solve():
     cp.cuda.Device(0).synchronize()
     _cuda_krylov._release_done()  # masked iterations queued after convergence kept it until done
     assert ws() is None
+
+
+def test_retired_buffers_are_released_once_their_work_is_done(monkeypatch):
+    """What a GPU solve keeps alive for its queued masked iterations goes once they finished."""
+    from collections import deque
+
+    from managed_solve.solvers import _cuda_krylov
+
+    class Event:
+        def __init__(self, done):
+            self.done = done
+
+    monkeypatch.setattr(_cuda_krylov, "_retired", deque())
+    slow, fast = Event(False), Event(True)
+    _cuda_krylov._retire(slow, ["slow"])
+    _cuda_krylov._retire(fast, ["fast"])  # done, though queued behind an unfinished one
+    _cuda_krylov._release_done()
+    assert [k for _e, k in _cuda_krylov._retired] == [["slow"]]
+    slow.done = True
+    _cuda_krylov._release_done()
+    assert not _cuda_krylov._retired
