@@ -378,19 +378,31 @@ def plan_work(estimates: Iterable[Estimate], devices: Sequence[Device], manager:
 
 
 def _run_sharded(s: LinearSystem, devs: Sequence[Device], mgr: DeviceManager) -> SolveResult:
-    """One system over every accelerator; a device failure falls back to the CPU."""
+    """One system over every accelerator; a device failure falls back to the CPU.
+
+    Any other failure becomes this system's DEVICE_ERROR result (as for a
+    batch), so it never sinks the other systems' results.
+    """
     from .solve import solve  # solve.py sits above packing in the layers, beside us
 
     gpus = [str(d) for d in devs if d.kind != "cpu"]
+    where = ", ".join(gpus)
     try:
-        res = solve(s, devices=gpus, manager=mgr)
-    except Exception as exc:
-        if not is_device_error(exc):
-            raise
-        log.warning("managed_solve: sharded solve over %s failed (%s); solving on the CPU",
-                    ", ".join(gpus), exc)
-        res = solve(s, device=mgr.cpu, manager=mgr)
-        res.info["sharded_failure"] = f"{type(exc).__name__}: {exc}"
+        try:
+            res = solve(s, devices=gpus, manager=mgr)
+        except Exception as exc:
+            if not is_device_error(exc):
+                raise
+            log.warning("managed_solve: sharded solve over %s failed (%s); solving on the CPU",
+                        where, exc)
+            where = str(mgr.cpu)
+            res = solve(s, device=mgr.cpu, manager=mgr)
+            res.info["sharded_failure"] = f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # noqa: BLE001 - every failure must end in results
+        log.error("solve_many: sharded solve of %s on %s failed: %r", s.name, where, exc)
+        return SolveResult(None, Status.DEVICE_ERROR, device=where, name=s.name,
+                           message=f"solve_many: the sharded solve on {where} raised "
+                                   f"{type(exc).__name__}: {exc} (not a device error, so not retried)")
     res.name = s.name
     return res
 

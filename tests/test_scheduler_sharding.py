@@ -39,3 +39,26 @@ def test_oversized_system_with_one_device_goes_to_the_cpu(mix):
     dm = DeviceManager(simulate="1x1MiB", reserved=0.0)
     res = solve_many(mix, manager=dm, rtol=1e-10)
     assert res[1].converged and res[1].device == "cpu" and "shards" not in res[1].info
+
+
+def test_a_failing_sharded_solve_loses_nothing_else(mix, monkeypatch):
+    """A sharded solve that raises (not a device error) gives that system a failed result only."""
+    import sys
+
+    solve_module = sys.modules["managed_solve.solve"]
+    real = solve_module.solve
+
+    def broken(system, *args, devices=None, **kwargs):
+        if devices is not None:
+            raise RuntimeError("halo exchange went wrong")
+        return real(system, *args, **kwargs)
+
+    monkeypatch.setattr(solve_module, "solve", broken)
+    dm = DeviceManager(simulate="2x1MiB", reserved=0.0)
+    res = solve_many(mix, manager=dm, rtol=1e-10)
+    assert not res[1].converged and res[1].status.name == "DEVICE_ERROR" and res[1].name == "s1"
+    assert "RuntimeError: halo exchange went wrong" in res[1].message
+    for k in (0, 2, 3):
+        assert res[k].converged and res[k].name == mix[k].name
+    with pytest.raises(Exception, match="s1"):
+        solve_many(mix, manager=dm, rtol=1e-10, on_error="raise")
