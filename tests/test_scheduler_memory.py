@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import scipy.sparse as sp
 
 from managed_solve import LinearSystem
 from managed_solve.manager import DeviceManager
 from managed_solve.scheduler import solve_many
-
-
-def poisson2d(m):
-    t = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(m, m))
-    return (sp.kron(sp.eye(m), t) + sp.kron(t, sp.eye(m))).tocsr()
+from tests._problems import poisson2d
 
 
 def test_results_carry_the_reserved_bytes():

@@ -19,12 +19,7 @@ from managed_solve.packing import (
     predict_iterations,
     solve_bytes,
 )
-
-
-def poisson2d(m: int) -> sp.csr_matrix:
-    T = sp.diags([-1.0, 4.0, -1.0], [-1, 0, 1], shape=(m, m))
-    S = sp.diags([-1.0, -1.0], [-1, 1], shape=(m, m))
-    return (sp.kron(sp.identity(m), T) + sp.kron(S, sp.identity(m))).tocsr()
+from tests._problems import poisson2d
 
 
 def shared_matrix_systems() -> list[LinearSystem]:

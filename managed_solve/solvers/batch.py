@@ -486,11 +486,13 @@ def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cp
             return
         zero_row = shift_blocks_jacobi(lo, hi, offsets, nnz_off, indptr, indices, row_sys, data, dinv)
         if zero_row >= 0:
-            which = int(np.searchsorted(offsets, zero_row, side="right")) - 1
-            label = systems[which].name or f"systems[{which}]"
-            raise ValueError(f"PackedBatch.pack(jacobi=True): Jacobi needs a non-zero diagonal, "
-                             f"but {label} has a zero on its diagonal; use jacobi=False "
-                             "(solve_many: M=None) or reorder the system")
+            zero_diagonal(int(np.searchsorted(offsets, zero_row, side="right")) - 1)
+
+    def zero_diagonal(j: int) -> None:
+        label = systems[j].name or f"systems[{j}]"
+        raise ValueError(f"PackedBatch.pack(jacobi=True): Jacobi needs a non-zero diagonal, "
+                         f"but {label} has a zero on its diagonal; use jacobi=False "
+                         "(solve_many: M=None) or reorder the system")
 
     def fill_rows(j: int, ra: int, rb: int) -> None:
         # Rows ra:rb of system j alone (a system larger than two pieces is split).
@@ -509,13 +511,9 @@ def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cp
         row_sys[r0 + ra:r0 + rb] = j
         if dinv is not None:
             z1 = int(nnz_off[j + 1])
-            zero_row = inverse_diagonal_rows(ra, rb, ptr, indices[z0:z1], data[z0:z1], r0,
-                                             dinv[r0 + ra:r0 + rb])
-            if zero_row >= 0:
-                label = systems[j].name or f"systems[{j}]"
-                raise ValueError(f"PackedBatch.pack(jacobi=True): Jacobi needs a non-zero diagonal, "
-                                 f"but {label} has a zero on its diagonal; use jacobi=False "
-                                 "(solve_many: M=None) or reorder the system")
+            if inverse_diagonal_rows(ra, rb, ptr, indices[z0:z1], data[z0:z1], r0,
+                                     dinv[r0 + ra:r0 + rb]) >= 0:
+                zero_diagonal(j)
 
     # Pieces of about chunk_nnz entries: runs of systems cut at system
     # boundaries, and a system of two pieces or more cut into row ranges (one
