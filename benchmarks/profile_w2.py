@@ -115,12 +115,36 @@ def report(t_start: float, wall: float) -> None:
     print(f"  wall {wall * 1e3:.1f} ms")
     for label, (count, sec) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
         print(f"  {label:28s} calls {count:6d}  total {sec * 1e3:9.1f} ms")
+    summarize(t_start, wall)
+    if not TIMELINE:
+        return
     print("  timeline (ms from start):")
     for th, label, t0, t1, extra in sorted(EVENTS, key=lambda e: e[2]):
         if "per " in label:
             continue
         print(f"    {th:28s} {label:18s} {1e3 * (t0 - t_start):8.1f} -> {1e3 * (t1 - t_start):8.1f}"
               f"  ({1e3 * (t1 - t0):7.1f})  {extra}")
+
+
+TIMELINE = True
+
+
+def summarize(t_start: float, wall: float) -> None:
+    """Per thread: when its first and last step ran, GPU time against wall time, host steps."""
+    by_thread = defaultdict(list)
+    for th, label, t0, t1, extra in EVENTS:
+        by_thread[th].append((label, t0 - t_start, t1 - t_start, extra))
+    print("  per thread (ms): first start, last end, busy (sum of top-level steps), GPU time")
+    for th, ev in sorted(by_thread.items()):
+        first = min(e[1] for e in ev)
+        last = max(e[2] for e in ev)
+        gpu = sum(float(e[3].split("gpu ")[1].split(" ms")[0]) for e in ev
+                  if e[0] == "cuda solve" and "gpu " in e[3])
+        steps = defaultdict(float)
+        for label, a, b, _x in ev:
+            steps[label] += b - a
+        top = ", ".join(f"{k} {1e3 * v:.0f}" for k, v in sorted(steps.items(), key=lambda kv: -kv[1])[:6])
+        print(f"    {th:28s} {1e3 * first:7.1f} {1e3 * last:7.1f}  gpu {gpu:7.1f}  | {top}")
 
 
 def run(title, systems, devices, dm, rounds, **kw):
@@ -180,7 +204,10 @@ def main():
     ap.add_argument("--big-m", type=int, default=1024, help="grid side of W2-large's four large systems")
     ap.add_argument("--watchdog", type=float, default=0,
                     help="seconds after which every thread's stack is printed and the run stops")
+    ap.add_argument("--no-timeline", action="store_true", help="per-thread summaries only")
     args = ap.parse_args()
+    global TIMELINE
+    TIMELINE = not args.no_timeline
     if args.watchdog:
         faulthandler.dump_traceback_later(args.watchdog, exit=True)
     install()

@@ -38,7 +38,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["gather", "inverse_diagonal_rows", "shift_blocks", "shift_blocks_jacobi"]
+__all__ = ["gather", "gather_blocks", "inverse_diagonal_rows", "shift_blocks", "shift_blocks_jacobi"]
 
 
 @intrinsic
@@ -76,6 +76,45 @@ def gather(addresses, lengths, out):
         n = lengths[k]
         out[pos:pos + n] = numba.carray(_pointer(addresses[k]), (n,), out.dtype)
         pos += n
+
+
+@numba.njit(nogil=True, cache=True)
+def gather_blocks(lo, hi, idx_addresses, ptr_addresses, offsets, nnz_off, indptr, indices,
+                  row_sys):
+    """:func:`gather` of systems ``lo:hi``'s indices and row pointers fused with :func:`shift_blocks`.
+
+    One pass writes the block-diagonal arrays straight from each system's
+    own: ``indices`` gets its column indices plus ``offsets[k]``, ``indptr``
+    its row pointers (without the last) plus ``nnz_off[k]``, and ``row_sys``
+    is filled with ``k``. The separate copy-then-shift formulation reads and
+    writes the index arrays twice; on two GPUs' stagers packing at once the
+    host's memory traffic is what limits packing.
+
+    Parameters
+    ----------
+    lo, hi : int
+        The systems to pack (``hi`` excluded).
+    idx_addresses, ptr_addresses : int64 arrays, shape (nsys,)
+        Data addresses of each system's ``indices`` and ``indptr[:-1]``,
+        C-contiguous and of ``indices``' and ``indptr``'s dtypes, alive for the call.
+    offsets, nnz_off : int64 arrays, shape (nsys + 1,)
+        First row and first stored entry of each system in the batch.
+    indptr, indices, row_sys : arrays
+        The batch's outputs, as in :func:`shift_blocks`.
+    """
+    for k in range(lo, hi):
+        r0, r1, z0, z1 = offsets[k], offsets[k + 1], nnz_off[k], nnz_off[k + 1]
+        ix, ip, rs = indices[z0:z1], indptr[r0:r1], row_sys[r0:r1]
+        src_ix = numba.carray(_pointer(idx_addresses[k]), (z1 - z0,), indices.dtype)
+        src_ip = numba.carray(_pointer(ptr_addresses[k]), (r1 - r0,), indptr.dtype)
+        col = indices.dtype.type(r0)
+        start = indptr.dtype.type(z0)
+        for j in range(ix.shape[0]):
+            ix[j] = src_ix[j] + col
+        for i in range(ip.shape[0]):
+            ip[i] = src_ip[i] + start
+        for i in range(rs.shape[0]):
+            rs[i] = k
 
 
 @numba.njit(nogil=True, cache=True)

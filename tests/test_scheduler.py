@@ -593,3 +593,61 @@ def test_large_matrices_method_found_beside_the_estimates(monkeypatch):
     assert results[0].method == "cg" and results[-1].method == "bicgstab"
     for s, r in zip(systems, results, strict=True):
         assert np.linalg.norm(s.b - s.A @ r.to_numpy()) <= 1e-8 * np.linalg.norm(s.b)
+
+
+def test_garbage_collection_is_paused_during_the_call_and_restored_after(sims, monkeypatch):
+    import gc
+
+    seen = []
+    run = sched._Runner.run
+
+    def spying(self):
+        seen.append(gc.isenabled())
+        return run(self)
+
+    monkeypatch.setattr(sched._Runner, "run", spying)
+    systems = mixed_systems(4, seed=12)
+    assert gc.isenabled()
+    assert_solves(systems, solve_many(systems, manager=sims))
+    assert seen == [False] and gc.isenabled()
+
+    # A caller that disabled collection keeps it disabled.
+    gc.disable()
+    try:
+        solve_many(systems, manager=sims)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+    # Concurrent calls: collection resumes only when the last one returns.
+    inside, release = threading.Event(), threading.Event()
+
+    def slow(self):
+        inside.set()
+        release.wait(30)
+        return run(self)
+
+    monkeypatch.setattr(sched._Runner, "run", slow)
+    t = threading.Thread(target=solve_many, args=(systems,), kwargs={"manager": sims})
+    t.start()
+    assert inside.wait(30)
+    monkeypatch.setattr(sched._Runner, "run", run)
+    solve_many(systems, manager=sims)
+    assert not gc.isenabled()  # the other call is still running
+    release.set()
+    t.join(30)
+    assert gc.isenabled()
+
+    # An error inside restores it too; PAUSE_GC=False leaves it alone.
+    def broken(self):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(sched._Runner, "run", broken)
+    with pytest.raises(RuntimeError, match="boom"):
+        solve_many(systems, manager=sims)
+    assert gc.isenabled()
+    monkeypatch.setattr(sched._Runner, "run", spying)
+    monkeypatch.setattr(sched, "PAUSE_GC", False)
+    seen.clear()
+    solve_many(systems, manager=sims)
+    assert seen == [True]

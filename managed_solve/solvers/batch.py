@@ -412,12 +412,15 @@ def _inverse_diagonal(A: Any, dt: np.dtype, *, call: str) -> Any:
 # H200 host, back-to-back W2 runs gave solve_many 61.9 ms with pieces of 512k
 # entries against 65.1 ms with 2M (W2-large on two GPUs: 770 vs 798 ms).
 COPY_CHUNK_NNZ = 1 << 19
+# Threads that copy one batch's pieces (a pool per GPU, so stagers of
+# different GPUs do not queue behind each other).
+PACK_WORKERS = 8
 
 
 def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cpu",
               dtype: Any = None, index_dtype: Any = None,
               empty: Callable[[int, Any], np.ndarray] | None = None,
-              chunk_nnz: int | None = None) -> PackedBatch:
+              chunk_nnz: int | None = None, pool: str = "pack") -> PackedBatch:
     """:meth:`PackedBatch.pack` of host CSR systems: copied in parallel pieces, one fix-up pass each.
 
     Each piece of about ``chunk_nnz`` stored entries (cut at system
@@ -425,9 +428,11 @@ def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cp
     buffers (a copy with the GIL released, casting on the fly), then one
     pass of :func:`managed_solve.kernels.packing.shift_blocks` that makes
     the indices and row pointers global and fills ``row_sys`` (with Jacobi,
-    the inverse diagonal too), in place with no temporaries. Pieces run on a
-    thread pool. ``empty(size, dtype)`` allocates the outputs (pinned memory
-    for GPUs).
+    the inverse diagonal too), in place with no temporaries; without Jacobi
+    the index arrays are copied and shifted in the same pass
+    (:func:`~managed_solve.kernels.packing.gather_blocks`). Pieces run on the
+    thread pool named ``pool`` (:func:`managed_solve._backend.thread_pool`).
+    ``empty(size, dtype)`` allocates the outputs (pinned memory for GPUs).
 
     The previous formulation (``+= np.repeat(...)`` of the offsets, one
     ``A.diagonal()`` per system) made two more passes and a temporary the size
@@ -435,7 +440,12 @@ def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cp
     systems) into reused buffers, as the pinned pool gives them, went from 9.6
     to 7.0 ns a row, with Jacobi from 15.2 to 9.3 (``benchmarks/host_overhead.py``).
     """
-    from ..kernels.packing import inverse_diagonal_rows, shift_blocks, shift_blocks_jacobi
+    from ..kernels.packing import (
+        gather_blocks,
+        inverse_diagonal_rows,
+        shift_blocks,
+        shift_blocks_jacobi,
+    )
 
     empty = empty or (lambda size, dtype: np.empty(size, dtype=dtype))
     chunk_nnz = int(chunk_nnz or COPY_CHUNK_NNZ)  # the module's value at call time
@@ -472,15 +482,25 @@ def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cp
     # Families whose arrays all have the batch's dtype are copied by address in
     # one GIL-free call per piece (see kernels.packing.gather); others (mixed
     # dtypes, strided views) by np.concatenate, which casts on the way.
-    copies = [_Family(idxs, nnzs, nnz_off, indices), _Family(ptrs, sizes, offsets, indptr),
-              _Family(datas, nnzs, nnz_off, data), _Family(bs, sizes, offsets, b)]
+    index_families = [_Family(idxs, nnzs, nnz_off, indices), _Family(ptrs, sizes, offsets, indptr)]
+    copies = [_Family(datas, nnzs, nnz_off, data), _Family(bs, sizes, offsets, b)]
     if x0 is not None:
         copies.append(_Family(x0s, sizes, offsets, x0))
+    # Without Jacobi, index arrays of the batch's index dtype are copied and
+    # shifted in one pass (kernels.packing.gather_blocks); otherwise copied,
+    # then fixed by the pass that also reads the diagonal.
+    fused = dinv is None and all(f.addresses is not None for f in index_families)
+    if not fused:
+        copies = index_families + copies
 
     def fill(lo: int, hi: int) -> None:
         # Copies (casting to the batch's dtypes where needed), then one in-place pass.
         for fam in copies:
             fam.copy(lo, hi)
+        if fused:
+            gather_blocks(lo, hi, index_families[0].addresses, index_families[1].addresses,
+                          offsets, nnz_off, indptr, indices, row_sys)
+            return
         if dinv is None:
             shift_blocks(lo, hi, offsets, nnz_off, indptr, indices, row_sys)
             return
@@ -534,8 +554,8 @@ def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cp
             tasks += [(fill_rows, j, ra, rb) for ra, rb in zip(bounds[:-1], bounds[1:], strict=True)]
         start = j + 1
     if len(tasks) > 1:
-        pool = _backend.thread_pool("pack", min(8, os.cpu_count() or 1))
-        for f in [pool.submit(*t) for t in tasks]:
+        workers = _backend.thread_pool(pool, min(PACK_WORKERS, os.cpu_count() or 1))
+        for f in [workers.submit(*t) for t in tasks]:
             f.result()  # re-raises a piece's error here, the first piece's first
     elif tasks:
         tasks[0][0](*tasks[0][1:])
@@ -589,8 +609,10 @@ def _pack_host_to_gpu(systems: Sequence[Any], *, jacobi: bool, device_id: int, d
         keep.append(a)
         return a
 
+    # A pool per GPU: two GPUs' stagers packing at once each get their own
+    # threads (one shared pool made each wait behind the other's pieces).
     host = pack_host(systems, jacobi=jacobi, device="cpu", dtype=dtype, index_dtype=index_dtype,
-                     empty=pinned)
+                     empty=pinned, pool=f"pack-cuda:{device_id}")
     stream = cp.cuda.get_current_stream()
 
     def up(a: Any) -> Any:

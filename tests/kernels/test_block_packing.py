@@ -197,3 +197,37 @@ def test_inverse_diagonal_rows_against_scipy():
     # Columns shifted by 7, as a system starting at row 7 of a batch has them.
     assert inverse_diagonal_rows(10, 30, A.indptr, A.indices + 7, A.data, 7, out) == -1
     np.testing.assert_array_equal(out, np.divide(1.0, A.diagonal()[10:30]).astype(np.float32))
+
+
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+def test_gather_blocks_copies_and_shifts_only_its_systems(index_dtype):
+    """The fused copy-and-shift writes systems lo:hi exactly as block_diag has them, nothing else."""
+    from managed_solve.kernels.packing import gather_blocks
+
+    rng = np.random.default_rng(8)
+    mats = [random_matrix(rng, int(rng.integers(1, 40)), np.float64, index_dtype) for _ in range(9)]
+    sizes = np.array([A.shape[0] for A in mats])
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    nnz_off = np.concatenate([[0], np.cumsum([A.nnz for A in mats])]).astype(np.int64)
+    ptrs = [A.indptr[:-1] for A in mats]
+    idx_addr = np.fromiter((A.indices.ctypes.data for A in mats), np.int64, len(mats))
+    ptr_addr = np.fromiter((p.ctypes.data for p in ptrs), np.int64, len(mats))
+    indices = np.full(nnz_off[-1], -5, dtype=index_dtype)
+    indptr = np.full(offsets[-1] + 1, -5, dtype=index_dtype)
+    row_sys = np.full(offsets[-1], -5, dtype=np.int32)
+    want = sp.block_diag(mats, format="csr")
+    lo, hi = 3, 7
+    gather_blocks(lo, hi, idx_addr, ptr_addr, offsets, nnz_off, indptr, indices, row_sys)
+    rows, ents = slice(offsets[lo], offsets[hi]), slice(nnz_off[lo], nnz_off[hi])
+    np.testing.assert_array_equal(indices[ents], want.indices[ents])
+    np.testing.assert_array_equal(indptr[rows], want.indptr[rows])
+    np.testing.assert_array_equal(row_sys[rows], np.repeat(np.arange(lo, hi), sizes[lo:hi]))
+    assert (indices[:nnz_off[lo]] == -5).all() and (indices[nnz_off[hi]:] == -5).all()
+    assert (indptr[:offsets[lo]] == -5).all() and (indptr[offsets[hi]:] == -5).all()
+    assert (row_sys[:offsets[lo]] == -5).all() and (row_sys[offsets[hi]:] == -5).all()
+    # The rest, then the whole batch equals SciPy's block-diagonal matrix.
+    gather_blocks(0, lo, idx_addr, ptr_addr, offsets, nnz_off, indptr, indices, row_sys)
+    gather_blocks(hi, len(mats), idx_addr, ptr_addr, offsets, nnz_off, indptr, indices, row_sys)
+    indptr[-1] = nnz_off[-1]
+    np.testing.assert_array_equal(indices, want.indices)
+    np.testing.assert_array_equal(indptr, want.indptr)
