@@ -327,7 +327,7 @@ class DeviceManager:
 
     def record(self, signature: Any, seconds: float, peak_bytes: int = 0, *,
                device: Device | str | None = None, cost: float | None = None,
-               iterations: int | None = None) -> None:
+               iterations: int | None = None, device_seconds: float | None = None) -> None:
         """Learn from a finished piece of work.
 
         Updates the hint for ``signature`` (time, peak memory, and for an
@@ -335,9 +335,19 @@ class DeviceManager:
         first convergence check) and, given the device and the work's
         ``cost``, that device's learned speed, which generalises to work never
         seen before.
+
+        ``device_seconds``, when known (a GPU's own time for the work, from
+        CUDA events), is what the speed is learned from; ``seconds`` (wall
+        time) also holds host work and waits that do not depend on the device:
+        on two identical GPUs fed by one process, wall times of small batches
+        made one look half as fast as the other, and the next plan gave it
+        half the work.
         """
         if not (seconds >= 0 and math.isfinite(seconds)):
             raise ValueError(f"record(seconds={seconds}): expected a finite time >= 0")
+        if device_seconds is not None and not (device_seconds >= 0 and math.isfinite(device_seconds)):
+            raise ValueError(f"record(device_seconds={device_seconds}): expected a finite time >= 0 "
+                             "or None")
         dev = self.get_device(device) if device is not None else None
         key = _sig_key(signature)
         with self._cond:
@@ -359,8 +369,9 @@ class DeviceManager:
                 self._hints.popitem(last=False)
             if dev is not None:
                 self._ledger[dev].measured_total += float(seconds)
-                if cost is not None and seconds > 0:
-                    observed = float(cost) / float(seconds)
+                busy = device_seconds if device_seconds else seconds
+                if cost is not None and busy > 0:
+                    observed = float(cost) / float(busy)
                     self._speed[str(dev)] = (1 - _EMA) * self._speed[str(dev)] + _EMA * observed
 
     def hints(self) -> dict[str, dict]:

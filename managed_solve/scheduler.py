@@ -640,7 +640,7 @@ class _Runner:
             self._done(self._recover(b, dev, exc))
             return
         self.manager.record(("solve_many", b.route, b.group), seconds, b.nbytes, device=dev,
-                            cost=b.cost)
+                            cost=b.cost, device_seconds=_device_seconds(out))
         with self.cond:
             self.batches_run.append((str(dev), b.id, b.nsys))
         for i, res in zip(b.indices, out, strict=True):
@@ -700,6 +700,16 @@ class _Runner:
             return solve(s, device=dev, manager=self.manager)
         with _HOST_KERNEL_LOCK:
             return solve(s, device=dev, manager=self.manager)
+
+
+def _device_seconds(results: Sequence[SolveResult]) -> float | None:
+    """The GPU time of a batch's solve (CUDA events), from a result the batch itself gave."""
+    for r in results:
+        info = r.info
+        gpu = info.get("gpu_seconds")
+        if gpu and not info.get("restarted") and not info.get("polished"):
+            return float(gpu)
+    return None
 
 
 @dataclass

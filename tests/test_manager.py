@@ -247,6 +247,28 @@ def test_learned_device_speed_rebalances_dispersal():
     assert on0 == 6  # 3:1 split of equal work
 
 
+def test_device_speed_is_learned_from_device_time_when_given():
+    """Equal devices whose wall times differ by host work keep equal speeds (and equal shares)."""
+    dm = DeviceManager(simulate="2x1GiB", reserved=0.0)
+    cost = 1e9
+    nominal = dm.get_device("sim:0").bandwidth
+    for _ in range(6):
+        gpu = cost / nominal
+        dm.record("w0", gpu, device="sim:0", cost=cost, device_seconds=gpu)
+        # sim:1's batches waited on the host as long again: wall twice the device time.
+        dm.record("w1", 2 * gpu, device="sim:1", cost=cost, device_seconds=gpu)
+    assert dm.speed(dm.get_device("sim:1")) == pytest.approx(dm.speed(dm.get_device("sim:0")))
+    held = [dm.reserve(MiB, cost=cost) for _ in range(8)]
+    assert sum(str(r.device) == "sim:0" for r in held) == 4
+    # The hint keeps the wall time (what a caller waits for).
+    assert dm.hints()["w1"]["seconds"] == pytest.approx(2 * cost / nominal)
+    # Without device time, wall time is the speed's measure (as before).
+    dm.record("w1", 4 * cost / nominal, device="sim:1", cost=cost)
+    assert dm.speed(dm.get_device("sim:1")) < 0.7 * dm.speed(dm.get_device("sim:0"))
+    with pytest.raises(ValueError, match="device_seconds"):
+        dm.record("w1", 1.0, device="sim:1", cost=cost, device_seconds=float("inf"))
+
+
 def test_hints_bounded_and_saved(tmp_path):
     dm = DeviceManager(simulate="1x1GiB", max_hints=10)
     for i in range(25):

@@ -651,3 +651,16 @@ def test_garbage_collection_is_paused_during_the_call_and_restored_after(sims, m
     seen.clear()
     solve_many(systems, manager=sims)
     assert seen == [True]
+
+
+def test_device_time_of_a_batch_comes_from_its_own_results():
+    from managed_solve.result import SolveResult
+
+    def res(**info):
+        return SolveResult(None, Status.CONVERGED, info=info)
+
+    assert sched._device_seconds([res(), res(gpu_seconds=None)]) is None  # host batches: none
+    # A restarted or polished result carries another solve's time; the batch's own counts.
+    out = [res(gpu_seconds=0.001, restarted=True), res(gpu_seconds=0.5, polished=True),
+           res(gpu_seconds=0.04), res(gpu_seconds=0.04)]
+    assert sched._device_seconds(out) == 0.04

@@ -68,6 +68,13 @@ CONTIGUOUS_ROWS = True
 CHECK_EVERY = 8
 # Checkpoints' worth of iterations the host keeps queued beyond the last it read.
 AHEAD = 2
+# ... and at least this much GPU time, from the measured time of an iteration:
+# a worker thread may wait for the GIL up to the interpreter's switch interval
+# (5 ms) behind another thread, so a queue of 48 iterations of 56 us (one 1M-row
+# system on an H200) ran dry while two GPUs' stagers packed beside it (its
+# solve took 120 instead of 107 ms). Iterations queued past convergence run
+# masked (a few microseconds each for a finished system).
+AHEAD_SECONDS = 0.012
 # Compaction: once the running systems hold at most this fraction of the rows
 # the kernels walk, and those are at least COMPACT_MIN_ROWS, the kernels walk
 # only the running systems' rows.
@@ -982,8 +989,10 @@ class _Solver:
         syncs = checkpoints = 0
         launched = seen = 0
         final = None
+        per_it = math.inf  # GPU milliseconds an iteration, measured at checkpoints
         with stream:
             started = stream.record()  # GPU time of the solve, read once it is over
+            last_event = started
             self._setup()
             graph = self._capture(stream) if use_graph and maxmax > 0 else None
             while True:
@@ -1013,6 +1022,12 @@ class _Solver:
                     syncs += 1  # this wait drains the queue (maxiter reached, or check_every)
                 event.synchronize()  # sync: checkpoint `at`; later iterations stay queued
                 checkpoints += 1
+                # The fastest stretch between checkpoints is closest to the GPU's own
+                # time per iteration (a stretch may include idling on the host).
+                ms = cp.cuda.get_elapsed_time(last_event, event)  # both events are complete
+                if at > seen and ms > 0:
+                    per_it = min(per_it, ms / (at - seen))
+                last_event = event
                 seen = at
                 status = buf[16 * self.nsys:].view(np.int32)
                 if not (status == RUNNING).any():
@@ -1024,6 +1039,8 @@ class _Solver:
                         f"running after {at} iterations with maxiter <= {maxmax}; this is a bug "
                         "in managed_solve's CUDA Krylov kernels, please report it")
                 ahead = AHEAD * spacing
+                if per_it < math.inf:
+                    ahead = max(ahead, -(-int(AHEAD_SECONDS * 1e3 / per_it) // spacing) * spacing)
                 if self._compact(status, stream) and graph is not None:
                     self._keep.append(graph)  # its queued launches still run
                     graph = self._capture(stream)
