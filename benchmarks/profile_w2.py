@@ -100,6 +100,7 @@ def install():
     timed(_cuda_krylov._Solver, "_capture", label="graph capture")
     timed(_cuda_krylov._Solver, "_compact", label="compaction")
     timed(sched._Runner, "_deliver", label="deliver (per result)")
+    timed(sched._Runner, "_deliver_many", label="deliver (per batch)")
     timed(sched, "_prefetch_methods")
     timed(sched, "_select_devices")
     timed(sched, "_packed_bytes")

@@ -227,13 +227,18 @@ def test_out_of_memory_every_second_batch_loses_and_duplicates_nothing(spec, mon
     counter = [0]
     dm.accelerators[0].fault = fail_every_second(counter)
     delivered: list[int] = []
-    real = sched._Runner._deliver
+    real, real_many = sched._Runner._deliver, sched._Runner._deliver_many
 
     def spy(self, i, res):
         delivered.append(i)
         return real(self, i, res)
 
+    def spy_many(self, indices, out):
+        delivered.extend(indices)
+        return real_many(self, indices, out)
+
     monkeypatch.setattr(sched._Runner, "_deliver", spy)
+    monkeypatch.setattr(sched._Runner, "_deliver_many", spy_many)
     systems = mixed_systems(80, seed=8, lo=3, hi=12)
     results = solve_many(systems, manager=dm)
     assert counter[0] >= 2  # the fault fired
@@ -255,13 +260,17 @@ def test_a_device_that_always_fails_ends_on_the_cpu():
     assert {r.device for r in results} == {"cpu"}
 
 
-def test_a_non_device_error_is_a_device_error_result_not_a_crash(monkeypatch):
+# The device part of a batch, its results (built on the finisher thread), or
+# the whole without the finisher.
+@pytest.mark.parametrize("where", ["_run_packed", "_results", "_solve_packed"])
+def test_a_non_device_error_is_a_device_error_result_not_a_crash(where, monkeypatch):
     dm = DeviceManager(simulate="1x64MiB")
 
     def broken(*a, **k):
         raise ZeroDivisionError("bug in a solver")
 
-    monkeypatch.setattr(sched, "_solve_packed", broken)
+    monkeypatch.setattr(sched, where, broken)
+    monkeypatch.setattr(sched, "OVERLAP_RESULTS", where != "_solve_packed")
     systems = mixed_systems(5, seed=10)
     results = solve_many(systems, manager=dm)
     assert all(r.status is Status.DEVICE_ERROR for r in results)
@@ -664,3 +673,23 @@ def test_device_time_of_a_batch_comes_from_its_own_results():
     out = [res(gpu_seconds=0.001, restarted=True), res(gpu_seconds=0.5, polished=True),
            res(gpu_seconds=0.04), res(gpu_seconds=0.04)]
     assert sched._device_seconds(out) == 0.04
+
+
+def test_a_device_error_while_building_results_retries_the_batch_and_loses_nothing(monkeypatch):
+    """The finisher thread's failure goes through the same split-and-retry as the solve's."""
+    dm = DeviceManager(simulate="2x64MiB")
+    real = sched._results
+    calls = [0]
+
+    def flaky(*a, **k):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise SimulatedOutOfMemory("injected while building results")
+        return real(*a, **k)
+
+    monkeypatch.setattr(sched, "_results", flaky)
+    systems = mixed_systems(40, seed=13, lo=3, hi=12)
+    results = solve_many(systems, manager=dm)
+    assert calls[0] >= 2
+    assert_solves(systems, results)
+    assert all(dm.reserved_bytes(d) == 0 for d in ("sim:0", "sim:1"))

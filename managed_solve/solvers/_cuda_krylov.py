@@ -61,6 +61,8 @@ GRAPH_MAX_ROWS = 1 << 20
 # process, a launch loop that waits for the GIL (up to the 5 ms switch
 # interval behind a busy thread) lets a GPU run dry.
 GRAPH_BATCHES = True
+# prepare() captures a batch's first graph beside the previous batch's compute.
+PREPARE_GRAPH = True
 # Row loops of the kernels with sums: a contiguous run of rows per warp (True)
 # or grid-stride steps (False); see MS_WARP_ROWS.
 CONTIGUOUS_ROWS = True
@@ -800,6 +802,13 @@ def prepare(batch: Any, method: str) -> None:
     dev = batch.data.device.id
     with cp.cuda.Device(dev):
         solver = _Solver(cp, batch, method, dev)
+        stream = cp.cuda.get_current_stream()
+        # The CUDA graph of the first iterations too: its capture launches every
+        # kernel of GRAPH_CHUNK iterations from Python, which took 8-37 ms instead
+        # of 1-2 on the worker while the stagers of two GPUs packed (the GPU idle
+        # meanwhile). Capture needs a stream other than the default ones.
+        if PREPARE_GRAPH and solver.uses_graph and stream.ptr not in (0, 1, 2):
+            solver.graph = solver._capture(stream)
     solver.batch = None  # no cycle: a batch dropped unsolved frees its workspace at once
     batch._workspace = solver
 
@@ -848,6 +857,9 @@ class _Solver:
         self.compact = np.int32(0)
         self.compactions = 0
         self.sizes = np.diff(batch.offsets).astype(np.int64)
+        self.maxmax = int(batch.maxiter.max()) if nsys else 0
+        self.uses_graph = self.maxmax > 0 and (n <= GRAPH_MAX_ROWS or (nsys > 1 and GRAPH_BATCHES))
+        self.graph = None  # captured ahead by prepare()
 
     # -- launches ---------------------------------------------------------------------
     def _rows(self, fn: Any, *args: Any) -> None:
@@ -976,9 +988,9 @@ class _Solver:
         stream = cp.cuda.Stream(non_blocking=True)
         # The batch was written on the caller's stream; ours must see it.
         stream.wait_event(caller.record())
-        use_graph = self.n <= GRAPH_MAX_ROWS or (self.nsys > 1 and GRAPH_BATCHES)
+        use_graph = self.uses_graph
         unit = GRAPH_CHUNK if use_graph else 1
-        maxmax = int(self.batch.maxiter.max())
+        maxmax = self.maxmax
         last = -(-maxmax // unit) * unit  # iterations launched at most
         spacing = int(check_every) if check_every is not None else (GRAPH_CHUNK if use_graph else CHECK_EVERY)
         spacing = max(unit, -(-spacing // unit) * unit)
@@ -994,7 +1006,9 @@ class _Solver:
             started = stream.record()  # GPU time of the solve, read once it is over
             last_event = started
             self._setup()
-            graph = self._capture(stream) if use_graph and maxmax > 0 else None
+            graph, self.graph = self.graph, None
+            if graph is None and use_graph:
+                graph = self._capture(stream)
             while True:
                 while launched < last and (launched - seen < ahead or not pending):
                     target = min(launched + spacing, last)

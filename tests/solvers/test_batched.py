@@ -570,6 +570,18 @@ def test_gpu_prepared_workspace_is_used_once_and_gives_the_same_solve():
     cp.cuda.Device(0).synchronize()
     _cuda_krylov._release_done()  # masked iterations queued after convergence kept it until done
     assert ws() is None
+    # On a stager's stream the first CUDA graph is captured ahead too, and used.
+    staged = PackedBatch.pack(systems, device="cuda:0")
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        _cuda_krylov.prepare(staged, "cg")
+    stream.synchronize()
+    solver = staged._workspace
+    assert solver.uses_graph and solver.graph is not None
+    out = cg_batched(staged)
+    assert solver.graph is None  # taken by the solve
+    assert (out.status == 0).all() and (np.abs(out.iterations - plain.iterations) <= 1).all()
+    np.testing.assert_allclose(host(out.x), host(plain.x), rtol=1e-6, atol=1e-9)
 
 
 def test_retired_buffers_are_released_once_their_work_is_done(monkeypatch):
