@@ -175,8 +175,9 @@ def run(title, systems, devices, dm, rounds, **kw):
 CONFIGS = {
     "default": {},
     "no-graph-batches": {"graph_batches": False},
-    "switch-0.5ms": {"switch": 5e-4},  # the interpreter's GIL switch interval (default 5 ms)
-    "gc-off": {"gc": False},
+    "switch-5ms": {"switch": 5e-3},  # scheduler.SWITCH_INTERVAL: the interpreter's default
+    "gc-on": {"gc": True},  # scheduler.PAUSE_GC off: collections may run during the call
+    "results-on-worker": {"overlap": False},  # scheduler.OVERLAP_RESULTS off
     "workspace-on-worker": {"prepare": False},  # scheduler.PREPARE_WORKSPACE off
     "batches-per-gpu-2": {"bpd": 2},  # packing.BATCHES_PER_DEVICE (default 4)
     "batches-per-gpu-3": {"bpd": 3},
@@ -184,14 +185,15 @@ CONFIGS = {
 
 
 def configure(name):
-    """Apply one experiment's settings (module flags, interpreter settings)."""
+    """Apply one experiment's settings (module flags of the library)."""
     cfg = CONFIGS[name]
     _cuda_krylov.GRAPH_BATCHES = cfg.get("graph_batches", True)
-    sys.setswitchinterval(cfg.get("switch", 5e-3))
+    sched.SWITCH_INTERVAL = cfg.get("switch", 5e-4)
+    sched.PAUSE_GC = not cfg.get("gc", False)
+    sched.OVERLAP_RESULTS = cfg.get("overlap", True)
     sched.PREPARE_WORKSPACE = cfg.get("prepare", True)
     sched.target_rows = functools.partial(packing.target_rows,
                                           batches_per_device=cfg.get("bpd", packing.BATCHES_PER_DEVICE))
-    (gc.enable if cfg.get("gc", True) else gc.disable)()
 
 
 def main():

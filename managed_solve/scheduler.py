@@ -24,6 +24,7 @@ import gc
 import logging
 import math
 import os
+import sys
 import threading
 import time
 from collections import deque
@@ -1160,40 +1161,68 @@ def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = 
                                  on_error=on_error, manager=manager)
 
 
-# The interpreter's automatic (cyclic) garbage collection is paused while
-# solve_many runs: a call makes tens of thousands of objects (estimates,
-# batches, results) that survive it, which sets off full collections of the
-# whole process; each holds the GIL for 70-100 ms with 10,000 results alive
-# (measured on the H200 host), stalling every GPU's worker at once. Reference
-# counting frees everything acyclic as usual; collection resumes (as the
-# caller had it) when the last concurrent call returns.
+# While solve_many runs, two interpreter settings are changed for the whole
+# process, and restored (as the caller had them) when the last concurrent
+# call returns:
+#
+# - automatic (cyclic) garbage collection is paused (PAUSE_GC): a call makes
+#   tens of thousands of objects (estimates, batches, results) that survive
+#   it, which sets off full collections of the process; each held the GIL for
+#   70-100 ms with 10,000 results alive (H200 host), stalling every GPU's
+#   worker at once. Reference counting frees everything acyclic as usual.
+# - with two or more GPUs, the GIL switch interval is shortened
+#   (SWITCH_INTERVAL, seconds; None leaves it): each GPU's worker wakes on
+#   CUDA events and must take the GIL back from stager and finisher threads
+#   running Python, which with the default 5 ms made it see convergence late
+#   and let its queue run dry. W2-large on 2 x H200, one process: 743 ms with
+#   5 ms, 653 ms with 0.5 ms (one GPU: 1,032 and 1,036 ms).
 PAUSE_GC = True
+SWITCH_INTERVAL: float | None = 5e-4
 # Accelerators build a batch's results on a helper thread while the next batch
 # computes (see _Runner._finish).
 OVERLAP_RESULTS = True
-_gc_lock = threading.Lock()
-_gc_calls = 0
-_gc_was_enabled = False
+
+
+class _ProcessSetting:
+    """An interpreter setting held at a value while any solve_many call needs it."""
+
+    def __init__(self, get: Callable[[], Any], put: Callable[[Any], None]):
+        self.get, self.put = get, put
+        self.lock = threading.Lock()
+        self.calls = 0
+        self.saved: Any = None
+
+    @contextmanager
+    def held(self, value: Any, active: bool = True) -> Iterator[None]:
+        if not active:
+            yield
+            return
+        with self.lock:
+            if self.calls == 0:
+                self.saved = self.get()
+                self.put(value)
+            self.calls += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.calls -= 1
+                if self.calls == 0:
+                    self.put(self.saved)
+
+
+def _set_gc(enabled: bool) -> None:
+    (gc.enable if enabled else gc.disable)()
+
+
+_GC = _ProcessSetting(gc.isenabled, _set_gc)
+_SWITCH = _ProcessSetting(sys.getswitchinterval, sys.setswitchinterval)
 
 
 @contextmanager
 def _gc_paused() -> Iterator[None]:
-    global _gc_calls, _gc_was_enabled
-    if not PAUSE_GC:
+    with _GC.held(False, active=PAUSE_GC):
         yield
-        return
-    with _gc_lock:
-        if _gc_calls == 0:
-            _gc_was_enabled = gc.isenabled()
-            gc.disable()
-        _gc_calls += 1
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_calls -= 1
-            if _gc_calls == 0 and _gc_was_enabled:
-                gc.enable()
 
 
 def _solve_many_local(systems: Iterable[Any], *, disperse: bool, devices: Any, method: str, M: Any,
@@ -1241,7 +1270,9 @@ def _solve_many_local(systems: Iterable[Any], *, disperse: bool, devices: Any, m
         batch_bytes = _packed_bytes(mgr, valid)
         plan = plan_work(ests, devs, mgr, batch_bytes=batch_bytes)
         runner = _Runner(valid, plan, devs, mgr, results, bar=bar, batch_bytes=batch_bytes)
-        runner.run()
+        gpus = sum(d.is_gpu for d in devs)  # simulated GPUs too: the same threads
+        with _SWITCH.held(SWITCH_INTERVAL, active=SWITCH_INTERVAL is not None and gpus >= 2):
+            runner.run()
         # Sharded systems use every accelerator at once: after the batches.
         for i in plan.sharded:
             results[i] = _run_sharded(valid[i], devs, mgr)

@@ -693,3 +693,24 @@ def test_a_device_error_while_building_results_retries_the_batch_and_loses_nothi
     assert calls[0] >= 2
     assert_solves(systems, results)
     assert all(dm.reserved_bytes(d) == 0 for d in ("sim:0", "sim:1"))
+
+
+def test_switch_interval_is_shortened_while_two_gpus_are_fed_and_restored_after(monkeypatch):
+    import sys
+
+    seen = []
+    run = sched._Runner.run
+
+    def spying(self):
+        seen.append(sys.getswitchinterval())
+        return run(self)
+
+    monkeypatch.setattr(sched._Runner, "run", spying)
+    before = sys.getswitchinterval()
+    systems = mixed_systems(4, seed=14)
+    solve_many(systems, manager=DeviceManager(simulate="2x64MiB"))
+    solve_many(systems, manager=DeviceManager(simulate="1x64MiB"))
+    monkeypatch.setattr(sched, "SWITCH_INTERVAL", None)
+    solve_many(systems, manager=DeviceManager(simulate="2x64MiB"))
+    assert seen == [pytest.approx(5e-4), before, before]
+    assert sys.getswitchinterval() == before

@@ -1039,6 +1039,7 @@ class _Solver:
                 while pending and pending[0][1].done:
                     free.append(buf)  # complete: an event after it is
                     at, event, buf = pending.popleft()
+                    checkpoints += 1  # passed (and counted) without a wake-up of its own
                 if not pending:
                     syncs += 1  # this wait drains the queue (maxiter reached, or check_every)
                 event.synchronize()  # sync: checkpoint `at`; later iterations stay queued
