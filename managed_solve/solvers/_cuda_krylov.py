@@ -70,13 +70,17 @@ CONTIGUOUS_ROWS = True
 CHECK_EVERY = 8
 # Checkpoints' worth of iterations the host keeps queued beyond the last it read.
 AHEAD = 2
-# ... and at least this much GPU time, from the measured time of an iteration:
-# a worker thread may wait for the GIL up to the interpreter's switch interval
-# (5 ms) behind another thread, so a queue of 48 iterations of 56 us (one 1M-row
-# system on an H200) ran dry while two GPUs' stagers packed beside it (its
-# solve took 120 instead of 107 ms). Iterations queued past convergence run
-# masked (a few microseconds each for a finished system).
+# Once the host is seen running behind (a checkpoint the GPU passed before the
+# host came to read it), at least this much GPU time, from the measured time
+# of an iteration, but at most AHEAD_FRACTION of the GPU time the solve has
+# taken so far: a worker thread may wait for the GIL up to the interpreter's
+# switch interval behind another thread, and a queue of 48 iterations of 56 us
+# (one 1M-row system on an H200) ran dry while two GPUs' stagers packed beside
+# it (120 instead of 107 ms). Iterations queued past convergence run masked
+# (a few microseconds each), and later work on the caller's stream waits for
+# them, hence the fraction: a short solve is not lengthened by a long tail.
 AHEAD_SECONDS = 0.012
+AHEAD_FRACTION = 0.2
 # Compaction: once the running systems hold at most this fraction of the rows
 # the kernels walk, and those are at least COMPACT_MIN_ROWS, the kernels walk
 # only the running systems' rows.
@@ -1002,6 +1006,7 @@ class _Solver:
         launched = seen = 0
         final = None
         per_it = math.inf  # GPU milliseconds an iteration, measured at checkpoints
+        behind = False  # the host came late to a checkpoint (the GPU had passed it)
         with stream:
             started = stream.record()  # GPU time of the solve, read once it is over
             last_event = started
@@ -1040,6 +1045,7 @@ class _Solver:
                     free.append(buf)  # complete: an event after it is
                     at, event, buf = pending.popleft()
                     checkpoints += 1  # passed (and counted) without a wake-up of its own
+                    behind = True
                 if not pending:
                     syncs += 1  # this wait drains the queue (maxiter reached, or check_every)
                 event.synchronize()  # sync: checkpoint `at`; later iterations stay queued
@@ -1061,8 +1067,10 @@ class _Solver:
                         f"running after {at} iterations with maxiter <= {maxmax}; this is a bug "
                         "in managed_solve's CUDA Krylov kernels, please report it")
                 ahead = AHEAD * spacing
-                if per_it < math.inf:
-                    ahead = max(ahead, -(-int(AHEAD_SECONDS * 1e3 / per_it) // spacing) * spacing)
+                if behind and per_it < math.inf:
+                    spent = cp.cuda.get_elapsed_time(started, event)  # ms, both complete
+                    want = min(AHEAD_SECONDS * 1e3, AHEAD_FRACTION * spent)
+                    ahead = max(ahead, -(-int(want / per_it) // spacing) * spacing)
                 if self._compact(status, stream) and graph is not None:
                     self._keep.append(graph)  # its queued launches still run
                     graph = self._capture(stream)

@@ -339,7 +339,9 @@ def test_gpu_converged_solve_never_drains_the_queue(method):
     # iterations more or less (149 on the CPU, 144 on an H200).
     its = int(ref.iterations[0])
     assert abs(int(out.iterations[0]) - its) <= (2 if method == "cg" else 2 + 0.1 * its)
-    assert out.checkpoints == -(-int(out.iterations[0]) // 24)  # read the chunk it converged in
+    # Seen at the checkpoint of the chunk it converged in, or a later one when the
+    # host came late and skipped to the newest the GPU had passed.
+    assert out.checkpoints >= -(-int(out.iterations[0]) // 24)
     # The masked iterations queued after convergence did not move x.
     assert true_residual(A, host(out.x), b) <= 1.5e-8 * np.linalg.norm(b)
 
