@@ -124,6 +124,19 @@ def thread_pool(name: str, workers: int) -> ThreadPoolExecutor:
         return pool
 
 
+def pinned_empty(count: int, dtype: Any, keep: list) -> np.ndarray:
+    """A NumPy array of ``count`` elements over page-locked memory from CuPy's pinned pool.
+
+    The pool hands a block out again as soon as its owner is freed, even while
+    an asynchronous copy from or to it is still queued: ``keep`` (a list the
+    caller holds until its copies are done) keeps the block alive.
+    """
+    dt = np.dtype(dtype)
+    mem = cupy().cuda.alloc_pinned_memory(max(1, int(count) * dt.itemsize))
+    keep.append(mem)
+    return np.frombuffer(mem, dtype=dt, count=int(count))
+
+
 def is_torch_tensor(x: Any) -> bool:
     if type(x) is np.ndarray:  # the common case, without a module look-up
         return False

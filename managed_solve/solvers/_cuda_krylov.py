@@ -1092,12 +1092,8 @@ class _Solver:
 
 
 def _pinned(nbytes: int, dtype: Any, keep: list) -> np.ndarray:
-    """A NumPy array over page-locked memory (kept alive by ``keep``)."""
-    cp = _backend.cupy()
-    dt = np.dtype(dtype)
-    mem = cp.cuda.alloc_pinned_memory(max(1, nbytes))
-    keep.append(mem)
-    return np.frombuffer(mem, dtype=dt, count=nbytes // dt.itemsize)
+    """A NumPy array over ``nbytes`` of page-locked memory (kept alive by ``keep``)."""
+    return _backend.pinned_empty(nbytes // np.dtype(dtype).itemsize, dtype, keep)
 
 
 # Page-locked buffers whose device -> host copies were still queued when their

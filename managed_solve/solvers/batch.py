@@ -598,16 +598,11 @@ def _pack_host_to_gpu(systems: Sequence[Any], *, jacobi: bool, device_id: int, d
     the compute of another batch.
     """
     cp = _backend.cupy()
-    # The pinned pool may hand a freed buffer out again while its copy is in
-    # flight, so every buffer lives as long as the batch.
-    keep: list[np.ndarray] = []
+    # Every page-locked buffer lives as long as the batch (its copy may be in flight).
+    keep: list = []
 
     def pinned(shape: int, dt: Any) -> np.ndarray:
-        dt = np.dtype(dt)
-        mem = cp.cuda.alloc_pinned_memory(max(1, shape * dt.itemsize))
-        a = np.frombuffer(mem, dtype=dt, count=shape)
-        keep.append(a)
-        return a
+        return _backend.pinned_empty(shape, dt, keep)
 
     # A pool per GPU: two GPUs' stagers packing at once each get their own
     # threads (one shared pool made each wait behind the other's pieces).
@@ -618,7 +613,7 @@ def _pack_host_to_gpu(systems: Sequence[Any], *, jacobi: bool, device_id: int, d
     def up(a: Any) -> Any:
         if a is None:
             return None
-        if not any(a is k for k in keep):  # small arrays made by numpy itself
+        if not a.flags.c_contiguous:
             a = np.ascontiguousarray(a)
         out = cp.empty(a.shape, dtype=a.dtype)
         out.set(a, stream=stream)
