@@ -960,11 +960,11 @@ class _Solver:
         m = int(lens.sum())
         if m == 0 or m > COMPACT_FRACTION * int(self.nact):
             return False
+        from ..kernels.packing import active_rows
+
         starts = self.batch.offsets[:-1][running].astype(np.int64)
-        pos = np.zeros(len(running), dtype=np.int64)
-        np.cumsum(lens[:-1], out=pos[1:])
         host = _pinned(m * self.act.itemsize, self.act.dtype, self._keep)
-        np.add(np.arange(m, dtype=np.int64), np.repeat(starts - pos, lens), out=host, casting="unsafe")
+        active_rows(starts, lens, host)  # without the GIL
         self.cp.cuda.runtime.memcpyAsync(self.act.data.ptr, host.ctypes.data, host.nbytes,
                                          self.cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
         self.nact = np.int64(m)

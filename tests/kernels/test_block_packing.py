@@ -231,3 +231,16 @@ def test_gather_blocks_copies_and_shifts_only_its_systems(index_dtype):
     indptr[-1] = nnz_off[-1]
     np.testing.assert_array_equal(indices, want.indices)
     np.testing.assert_array_equal(indptr, want.indptr)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_active_rows_lists_each_running_systems_rows(dtype):
+    from managed_solve.kernels.packing import active_rows
+
+    offsets = np.array([0, 4, 4, 9, 12, 20], dtype=np.int64)  # an empty system too
+    running = np.array([0, 1, 3, 4])
+    starts, lens = offsets[:-1][running], np.diff(offsets)[running]
+    out = np.full(int(lens.sum()), -1, dtype=dtype)
+    active_rows(starts, lens, out)
+    want = np.concatenate([np.arange(offsets[j], offsets[j + 1]) for j in running])
+    np.testing.assert_array_equal(out, want.astype(dtype))
