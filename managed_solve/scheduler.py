@@ -646,9 +646,8 @@ class _Runner:
         """Compute a staged batch, deliver its results, release its bytes, learn its time.
 
         With a ``finisher`` (accelerators, ``OVERLAP_RESULTS``), a batched
-        solve's results are built there while this worker starts the next
-        batch: thousands of results a batch took 5-20 ms of Python during
-        which the GPU had nothing queued.
+        solve's results (thousands a batch, 5-20 ms of Python) are built
+        there while this worker starts the next batch.
         """
         b = st.batch
         batch_info = {"batch": b.id, "batch_size": b.nsys, "reserved_bytes": b.nbytes}
@@ -1179,15 +1178,17 @@ def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = 
 #   worker at once. Reference counting frees everything acyclic as usual.
 # - with two or more GPUs, the GIL switch interval is shortened
 #   (SWITCH_INTERVAL, seconds; None leaves it): each GPU's worker wakes on
-#   CUDA events and must take the GIL back from stager and finisher threads
-#   running Python, which with the default 5 ms made it see convergence late
-#   and let its queue run dry. W2-large on 2 x H200, one process: 743 ms with
-#   5 ms, 653 ms with 0.5 ms (one GPU: 1,032 and 1,036 ms).
+#   CUDA events and must take the GIL back from the stager threads running
+#   Python, which with the default 5 ms made it see convergence late. W2-large
+#   on 2 x H200, paired runs in one process (medians of 3): 591 and 626 ms
+#   with 0.5 ms, 609 and 645 ms with 5 ms: a small gain, in both pairs.
 PAUSE_GC = True
 SWITCH_INTERVAL: float | None = 5e-4
-# Accelerators build a batch's results on a helper thread while the next batch
-# computes (see _Runner._finish).
-OVERLAP_RESULTS = True
+# True: accelerators build a batch's results on a helper thread while the next
+# batch computes (see _Runner._finish). Off: in paired W2-large runs on 2 x H200
+# it gained nothing (587 and 587 ms off, 591 and 626 ms on), the helper's
+# Python contending for the GIL with the workers' launches.
+OVERLAP_RESULTS = False
 
 
 class _ProcessSetting:

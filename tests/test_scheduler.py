@@ -675,8 +675,11 @@ def test_device_time_of_a_batch_comes_from_its_own_results():
     assert sched._device_seconds(out) == 0.04
 
 
-def test_a_device_error_while_building_results_retries_the_batch_and_loses_nothing(monkeypatch):
-    """The finisher thread's failure goes through the same split-and-retry as the solve's."""
+@pytest.mark.parametrize("overlap", [True, False])  # results on the finisher thread, or the worker
+def test_a_device_error_while_building_results_retries_the_batch_and_loses_nothing(overlap,
+                                                                                 monkeypatch):
+    """A failure while building results goes through the same split-and-retry as the solve's."""
+    monkeypatch.setattr(sched, "OVERLAP_RESULTS", overlap)
     dm = DeviceManager(simulate="2x64MiB")
     real = sched._results
     calls = [0]
