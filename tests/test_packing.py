@@ -175,3 +175,30 @@ def test_split_halves_partition_by_rows_and_remember_failures():
     assert sum(h.nbytes for h in halves) == b.nbytes
     one = Batch(9, [0], BATCH, (), 900, 4380, 10, 1.0)
     assert split(one, es, next_id=10) == [one]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_band_cuts_by_numpy_equal_the_system_by_system_loop(seed):
+    """The array path of _pack_band (no batch near max_bytes) cuts where the plain loop does."""
+    from managed_solve.packing import _pack_band
+
+    rng = np.random.default_rng(seed)
+    count = int(rng.integers(1, 400))
+    members = [Estimate(int(i), int(n), 5 * int(n), int(rng.integers(1, 1000)), float(rng.random()))
+               for i, n in zip(rng.permutation(count), rng.integers(1, 5000, count), strict=True)]
+    rows = int(rng.choice([100, 2000, 50_000, 10**7]))
+    # max_bytes: every batch far below it (the array path), or near it (the loop throughout).
+    for max_bytes in (1 << 40, 3000):
+        loop, arrays = [], []
+        _pack_band(members, rows, max_bytes, lambda m: sum(e.nbytes for e in m),
+                   lambda m, sums=None, out=loop: out.append([e.index for e in m]))
+        _pack_band(members, rows, max_bytes, lambda m: sum(e.nbytes for e in m),
+                   lambda m, sums=None, out=arrays: out.append(([e.index for e in m], sums)),
+                   np.array([e.n for e in members]))
+        assert [ix for ix, _ in arrays] == loop
+        for ix, sums in arrays:
+            if sums is not None:  # the array path's sums are the batch's own
+                mine = [e for e in members if e.index in set(ix)]
+                assert sums == (ix, sum(e.n for e in mine), sum(e.nnz for e in mine),
+                                sum(e.cost for e in mine))
+        assert sorted(i for ix in loop for i in ix) == sorted(e.index for e in members)
