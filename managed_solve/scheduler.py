@@ -1129,6 +1129,15 @@ def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = 
     SolveManyError
         With ``on_error="raise"``, when some system did not converge.
 
+    Notes
+    -----
+    While a call runs, automatic (cyclic) garbage collection is paused, and
+    with two or more GPUs the interpreter's GIL switch interval is 0.5 ms;
+    both are restored when the last concurrent call returns
+    (``scheduler.PAUSE_GC`` and ``scheduler.SWITCH_INTERVAL = None`` leave
+    them alone). One process feeds every GPU: a full collection or a 5 ms GIL
+    hand-off stalls all of them (``docs/performance.md``).
+
     See Also
     --------
     managed_solve.solve : one system on one device.
