@@ -99,7 +99,7 @@ def solve_bytes(n: int, nnz: int, *, itemsize: int = 8, index_itemsize: int = 4,
     return int(csr + vectors * n * itemsize + 4 * n + 64 * nsys)
 
 
-@dataclass
+@dataclass(slots=True)
 class Estimate:
     """What the planner knows about one input system."""
 
@@ -114,7 +114,7 @@ class Estimate:
     iterations: float = 0.0  # predicted Krylov iterations (0: not predicted; pack() uses n)
 
 
-@dataclass
+@dataclass(slots=True)
 class Batch:
     """Systems that run together on one device (one block-diagonal CSR for ``BATCH``)."""
 
@@ -133,7 +133,7 @@ class Batch:
         return len(self.indices)
 
 
-@dataclass
+@dataclass(slots=True)
 class Slot:
     """A device as the planner sees it."""
 
