@@ -177,7 +177,6 @@ CONFIGS = {
     "no-graph-batches": {"graph_batches": False},
     "switch-5ms": {"switch": 5e-3},  # scheduler.SWITCH_INTERVAL: the interpreter's default
     "gc-on": {"gc": True},  # scheduler.PAUSE_GC off: collections may run during the call
-    "results-on-finisher": {"overlap": True},  # scheduler.OVERLAP_RESULTS on
     "workspace-on-worker": {"prepare": False},  # scheduler.PREPARE_WORKSPACE off
     "batches-per-gpu-2": {"bpd": 2},  # packing.BATCHES_PER_DEVICE (default 4)
     "batches-per-gpu-3": {"bpd": 3},
@@ -190,7 +189,6 @@ def configure(name):
     _cuda_krylov.GRAPH_BATCHES = cfg.get("graph_batches", True)
     sched.SWITCH_INTERVAL = cfg.get("switch", 5e-4)
     sched.PAUSE_GC = not cfg.get("gc", False)
-    sched.OVERLAP_RESULTS = cfg.get("overlap", False)
     sched.PREPARE_WORKSPACE = cfg.get("prepare", True)
     sched.target_rows = functools.partial(packing.target_rows,
                                           batches_per_device=cfg.get("bpd", packing.BATCHES_PER_DEVICE))

@@ -583,8 +583,6 @@ class _Runner:
         """Run a device's queue; on accelerators, stage the next batch while this one computes."""
         name = str(dev)
         stager = _Stager(dev) if dev.kind != "cpu" else None
-        finisher = (ThreadPoolExecutor(1, thread_name_prefix=f"finish-{dev}")
-                    if stager is not None and OVERLAP_RESULTS else None)
         ahead: _Staged | None = None
         try:
             while True:
@@ -601,10 +599,8 @@ class _Runner:
                     nb = self._pop_nowait(name)
                     if nb is not None:
                         ahead = self._start(nb, dev, stager)
-                self._finish(cur, dev, finisher)
+                self._finish(cur, dev)
         finally:
-            if finisher is not None:
-                finisher.shutdown(wait=True)
             if stager is not None:
                 stager.close()
 
@@ -642,32 +638,10 @@ class _Runner:
             self._done(self._recover(b, dev, exc))
             return None
 
-    def _finish(self, st: _Staged, dev: Device, finisher: ThreadPoolExecutor | None = None) -> None:
-        """Compute a staged batch, deliver its results, release its bytes, learn its time.
-
-        With a ``finisher`` (accelerators, ``OVERLAP_RESULTS``), a batched
-        solve's results (thousands a batch, 5-20 ms of Python) are built
-        there while this worker starts the next batch.
-        """
+    def _finish(self, st: _Staged, dev: Device) -> None:
+        """Compute a staged batch, deliver its results, release its bytes, learn its time."""
         b = st.batch
         batch_info = {"batch": b.id, "batch_size": b.nsys, "reserved_bytes": b.nbytes}
-        if finisher is not None and b.route == BATCH:
-            t0 = time.perf_counter()
-            try:
-                with dev.context():
-                    packed = st.packed.result()
-                    systems = [self.systems[i] for i in b.indices]
-                    if dev.kind == "cuda":
-                        solved = _run_packed(packed, b.group[0])
-                    else:
-                        with _HOST_KERNEL_LOCK:
-                            solved = _run_packed(packed, b.group[0])
-            except BaseException as exc:  # noqa: BLE001 - every failure must end in results
-                st.reservation.release()
-                self._done(self._recover(b, dev, exc))
-                return
-            finisher.submit(self._complete, st, dev, t0, systems, packed, solved, batch_info)
-            return
         try:
             t0 = time.perf_counter()
             with st.reservation, dev.context():
@@ -693,35 +667,6 @@ class _Runner:
             self._done(self._recover(b, dev, exc))
             return
         self._deliver_batch(b, dev, out, seconds, batch_info)
-
-    def _complete(self, st: _Staged, dev: Device, t0: float, systems: list[LinearSystem],
-                  packed: Any, solved: tuple, batch_info: dict) -> None:
-        """The results of a batch solved by ``_finish`` (on the device's finisher thread)."""
-        b = st.batch
-        finished = False
-        try:
-            try:
-                with st.reservation, dev.context():
-                    if dev.kind == "cuda":
-                        out = _results(systems, packed, b.group[0], dev, self.manager, solved,
-                                       info=batch_info)
-                    else:
-                        with _HOST_KERNEL_LOCK:
-                            out = _results(systems, packed, b.group[0], dev, self.manager, solved,
-                                           info=batch_info)
-                seconds = time.perf_counter() - t0
-            except BaseException as exc:  # noqa: BLE001 - every failure must end in results
-                st.reservation.release()
-                finished = True
-                self._done(self._recover(b, dev, exc))
-                return
-            finished = True
-            self._deliver_batch(b, dev, out, seconds, batch_info)
-        except BaseException:
-            log.exception("solve_many: internal error delivering batch %d", b.id)
-            if not finished:
-                self._done()  # the workers must not wait for it; solve_many reports what is missing
-            raise
 
     def _deliver_batch(self, b: Batch, dev: Device, out: list[SolveResult], seconds: float,
                        batch_info: dict) -> None:
@@ -1170,7 +1115,7 @@ def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = 
         raise TypeError(f"solve_many: unexpected argument(s) {sorted(cluster_options)}; options "
                         "other than solve_many's own apply to backend='ray' only")
     _check_arguments(method, M, rtol, return_on, on_error, progress)
-    with _gc_paused():
+    with _GC.held(False, active=PAUSE_GC):
         return _solve_many_local(systems, disperse=disperse, devices=devices, method=method, M=M,
                                  rtol=rtol, progress=progress, return_on=return_on,
                                  on_error=on_error, manager=manager)
@@ -1193,11 +1138,6 @@ def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = 
 #   with 0.5 ms, 609 and 645 ms with 5 ms: a small gain, in both pairs.
 PAUSE_GC = True
 SWITCH_INTERVAL: float | None = 5e-4
-# True: accelerators build a batch's results on a helper thread while the next
-# batch computes (see _Runner._finish). Off: in paired W2-large runs on 2 x H200
-# it gained nothing (587 and 587 ms off, 591 and 626 ms on), the helper's
-# Python contending for the GIL with the workers' launches.
-OVERLAP_RESULTS = False
 
 
 class _ProcessSetting:
@@ -1234,12 +1174,6 @@ def _set_gc(enabled: bool) -> None:
 
 _GC = _ProcessSetting(gc.isenabled, _set_gc)
 _SWITCH = _ProcessSetting(sys.getswitchinterval, sys.setswitchinterval)
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    with _GC.held(False, active=PAUSE_GC):
-        yield
 
 
 def _solve_many_local(systems: Iterable[Any], *, disperse: bool, devices: Any, method: str, M: Any,

@@ -260,8 +260,7 @@ def test_a_device_that_always_fails_ends_on_the_cpu():
     assert {r.device for r in results} == {"cpu"}
 
 
-# The device part of a batch, its results (built on the finisher thread), or
-# the whole without the finisher.
+# The device part of a batch (the core, true residuals), its results, or the whole.
 @pytest.mark.parametrize("where", ["_run_packed", "_results", "_solve_packed"])
 def test_a_non_device_error_is_a_device_error_result_not_a_crash(where, monkeypatch):
     dm = DeviceManager(simulate="1x64MiB")
@@ -270,7 +269,6 @@ def test_a_non_device_error_is_a_device_error_result_not_a_crash(where, monkeypa
         raise ZeroDivisionError("bug in a solver")
 
     monkeypatch.setattr(sched, where, broken)
-    monkeypatch.setattr(sched, "OVERLAP_RESULTS", where != "_solve_packed")
     systems = mixed_systems(5, seed=10)
     results = solve_many(systems, manager=dm)
     assert all(r.status is Status.DEVICE_ERROR for r in results)
@@ -604,17 +602,26 @@ def test_large_matrices_method_found_beside_the_estimates(monkeypatch):
         assert np.linalg.norm(s.b - s.A @ r.to_numpy()) <= 1e-8 * np.linalg.norm(s.b)
 
 
-def test_garbage_collection_is_paused_during_the_call_and_restored_after(sims, monkeypatch):
-    import gc
+def spy_on_run(monkeypatch, probe) -> tuple[list, object, object]:
+    """Record ``probe()`` each time a solve_many call starts its workers.
 
-    seen = []
+    Returns the records, the real ``_Runner.run`` and the spy (to set again).
+    """
+    seen: list = []
     run = sched._Runner.run
 
     def spying(self):
-        seen.append(gc.isenabled())
+        seen.append(probe())
         return run(self)
 
     monkeypatch.setattr(sched._Runner, "run", spying)
+    return seen, run, spying
+
+
+def test_garbage_collection_is_paused_during_the_call_and_restored_after(sims, monkeypatch):
+    import gc
+
+    seen, run, spying = spy_on_run(monkeypatch, gc.isenabled)
     systems = mixed_systems(4, seed=12)
     assert gc.isenabled()
     assert_solves(systems, solve_many(systems, manager=sims))
@@ -675,11 +682,8 @@ def test_device_time_of_a_batch_comes_from_its_own_results():
     assert sched._device_seconds(out) == 0.04
 
 
-@pytest.mark.parametrize("overlap", [True, False])  # results on the finisher thread, or the worker
-def test_a_device_error_while_building_results_retries_the_batch_and_loses_nothing(overlap,
-                                                                                 monkeypatch):
+def test_a_device_error_while_building_results_retries_the_batch_and_loses_nothing(monkeypatch):
     """A failure while building results goes through the same split-and-retry as the solve's."""
-    monkeypatch.setattr(sched, "OVERLAP_RESULTS", overlap)
     dm = DeviceManager(simulate="2x64MiB")
     real = sched._results
     calls = [0]
@@ -701,14 +705,7 @@ def test_a_device_error_while_building_results_retries_the_batch_and_loses_nothi
 def test_switch_interval_is_shortened_while_two_gpus_are_fed_and_restored_after(monkeypatch):
     import sys
 
-    seen = []
-    run = sched._Runner.run
-
-    def spying(self):
-        seen.append(sys.getswitchinterval())
-        return run(self)
-
-    monkeypatch.setattr(sched._Runner, "run", spying)
+    seen = spy_on_run(monkeypatch, sys.getswitchinterval)[0]
     before = sys.getswitchinterval()
     systems = mixed_systems(4, seed=14)
     solve_many(systems, manager=DeviceManager(simulate="2x64MiB"))

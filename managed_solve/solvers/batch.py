@@ -424,9 +424,9 @@ def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cp
     """:meth:`PackedBatch.pack` of host CSR systems: copied in parallel pieces, one fix-up pass each.
 
     Each piece of about ``chunk_nnz`` stored entries (cut at system
-    boundaries) is one ``np.concatenate`` per array straight into the batch's
-    buffers (a copy with the GIL released, casting on the fly), then one
-    pass of :func:`managed_solve.kernels.packing.shift_blocks` that makes
+    boundaries) is one GIL-free copy per array straight into the batch's
+    buffers (:func:`managed_solve.kernels.packing.gather` by address; an
+    ``np.concatenate`` that casts where dtypes differ), then one pass of :func:`managed_solve.kernels.packing.shift_blocks` that makes
     the indices and row pointers global and fills ``row_sys`` (with Jacobi,
     the inverse diagonal too), in place with no temporaries; without Jacobi
     the index arrays are copied and shifted in the same pass
