@@ -119,8 +119,7 @@ def _gpu_sparse(A: Any, b: Any, symmetric: bool | None) -> tuple[Any, str]:
     nvmath = _backend._maybe("nvmath.sparse.advanced")
     if nvmath is not None:
         try:
-            x = nvmath.direct_solver(A, b)
-            return x, "cuDSS (nvmath-python)"
+            return _cudss(nvmath, A, b, symmetric), "cuDSS (nvmath-python)"
         except Exception as exc:  # an unsupported type or version: CuPy's path still works
             log.info("managed_solve: cuDSS through nvmath failed (%s); using cupyx spsolve", exc)
     import cupyx.scipy.sparse.linalg as csla
@@ -132,6 +131,19 @@ def _gpu_sparse(A: Any, b: Any, symmetric: bool | None) -> tuple[Any, str]:
             raise _Singular(str(exc)) from exc
         raise
     return x, "cuSOLVER (cupyx spsolve)"
+
+
+def _cudss(nvmath: Any, A: Any, b: Any, symmetric: bool | None) -> Any:
+    """Factor and solve with cuDSS on ``b``'s device and the current stream.
+
+    A symmetric A is declared ``SYMMETRIC`` (LDL^T with pivoting, about half
+    the factor of a general LU; positive definiteness is not known here, so
+    not ``SPD``). cuDSS reports a zero pivot as a non-finite or wrong ``x``,
+    which the residual check in :func:`direct` turns into ``BREAKDOWN``.
+    """
+    kind = nvmath.DirectSolverMatrixType
+    options = nvmath.DirectSolverOptions(sparse_system_type=kind.SYMMETRIC if symmetric else kind.GENERAL)
+    return nvmath.direct_solver(A, b, options=options)
 
 
 def _backward_stable(A: Any, x: Any, b: Any, rn: float, xp: Any) -> bool:

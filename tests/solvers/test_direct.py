@@ -88,10 +88,14 @@ def test_gpu_sparse_path_prefers_cudss_when_nvmath_is_installed(monkeypatch):
     calls = []
 
     def direct_solver(a, b, /, **kwargs):
-        calls.append((a, b))
+        calls.append((a, b, kwargs["options"].sparse_system_type))
         return sla.spsolve(a.tocsc(), b)
 
-    fake = types.SimpleNamespace(direct_solver=direct_solver)
+    fake = types.SimpleNamespace(
+        direct_solver=direct_solver,
+        DirectSolverMatrixType=types.SimpleNamespace(GENERAL="general", SYMMETRIC="symmetric"),
+        DirectSolverOptions=lambda sparse_system_type: types.SimpleNamespace(
+            sparse_system_type=sparse_system_type))
     real = _backend._maybe
     monkeypatch.setattr(_backend, "_maybe",
                         lambda name: fake if name == "nvmath.sparse.advanced" else real(name))
@@ -99,4 +103,41 @@ def test_gpu_sparse_path_prefers_cudss_when_nvmath_is_installed(monkeypatch):
     b = np.ones(30)
     x, how = direct_mod._gpu_sparse(A, b, None)
     assert how == "cuDSS (nvmath-python)" and len(calls) == 1 and calls[0][0] is A
+    assert calls[0][2] == "general"
     np.testing.assert_allclose(A @ x, b, rtol=1e-12)
+    direct_mod._gpu_sparse(A, b, True)
+    assert calls[1][2] == "symmetric"  # cuDSS is told the matrix type
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_cudss_solves_like_scipy(dtype, symmetric):
+    """The real cuDSS path (runs where nvmath-python and cuDSS are installed)."""
+    pytest.importorskip("nvmath.sparse.advanced")
+    A = poisson2d(120, dtype)  # 14,400 unknowns: fill-in matters
+    if not symmetric:
+        A = (A + sp.diags([0.7], [3], shape=A.shape)).tocsr().astype(dtype)
+    x_true = np.random.default_rng(5).standard_normal(A.shape[0]).astype(dtype)
+    b = (A @ x_true).astype(dtype)
+    ref = sla.spsolve(A.astype(np.float64).tocsc(), b.astype(np.float64))
+    Ad, bd = on("cuda", A, b)
+    res = solve(Ad, bd, method="direct")
+    assert res.converged, res.message
+    assert res.info["factorisation"] == "cuDSS (nvmath-python)"
+    x = host(res.x)
+    assert x.dtype == dtype
+    tol = 1e-9 if dtype == np.float64 else 2e-3
+    np.testing.assert_allclose(x, ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+def test_cudss_singular_matrix_is_breakdown():
+    pytest.importorskip("nvmath.sparse.advanced")
+    T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(8, 8)).tolil()
+    T[0, 0] = T[7, 7] = 1.0  # pure Neumann: singular
+    A = sp.kronsum(T.tocsr(), T.tocsr()).tocsr()
+    Ad, bd = on("cuda", A, np.arange(1.0, 65.0))
+    res = solve(Ad, bd, method="direct")
+    assert res.status.name == "BREAKDOWN" and res.x is None
+    assert "singular" in res.message
