@@ -9,6 +9,8 @@ residual check catches.
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -17,6 +19,17 @@ from .. import _backend
 from ._common import BREAKDOWN, CONVERGED, Outcome, norm
 
 log = logging.getLogger("managed_solve")
+# nvmath-python logs each phase of a cuDSS solve (INFO) to the logger it is
+# given, the root logger by default: ours keeps them under managed_solve.
+_cudss_log = logging.getLogger("managed_solve.cudss")
+
+# cuDSS settings (module attributes, so a profile can compare them in one run):
+# one library handle per thread and device, made once (creating one per
+# solve costs far more than a small solve), and cuDSS's OpenMP threading
+# layer for its host-side phases (ordering) when it lies beside the library.
+CUDSS_REUSE_HANDLE = True
+CUDSS_THREADING = True
+_cudss_local = threading.local()
 
 SINGULAR = (
     "A is singular (or numerically singular): the LU factorisation met a zero pivot or gave a "
@@ -142,8 +155,48 @@ def _cudss(nvmath: Any, A: Any, b: Any, symmetric: bool | None) -> Any:
     which the residual check in :func:`direct` turns into ``BREAKDOWN``.
     """
     kind = nvmath.DirectSolverMatrixType
-    options = nvmath.DirectSolverOptions(sparse_system_type=kind.SYMMETRIC if symmetric else kind.GENERAL)
+    extra = {}
+    threads = _cudss_threading_lib() if CUDSS_THREADING else None
+    if threads is not None:
+        extra["multithreading_lib"] = threads
+    if CUDSS_REUSE_HANDLE:
+        extra["handle"] = _cudss_handle(int(b.device.id))
+    options = nvmath.DirectSolverOptions(
+        sparse_system_type=kind.SYMMETRIC if symmetric else kind.GENERAL, logger=_cudss_log, **extra)
     return nvmath.direct_solver(A, b, options=options)
+
+
+def _cudss_handle(device: int) -> int:
+    """This thread's cuDSS handle on ``device`` (a handle is not shared between threads)."""
+    handles = getattr(_cudss_local, "handles", None)
+    if handles is None:
+        handles = _cudss_local.handles = {}
+    h = handles.get(device)
+    if h is None:
+        from nvmath.bindings import cudss
+
+        with _backend.cupy().cuda.Device(device):
+            h = handles[device] = cudss.create()  # lives as long as the thread's data
+    return h
+
+
+_THREADING_LIB: list = []  # [path or None], found once
+
+
+def _cudss_threading_lib() -> str | None:
+    """cuDSS's OpenMP threading layer: $CUDSS_THREADING_LIB, else beside libcudss."""
+    if not _THREADING_LIB:
+        path = os.environ.get("CUDSS_THREADING_LIB")
+        if not path:
+            try:
+                from cuda.pathfinder import load_nvidia_dynamic_lib
+
+                lib = load_nvidia_dynamic_lib("cudss").abs_path
+                path = os.path.join(os.path.dirname(lib), "libcudss_mtlayer_gomp.so.0") if lib else None
+            except Exception:  # an older pathfinder, or cuDSS found another way
+                path = None
+        _THREADING_LIB.append(path if path and os.path.isfile(path) else None)
+    return _THREADING_LIB[0]
 
 
 def _backward_stable(A: Any, x: Any, b: Any, rn: float, xp: Any) -> bool:

@@ -85,17 +85,20 @@ def test_gpu_sparse_path_prefers_cudss_when_nvmath_is_installed(monkeypatch):
 
     direct_mod = importlib.import_module("managed_solve.solvers.direct")  # the module, not the function
 
-    calls = []
+    calls, options = [], []
 
     def direct_solver(a, b, /, **kwargs):
         calls.append((a, b, kwargs["options"].sparse_system_type))
+        options.append(kwargs["options"])
         return sla.spsolve(a.tocsc(), b)
 
     fake = types.SimpleNamespace(
         direct_solver=direct_solver,
         DirectSolverMatrixType=types.SimpleNamespace(GENERAL="general", SYMMETRIC="symmetric"),
-        DirectSolverOptions=lambda sparse_system_type: types.SimpleNamespace(
-            sparse_system_type=sparse_system_type))
+        DirectSolverOptions=lambda **kw: types.SimpleNamespace(**kw))
+    # No cuDSS library here: no handle to make, no threading layer to find.
+    monkeypatch.setattr(direct_mod, "CUDSS_REUSE_HANDLE", False)
+    monkeypatch.setattr(direct_mod, "CUDSS_THREADING", False)
     real = _backend._maybe
     monkeypatch.setattr(_backend, "_maybe",
                         lambda name: fake if name == "nvmath.sparse.advanced" else real(name))
@@ -104,6 +107,7 @@ def test_gpu_sparse_path_prefers_cudss_when_nvmath_is_installed(monkeypatch):
     x, how = direct_mod._gpu_sparse(A, b, None)
     assert how == "cuDSS (nvmath-python)" and len(calls) == 1 and calls[0][0] is A
     assert calls[0][2] == "general"
+    assert options[0].logger.name == "managed_solve.cudss"  # nvmath's phase logs under ours
     np.testing.assert_allclose(A @ x, b, rtol=1e-12)
     direct_mod._gpu_sparse(A, b, True)
     assert calls[1][2] == "symmetric"  # cuDSS is told the matrix type
@@ -141,3 +145,31 @@ def test_cudss_singular_matrix_is_breakdown():
     res = solve(Ad, bd, method="direct")
     assert res.status.name == "BREAKDOWN" and res.x is None
     assert "singular" in res.message
+
+
+@pytest.mark.gpu
+def test_cudss_handle_made_once_per_thread():
+    """One cuDSS handle per thread and device, reused by later solves; threads get their own."""
+    pytest.importorskip("nvmath.sparse.advanced")
+    import importlib
+    import threading
+
+    direct_mod = importlib.import_module("managed_solve.solvers.direct")
+    A = poisson2d(40)
+    Ad, bd = on("cuda", A, np.ones(A.shape[0]))
+    solve(Ad, bd, method="direct")
+    dev = int(bd.device.id)
+    h = direct_mod._cudss_local.handles[dev]
+    res = solve(Ad, bd, method="direct")
+    assert res.converged and direct_mod._cudss_local.handles[dev] == h
+    seen = {}
+
+    def other():
+        r = solve(Ad, bd, method="direct")
+        seen["handle"], seen["ok"] = direct_mod._cudss_local.handles[dev], r.converged
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert seen["ok"] and seen["handle"] != h
+    assert res.info["factorisation"] == "cuDSS (nvmath-python)"
