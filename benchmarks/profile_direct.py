@@ -3,9 +3,10 @@
 For 2D Poisson systems of N = m^2 unknowns, on one GPU with nvmath-python and
 cuDSS installed:
 
-- ``solve(A, b, method="direct")`` under each setting of
-  ``managed_solve.solvers.direct`` (a handle made per solve or reused; cuDSS's
-  OpenMP threading layer off or on), settings interleaved, medians of rounds;
+- ``solve(A, b, method="direct")`` with every solve planning (cuDSS's OpenMP
+  threading layer off, then on), and with the analysis kept from an earlier
+  solve (same pattern, new values: factorise and solve; the same matrix:
+  solve only), settings interleaved, medians of rounds;
 - the phases of one solve through nvmath's stateful ``DirectSolver``
   (handle creation, plan = ordering and symbolic, factorize, solve).
 
@@ -33,48 +34,64 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
 
+    import importlib
+
     import cupy as cp
     import cupyx.scipy.sparse as csp
     import nvmath.sparse.advanced as nva
     from nvmath.bindings import cudss
 
     from managed_solve import solve
-    from managed_solve.solvers import direct as dm
 
-    print("threading layer:", dm._cudss_threading_lib())
-    settings = {"new handle, 1 thread": (False, False), "reused handle, 1 thread": (True, False),
-                "new handle, threads": (False, True), "reused handle, threads": (True, True)}
+    cd = importlib.import_module("managed_solve.solvers._cudss")
+
+    print("threading layer:", cd.threading_lib())
+    # Each setting: (threading layer, kept analyses, what the timed solve gets).
+    settings = {"plan, 1 thread": (False, 0, "A"), "plan, threads": (True, 0, "A"),
+                "kept: same pattern": (True, 2, "A2"), "kept: same matrix": (True, 2, "A")}
     rows = []
     for m in args.sizes:
         A_h = poisson2d(m)
         x_true = np.random.default_rng(0).standard_normal(A_h.shape[0])
         A, b = csp.csr_matrix(A_h), cp.asarray(A_h @ x_true)
+        mats = {"A": A, "A2": csp.csr_matrix(A_h * 2.0)}
+        rhs = {"A": b, "A2": b * 2.0}
         times: dict[str, list[float]] = {k: [] for k in settings}
         for r in range(args.rounds + 1):  # the first round warms up
-            for name, (reuse, threads) in settings.items():
-                dm.CUDSS_REUSE_HANDLE, dm.CUDSS_THREADING = reuse, threads
+            for name, (threads, kept, which) in settings.items():
+                cd.THREADING, cd.CACHE_SIZE = threads, kept
+                cd.release_factorisations()
+                if not threads:
+                    cd._devices.clear()  # a new handle: the layer, once set, stays on a handle
+                if kept:
+                    solve(A, b, method="direct")  # analysed (and factorised) before the timed call
                 cp.cuda.Device().synchronize()
                 t0 = time.perf_counter()
-                res = solve(A, b, method="direct")
+                res = solve(mats[which], rhs[which], method="direct")
                 cp.cuda.Device().synchronize()
                 dt = time.perf_counter() - t0
                 assert res.info["factorisation"] == "cuDSS (nvmath-python)", res.info
+                want = {"plan, 1 thread": "none", "plan, threads": "none",
+                        "kept: same pattern": "plan", "kept: same matrix": "factors"}[name]
+                assert res.info["cudss_reused"] == want, (name, res.info)
                 err = float(cp.abs(res.x - cp.asarray(x_true)).max())
                 assert err < 1e-6, err
                 if r:
                     times[name].append(dt)
         for name, ts in times.items():
             rows.append((A_h.shape[0], name, statistics.median(ts), min(ts), max(ts)))
+        cd.THREADING, cd.CACHE_SIZE = True, 2
+        cd.release_factorisations()
 
         # The phases, through the stateful API (threading layer on, a handle made here).
-        lib = dm._cudss_threading_lib()
+        lib = cd.threading_lib()
         phases: dict[str, list[float]] = {"create handle": [], "plan": [], "factorize": [], "solve": []}
         for _ in range(args.rounds):
             t0 = time.perf_counter()
             h = cudss.create()
             phases["create handle"].append(time.perf_counter() - t0)
             opts = nva.DirectSolverOptions(sparse_system_type=nva.DirectSolverMatrixType.SYMMETRIC, handle=h,
-                                           multithreading_lib=lib, logger=dm._cudss_log)
+                                           multithreading_lib=lib, logger=cd._log)
             with nva.DirectSolver(A, b, options=opts) as s:
                 for phase in ("plan", "factorize", "solve"):
                     cp.cuda.Device().synchronize()

@@ -4,6 +4,7 @@ The batched fused core (one implementation for one system or many):
 :class:`PackedBatch`, :func:`cg_batched`, :func:`bicgstab_batched`.
 """
 
+from ._cudss import release_factorisations as release_factorisations
 from .batch import PackedBatch as PackedBatch
 from .batched import BatchOutcome as BatchOutcome
 from .batched import bicgstab_batched as bicgstab_batched

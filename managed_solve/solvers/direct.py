@@ -9,8 +9,6 @@ residual check catches.
 from __future__ import annotations
 
 import logging
-import os
-import threading
 from typing import Any
 
 import numpy as np
@@ -19,17 +17,6 @@ from .. import _backend
 from ._common import BREAKDOWN, CONVERGED, Outcome, norm
 
 log = logging.getLogger("managed_solve")
-# nvmath-python logs each phase of a cuDSS solve (INFO) to the logger it is
-# given, the root logger by default: ours keeps them under managed_solve.
-_cudss_log = logging.getLogger("managed_solve.cudss")
-
-# cuDSS settings (module attributes, so a profile can compare them in one run):
-# one library handle per thread and device, made once (creating one per
-# solve costs far more than a small solve), and cuDSS's OpenMP threading
-# layer for its host-side phases (ordering) when it lies beside the library.
-CUDSS_REUSE_HANDLE = True
-CUDSS_THREADING = True
-_cudss_local = threading.local()
 
 SINGULAR = (
     "A is singular (or numerically singular): the LU factorisation met a zero pivot or gave a "
@@ -54,6 +41,10 @@ def direct(A: Any, b: Any, *, symmetric: bool | None = None) -> Outcome:
         Structurally and numerically symmetric A: SuperLU then orders columns
         by minimum degree on ``A^T + A`` and prefers diagonal pivots (less
         fill for PDE matrices than COLAMD); cuDSS is told the matrix type.
+        On a GPU, cuDSS keeps the analysis of recent matrices: a later solve
+        with the same sparsity pattern skips it, one with the same matrix
+        only solves (``info["cudss_reused"]``: "none", "plan" or "factors";
+        :func:`managed_solve.solvers.release_factorisations` frees them).
 
     Returns
     -------
@@ -76,18 +67,22 @@ def direct(A: Any, b: Any, *, symmetric: bool | None = None) -> Outcome:
     """
     xp = _backend.array_module(b)
     sparse = _backend.is_scipy_sparse(A) or _backend.is_cupy_sparse(A)
+    extra: dict = {}
     try:
         if xp is np:
             x, how = (_superlu(A, b, symmetric) if sparse else (_dense_lu(A, b), "numpy.linalg.solve"))
+        elif sparse:
+            x, how, extra = _gpu_sparse(A, b, symmetric)
         else:
-            x, how = (_gpu_sparse(A, b, symmetric) if sparse else (_dense_lu(A, b), "cupy.linalg.solve"))
+            x, how = _dense_lu(A, b), "cupy.linalg.solve"
     except _Singular as exc:
         return Outcome(None, BREAKDOWN, 0, float("nan"), f"{SINGULAR} ({exc})")
+    info = {"factorisation": how, **extra}
     r = b - A @ x
     rn = float(norm(xp, r))  # sync: one host read to check the factorisation
     if not np.isfinite(rn) or not _backward_stable(A, x, b, rn, xp):
-        return Outcome(None, BREAKDOWN, 1, rn, SINGULAR, info={"factorisation": how})
-    return Outcome(x, CONVERGED, 1, rn, info={"factorisation": how})
+        return Outcome(None, BREAKDOWN, 1, rn, SINGULAR, info=info)
+    return Outcome(x, CONVERGED, 1, rn, info=info)
 
 
 class _Singular(Exception):
@@ -128,11 +123,14 @@ def _dense_lu(A: Any, b: Any) -> Any:
         raise
 
 
-def _gpu_sparse(A: Any, b: Any, symmetric: bool | None) -> tuple[Any, str]:
+def _gpu_sparse(A: Any, b: Any, symmetric: bool | None) -> tuple[Any, str, dict]:
     nvmath = _backend._maybe("nvmath.sparse.advanced")
     if nvmath is not None:
+        from . import _cudss
+
         try:
-            return _cudss(nvmath, A, b, symmetric), "cuDSS (nvmath-python)"
+            x, reused = _cudss.solve(nvmath, A, b, symmetric)
+            return x, "cuDSS (nvmath-python)", {"cudss_reused": reused}
         except Exception as exc:  # an unsupported type or version: CuPy's path still works
             log.info("managed_solve: cuDSS through nvmath failed (%s); using cupyx spsolve", exc)
     import cupyx.scipy.sparse.linalg as csla
@@ -143,60 +141,7 @@ def _gpu_sparse(A: Any, b: Any, symmetric: bool | None) -> tuple[Any, str]:
         if "singular" in str(exc).lower():
             raise _Singular(str(exc)) from exc
         raise
-    return x, "cuSOLVER (cupyx spsolve)"
-
-
-def _cudss(nvmath: Any, A: Any, b: Any, symmetric: bool | None) -> Any:
-    """Factor and solve with cuDSS on ``b``'s device and the current stream.
-
-    A symmetric A is declared ``SYMMETRIC`` (LDL^T with pivoting, about half
-    the factor of a general LU; positive definiteness is not known here, so
-    not ``SPD``). cuDSS reports a zero pivot as a non-finite or wrong ``x``,
-    which the residual check in :func:`direct` turns into ``BREAKDOWN``.
-    """
-    kind = nvmath.DirectSolverMatrixType
-    extra = {}
-    threads = _cudss_threading_lib() if CUDSS_THREADING else None
-    if threads is not None:
-        extra["multithreading_lib"] = threads
-    if CUDSS_REUSE_HANDLE:
-        extra["handle"] = _cudss_handle(int(b.device.id))
-    options = nvmath.DirectSolverOptions(
-        sparse_system_type=kind.SYMMETRIC if symmetric else kind.GENERAL, logger=_cudss_log, **extra)
-    return nvmath.direct_solver(A, b, options=options)
-
-
-def _cudss_handle(device: int) -> int:
-    """This thread's cuDSS handle on ``device`` (a handle is not shared between threads)."""
-    handles = getattr(_cudss_local, "handles", None)
-    if handles is None:
-        handles = _cudss_local.handles = {}
-    h = handles.get(device)
-    if h is None:
-        from nvmath.bindings import cudss
-
-        with _backend.cupy().cuda.Device(device):
-            h = handles[device] = cudss.create()  # lives as long as the thread's data
-    return h
-
-
-_THREADING_LIB: list = []  # [path or None], found once
-
-
-def _cudss_threading_lib() -> str | None:
-    """cuDSS's OpenMP threading layer: $CUDSS_THREADING_LIB, else beside libcudss."""
-    if not _THREADING_LIB:
-        path = os.environ.get("CUDSS_THREADING_LIB")
-        if not path:
-            try:
-                from cuda.pathfinder import load_nvidia_dynamic_lib
-
-                lib = load_nvidia_dynamic_lib("cudss").abs_path
-                path = os.path.join(os.path.dirname(lib), "libcudss_mtlayer_gomp.so.0") if lib else None
-            except Exception:  # an older pathfinder, or cuDSS found another way
-                path = None
-        _THREADING_LIB.append(path if path and os.path.isfile(path) else None)
-    return _THREADING_LIB[0]
+    return x, "cuSOLVER (cupyx spsolve)", {}
 
 
 def _backward_stable(A: Any, x: Any, b: Any, rn: float, xp: Any) -> bool:

@@ -76,41 +76,115 @@ def test_singular_matrix_gives_breakdown_with_fix(backend, kind):
         res.raise_for_status()
 
 
-def test_gpu_sparse_path_prefers_cudss_when_nvmath_is_installed(monkeypatch):
-    """The cuDSS branch's wiring (nvmath-python is not on the GPU image: a stand-in module)."""
+class _FakeNvmath:
+    """A stand-in for nvmath.sparse.advanced (not installed here): SuperLU behind its API.
+
+    Counts plans, factorisations and frees, so the cache's decisions can be
+    checked on the CPU; the real library runs in the ``gpu`` tests below.
+    """
+
+    def __init__(self):
+        import types
+
+        self.plans = self.factorizations = self.frees = 0
+        self.options = []
+        self.DirectSolverMatrixType = types.SimpleNamespace(GENERAL="general", SYMMETRIC="symmetric")
+        self.DirectSolverOptions = lambda **kw: types.SimpleNamespace(**kw)
+        fake = self
+
+        class DirectSolver:
+            def __init__(self, a, b, *, options):
+                fake.options.append(options)
+                self.a, self.b = a, b  # like cuDSS: pointers into the caller's buffers
+
+            def plan(self):
+                fake.plans += 1
+
+            def factorize(self):
+                fake.factorizations += 1
+                self.lu = sla.splu(self.a.tocsc())
+
+            def reset_operands(self, *, b):
+                self.b = b
+
+            def solve(self):
+                return self.lu.solve(self.b)
+
+            def free(self):
+                fake.frees += 1
+
+        self.DirectSolver = DirectSolver
+
+
+@pytest.fixture
+def fake_cudss(monkeypatch):
     import importlib
-    import types
 
     from managed_solve import _backend
+    from managed_solve.solvers import _cudss
 
-    direct_mod = importlib.import_module("managed_solve.solvers.direct")  # the module, not the function
-
-    calls, options = [], []
-
-    def direct_solver(a, b, /, **kwargs):
-        calls.append((a, b, kwargs["options"].sparse_system_type))
-        options.append(kwargs["options"])
-        return sla.spsolve(a.tocsc(), b)
-
-    fake = types.SimpleNamespace(
-        direct_solver=direct_solver,
-        DirectSolverMatrixType=types.SimpleNamespace(GENERAL="general", SYMMETRIC="symmetric"),
-        DirectSolverOptions=lambda **kw: types.SimpleNamespace(**kw))
-    # No cuDSS library here: no handle to make, no threading layer to find.
-    monkeypatch.setattr(direct_mod, "CUDSS_REUSE_HANDLE", False)
-    monkeypatch.setattr(direct_mod, "CUDSS_THREADING", False)
+    fake = _FakeNvmath()
     real = _backend._maybe
-    monkeypatch.setattr(_backend, "_maybe",
-                        lambda name: fake if name == "nvmath.sparse.advanced" else real(name))
+    monkeypatch.setattr(_backend, "_maybe", lambda name: fake if name == "nvmath.sparse.advanced" else real(name))
+    monkeypatch.setattr(_cudss, "_devices", {})
+    monkeypatch.setattr(_cudss, "_make_handle", lambda device: 1234)
+    monkeypatch.setattr(_cudss, "_THREADING_LIB", [None])
+    return fake, importlib.import_module("managed_solve.solvers.direct"), _cudss
+
+
+def test_gpu_sparse_path_prefers_cudss_when_nvmath_is_installed(fake_cudss):
+    fake, direct_mod, _ = fake_cudss
     A = sp.diags([-1.0, 2.5, -1.0], [-1, 0, 1], shape=(30, 30), format="csr")
     b = np.ones(30)
-    x, how = direct_mod._gpu_sparse(A, b, None)
-    assert how == "cuDSS (nvmath-python)" and len(calls) == 1 and calls[0][0] is A
-    assert calls[0][2] == "general"
-    assert options[0].logger.name == "managed_solve.cudss"  # nvmath's phase logs under ours
+    x, how, extra = direct_mod._gpu_sparse(A, b, None)
+    assert how == "cuDSS (nvmath-python)" and extra == {"cudss_reused": "none"}
     np.testing.assert_allclose(A @ x, b, rtol=1e-12)
+    opts = fake.options[0]
+    assert opts.sparse_system_type == "general" and opts.handle == 1234
+    assert opts.logger.name == "managed_solve.cudss"  # nvmath's phase logs under ours
     direct_mod._gpu_sparse(A, b, True)
-    assert calls[1][2] == "symmetric"  # cuDSS is told the matrix type
+    assert fake.options[1].sparse_system_type == "symmetric"  # cuDSS is told the matrix type
+
+
+def test_cudss_keeps_the_analysis_of_recent_matrices(fake_cudss):
+    fake, _, cudss = fake_cudss
+    rng = np.random.default_rng(3)
+    A = poisson2d(8)
+    b1, b2 = rng.standard_normal(64), rng.standard_normal(64)
+
+    def check(M, b, reused, plans, factorizations):
+        x, how = cudss.solve(fake, M, b, True)
+        np.testing.assert_allclose(M @ x, b, rtol=1e-10, atol=1e-10)
+        assert (how, fake.plans, fake.factorizations) == (reused, plans, factorizations)
+
+    check(A, b1, "none", 1, 1)
+    check(A, b2, "factors", 1, 1)  # the same matrix: solve only
+    A2 = (A * 3.0).tocsr()
+    check(A2, b1, "plan", 1, 2)  # same pattern, new values: factorise again
+    A2.data[:] *= 2.0  # the caller changes its matrix in place: the kept copy does not see it
+    check(A2, b2, "plan", 1, 3)
+    perm = rng.permutation(64)
+    A3 = A[perm][:, perm].tocsr()  # same n and nnz, another pattern
+    assert A3.nnz == A.nnz and not np.array_equal(A3.indices, A.indices)
+    check(A3, b1, "none", 2, 4)
+    assert fake.frees == 1  # the old analysis, freed
+    assert cudss.release_factorisations() == 1 and fake.frees == 2
+    check(A, b1, "none", fake.plans + 1, fake.factorizations + 1)
+
+
+def test_cudss_cache_keeps_the_most_recent(fake_cudss, monkeypatch):
+    fake, _, cudss = fake_cudss
+    monkeypatch.setattr(cudss, "CACHE_SIZE", 2)
+    mats = [poisson2d(m) for m in (4, 5, 6)]
+    for M in mats:
+        cudss.solve(fake, M, np.ones(M.shape[0]), True)
+    assert fake.frees == 1  # the first, least recent
+    assert cudss.solve(fake, mats[2], np.ones(36), True)[1] == "factors"
+    assert cudss.solve(fake, mats[0], np.ones(16), True)[1] == "none"
+    monkeypatch.setattr(cudss, "CACHE_SIZE", 0)
+    before = fake.frees
+    assert cudss.solve(fake, mats[0], np.ones(16), True)[1] == "factors"  # still kept from before
+    assert fake.frees == before + 1 and cudss.release_factorisations() == 1  # not kept again
 
 
 @pytest.mark.gpu
@@ -148,28 +222,35 @@ def test_cudss_singular_matrix_is_breakdown():
 
 
 @pytest.mark.gpu
-def test_cudss_handle_made_once_per_thread():
-    """One cuDSS handle per thread and device, reused by later solves; threads get their own."""
+def test_cudss_reuses_analysis_and_factors():
+    """The same matrix solves only; new values on the same pattern factorise; threads share safely."""
     pytest.importorskip("nvmath.sparse.advanced")
-    import importlib
     import threading
 
-    direct_mod = importlib.import_module("managed_solve.solvers.direct")
-    A = poisson2d(40)
-    Ad, bd = on("cuda", A, np.ones(A.shape[0]))
-    solve(Ad, bd, method="direct")
-    dev = int(bd.device.id)
-    h = direct_mod._cudss_local.handles[dev]
-    res = solve(Ad, bd, method="direct")
-    assert res.converged and direct_mod._cudss_local.handles[dev] == h
-    seen = {}
+    from managed_solve.solvers import release_factorisations
 
-    def other():
-        r = solve(Ad, bd, method="direct")
-        seen["handle"], seen["ok"] = direct_mod._cudss_local.handles[dev], r.converged
+    release_factorisations()
+    A = poisson2d(60)
+    x_true = np.random.default_rng(8).standard_normal(A.shape[0])
+    Ad, bd = on("cuda", A, A @ x_true)
+    first, again = solve(Ad, bd, method="direct"), solve(Ad, bd, method="direct")
+    assert (first.info["cudss_reused"], again.info["cudss_reused"]) == ("none", "factors")
+    np.testing.assert_allclose(host(again.x), x_true, rtol=1e-9, atol=1e-9)
+    A2 = (A * 2.0 + sp.identity(A.shape[0])).tocsr()
+    A2d, b2d = on("cuda", A2, A2 @ x_true)
+    res = solve(A2d, b2d, method="direct")
+    assert res.info["cudss_reused"] == "plan" and res.converged
+    np.testing.assert_allclose(host(res.x), x_true, rtol=1e-9, atol=1e-9)
+    out = {}
 
-    t = threading.Thread(target=other)
-    t.start()
-    t.join()
-    assert seen["ok"] and seen["handle"] != h
-    assert res.info["factorisation"] == "cuDSS (nvmath-python)"
+    def other(k):
+        out[k] = host(solve(Ad, bd, method="direct").x)
+
+    threads = [threading.Thread(target=other, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for k in range(3):
+        np.testing.assert_allclose(out[k], x_true, rtol=1e-9, atol=1e-9)
+    assert release_factorisations() >= 1
