@@ -8,7 +8,8 @@ against 2-28 ms to factorise and 1-4 ms to solve. So, per device:
 - one cuDSS handle, made once, with cuDSS's OpenMP threading layer for the
   host phases where it lies beside the library (2-4 x faster plans);
 - the last ``CACHE_SIZE`` analysed matrices, each with its own copy of the
-  matrix (cuDSS keeps pointers into it). A later solve with the same sparsity
+  matrix (cuDSS keeps pointers into it), while the GPU keeps a quarter of its
+  memory free. A later solve with the same sparsity
   pattern skips the plan; with the same values too, it skips the
   factorisation and only solves. One device-side comparison (one host read)
   tells which.
@@ -36,6 +37,10 @@ _log = logging.getLogger("managed_solve.cudss")
 _log.addFilter(lambda record: "multithreading interface library" not in record.getMessage())
 
 CACHE_SIZE = 2  # analysed matrices kept per device (0: none, every solve plans)
+# A solve's analysis and factors are kept only while the GPU keeps at least
+# this fraction of its memory free: kept factors must not crowd out the work
+# the DeviceManager places next.
+KEEP_MIN_FREE_FRACTION = 0.25
 THREADING = True  # use the OpenMP threading layer when found
 
 _devices: dict[int, _Device] = {}
@@ -73,7 +78,7 @@ def solve(nvmath: Any, A: Any, b: Any, symmetric: bool | None) -> tuple[Any, str
         except Exception:
             entry.free()
             raise
-        if CACHE_SIZE > 0:
+        if CACHE_SIZE > 0 and _room_left(xp):
             dev.cache[key] = entry  # the most recent last
             while len(dev.cache) > CACHE_SIZE:
                 dev.cache.popitem(last=False)[1].free()
@@ -170,6 +175,13 @@ class _Entry:
         solver, self.solver = getattr(self, "solver", None), None
         if solver is not None:
             solver.free()
+
+
+def _room_left(xp: Any) -> bool:
+    if xp.__name__ == "numpy":
+        return True
+    free, total = xp.cuda.runtime.memGetInfo()
+    return free >= KEEP_MIN_FREE_FRACTION * total
 
 
 def _stream(xp: Any) -> Any:
