@@ -180,6 +180,7 @@ CONFIGS = {
     "workspace-on-worker": {"prepare": False},  # scheduler.PREPARE_WORKSPACE off
     "batches-per-gpu-2": {"bpd": 2},  # packing.BATCHES_PER_DEVICE (default 4)
     "batches-per-gpu-3": {"bpd": 3},
+    "eager-x": {"lazy_x": False},  # scheduler.LAZY_X off: every x view made on the worker
 }
 
 
@@ -190,6 +191,7 @@ def configure(name):
     sched.SWITCH_INTERVAL = cfg.get("switch", 5e-4)
     sched.PAUSE_GC = not cfg.get("gc", False)
     sched.PREPARE_WORKSPACE = cfg.get("prepare", True)
+    sched.LAZY_X = cfg.get("lazy_x", True)
     sched.target_rows = functools.partial(packing.target_rows,
                                           batches_per_device=cfg.get("bpd", packing.BATCHES_PER_DEVICE))
 

@@ -56,7 +56,7 @@ from .packing import (
     target_rows,
 )
 from .partition import choose_shard_count
-from .result import SolveError, SolveResult, Status
+from .result import SolveError, SolveResult, Status, _SlicedResult
 from .system import METHODS, PRECONDITIONERS, LinearSystem, is_symmetric, prefers_cg
 
 log = logging.getLogger("managed_solve")
@@ -860,7 +860,7 @@ def _results(systems: list[LinearSystem], packed: Any, method: str, device: Devi
     """The host part of :func:`_solve_packed`: each system's result, drifted ones solved again."""
     PackedBatch = _core()[0]
     out, rn, bn, seconds = solved
-    xs = packed.unpack(out.x)
+    offsets = packed.offsets.tolist()
     results: list[SolveResult] = []
     drifted: list[int] = []
     # Python work per system (thousands a batch, while the GPU waits for the
@@ -873,8 +873,11 @@ def _results(systems: list[LinearSystem], packed: Any, method: str, device: Devi
     for k, (s, code, its, r, bnorm) in enumerate(zip(
             systems, out.status.tolist(), out.iterations.tolist(), np.asarray(rn).tolist(),
             np.asarray(bn).tolist(), strict=True)):
-        res = SolveResult(xs[k], _STATUS[code], its, r, bnorm, dname, seconds, method,
-                          "", s.name, common.copy())
+        # x is sliced from the batch's solution when first read (_SlicedResult).
+        res = _SlicedResult(out.x, offsets[k], offsets[k + 1], _STATUS[code], its, r, bnorm, dname,
+                            seconds, method, "", s.name, common.copy())
+        if not LAZY_X:
+            res.x  # noqa: B018 (the view made now, as before: for paired profiles)
         if code == 0 and not r <= max(s.rtol * bnorm, s.atol):
             drifted.append(k)
         elif code == 2 and s.method == "auto":
@@ -885,7 +888,7 @@ def _results(systems: list[LinearSystem], packed: Any, method: str, device: Devi
             res.message = converged_msg
         results.append(res)
     if drifted and restart:
-        warm = [_with_x0(systems[k], xs[k]) for k in drifted]
+        warm = [_with_x0(systems[k], results[k].x) for k in drifted]
         sub = PackedBatch.pack(warm, device=str(device), jacobi=packed.dinv is not None)
         again = _solve_packed(warm, sub, method, device, manager, restart=False, info=info)
         for k, res in zip(drifted, again, strict=True):
@@ -894,7 +897,7 @@ def _results(systems: list[LinearSystem], packed: Any, method: str, device: Devi
             results[k] = res
     elif drifted:
         for k in drifted:
-            results[k] = _polish(systems[k], xs[k], method, device, manager)
+            results[k] = _polish(systems[k], results[k].x, method, device, manager)
     return results
 
 
@@ -906,6 +909,9 @@ def _with_x0(s: LinearSystem, x0: Any) -> LinearSystem:
 
 
 _STATUS = {0: Status.CONVERGED, 1: Status.MAXITER, 2: Status.BREAKDOWN}
+# Each result's x is a view cut from its batch's solution when first read
+# (False: on the worker, as each result is made).
+LAZY_X = True
 
 
 def _polish(s: LinearSystem, x0: Any, method: str, device: Device,

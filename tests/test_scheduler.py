@@ -714,3 +714,27 @@ def test_switch_interval_is_shortened_while_two_gpus_are_fed_and_restored_after(
     solve_many(systems, manager=DeviceManager(simulate="2x64MiB"))
     assert seen == [pytest.approx(5e-4), before, before]
     assert sys.getswitchinterval() == before
+
+
+def test_results_cut_x_from_the_batch_when_first_read():
+    """solve_many's batched results hold the batch's solution and slice x on first use."""
+    import copy
+    import pickle
+
+    from managed_solve.result import SolveResult, _SlicedResult
+
+    systems = [(poisson2d(m), np.ones(m * m)) for m in (3, 4, 5)]
+    out = solve_many(systems, devices=["cpu"], method="cg")
+    sliced = [r for r in out if isinstance(r, _SlicedResult)]
+    assert sliced, "the batched path made no results"
+    r = sliced[0]
+    assert "_src" in r.__dict__ and "_x" not in r.__dict__  # nothing cut yet
+    for (A, b), res in zip(systems, out, strict=True):
+        np.testing.assert_allclose(A @ res.x, b, rtol=1e-6, atol=1e-6)
+    assert "_src" not in r.__dict__
+    again = pickle.loads(pickle.dumps(r))
+    assert type(again) is SolveResult and np.array_equal(again.x, r.x) and again.info == r.info
+    c = copy.copy(r)
+    assert type(c) is SolveResult and c.x is r.x
+    r.x = np.zeros(3)  # assignable, as on any result
+    assert r.x.tolist() == [0.0, 0.0, 0.0] and repr(r).startswith("SolveResult(")
