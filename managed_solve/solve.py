@@ -81,6 +81,11 @@ def solve(A_or_system: Any, b: Any = None, *, x0: Any = None, rtol: float = 1e-8
         BiCGStab otherwise (also for operators, whose symmetry is unknown).
         When that choice breaks down (CG on an indefinite matrix), "auto"
         retries with MINRES (after CG) or GMRES (after BiCGStab).
+        ``"direct"``: SuperLU on the CPU; on a GPU cuDSS when nvmath-python is
+        installed (it keeps the analysis of recent matrices: a matrix solved
+        before costs only the solve, see ``info["cudss_reused"]`` and
+        :func:`managed_solve.solvers.release_factorisations`), else cupyx's
+        sparse QR.
     M : {"jacobi", "chebyshev", "neumann"}, operator or callable, optional
         Preconditioner (an approximation of ``A^-1``).
     callback : callable, optional
