@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import numpy as np  # noqa: E402
 from bench_w2_many import RTOL, poisson2d, w2_pairs, w2_sizes  # noqa: E402
 
-from managed_solve import LinearSystem, _backend, packing  # noqa: E402
+from managed_solve import LinearSystem, _backend, packing, system  # noqa: E402
 from managed_solve import scheduler as sched  # noqa: E402
 from managed_solve.manager import DeviceManager  # noqa: E402
 from managed_solve.solvers import _cuda_krylov, batch, batched  # noqa: E402
@@ -172,6 +172,8 @@ def run(title, systems, devices, dm, rounds, **kw):
     return float(np.median(walls))
 
 
+_SYM_WORKERS = system.SYMMETRY_WORKERS
+
 CONFIGS = {
     "default": {},
     "no-graph-batches": {"graph_batches": False},
@@ -181,6 +183,8 @@ CONFIGS = {
     "batches-per-gpu-2": {"bpd": 2},  # packing.BATCHES_PER_DEVICE (default 4)
     "batches-per-gpu-3": {"bpd": 3},
     "eager-x": {"lazy_x": False},  # scheduler.LAZY_X off: every x view made on the worker
+    "no-early-start": {"early": False},  # scheduler.EARLY_START off: one plan before any GPU starts
+    "serial-symmetry": {"sym_workers": 1},  # system.SYMMETRY_WORKERS = 1: one-thread symmetry test
 }
 
 
@@ -192,6 +196,8 @@ def configure(name):
     sched.PAUSE_GC = not cfg.get("gc", False)
     sched.PREPARE_WORKSPACE = cfg.get("prepare", True)
     sched.LAZY_X = cfg.get("lazy_x", True)
+    sched.EARLY_START = cfg.get("early", True)
+    system.SYMMETRY_WORKERS = cfg.get("sym_workers", _SYM_WORKERS)
     sched.target_rows = functools.partial(packing.target_rows,
                                           batches_per_device=cfg.get("bpd", packing.BATCHES_PER_DEVICE))
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numba
 
-__all__ = ["csr_symmetry", "csr_symmetry_scaled"]
+__all__ = ["abs_max", "csr_symmetry", "csr_symmetry_rows", "csr_symmetry_scaled"]
 
 SYMMETRIC, DIFFERENT_VALUES, DIFFERENT_PATTERN = 1, 0, -1
 
@@ -52,3 +52,39 @@ def csr_symmetry_scaled(indptr, indices, data, rel):
         if a > scale:
             scale = a
     return csr_symmetry(indptr, indices, data, rel * max(scale, 1.0))
+
+
+@numba.njit(nogil=True, cache=True)
+def csr_symmetry_rows(indptr, indices, data, limit, lo, hi):
+    """:func:`csr_symmetry` for the stored entries of rows ``lo:hi`` only (the same codes).
+
+    Each ``(i, j)`` is looked up in row ``j`` by binary search, so row ranges
+    are independent: chunks of one matrix run side by side on helper threads
+    (the GIL released), and together they check every entry against its mirror.
+    """
+    for i in range(lo, hi):
+        for p in range(indptr[i], indptr[i + 1]):
+            j = indices[p]
+            a, b = indptr[j], indptr[j + 1]
+            while a < b:  # the first column >= i in row j
+                m = (a + b) >> 1
+                if indices[m] < i:
+                    a = m + 1
+                else:
+                    b = m
+            if a == indptr[j + 1] or indices[a] != i:
+                return DIFFERENT_PATTERN
+            if abs(data[p] - data[a]) > limit:
+                return DIFFERENT_VALUES
+    return SYMMETRIC
+
+
+@numba.njit(nogil=True, cache=True)
+def abs_max(data, lo, hi):
+    """``max |data[lo:hi]|`` (0 for an empty range), without a temporary array."""
+    scale = 0.0
+    for k in range(lo, hi):
+        a = abs(data[k])
+        if a > scale:
+            scale = a
+    return scale

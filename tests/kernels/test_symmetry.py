@@ -9,7 +9,9 @@ from managed_solve.kernels.symmetry import (
     DIFFERENT_PATTERN,
     DIFFERENT_VALUES,
     SYMMETRIC,
+    abs_max,
     csr_symmetry,
+    csr_symmetry_rows,
 )
 
 from managed_solve.system import is_symmetric
@@ -71,3 +73,50 @@ def test_scaled_variant_finds_the_scale_itself():
     B = sp.csr_matrix(np.array([[1e-3, 2e-13], [0.0, 1e-3]]))  # scale below 1: limit 1e-12 absolute
     assert csr_symmetry_scaled(B.indptr, B.indices, B.data, 1e-12) == DIFFERENT_PATTERN
     assert is_symmetric(B)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_row_chunks_give_the_one_pass_codes(dtype):
+    """Any split of the rows gives, combined by min, a code the one-pass kernel agrees with."""
+    rng = np.random.default_rng(1)
+    for trial in range(40):
+        n = int(rng.integers(2, 80))
+        R = sp.random(n, n, density=rng.uniform(0.05, 0.4), random_state=rng, format="csr")
+        A = (R + R.T).tocsr() if trial % 3 else R.tocsr()
+        if trial % 5 == 0 and A.nnz:
+            A.data[int(rng.integers(A.nnz))] += 1e-3
+        A = A.astype(dtype)
+        A.sort_indices()
+        cuts = np.unique(np.r_[0, rng.integers(0, n, 3), n])
+        codes = [csr_symmetry_rows(A.indptr, A.indices, A.data, 1e-9, lo, hi)
+                 for lo, hi in zip(cuts[:-1], cuts[1:], strict=True)]
+        whole = csr_symmetry(A.indptr, A.indices, A.data, 1e-9)
+        if DIFFERENT_PATTERN in (whole, min(codes)):  # the first failure met may differ
+            assert not (whole == SYMMETRIC or min(codes) == SYMMETRIC)
+        else:
+            assert min(codes) == whole
+        assert abs_max(A.data, 0, A.nnz) == (abs(A.data).max() if A.nnz else 0.0)
+
+
+@pytest.mark.parametrize("asym", [None, "value", "pattern"])
+def test_large_matrices_are_tested_in_chunks(monkeypatch, asym):
+    """is_symmetric's chunked path (helper threads) against the transpose test."""
+    from managed_solve import system
+
+    monkeypatch.setattr(system, "SYMMETRY_PARALLEL_NNZ", 1000)
+    monkeypatch.setattr(system, "SYMMETRY_WORKERS", 4)
+    m = 40
+    T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(m, m))
+    A = sp.kronsum(T, T).tocsr()  # 1,600 rows, 7,840 entries
+    A.sort_indices()
+    if asym == "value":
+        A.data[A.nnz - 3] += 1e-6  # near the last row: in the last chunk
+    elif asym == "pattern":
+        A = (A + sp.csr_matrix(([0.5], ([1500], [3])), shape=A.shape)).tocsr()
+        A.sort_indices()
+    calls = []
+    real = system._backend.thread_pool
+    monkeypatch.setattr(system._backend, "thread_pool",
+                        lambda name, workers: calls.append(name) or real(name, workers))
+    assert is_symmetric(A) == reference(A, 1e-12 * float(abs(A.data).max())) == (asym is None)
+    assert calls == ["symmetry"]
