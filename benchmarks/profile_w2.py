@@ -183,7 +183,6 @@ CONFIGS = {
     "batches-per-gpu-2": {"bpd": 2},  # packing.BATCHES_PER_DEVICE (default 4)
     "batches-per-gpu-3": {"bpd": 3},
     "eager-x": {"lazy_x": False},  # scheduler.LAZY_X off: every x view made on the worker
-    "no-early-start": {"early": False},  # scheduler.EARLY_START off: one plan before any GPU starts
     "serial-symmetry": {"sym_workers": 1},  # system.SYMMETRY_WORKERS = 1: one-thread symmetry test
 }
 
@@ -196,7 +195,6 @@ def configure(name):
     sched.PAUSE_GC = not cfg.get("gc", False)
     sched.PREPARE_WORKSPACE = cfg.get("prepare", True)
     sched.LAZY_X = cfg.get("lazy_x", True)
-    sched.EARLY_START = cfg.get("early", True)
     system.SYMMETRY_WORKERS = cfg.get("sym_workers", _SYM_WORKERS)
     sched.target_rows = functools.partial(packing.target_rows,
                                           batches_per_device=cfg.get("bpd", packing.BATCHES_PER_DEVICE))

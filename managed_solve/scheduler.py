@@ -30,7 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -213,39 +213,6 @@ def _prefetch_methods(systems: Sequence[LinearSystem | None], cache: dict) -> di
     return {key: pool.submit(_krylov_method, s, cache) for key, s in big.items()}
 
 
-# solve_many plans and starts systems of at least EARLY_MIN_ROWS rows first
-# when at least EARLY_MIN_REST others follow: the GPUs solve them while the
-# host validates, estimates and plans the rest (W2-large: 10,000 small
-# systems, about 70 ms of host work before any GPU started).
-EARLY_START = True
-EARLY_MIN_ROWS = 1 << 18
-EARLY_MIN_REST = 1000
-
-
-def _feeds_gpus(devs: Sequence[Device]) -> bool:
-    """Whether the switch interval applies: two or more GPUs (simulated ones too: the same threads)."""
-    return SWITCH_INTERVAL is not None and sum(d.is_gpu for d in devs) >= 2
-
-
-def _early_indices(items: Sequence[Any]) -> list[int]:
-    """Positions of the large systems to start first (empty when not worth it)."""
-    if not EARLY_START or len(items) <= EARLY_MIN_REST:
-        return []
-    big = []
-    for i, item in enumerate(items):
-        try:
-            if type(item) is LinearSystem:
-                n = item.n
-            else:
-                A = item[0] if isinstance(item, tuple) else getattr(item, "A", None)
-                n = int(A.shape[0])
-        except Exception:  # not a system: validation reports it
-            continue
-        if n >= EARLY_MIN_ROWS:
-            big.append(i)
-    return big if big and len(items) - len(big) >= EARLY_MIN_REST else []
-
-
 def _dtype_name(dt: np.dtype) -> str:
     # str(dtype) costs about 18 us (numpy builds the name each time): 0.18 s per
     # 10,000 systems on the planning path, so names are cached.
@@ -370,7 +337,7 @@ def make_slots(devices: Sequence[Device], manager: DeviceManager) -> list[Slot]:
 
 def plan_work(estimates: Iterable[Estimate], devices: Sequence[Device], manager: DeviceManager, *,
               batch_bytes: Callable[[Sequence[Estimate]], int] | None = None,
-              slots: list[Slot] | None = None, first_id: int = 0) -> Plan:
+              slots: list[Slot] | None = None) -> Plan:
     """Pack estimates into batches and disperse them over ``devices`` (nothing runs).
 
     A Krylov system too large for every device's room is sharded over the
@@ -396,10 +363,9 @@ def plan_work(estimates: Iterable[Estimate], devices: Sequence[Device], manager:
         # Host LU batches run one per core: several per core balance the tail.
         rows = target_rows(packed_rows, os.cpu_count() or 1, "cpu")
     max_bytes = max((s.room for s in slots), default=0)
-    batches, too_big = pack(ests.values(), rows=rows, max_bytes=max_bytes, batch_bytes=batch_bytes,
-                            first_id=first_id)
+    batches, too_big = pack(ests.values(), rows=rows, max_bytes=max_bytes, batch_bytes=batch_bytes)
     queues, unplaced = disperse(batches, slots)
-    next_id = max((b.id for b in batches), default=first_id - 1) + 1
+    next_id = max((b.id for b in batches), default=-1) + 1
     cpu = str(manager.cpu)
     extra: list[Batch] = []
     sharded: list[int] = []
@@ -491,11 +457,7 @@ class _Runner:
 
     def __init__(self, systems: list[LinearSystem | None], plan: Plan, devices: Sequence[Device],
                  manager: DeviceManager, results: list[SolveResult | None], *, bar: Any,
-                 batch_bytes: Callable | None, more: bool = False):
-        # more=True: another plan will follow (extend, then close); until then idle
-        # workers wait for it instead of stealing or returning.
-        self.more = more
-        self.threads: list[threading.Thread] = []
+                 batch_bytes: Callable | None):
         self.systems = systems
         self.plan = plan
         self.manager = manager
@@ -525,29 +487,9 @@ class _Runner:
                 stolen = self._steal(name)
                 if stolen is not None:
                     return stolen
-                if self.outstanding <= 0 and not self.more:
+                if self.outstanding <= 0:
                     return None
                 self.cond.wait()
-
-    def extend(self, plan: Plan, busy_before: dict[str, float]) -> None:
-        """Queue a later plan's batches (made over this plan's slots; ``busy_before``: theirs before)."""
-        with self.cond:
-            for name, batches in plan.queues.items():
-                self.queues.setdefault(name, deque()).extend(batches)
-                self.outstanding += len(batches)
-            self.plan.estimates.update(plan.estimates)
-            self.plan.sharded.extend(plan.sharded)
-            for slot in plan.slots:
-                added = slot.busy - busy_before.get(slot.name, 0.0)
-                self.queued_seconds[slot.name] = self.queued_seconds.get(slot.name, 0.0) + added
-            self.next_id = max(self.next_id, plan.next_id)
-            self.cond.notify_all()
-
-    def close(self) -> None:
-        """No plan follows: workers return once the queues are done."""
-        with self.cond:
-            self.more = False
-            self.cond.notify_all()
 
     def _steal(self, name: str) -> Batch | None:
         """A batch queued on another device of the same kind, for an idle one (lock held).
@@ -559,7 +501,7 @@ class _Runner:
         whose systems already lie on their device stay there.
         """
         dev = self.by_name[name]
-        if dev.kind == "cpu" or self.more:  # the next plan counts on this one's placement
+        if dev.kind == "cpu":
             return None
 
         def left(q: str) -> float:  # predicted seconds of the batches still queued there
@@ -620,10 +562,7 @@ class _Runner:
 
     # ---------------------------------------------------------------- workers
     def run(self) -> None:
-        self.start()
-        self.join()
-
-    def start(self) -> None:
+        threads = []
         direct = any(b.route == DIRECT for q in self.queues.values() for b in q)
         for d in self.all_devices:
             # The host runs its LU batches one per core; everything else one per device.
@@ -631,11 +570,9 @@ class _Runner:
             for k in range(count):
                 t = threading.Thread(target=self._worker, args=(d,), daemon=True,
                                      name=f"solve_many-{d}-{k}")
-                self.threads.append(t)
+                threads.append(t)
                 t.start()
-
-    def join(self) -> None:
-        for t in self.threads:
+        for t in threads:
             t.join()
 
     def _pop_nowait(self, name: str) -> Batch | None:
@@ -1254,92 +1191,51 @@ def _solve_many_local(systems: Iterable[Any], *, disperse: bool, devices: Any, m
     results: list[SolveResult | None] = [None] * len(items)
     valid: list[LinearSystem | None] = [None] * len(items)
     memo: dict = {}  # arrays found finite, for this call
+    for i, item in enumerate(items):
+        try:
+            valid[i] = _validate(item, i, method=method, M=M, rtol=rtol, memo=memo)
+        except (TypeError, ValueError) as exc:
+            results[i] = _invalid(exc, i, item)
+    del memo
 
-    def validate(indices: Iterable[int]) -> int:
-        bad = 0
-        for i in indices:
-            try:
-                valid[i] = _validate(items[i], i, method=method, M=M, rtol=rtol, memo=memo)
-            except (TypeError, ValueError) as exc:
-                results[i] = _invalid(exc, i, items[i])
-                bad += 1
-        return bad
+    devs = _select_devices(mgr, devices, disperse, valid)
+    host_only = all(d.kind == "cpu" for d in devs)
+    ref = devs[0]
+    ests = []
+    cache: dict = {}  # symmetry per matrix object, for this call
+    early = _prefetch_methods(valid, cache)
+    for i, s in enumerate(valid):
+        if s is None:
+            continue
+        try:
+            if early and s.kind == "csr":
+                pending = early.pop(id(s.A), None)
+                if pending is not None:
+                    pending.result()  # the large matrix's method, found beside this loop
+            ests.append(estimate(s, i, host_only=host_only, manager=mgr, reference=ref,
+                                 cache=cache))
+        except (TypeError, ValueError) as exc:
+            valid[i] = None
+            results[i] = _invalid(exc, i, s)
 
-    cache: dict = {}  # symmetry and estimates per matrix object, for this call
-
-    def estimates(indices: Iterable[int], host_only: bool, ref: Device) -> list[Estimate]:
-        out = []
-        early = _prefetch_methods([valid[i] for i in indices], cache)
-        for i in indices:
-            s = valid[i]
-            if s is None:
-                continue
-            try:
-                if early and s.kind == "csr":
-                    pending = early.pop(id(s.A), None)
-                    if pending is not None:
-                        pending.result()  # the large matrix's method, found beside this loop
-                out.append(estimate(s, i, host_only=host_only, manager=mgr, reference=ref, cache=cache))
-            except (TypeError, ValueError) as exc:
-                valid[i] = None
-                results[i] = _invalid(exc, i, s)
-        return out
-
-    # With the devices known before the systems are read (dispersal, or one
-    # device), large systems are planned and started first, and the GPUs work
-    # on them while the host validates, estimates and plans the rest.
-    candidates = _select_devices(mgr, devices, True, [])
-    devs = candidates if disperse or len(candidates) == 1 else None
-    first = _early_indices(items) if devs is not None and any(d.is_gpu for d in devs) else []
     bar = None
     if progress:
         tqdm = _backend.require("tqdm", "solve_many(progress=True)")
         bar = tqdm.tqdm(total=len(items), unit="system", desc="solve_many", smoothing=0.1)
-    runner = None
-    switch = ExitStack()  # the GIL switch interval, while the workers of two or more GPUs run
+        bar.update(sum(r is not None for r in results))
     try:
         batch_bytes = _packed_bytes(mgr, valid)
-        if first:
-            bad = validate(first)
-            ref = devs[0]
-            plan = plan_work(estimates(first, False, ref), devs, mgr, batch_bytes=batch_bytes)
-            runner = _Runner(valid, plan, devs, mgr, results, bar=bar, batch_bytes=batch_bytes, more=True)
-            switch.enter_context(_SWITCH.held(SWITCH_INTERVAL, active=_feeds_gpus(devs)))
-            runner.start()
-            started = set(first)
-            rest = [i for i in range(len(items)) if i not in started]
-        else:
-            bad, rest = 0, range(len(items))
-        bad += validate(rest)
-        if bar is not None:
-            bar.update(bad)
-        memo.clear()
-        if devs is None:
-            devs = _select_devices(mgr, devices, disperse, valid)
-        host_only = all(d.kind == "cpu" for d in devs)
-        if runner is not None:
-            slots = runner.plan.slots
-            before = {slot.name: slot.busy for slot in slots}
-            later = plan_work(estimates(rest, host_only, devs[0]), devs, mgr, batch_bytes=batch_bytes,
-                              slots=slots, first_id=runner.next_id)
-            runner.extend(later, before)
-            runner.close()
-        else:
-            plan = plan_work(estimates(rest, host_only, devs[0]), devs, mgr, batch_bytes=batch_bytes)
-            runner = _Runner(valid, plan, devs, mgr, results, bar=bar, batch_bytes=batch_bytes)
-            switch.enter_context(_SWITCH.held(SWITCH_INTERVAL, active=_feeds_gpus(devs)))
-            runner.start()
-        runner.join()
+        plan = plan_work(ests, devs, mgr, batch_bytes=batch_bytes)
+        runner = _Runner(valid, plan, devs, mgr, results, bar=bar, batch_bytes=batch_bytes)
+        gpus = sum(d.is_gpu for d in devs)  # simulated GPUs too: the same threads
+        with _SWITCH.held(SWITCH_INTERVAL, active=SWITCH_INTERVAL is not None and gpus >= 2):
+            runner.run()
         # Sharded systems use every accelerator at once: after the batches.
-        for i in runner.plan.sharded:
+        for i in plan.sharded:
             results[i] = _run_sharded(valid[i], devs, mgr)
             if bar is not None:
                 bar.update(1)
     finally:
-        if runner is not None:  # an error while planning the rest: let the started workers end
-            runner.close()
-            runner.join()
-        switch.close()
         if bar is not None:
             bar.close()
 

@@ -558,13 +558,13 @@ def test_an_idle_device_takes_queued_batches_from_a_slow_one(monkeypatch):
     systems = [LinearSystem(poisson2d(m), np.ones(m * m), rtol=1e-8, method="cg", name=f"s{k}")
                for k, m in enumerate([24] * 48)]
     runners = []
-    real = sched._Runner.start
+    real = sched._Runner.run
 
     def spy(self):
         runners.append(self)
         return real(self)
 
-    monkeypatch.setattr(sched._Runner, "start", spy)
+    monkeypatch.setattr(sched._Runner, "run", spy)
     results = solve_many(systems, manager=dm)
     assert_solves(systems, results)
     (runner,) = runners
@@ -605,16 +605,16 @@ def test_large_matrices_method_found_beside_the_estimates(monkeypatch):
 def spy_on_run(monkeypatch, probe) -> tuple[list, object, object]:
     """Record ``probe()`` each time a solve_many call starts its workers.
 
-    Returns the records, the real ``_Runner.start`` and the spy (to set again).
+    Returns the records, the real ``_Runner.run`` and the spy (to set again).
     """
     seen: list = []
-    run = sched._Runner.start
+    run = sched._Runner.run
 
     def spying(self):
         seen.append(probe())
         return run(self)
 
-    monkeypatch.setattr(sched._Runner, "start", spying)
+    monkeypatch.setattr(sched._Runner, "run", spying)
     return seen, run, spying
 
 
@@ -643,11 +643,11 @@ def test_garbage_collection_is_paused_during_the_call_and_restored_after(sims, m
         release.wait(30)
         return run(self)
 
-    monkeypatch.setattr(sched._Runner, "start", slow)
+    monkeypatch.setattr(sched._Runner, "run", slow)
     t = threading.Thread(target=solve_many, args=(systems,), kwargs={"manager": sims})
     t.start()
     assert inside.wait(30)
-    monkeypatch.setattr(sched._Runner, "start", run)
+    monkeypatch.setattr(sched._Runner, "run", run)
     solve_many(systems, manager=sims)
     assert not gc.isenabled()  # the other call is still running
     release.set()
@@ -658,11 +658,11 @@ def test_garbage_collection_is_paused_during_the_call_and_restored_after(sims, m
     def broken(self):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(sched._Runner, "start", broken)
+    monkeypatch.setattr(sched._Runner, "run", broken)
     with pytest.raises(RuntimeError, match="boom"):
         solve_many(systems, manager=sims)
     assert gc.isenabled()
-    monkeypatch.setattr(sched._Runner, "start", spying)
+    monkeypatch.setattr(sched._Runner, "run", spying)
     monkeypatch.setattr(sched, "PAUSE_GC", False)
     seen.clear()
     solve_many(systems, manager=sims)
@@ -738,75 +738,3 @@ def test_results_cut_x_from_the_batch_when_first_read():
     assert type(c) is SolveResult and c.x is r.x
     r.x = np.zeros(3)  # assignable, as on any result
     assert r.x.tolist() == [0.0, 0.0, 0.0] and repr(r).startswith("SolveResult(")
-
-
-def test_large_systems_start_while_the_rest_is_planned(sims, monkeypatch):
-    """Early start: the large systems' workers run before the small ones are validated."""
-    monkeypatch.setattr(sched, "EARLY_MIN_ROWS", 400)
-    monkeypatch.setattr(sched, "EARLY_MIN_REST", 30)
-    events = []
-    real_validate, real_start = sched._validate, sched._Runner.start
-
-    def validate(item, i, **kw):
-        events.append(("validate", i))
-        return real_validate(item, i, **kw)
-
-    def start(self):
-        events.append(("start", tuple(sorted(e for q in self.queues.values() for b in q for e in b.indices))))
-        return real_start(self)
-
-    monkeypatch.setattr(sched, "_validate", validate)
-    monkeypatch.setattr(sched._Runner, "start", start)
-    small = mixed_systems(40, seed=3)
-    large = [LinearSystem(poisson2d(m), np.ones(m * m), rtol=1e-8, name=f"big{m}") for m in (22, 24, 21)]
-    items = small[:10] + [large[0]] + small[10:25] + large[1:] + small[25:]
-    items.insert(5, (np.ones((3, 4)), np.ones(3)))  # invalid: not square
-    results = solve_many(items, manager=sims)
-    big = [i for i, s in enumerate(items) if isinstance(s, LinearSystem) and s.n >= 400]
-    starts = [k for k, e in enumerate(events) if e[0] == "start"]
-    assert len(starts) == 1 and events[starts[0]][1] == tuple(big)  # only the large ones planned first
-    validated_before = {e[1] for e in events[:starts[0]] if e[0] == "validate"}
-    assert validated_before == set(big)  # the rest was validated after the workers started
-    assert results[5].status is Status.INVALID_INPUT and "square" in results[5].message
-    ok = [k for k in range(len(items)) if k != 5]
-    assert_solves([items[k] for k in ok], [results[k] for k in ok])
-    assert {results[i].device for i in big} == {"sim:0", "sim:1"}  # the large ones dispersed
-
-
-def test_no_early_start_for_few_systems_or_one_device_by_bytes(sims, monkeypatch):
-    monkeypatch.setattr(sched, "EARLY_MIN_ROWS", 400)
-    monkeypatch.setattr(sched, "EARLY_MIN_REST", 30)
-    runners = []
-    real = sched._Runner.start
-
-    def start(self):
-        runners.append(self.more)
-        return real(self)
-
-    monkeypatch.setattr(sched._Runner, "start", start)
-    large = LinearSystem(poisson2d(22), np.ones(484), rtol=1e-8)
-    solve_many([large] + mixed_systems(10), manager=sims)  # too few others
-    solve_many([large] + mixed_systems(40), manager=sims, disperse=False)  # device chosen by bytes
-    solve_many([large] + mixed_systems(40), manager=sims)
-    assert runners == [False, False, True]
-    assert sched._early_indices([large, "not a system", (None, None)] + mixed_systems(40)) == [0]
-
-
-def test_failure_while_planning_the_rest_ends_the_started_workers(sims, monkeypatch):
-    monkeypatch.setattr(sched, "EARLY_MIN_ROWS", 400)
-    monkeypatch.setattr(sched, "EARLY_MIN_REST", 30)
-    real = sched.plan_work
-    calls = []
-
-    def plan_work(*args, **kw):
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("planner broke")
-        return real(*args, **kw)
-
-    monkeypatch.setattr(sched, "plan_work", plan_work)
-    before = threading.active_count()
-    large = LinearSystem(poisson2d(22), np.ones(484), rtol=1e-8)
-    with pytest.raises(RuntimeError, match="planner broke"):
-        solve_many([large] + mixed_systems(40), manager=sims)
-    assert threading.active_count() == before  # the first plan's workers finished and ended
