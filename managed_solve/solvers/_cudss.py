@@ -59,24 +59,25 @@ def solve(nvmath: Any, A: Any, b: Any, symmetric: bool | None) -> tuple[Any, str
     xp = _backend.array_module(b)
     key = (A.shape[0], int(A.nnz), A.dtype.str, A.indices.dtype.str, A.indptr.dtype.str, bool(symmetric))
     with dev.lock:
-        entry = dev.cache.pop(key, None)
+        entry = dev.cache.pop(key, None)  # out of the cache until it solved this system
         reused = "none"
-        if entry is not None:
-            same_pattern, same_values = entry.compare(A, xp)  # sync: one host read
-            if not same_pattern:
-                entry.free()
-                entry = None
-            elif same_values:
-                reused = "factors"
-            else:
-                entry.refactor(A, xp)
-                reused = "plan"
-        if entry is None:
-            entry = _Entry(nvmath, A, b, symmetric, dev)
         try:
+            if entry is not None:
+                same_pattern, same_values = entry.compare(A, xp)  # sync: one host read
+                if not same_pattern:
+                    entry.free()
+                    entry = None
+                elif same_values:
+                    reused = "factors"
+                else:
+                    entry.refactor(A, xp)
+                    reused = "plan"
+            if entry is None:
+                entry = _Entry(nvmath, A, b, symmetric, dev)
             x = entry.solve(b)
         except Exception:
-            entry.free()
+            if entry is not None:  # a failed factorisation or solve: nothing half-made is kept
+                entry.free()
             raise
         if CACHE_SIZE > 0 and _room_left(xp):
             dev.cache[key] = entry  # the most recent last

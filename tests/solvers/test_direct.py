@@ -254,3 +254,24 @@ def test_cudss_reuses_analysis_and_factors():
     for k in range(3):
         np.testing.assert_allclose(out[k], x_true, rtol=1e-9, atol=1e-9)
     assert release_factorisations() >= 1
+
+
+def test_cudss_failure_frees_the_entry_and_keeps_nothing(fake_cudss, monkeypatch):
+    """A factorisation that raises on new values frees the kept analysis; the next solve starts over."""
+    fake, _, cudss = fake_cudss
+    A = poisson2d(6)
+    cudss.solve(fake, A, np.ones(36), True)
+    bad = (A * 2.0).tocsr()
+    real = fake.DirectSolver.factorize
+
+    def broken(self):
+        raise RuntimeError("cuDSS factorisation failed")
+
+    monkeypatch.setattr(fake.DirectSolver, "factorize", broken)
+    with pytest.raises(RuntimeError, match="factorisation failed"):
+        cudss.solve(fake, bad, np.ones(36), True)
+    assert fake.frees == 1 and cudss.release_factorisations() == 0  # freed, not kept
+    monkeypatch.setattr(fake.DirectSolver, "factorize", real)
+    x, how = cudss.solve(fake, bad, np.ones(36), True)
+    assert how == "none"
+    np.testing.assert_allclose(bad @ x, np.ones(36), rtol=1e-10)
