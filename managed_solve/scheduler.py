@@ -1073,7 +1073,8 @@ def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = 
         In input order. Each has ``status``, ``iterations``, the true
         ``residual_norm``, the ``device`` it was solved on, and ``info``
         (``batch`` id and ``batch_size``). In a batch, ``x`` is a view into the
-        batch's solution vector (no copy).
+        batch's solution vector (no copy), cut when ``x`` is first read; a
+        result keeps the batch's vector alive until then.
 
     Raises
     ------
