@@ -64,3 +64,27 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         elif "cudasim" in item.keywords and not (CUDASIM or GPU_COUNT):
             item.add_marker(skip_sim)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_tests_place_on_the_cpu(request):
+    """Tests not marked ``gpu``/``multi_gpu`` describe the host path: they run it on any machine.
+
+    ``solve(A, b)`` with host inputs and no ``device`` lets the process-wide
+    DeviceManager choose, and on a machine with GPUs (or with
+    ``MANAGED_SOLVE_SIMULATE`` set) it chooses one. For the duration of an
+    unmarked test the default manager holds the CPU only (as on CI); the
+    ``gpu`` tests cover the placement on GPUs. Tests with their own managers
+    are unaffected.
+    """
+    if request.node.get_closest_marker("gpu") or request.node.get_closest_marker("multi_gpu"):
+        yield
+        return
+    from managed_solve import manager as mgr_mod
+
+    previous = mgr_mod._default
+    mgr_mod.set_default_manager(mgr_mod.DeviceManager(["cpu"]))
+    try:
+        yield
+    finally:
+        mgr_mod.set_default_manager(previous)

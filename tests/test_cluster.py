@@ -146,7 +146,7 @@ def test_equals_the_local_backend_on_a_mix(cluster):
     systems[6] = LinearSystem(pairs[6][0].astype(np.float32), pairs[6][1].astype(np.float32), rtol=1e-4)
     systems[7] = LinearSystem(*pairs[7], method="cg", maxiter=2)  # stops at MAXITER
     local = solve_many(systems, return_on="host", manager=DeviceManager(["cpu"]))
-    remote = solve_many_ray(systems)
+    remote = solve_many_ray(systems, devices="cpu")  # the same device on the nodes, on any machine
     assert len(remote) == len(local)
     for i, (r, q) in enumerate(zip(remote, local, strict=True)):
         assert r.status is q.status, i
@@ -289,7 +289,7 @@ def test_chunks_follow_weights_then_measured_throughput():
 def test_a_node_that_cannot_start_is_left_out(cluster):
     pairs = mix(6, seed=9)
     greedy = NodeSpec("greedy", weight=99, num_gpus=99, num_cpus=0)  # no node has 99 GPUs
-    res = solve_many_ray(pairs, nodes=[greedy, *sim_nodes((1,))], start_timeout=2)
+    res = solve_many_ray(pairs, nodes=[greedy, *sim_nodes((1,))], start_timeout=6)  # node0: a new worker
     assert_solved(pairs, res)
     assert {r.info["node"] for r in res} == {"node0"}
     with pytest.raises(RuntimeError, match="none of the 1 Ray actors started"):
@@ -315,7 +315,7 @@ def test_backend_ray_through_solve_many_equals_local(cluster):
         pytest.skip("scheduler.solve_many has no backend= yet (the lead wires it to solve_many_ray)")
     pairs = mix(6, seed=11)
     local = solve_many(pairs, return_on="host", manager=DeviceManager(["cpu"]))
-    remote = solve_many(pairs, backend="ray")
+    remote = solve_many(pairs, backend="ray", devices="cpu")  # the same device on the nodes
     for r, q in zip(remote, local, strict=True):
         assert r.status is q.status and isinstance(r.x, np.ndarray)
         np.testing.assert_allclose(r.x, q.x, rtol=1e-9, atol=1e-12)
