@@ -29,6 +29,9 @@ info: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	@# The host-path tests again with two simulated GPUs in the default manager,
+	@# as on a GPU machine: they must not depend on the machine's devices.
+	MANAGED_SOLVE_SIMULATE=2x8GiB $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_solve.py tests/solvers
 
 test-gpu: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -m "gpu or multi_gpu" $(PYTEST_ARGS)

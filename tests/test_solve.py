@@ -252,3 +252,12 @@ def test_gpu_torch_tensors_zero_copy_both_ways():
     assert res.converged and res.device == "cuda:0"
     assert isinstance(res.x, cp.ndarray)
     assert res.to_torch().data_ptr() == res.x.data.ptr
+
+
+def test_host_path_tests_see_a_cpu_only_default_manager():
+    """The root conftest gives unmarked tests a CPU-only default manager (GPU hosts, MANAGED_SOLVE_SIMULATE)."""
+    from managed_solve.manager import default_manager
+
+    assert [str(d) for d in default_manager().devices] == ["cpu"]
+    res = solve(poisson2d(5), np.ones(25))
+    assert res.device == "cpu" and isinstance(res.x, np.ndarray)
