@@ -874,8 +874,8 @@ def _results(systems: list[LinearSystem], packed: Any, method: str, device: Devi
             systems, out.status.tolist(), out.iterations.tolist(), np.asarray(rn).tolist(),
             np.asarray(bn).tolist(), strict=True)):
         # x is sliced from the batch's solution when first read (_SlicedResult).
-        res = _SlicedResult(out.x, offsets[k], offsets[k + 1], _STATUS[code], its, r, bnorm, dname,
-                            seconds, method, "", s.name, common.copy())
+        res = _SlicedResult.cut_from(out.x, offsets[k], offsets[k + 1], _STATUS[code], its, r, bnorm,
+                                     dname, seconds, method, "", s.name, common.copy())
         if not LAZY_X:
             res.x  # noqa: B018 (the view made now, as before: for paired profiles)
         if code == 0 and not r <= max(s.rtol * bnorm, s.atol):

@@ -736,5 +736,9 @@ def test_results_cut_x_from_the_batch_when_first_read():
     assert type(again) is SolveResult and np.array_equal(again.x, r.x) and again.info == r.info
     c = copy.copy(r)
     assert type(c) is SolveResult and c.x is r.x
+    import dataclasses
+
+    swapped = dataclasses.replace(r, message="replaced")
+    assert swapped.message == "replaced" and np.array_equal(swapped.x, r.x) and swapped.status is r.status
     r.x = np.zeros(3)  # assignable, as on any result
     assert r.x.tolist() == [0.0, 0.0, 0.0] and repr(r).startswith("SolveResult(")
