@@ -1,17 +1,17 @@
 """cuDSS (through nvmath-python) for GPU direct solves, with its analysis kept between calls.
 
-Measured on an H200 (``benchmarks/profile_direct.py``, 2D Poisson): of a
-cuDSS solve, the plan phase (ordering and symbolic analysis, on the host)
-takes 95 % and more: 113 ms of 117 at N = 40k, 1.74 s of 1.77 s at N = 1M,
-against 2-28 ms to factorise and 1-4 ms to solve. So, per device:
+Measured on an H200 (``benchmarks/profile_direct.py``, 2D Poisson; the table
+is in ``docs/performance.md``): of a cuDSS solve, the plan phase (ordering and
+symbolic analysis, on the host) takes 95 % and more: 73 ms against 2.1 ms to
+factorise and 0.6 ms to solve at N = 40k, 1.38 s against 28 and 3.4 ms at
+N = 1M. So, per device:
 
 - one cuDSS handle, made once, with cuDSS's OpenMP threading layer for the
-  host phases where it lies beside the library (2-4 x faster plans);
+  host phases where it lies beside the library (2.9-4.2 x faster plans);
 - the last ``CACHE_SIZE`` analysed matrices, each with its own copy of the
   matrix (cuDSS keeps pointers into it), while the GPU keeps a quarter of its
-  memory free. A later solve with the same sparsity
-  pattern skips the plan; with the same values too, it skips the
-  factorisation and only solves. One device-side comparison (one host read)
+  memory free. A later solve with the same sparsity pattern skips the plan;
+  with the same values too, it skips the factorisation and only solves. One device-side comparison (one host read)
   tells which.
 
 A device's handle and cache are used under its lock: direct solves on one
