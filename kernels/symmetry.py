@@ -46,12 +46,7 @@ def csr_symmetry(indptr, indices, data, limit):
 @numba.njit(nogil=True, cache=True)
 def csr_symmetry_scaled(indptr, indices, data, rel):
     """:func:`csr_symmetry` with ``limit = rel * max(max |a_ij|, 1)``, the scale found in the same call."""
-    scale = 0.0
-    for k in range(data.shape[0]):
-        a = abs(data[k])
-        if a > scale:
-            scale = a
-    return csr_symmetry(indptr, indices, data, rel * max(scale, 1.0))
+    return csr_symmetry(indptr, indices, data, rel * max(abs_max(data, 0, data.shape[0]), 1.0))
 
 
 @numba.njit(nogil=True, cache=True)

@@ -11,8 +11,8 @@ N = 1M. So, per device:
 - the last ``CACHE_SIZE`` analysed matrices, each with its own copy of the
   matrix (cuDSS keeps pointers into it), while the GPU keeps a quarter of its
   memory free. A later solve with the same sparsity pattern skips the plan;
-  with the same values too, it skips the factorisation and only solves. One device-side comparison (one host read)
-  tells which.
+  with the same values too, it skips the factorisation and only solves. One
+  device-side comparison (one host read) tells which.
 
 A device's handle and cache are used under its lock: direct solves on one
 GPU run one at a time (they would share the GPU anyway), on different GPUs
@@ -26,6 +26,8 @@ import os
 import threading
 from collections import OrderedDict
 from typing import Any
+
+import numpy as np
 
 from .. import _backend
 
@@ -88,15 +90,29 @@ def solve(nvmath: Any, A: Any, b: Any, symmetric: bool | None) -> tuple[Any, str
     return x, reused
 
 
-def release_factorisations(device: int | None = None) -> int:
+def release_factorisations(device: int | str | None = None) -> int:
     """Free the kept cuDSS analyses and factors (of one GPU, or all); returns how many.
+
+    Parameters
+    ----------
+    device : int, str or Device, optional
+        ``1``, ``"cuda:1"`` or a Device; None: every GPU.
 
     Examples
     --------
     >>> from managed_solve.solvers import _cudss
     >>> _cudss.release_factorisations()  # nothing kept on a machine that never ran cuDSS
     0
+    >>> _cudss.release_factorisations("cuda:0")
+    0
     """
+    if device is not None and not isinstance(device, int):
+        from ..devices import parse_device_name
+
+        kind, device = parse_device_name(str(device), what="release_factorisations(device)")
+        if kind != "cuda":
+            raise ValueError(f"release_factorisations(device={kind!r}): cuDSS keeps factors on CUDA "
+                             "GPUs only; pass 'cuda:0', 'cuda:1', ... or None for every GPU")
     freed = 0
     with _devices_lock:
         devs = [d for i, d in _devices.items() if device is None or i == device]
@@ -179,7 +195,7 @@ class _Entry:
 
 
 def _room_left(xp: Any) -> bool:
-    if xp.__name__ == "numpy":
+    if xp is np:  # the host stand-in of the tests
         return True
     free, total = xp.cuda.runtime.memGetInfo()
     return free >= KEEP_MIN_FREE_FRACTION * total
@@ -187,7 +203,7 @@ def _room_left(xp: Any) -> bool:
 
 def _stream(xp: Any) -> Any:
     """The current CUDA stream (None for host arrays)."""
-    return None if xp.__name__ == "numpy" else xp.cuda.get_current_stream()
+    return None if xp is np else xp.cuda.get_current_stream()
 
 
 _THREADING_LIB: list = []  # [path or None], found once

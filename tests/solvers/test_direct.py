@@ -168,7 +168,12 @@ def test_cudss_keeps_the_analysis_of_recent_matrices(fake_cudss):
     assert A3.nnz == A.nnz and not np.array_equal(A3.indices, A.indices)
     check(A3, b1, "none", 2, 4)
     assert fake.frees == 1  # the old analysis, freed
+    assert cudss.release_factorisations("cuda:0") == 0  # another GPU: nothing kept there
     assert cudss.release_factorisations() == 1 and fake.frees == 2
+    with pytest.raises(ValueError, match="CUDA GPUs only"):
+        cudss.release_factorisations("cpu")
+    with pytest.raises(ValueError, match="not a device name"):
+        cudss.release_factorisations("gpu zero")
     check(A, b1, "none", fake.plans + 1, fake.factorizations + 1)
 
 
