@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from managed_solve import _backend
+from managed_solve.manager import default_manager
 from managed_solve.solve import solve
 
 
@@ -57,8 +58,11 @@ def setup() -> tuple[int, int, str]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    # Every rank must agree on the backend: GPUs only when each local rank gets one.
-    use_gpu = _backend.cuda_probe()[0] >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    # Every rank must agree on the backend: GPUs only when each local rank gets one
+    # of the CUDA devices the DeviceManager manages (MANAGED_SOLVE_DEVICES=cpu keeps
+    # the run on the CPU on a GPU machine).
+    cuda = [d for d in default_manager().accelerators if d.kind == "cuda"]
+    use_gpu = len(cuda) >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     device = f"cuda:{local}" if use_gpu else "cpu"
     if use_gpu:
         torch.cuda.set_device(local)
