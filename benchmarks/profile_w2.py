@@ -173,6 +173,7 @@ def run(title, systems, devices, dm, rounds, **kw):
 
 
 _SYM_WORKERS = system.SYMMETRY_WORKERS
+_PREFETCH_ALL_CORES = sched.PREFETCH_ALL_CORES
 
 CONFIGS = {
     "default": {},
@@ -184,6 +185,8 @@ CONFIGS = {
     "batches-per-gpu-3": {"bpd": 3},
     "eager-x": {"lazy_x": False},  # scheduler.LAZY_X off: every x view made on the worker
     "serial-symmetry": {"sym_workers": 1},  # system.SYMMETRY_WORKERS = 1: one-thread symmetry test
+    # scheduler.PREFETCH_ALL_CORES out of reach: only the 1M-entry matrices' methods beside the loop
+    "large-prefetch-only": {"prefetch_all_cores": 1 << 30},
 }
 
 
@@ -196,6 +199,7 @@ def configure(name):
     sched.PREPARE_WORKSPACE = cfg.get("prepare", True)
     sched.LAZY_X = cfg.get("lazy_x", True)
     system.SYMMETRY_WORKERS = cfg.get("sym_workers", _SYM_WORKERS)
+    sched.PREFETCH_ALL_CORES = cfg.get("prefetch_all_cores", _PREFETCH_ALL_CORES)
     sched.target_rows = functools.partial(packing.target_rows,
                                           batches_per_device=cfg.get("bpd", packing.BATCHES_PER_DEVICE))
 

@@ -186,16 +186,26 @@ def _krylov_method(s: LinearSystem, cache: dict | None) -> str:
 _DTYPE_NAMES: dict[np.dtype, str] = {}
 
 
-# Host matrices with at least this many stored entries have their symmetry
-# tested on a helper thread while the estimate loop goes through the others
-# (the test releases the GIL): for W2-large the one 1M-row matrix took 35 ms
-# of the 55 ms of estimates on the development machine.
+# The method choice ("auto": symmetry test, then the diagonal) of host matrices
+# runs on helper threads while the estimate loop goes through the systems (the
+# symmetry kernels release the GIL). On a host of PREFETCH_ALL_CORES cores or
+# more every distinct matrix of at least PREFETCH_SMALL_NNZ stored entries goes
+# there, largest first; on fewer cores only those of PREFETCH_MIN_NNZ entries
+# or more (two cores gain nothing from running the small tests beside the
+# loop). W2-large on the development machine: the 1M-row matrix took 35 ms of
+# the 55 ms of estimates; on a 2 x H200 host the 65 small matrices took
+# 9-12 ms of the main thread before the first GPU started.
 PREFETCH_MIN_NNZ = 1 << 20
+PREFETCH_SMALL_NNZ = 1 << 12
+PREFETCH_ALL_CORES = 4
+PREFETCH_WORKERS = max(2, min(8, (os.cpu_count() or 1) // 2))
 
 
 def _prefetch_methods(systems: Sequence[LinearSystem | None], cache: dict) -> dict[int, Future]:
-    """Start the method choice ("auto": symmetry, then the diagonal) of large host matrices."""
-    big: dict[int, LinearSystem] = {}
+    """Start the method choice of host matrices on helper threads (see PREFETCH_MIN_NNZ)."""
+    floor = PREFETCH_SMALL_NNZ if (os.cpu_count() or 1) >= PREFETCH_ALL_CORES else PREFETCH_MIN_NNZ
+    floor = min(floor, PREFETCH_MIN_NNZ)
+    found: dict[int, LinearSystem] = {}
     seen: set[int] = set()
     for s in systems:
         # Cheap tests first, each matrix once: 10,004 systems cost 5-10 ms otherwise.
@@ -205,12 +215,14 @@ def _prefetch_methods(systems: Sequence[LinearSystem | None], cache: dict) -> di
         if key in seen:
             continue
         seen.add(key)
-        if isinstance(s.b, np.ndarray) and s.nnz >= PREFETCH_MIN_NNZ:  # host matrices only
-            big[key] = s
-    if not big:
+        if isinstance(s.b, np.ndarray) and s.nnz >= floor:  # host matrices only
+            found[key] = s
+    if not found:
         return {}
-    pool = _backend.thread_pool("prefetch", 2)
-    return {key: pool.submit(_krylov_method, s, cache) for key, s in big.items()}
+    pool = _backend.thread_pool("prefetch", PREFETCH_WORKERS)
+    # Largest first (the longest tests), then in the order the estimate loop meets them.
+    order = sorted(found.items(), key=lambda kv: kv[1].nnz < PREFETCH_MIN_NNZ)
+    return {key: pool.submit(_krylov_method, s, cache) for key, s in order}
 
 
 def _dtype_name(dt: np.dtype) -> str:

@@ -602,6 +602,30 @@ def test_large_matrices_method_found_beside_the_estimates(monkeypatch):
         assert np.linalg.norm(s.b - s.A @ r.to_numpy()) <= 1e-8 * np.linalg.norm(s.b)
 
 
+def test_every_matrix_method_found_beside_the_estimates_on_many_cores(monkeypatch):
+    """With enough cores every distinct host matrix is tested on the helper threads, once."""
+    monkeypatch.setattr(sched, "PREFETCH_ALL_CORES", 1)
+    monkeypatch.setattr(sched, "PREFETCH_SMALL_NNZ", 1)
+    calls: dict[int, list[str]] = {}
+    real = sched._krylov_method
+
+    def spy(s, cache):
+        calls.setdefault(id(s.A), []).append(threading.current_thread().name)
+        return real(s, cache)
+
+    monkeypatch.setattr(sched, "_krylov_method", spy)
+    mats = [poisson2d(m) for m in (4, 5, 6)] + [convection(7)]
+    systems = [LinearSystem(mats[k % 4], np.ones(mats[k % 4].shape[0]), rtol=1e-8) for k in range(12)]
+    results = solve_many(systems, manager=DeviceManager(simulate="1x1GiB"))
+    assert set(calls) == {id(A) for A in mats}
+    for threads in calls.values():  # each matrix's method found once, on a helper thread
+        assert threads[0].startswith("managed_solve-prefetch")
+    assert [r.method for r in results[:4]] == ["cg", "cg", "cg", "bicgstab"]
+    for s, r in zip(systems, results, strict=True):
+        assert r.converged
+        assert np.linalg.norm(s.b - s.A @ r.to_numpy()) <= 1e-8 * np.linalg.norm(s.b)
+
+
 def spy_on_run(monkeypatch, probe) -> tuple[list, object, object]:
     """Record ``probe()`` each time a solve_many call starts its workers.
 
