@@ -102,6 +102,8 @@ def install():
     timed(sched._Runner, "_deliver", label="deliver (per result)")
     timed(sched._Runner, "_deliver_many", label="deliver (per batch)")
     timed(sched, "_prefetch_methods")
+    timed(sched, "_head_start")
+    timed(sched._Runner, "extend", label="plan extended")
     timed(sched, "_select_devices")
     timed(sched, "_packed_bytes")
     timed(sched, "is_symmetric", label="is_symmetric (per call)")
@@ -174,6 +176,7 @@ def run(title, systems, devices, dm, rounds, **kw):
 
 _SYM_WORKERS = system.SYMMETRY_WORKERS
 _PREFETCH_ALL_CORES = sched.PREFETCH_ALL_CORES
+_HEAD_START_SYSTEMS = sched.HEAD_START_SYSTEMS
 
 CONFIGS = {
     "default": {},
@@ -187,6 +190,8 @@ CONFIGS = {
     "serial-symmetry": {"sym_workers": 1},  # system.SYMMETRY_WORKERS = 1: one-thread symmetry test
     # scheduler.PREFETCH_ALL_CORES out of reach: only the 1M-entry matrices' methods beside the loop
     "large-prefetch-only": {"prefetch_all_cores": 1 << 30},
+    # scheduler.HEAD_START_SYSTEMS out of reach: every system estimated and planned before any starts
+    "no-head-start": {"head_start": 1 << 62},
 }
 
 
@@ -200,6 +205,7 @@ def configure(name):
     sched.LAZY_X = cfg.get("lazy_x", True)
     system.SYMMETRY_WORKERS = cfg.get("sym_workers", _SYM_WORKERS)
     sched.PREFETCH_ALL_CORES = cfg.get("prefetch_all_cores", _PREFETCH_ALL_CORES)
+    sched.HEAD_START_SYSTEMS = cfg.get("head_start", _HEAD_START_SYSTEMS)
     sched.target_rows = functools.partial(packing.target_rows,
                                           batches_per_device=cfg.get("bpd", packing.BATCHES_PER_DEVICE))
 

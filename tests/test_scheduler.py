@@ -558,13 +558,13 @@ def test_an_idle_device_takes_queued_batches_from_a_slow_one(monkeypatch):
     systems = [LinearSystem(poisson2d(m), np.ones(m * m), rtol=1e-8, method="cg", name=f"s{k}")
                for k, m in enumerate([24] * 48)]
     runners = []
-    real = sched._Runner.run
+    real = sched._Runner.start
 
     def spy(self):
         runners.append(self)
         return real(self)
 
-    monkeypatch.setattr(sched._Runner, "run", spy)
+    monkeypatch.setattr(sched._Runner, "start", spy)
     results = solve_many(systems, manager=dm)
     assert_solves(systems, results)
     (runner,) = runners
@@ -629,16 +629,16 @@ def test_every_matrix_method_found_beside_the_estimates_on_many_cores(monkeypatc
 def spy_on_run(monkeypatch, probe) -> tuple[list, object, object]:
     """Record ``probe()`` each time a solve_many call starts its workers.
 
-    Returns the records, the real ``_Runner.run`` and the spy (to set again).
+    Returns the records, the real ``_Runner.start`` and the spy (to set again).
     """
     seen: list = []
-    run = sched._Runner.run
+    run = sched._Runner.start
 
     def spying(self):
         seen.append(probe())
         return run(self)
 
-    monkeypatch.setattr(sched._Runner, "run", spying)
+    monkeypatch.setattr(sched._Runner, "start", spying)
     return seen, run, spying
 
 
@@ -667,11 +667,11 @@ def test_garbage_collection_is_paused_during_the_call_and_restored_after(sims, m
         release.wait(30)
         return run(self)
 
-    monkeypatch.setattr(sched._Runner, "run", slow)
+    monkeypatch.setattr(sched._Runner, "start", slow)
     t = threading.Thread(target=solve_many, args=(systems,), kwargs={"manager": sims})
     t.start()
     assert inside.wait(30)
-    monkeypatch.setattr(sched._Runner, "run", run)
+    monkeypatch.setattr(sched._Runner, "start", run)
     solve_many(systems, manager=sims)
     assert not gc.isenabled()  # the other call is still running
     release.set()
@@ -682,11 +682,11 @@ def test_garbage_collection_is_paused_during_the_call_and_restored_after(sims, m
     def broken(self):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(sched._Runner, "run", broken)
+    monkeypatch.setattr(sched._Runner, "start", broken)
     with pytest.raises(RuntimeError, match="boom"):
         solve_many(systems, manager=sims)
     assert gc.isenabled()
-    monkeypatch.setattr(sched._Runner, "run", spying)
+    monkeypatch.setattr(sched._Runner, "start", spying)
     monkeypatch.setattr(sched, "PAUSE_GC", False)
     seen.clear()
     solve_many(systems, manager=sims)
@@ -766,3 +766,109 @@ def test_results_cut_x_from_the_batch_when_first_read():
     assert swapped.message == "replaced" and np.array_equal(swapped.x, r.x) and swapped.status is r.status
     r.x = np.zeros(3)  # assignable, as on any result
     assert r.x.tolist() == [0.0, 0.0, 0.0] and repr(r).startswith("SolveResult(")
+
+
+def head_start_mix(n_small=300, seed=21):
+    """Two large grids (each runs alone, the longest batches) and many small ones."""
+    rng = np.random.default_rng(seed)
+    systems = [LinearSystem(poisson2d(160), np.ones(160 * 160), rtol=1e-8, name=f"big{k}")
+               for k in range(2)]
+    for k, m in enumerate(rng.integers(6, 17, size=n_small)):
+        systems.append(LinearSystem(poisson2d(int(m)), rng.standard_normal(int(m) ** 2),
+                                    rtol=1e-8, name=f"s{k}"))
+    return systems
+
+
+def test_large_systems_start_while_the_others_are_still_estimated(monkeypatch):
+    """Head start: the large systems compute before the last small system is even estimated."""
+    dm = DeviceManager(simulate="2x1GiB")
+    systems = head_start_mix()
+    started = threading.Event()
+    real_finish = sched._Runner._finish
+
+    def finish(self, st, dev):
+        if any(i < 2 for i in st.batch.indices):
+            started.set()
+        return real_finish(self, st, dev)
+
+    seen_running = []
+    real_estimate = sched.estimate
+
+    def estimate(s, i, **kw):
+        if i == len(systems) - 1:  # the last system: a large one must be running by now
+            seen_running.append(started.wait(10))
+        return real_estimate(s, i, **kw)
+
+    monkeypatch.setattr(sched._Runner, "_finish", finish)
+    monkeypatch.setattr(sched, "estimate", estimate)
+    runners = []
+    real_start = sched._Runner.start
+    monkeypatch.setattr(sched._Runner, "start", lambda self: (runners.append(self), real_start(self))[1])
+    results = solve_many(systems, manager=dm)
+    assert seen_running == [True]
+    assert_solves(systems, results)
+    (runner,) = runners  # one runner, extended with the rest of the plan
+    batches = [b for q in runner.plan.queues.values() for b in q]
+    assert sorted(i for b in batches for i in b.indices) == list(range(len(systems)))
+    assert len({b.id for b in batches}) == len(batches)
+    assert sorted(b.indices for b in batches if b.nsys == 1 and b.indices[0] < 2) == [[0], [1]]
+    assert {str(d) for d, *_ in runner.batches_run} == {"sim:0", "sim:1"}
+    assert sorted(bid for _d, bid, _n in runner.batches_run) == sorted(b.id for b in batches)
+
+
+def test_head_start_plans_what_one_plan_would(monkeypatch):
+    """When the large batches are the longest, planning them first changes no placement."""
+    def placement(head_start):
+        monkeypatch.setattr(sched, "HEAD_START_SYSTEMS", 256 if head_start else 10**9)
+        runners = []
+        real_start = sched._Runner.start
+        monkeypatch.setattr(sched._Runner, "start",
+                            lambda self: (runners.append(self), real_start(self))[1])
+        systems = head_start_mix(seed=5)
+        assert_solves(systems, solve_many(systems, manager=DeviceManager(simulate="2x1GiB")))
+        monkeypatch.setattr(sched._Runner, "start", real_start)
+        (runner,) = runners
+        return {name: sorted(tuple(b.indices) for b in q) for name, q in runner.plan.queues.items() if q}
+
+    assert placement(True) == placement(False)
+
+
+def test_an_error_while_the_rest_is_estimated_stops_the_started_workers(monkeypatch):
+    """A failure after the large systems started: raised, and no worker is left waiting."""
+    dm = DeviceManager(simulate="2x1GiB")
+    systems = head_start_mix()
+    started = threading.Event()
+    real_finish = sched._Runner._finish
+
+    def finish(self, st, dev):
+        started.set()
+        return real_finish(self, st, dev)
+
+    real_estimate = sched.estimate
+
+    def estimate(s, i, **kw):
+        if i == len(systems) - 1:
+            assert started.wait(10), "no batch started before the last estimate"
+            raise RuntimeError("estimator broke")
+        return real_estimate(s, i, **kw)
+
+    monkeypatch.setattr(sched._Runner, "_finish", finish)
+    monkeypatch.setattr(sched, "estimate", estimate)
+    before = set(threading.enumerate())
+    raised = []
+
+    def call():
+        try:
+            solve_many(systems, manager=dm)
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            raised.append(exc)
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "solve_many hung after the error"
+    assert len(raised) == 1 and "estimator broke" in str(raised[0])
+    left = [x for x in set(threading.enumerate()) - before if x.name.startswith("solve_many-")]
+    assert not [x for x in left if x.is_alive()]
+    # The manager holds no reservation of the abandoned call.
+    assert all(dm.reserved_bytes(d) == 0 for d in dm.accelerators)
