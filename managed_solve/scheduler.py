@@ -1362,7 +1362,11 @@ def _solve_many_local(systems: Iterable[Any], *, disperse: bool, devices: Any, m
                                  batch_bytes=batch_bytes, more=True)
                 runner.start()
                 try:
-                    ests_rest = estimates(rest)
+                    # The loop below is Python beside the workers' first copies and
+                    # graph captures, which take the GIL many times each: a short
+                    # switch interval (as for two GPUs) keeps them from waiting on it.
+                    with _SWITCH.held(SWITCH_INTERVAL, active=SWITCH_INTERVAL is not None):
+                        ests_rest = estimates(rest)
                     packed = sum(e.n for e in ests + ests_rest if e.route != SINGLE)
                     runner.extend(plan_work(ests_rest, devs, mgr, batch_bytes=batch_bytes,
                                             slots=first.slots, packed_rows=packed,

@@ -872,3 +872,23 @@ def test_an_error_while_the_rest_is_estimated_stops_the_started_workers(monkeypa
     assert not [x for x in left if x.is_alive()]
     # The manager holds no reservation of the abandoned call.
     assert all(dm.reserved_bytes(d) == 0 for d in dm.accelerators)
+
+
+def test_head_start_shortens_the_switch_interval_beside_the_started_workers(monkeypatch):
+    """On one GPU too, while the rest is estimated beside the started workers (then restored)."""
+    import sys
+
+    systems = head_start_mix(n_small=260)
+    seen = {}
+    real_estimate = sched.estimate
+
+    def estimate(s, i, **kw):
+        seen[i] = sys.getswitchinterval()
+        return real_estimate(s, i, **kw)
+
+    monkeypatch.setattr(sched, "estimate", estimate)
+    before = sys.getswitchinterval()
+    assert_solves(systems, solve_many(systems, manager=DeviceManager(simulate="1x1GiB")))
+    assert seen[0] == before  # a large system, estimated before any worker ran
+    assert seen[len(systems) - 1] == pytest.approx(5e-4)
+    assert sys.getswitchinterval() == before
