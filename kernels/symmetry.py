@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import numba
 
-__all__ = ["abs_max", "csr_symmetry", "csr_symmetry_rows", "csr_symmetry_scaled"]
+__all__ = ["abs_max", "csr_positive_diagonal", "csr_symmetry", "csr_symmetry_rows",
+           "csr_symmetry_scaled"]
 
 SYMMETRIC, DIFFERENT_VALUES, DIFFERENT_PATTERN = 1, 0, -1
 
@@ -83,3 +84,22 @@ def abs_max(data, lo, hi):
         if a > scale:
             scale = a
     return scale
+
+
+@numba.njit(nogil=True, cache=True)
+def csr_positive_diagonal(indptr, indices, data, lo, hi):
+    """Whether every row of ``lo:hi`` has a positive diagonal (duplicates summed, as SciPy does).
+
+    The half of CG's admission test that :func:`csr_symmetry` leaves (a
+    symmetric matrix with a positive diagonal goes to CG): one pass over the
+    rows' columns, no temporary, the GIL released, so row ranges of a large
+    matrix run side by side like the symmetry chunks.
+    """
+    for i in range(lo, hi):
+        d = 0.0
+        for p in range(indptr[i], indptr[i + 1]):
+            if indices[p] == i:
+                d += data[p]
+        if not d > 0.0:  # also a NaN
+            return False
+    return True

@@ -1237,12 +1237,18 @@ SWITCH_INTERVAL: float | None = 5e-4
 
 
 class _ProcessSetting:
-    """An interpreter setting held at a value while any solve_many call needs it."""
+    """An interpreter setting held while any solve_many call needs it.
+
+    Calls (and nested phases of one call) may ask for different values: the
+    smallest one asked for holds (a shorter GIL switch interval; collection
+    off, False < True); the caller's own value comes back when the last
+    request ends.
+    """
 
     def __init__(self, get: Callable[[], Any], put: Callable[[Any], None]):
         self.get, self.put = get, put
         self.lock = threading.Lock()
-        self.calls = 0
+        self.requests: list[Any] = []
         self.saved: Any = None
 
     @contextmanager
@@ -1251,17 +1257,16 @@ class _ProcessSetting:
             yield
             return
         with self.lock:
-            if self.calls == 0:
+            if not self.requests:
                 self.saved = self.get()
-                self.put(value)
-            self.calls += 1
+            self.requests.append(value)
+            self.put(min(self.requests))
         try:
             yield
         finally:
             with self.lock:
-                self.calls -= 1
-                if self.calls == 0:
-                    self.put(self.saved)
+                self.requests.remove(value)
+                self.put(min(self.requests) if self.requests else self.saved)
 
 
 def _set_gc(enabled: bool) -> None:
@@ -1281,6 +1286,12 @@ _SWITCH = _ProcessSetting(sys.getswitchinterval, sys.setswitchinterval)
 # a 2 x H200 host), time in which no GPU had work. Used from HEAD_START_SYSTEMS
 # other systems on, with accelerators (simulated ones too) only.
 HEAD_START_SYSTEMS = 256
+# The GIL switch interval (seconds; None leaves it) while the rest is
+# estimated beside the started workers. One H200, W2-large: with the
+# estimate loop holding the GIL, the first 1M-row batch's graph capture took
+# 10-14 ms instead of 1-2 and its packing 19 ms instead of 10, each CUDA call
+# of the stager waiting out the 0.5 ms interval to take the GIL back.
+HEAD_SWITCH_INTERVAL: float | None = 1e-4
 
 
 def _head_start(valid: Sequence[LinearSystem | None], devs: Sequence[Device],
@@ -1363,9 +1374,10 @@ def _solve_many_local(systems: Iterable[Any], *, disperse: bool, devices: Any, m
                 runner.start()
                 try:
                     # The loop below is Python beside the workers' first copies and
-                    # graph captures, which take the GIL many times each: a short
-                    # switch interval (as for two GPUs) keeps them from waiting on it.
-                    with _SWITCH.held(SWITCH_INTERVAL, active=SWITCH_INTERVAL is not None):
+                    # graph captures, which take the GIL back after each of their
+                    # many CUDA calls: with the loop holding it, each waited out the
+                    # switch interval (see HEAD_SWITCH_INTERVAL).
+                    with _SWITCH.held(HEAD_SWITCH_INTERVAL, active=HEAD_SWITCH_INTERVAL is not None):
                         ests_rest = estimates(rest)
                     packed = sum(e.n for e in ests + ests_rest if e.route != SINGLE)
                     runner.extend(plan_work(ests_rest, devs, mgr, batch_bytes=batch_bytes,

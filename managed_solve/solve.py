@@ -24,7 +24,7 @@ from .solvers.direct import direct
 from .solvers.gmres import gmres
 from .solvers.minres import minres
 from .solvers.preconditioners import make_preconditioner
-from .system import LinearSystem, prefers_cg
+from .system import LinearSystem, positive_diagonal, prefers_cg
 
 log = logging.getLogger("managed_solve")
 
@@ -335,8 +335,7 @@ def krylov_method(A: Any, symmetric: bool | None, *, indefinite: str = "minres")
     """
     if not symmetric:
         return "bicgstab"
-    positive = bool((A.diagonal() > 0).all())  # sync: once, choosing the method
-    return "cg" if positive else indefinite
+    return "cg" if positive_diagonal(A) else indefinite
 
 
 # ---------------------------------------------------------------------- running

@@ -890,5 +890,30 @@ def test_head_start_shortens_the_switch_interval_beside_the_started_workers(monk
     before = sys.getswitchinterval()
     assert_solves(systems, solve_many(systems, manager=DeviceManager(simulate="1x1GiB")))
     assert seen[0] == before  # a large system, estimated before any worker ran
-    assert seen[len(systems) - 1] == pytest.approx(5e-4)
+    assert seen[len(systems) - 1] == pytest.approx(sched.HEAD_SWITCH_INTERVAL)
     assert sys.getswitchinterval() == before
+    seen.clear()  # two GPUs: 0.5 ms for the call, shorter still beside the started workers
+    assert_solves(systems, solve_many(systems, manager=DeviceManager(simulate="2x1GiB")))
+    assert seen[0] == pytest.approx(sched.SWITCH_INTERVAL)
+    assert seen[len(systems) - 1] == pytest.approx(sched.HEAD_SWITCH_INTERVAL)
+    assert sys.getswitchinterval() == before
+
+
+def test_a_process_setting_holds_the_smallest_value_asked_and_restores_the_callers():
+    values = [7.0]
+    setting = sched._ProcessSetting(lambda: values[-1], values.append)
+    outer = setting.held(5.0)
+    outer.__enter__()
+    inner = setting.held(1.0)
+    inner.__enter__()
+    larger = setting.held(3.0)
+    larger.__enter__()
+    assert values[-1] == 1.0
+    inner.__exit__(None, None, None)  # out of order: the smallest left is 3
+    assert values[-1] == 3.0
+    outer.__exit__(None, None, None)
+    assert values[-1] == 3.0
+    larger.__exit__(None, None, None)
+    assert values[-1] == 7.0
+    with setting.held(2.0, active=False):
+        assert values[-1] == 7.0

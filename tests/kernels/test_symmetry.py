@@ -120,3 +120,34 @@ def test_large_matrices_are_tested_in_chunks(monkeypatch, asym):
                         lambda name, workers: calls.append(name) or real(name, workers))
     assert is_symmetric(A) == reference(A, 1e-12 * float(abs(A.data).max())) == (asym is None)
     assert calls == ["symmetry"]
+
+
+@pytest.mark.parametrize("workers", [1, 8])
+def test_positive_diagonal_matches_scipy_diagonal(monkeypatch, workers):
+    """Against SciPy's ``diagonal()`` (duplicates summed), on small and chunked large matrices."""
+    from managed_solve import system
+
+    monkeypatch.setattr(system, "SYMMETRY_WORKERS", workers)
+    monkeypatch.setattr(system, "SYMMETRY_PARALLEL_NNZ", 64)
+    rng = np.random.default_rng(3)
+    for trial in range(40):
+        n = int(rng.integers(1, 60))
+        A = sp.random(n, n, density=0.2, random_state=int(rng.integers(1 << 30)), format="csr")
+        A = A + sp.diags(rng.uniform(-0.2, 1.0, n))
+        A = sp.csr_matrix(A)
+        if trial % 4 == 1:  # unsorted indices and a duplicate diagonal entry split in two
+            end = A.indptr[1]  # after row 0's entries: column 0 again, out of order
+            indptr = A.indptr.copy()
+            indptr[1:] += 1
+            A = sp.csr_matrix((np.insert(A.data, end, -0.5), np.insert(A.indices, end, 0), indptr),
+                              shape=A.shape)
+            assert not A.has_canonical_format
+        if trial % 4 == 2:  # a missing diagonal entry
+            A = A.tolil()
+            A[n // 2, n // 2] = 0.0
+            A = A.tocsr()
+            A.eliminate_zeros()
+        expected = bool((A.diagonal() > 0).all())
+        assert system.positive_diagonal(A) is expected, trial
+    assert system.positive_diagonal(np.eye(3)) is True
+    assert system.positive_diagonal(sp.csr_matrix(np.diag([1.0, np.nan]))) is False
