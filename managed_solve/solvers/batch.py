@@ -452,16 +452,26 @@ def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cp
     k = len(systems)
     # The per-system attributes are read once, here: every later step slices these lists.
     mats = [s.A for s in systems]
-    datas = [A.data for A in mats]
-    idxs = [A.indices for A in mats]
-    ptrs = [A.indptr[:-1] for A in mats]
+    # Systems often share a matrix (one mesh, many right-hand sides; W2-large:
+    # 10,004 systems, 66 matrices): each distinct matrix's arrays are read once
+    # and ``which`` maps every system to its matrix. Reading an array's address
+    # costs about 1 us of Python holding the GIL, beside the GPU workers.
+    uniq: dict[int, Any] = {}
+    for A in mats:
+        uniq.setdefault(id(A), A)
+    pos = {key: j for j, key in enumerate(uniq)}
+    which = np.fromiter((pos[id(A)] for A in mats), np.int64, k)
+    distinct = list(uniq.values())
+    datas = [A.data for A in distinct]
+    idxs = [A.indices for A in distinct]
+    ptrs = [A.indptr[:-1] for A in distinct]
     bs = [s.b for s in systems]
     if dtype is not None:
         dt = np.dtype(dtype)
     else:
         dt = np.dtype(np.float32) if all(s.dtype == np.float32 for s in systems) else np.dtype(np.float64)
-    sizes = np.fromiter((p.shape[0] for p in ptrs), np.int64, k)
-    nnzs = np.fromiter((a.shape[0] for a in idxs), np.int64, k)
+    sizes = np.fromiter((p.shape[0] for p in ptrs), np.int64, len(ptrs))[which]
+    nnzs = np.fromiter((a.shape[0] for a in idxs), np.int64, len(idxs))[which]
     offsets = np.zeros(k + 1, dtype=np.int64)
     np.cumsum(sizes, out=offsets[1:])
     nnz_off = np.zeros(k + 1, dtype=np.int64)
@@ -482,8 +492,9 @@ def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cp
     # Families whose arrays all have the batch's dtype are copied by address in
     # one GIL-free call per piece (see kernels.packing.gather); others (mixed
     # dtypes, strided views) by np.concatenate, which casts on the way.
-    index_families = [_Family(idxs, nnzs, nnz_off, indices), _Family(ptrs, sizes, offsets, indptr)]
-    copies = [_Family(datas, nnzs, nnz_off, data), _Family(bs, sizes, offsets, b)]
+    index_families = [_Family(idxs, nnzs, nnz_off, indices, which),
+                      _Family(ptrs, sizes, offsets, indptr, which)]
+    copies = [_Family(datas, nnzs, nnz_off, data, which), _Family(bs, sizes, offsets, b)]
     if x0 is not None:
         copies.append(_Family(x0s, sizes, offsets, x0))
     # Without Jacobi, index arrays of the batch's index dtype are copied and
@@ -569,19 +580,30 @@ def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cp
 
 
 class _Family:
-    """One array of every system (their ``data``, say) and where it goes in the batch."""
+    """One array of every system (their ``data``, say) and where it goes in the batch.
 
-    def __init__(self, parts: list, lengths: np.ndarray, starts: np.ndarray, out: np.ndarray):
+    ``parts`` holds one array per system, or with ``which`` one per distinct
+    source (a matrix shared by several systems), system ``j`` reading
+    ``parts[which[j]]``.
+    """
+
+    def __init__(self, parts: list, lengths: np.ndarray, starts: np.ndarray, out: np.ndarray,
+                 which: np.ndarray | None = None):
         self.parts, self.lengths, self.starts, self.out = parts, lengths, starts, out
+        self.which = which
         dt = out.dtype
         self.addresses = None
         if all(p.dtype == dt and p.flags.c_contiguous for p in parts):
             self.addresses = np.fromiter((p.ctypes.data for p in parts), np.int64, len(parts))
+            if which is not None:
+                self.addresses = self.addresses[which]
 
     def copy(self, lo: int, hi: int) -> None:
         out = self.out[self.starts[lo]:self.starts[hi]]
         if self.addresses is None:
-            np.concatenate(self.parts[lo:hi], out=out)
+            parts = self.parts[lo:hi] if self.which is None else \
+                [self.parts[w] for w in self.which[lo:hi].tolist()]
+            np.concatenate(parts, out=out)
         else:
             from ..kernels.packing import gather
 
