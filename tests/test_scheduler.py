@@ -496,6 +496,14 @@ def test_vectorised_host_pack_matches_block_diagonal(jacobi, chunk_nnz):
         systems.append(LinearSystem(convection(m) if k % 2 else poisson2d(m), rng.standard_normal(m * m),
                                     x0=x0, rtol=1e-6 * (k + 1), maxiter=50 if k == 2 else None,
                                     name=f"h{k}"))
+    # Matrices shared by several systems (read once by the packer), one of them
+    # with 64-bit indices (that family is then concatenated, casting).
+    wide = poisson2d(4)
+    wide.indices, wide.indptr = wide.indices.astype(np.int64), wide.indptr.astype(np.int64)
+    for k, A in enumerate([systems[1].A, wide, systems[0].A, wide, systems[1].A]):
+        systems.append(LinearSystem(A, rng.standard_normal(A.shape[0]), name=f"shared{k}"))
+    assert systems[-1].A is systems[1].A and systems[-2].A is systems[-4].A
+    assert systems[-2].A.indices.dtype == np.int64
     made = []
 
     def empty(size, dtype):  # stands in for the pinned allocator used towards GPUs
