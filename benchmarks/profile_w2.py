@@ -104,6 +104,11 @@ def install():
     timed(sched, "_prefetch_methods")
     timed(sched, "_head_start")
     timed(sched._Runner, "extend", label="plan extended")
+    timed(sched._Runner, "_deliver_batch", label="deliver batch")
+    timed(sched._Runner, "join", label="runner join")
+    timed(sched._Stager, "close", label="stager close")
+    timed(sched, "_solve_many_local")
+    timed(sched, "_results", note=lambda a, k: f"{len(a[0])} sys")
     timed(sched, "_select_devices")
     timed(sched, "_packed_bytes")
     timed(sched, "is_symmetric", label="is_symmetric (per call)")
@@ -160,6 +165,7 @@ def run(title, systems, devices, dm, rounds, **kw):
         EVENTS.clear()
         t0 = time.perf_counter()
         out = sched.solve_many(systems, manager=dm, **kw)
+        t_ret = time.perf_counter()
         for d in devices:
             if d.startswith("cuda"):
                 _backend.synchronize(int(d.split(":")[1]))
@@ -168,7 +174,8 @@ def run(title, systems, devices, dm, rounds, **kw):
         bad = sum(not x.converged for x in out)
         syncs = [x.info.get("host_syncs") for x in out if "host_syncs" in x.info]
         its = [x.iterations for x in out]
-        print(f"-- round {r}: {wall * 1e3:.1f} ms, not converged {bad}, host syncs per batch "
+        print(f"-- round {r}: {wall * 1e3:.1f} ms (returned at {1e3 * (t_ret - t0):.1f}), "
+              f"not converged {bad}, host syncs per batch "
               f"{sorted(set(syncs))}, iterations {min(its)}..{max(its)}")
         if r == rounds - 1:
             report(t0, wall)
