@@ -634,6 +634,63 @@ def test_every_matrix_method_found_beside_the_estimates_on_many_cores(monkeypatc
         assert np.linalg.norm(s.b - s.A @ r.to_numpy()) <= 1e-8 * np.linalg.norm(s.b)
 
 
+def test_large_matrices_are_tested_alone_before_the_small_ones(monkeypatch):
+    """The large matrices' tests run first, alone; the small ones start once they are done."""
+    import time as _time
+
+    monkeypatch.setattr(sched, "PREFETCH_ALL_CORES", 1)
+    monkeypatch.setattr(sched, "PREFETCH_SMALL_NNZ", 1)
+    monkeypatch.setattr(sched, "PREFETCH_MIN_NNZ", 1000)
+    spans: dict[int, tuple[float, float]] = {}
+    real = sched._krylov_method
+
+    def spy(s, cache):
+        if s.nnz in spans:  # the estimate loop asking again (answered from the cache)
+            return real(s, cache)
+        t0 = _time.perf_counter()
+        if s.nnz >= 1000:
+            _time.sleep(0.05)  # a long test: small ones started beside it would overlap
+        out = real(s, cache)
+        spans.setdefault(s.nnz, (t0, _time.perf_counter()))
+        return out
+
+    monkeypatch.setattr(sched, "_krylov_method", spy)
+    big, bigger = poisson2d(20), convection(22)
+    smalls = [poisson2d(m) for m in (4, 5, 6)] + [convection(7)]
+    mats = smalls + [big, bigger]
+    systems = [LinearSystem(A, np.ones(A.shape[0]), rtol=1e-8) for A in mats for _ in range(2)]
+    results = solve_many(systems, manager=DeviceManager(simulate="1x1GiB"))
+    assert len(spans) == len(mats)
+    large_end = max(spans[A.nnz][1] for A in (big, bigger))
+    assert all(spans[A.nnz][0] >= large_end for A in smalls)
+    assert [results[2 * k].method for k in range(len(mats))] == \
+        ["cg", "cg", "cg", "bicgstab", "cg", "bicgstab"]
+    for s, r in zip(systems, results, strict=True):
+        assert r.converged
+        assert np.linalg.norm(s.b - s.A @ r.to_numpy()) <= 1e-8 * np.linalg.norm(s.b)
+
+
+def test_a_failed_method_test_reaches_the_system_it_was_for(monkeypatch):
+    """A small matrix's test raising on a helper thread: that system is invalid, the rest solve."""
+    monkeypatch.setattr(sched, "PREFETCH_ALL_CORES", 1)
+    monkeypatch.setattr(sched, "PREFETCH_SMALL_NNZ", 1)
+    monkeypatch.setattr(sched, "PREFETCH_MIN_NNZ", 1000)
+    bad = poisson2d(5)
+    real = sched._krylov_method
+
+    def spy(s, cache):
+        if s.A is bad:
+            raise ValueError("this matrix cannot be tested")
+        return real(s, cache)
+
+    monkeypatch.setattr(sched, "_krylov_method", spy)
+    mats = [poisson2d(20), bad, poisson2d(4)]
+    systems = [LinearSystem(A, np.ones(A.shape[0]), rtol=1e-8) for A in mats]
+    results = solve_many(systems, manager=DeviceManager(simulate="1x1GiB"))
+    assert results[1].status is Status.INVALID_INPUT and "cannot be tested" in results[1].message
+    assert results[0].converged and results[2].converged
+
+
 def spy_on_run(monkeypatch, probe) -> tuple[list, object, object]:
     """Record ``probe()`` each time a solve_many call starts its workers.
 
