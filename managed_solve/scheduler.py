@@ -31,7 +31,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +84,9 @@ _HOST_KERNEL_LOCK = threading.Lock()
 # GPU batches get their solver workspace built in the stager thread, with the
 # packing, while the device computes the batch before (see _Runner._start).
 PREPARE_WORKSPACE = True
+# On accelerators, a batch's results are built on a thread of their own while
+# the worker computes the next batch (see _Runner._finish_split).
+FINISH_BESIDE = True
 
 
 class SolveManyError(SolveError):
@@ -544,6 +547,9 @@ class _Runner:
         self.stage_lock = threading.Lock()
         self.stagers: dict[str, _Stager] = {}
         self.ahead: dict[str, _Staged | None] = {}
+        # Per accelerator, while its worker runs: the thread that builds its
+        # batches' results (see _finish_split), when FINISH_BESIDE.
+        self.finishers: dict[str, ThreadPoolExecutor] = {}
         self.delivered = 0
         self.batches_run: list[tuple[str, int, int]] = []  # (device, batch id, nsys), for tests
         self.stolen: list[tuple[str, str, int]] = []  # (thief, victim, batch id)
@@ -709,6 +715,8 @@ class _Runner:
         if stager is not None:
             with self.stage_lock:
                 self.stagers[name] = stager
+            if FINISH_BESIDE:
+                self.finishers[name] = ThreadPoolExecutor(1, thread_name_prefix=f"finish-{dev}")
         try:
             while True:
                 cur = self._take_ahead(name) if stager is not None else None
@@ -729,6 +737,9 @@ class _Runner:
                 with self.stage_lock:
                     del self.stagers[name]
                 stager.close()
+            finisher = self.finishers.pop(name, None)
+            if finisher is not None:
+                finisher.shutdown(wait=True)
 
     def _start(self, b: Batch, dev: Device, stager: _Stager | None) -> _Staged | None:
         """Reserve the batch's bytes, ask the fault hook, start its host->device copy."""
@@ -768,6 +779,10 @@ class _Runner:
         """Compute a staged batch, deliver its results, release its bytes, learn its time."""
         b = st.batch
         batch_info = {"batch": b.id, "batch_size": b.nsys, "reserved_bytes": b.nbytes}
+        finisher = self.finishers.get(str(dev)) if b.route == BATCH else None
+        if finisher is not None:
+            self._finish_split(st, dev, finisher, batch_info)
+            return
         try:
             t0 = time.perf_counter()
             with st.reservation, dev.context():
@@ -787,6 +802,52 @@ class _Runner:
                     out = [_direct_solve(self.systems[i], symmetric) for i in b.indices]
                 else:
                     out = [self._run_single(i, dev) for i in b.indices]
+            seconds = time.perf_counter() - t0
+        except BaseException as exc:  # noqa: BLE001 - every failure must end in results
+            st.reservation.release()
+            self._done(self._recover(b, dev, exc))
+            return
+        self._deliver_batch(b, dev, out, seconds, batch_info)
+
+    def _finish_split(self, st: _Staged, dev: Device, finisher: ThreadPoolExecutor,
+                      batch_info: dict) -> None:
+        """:meth:`_finish` of a batch on an accelerator: the device part here, its results beside.
+
+        The worker computes the batch and its true residuals, then goes on to
+        its next batch while the device's finisher thread builds this one's
+        results (Python per system: 4-13 ms a batch of 1,300-4,800 systems on
+        an H200 host, time in which the GPU had no work queued), delivers
+        them and releases the batch's bytes.
+        """
+        b = st.batch
+        method = b.group[0]
+        try:
+            t0 = time.perf_counter()
+            with dev.context():
+                packed = st.packed.result()
+                if dev.kind == "cuda":
+                    solved = _run_packed(packed, method)
+                else:
+                    with _HOST_KERNEL_LOCK:
+                        solved = _run_packed(packed, method)
+        except BaseException as exc:  # noqa: BLE001 - every failure must end in results
+            st.reservation.release()
+            self._done(self._recover(b, dev, exc))
+            return
+        finisher.submit(self._complete, st, dev, packed, method, solved, batch_info, t0)
+
+    def _complete(self, st: _Staged, dev: Device, packed: Any, method: str, solved: tuple,
+                  batch_info: dict, t0: float) -> None:
+        """The results of a batch computed by :meth:`_finish_split` (on the finisher thread)."""
+        b = st.batch
+        try:
+            systems = [self.systems[i] for i in b.indices]
+            # On the host, restarts and polishes hold the host-kernel lock (not the
+            # building of results, so the worker's next batch computes meanwhile).
+            guard = _HOST_KERNEL_LOCK if dev.kind != "cuda" else None
+            with st.reservation, dev.context():
+                out = _results(systems, packed, method, dev, self.manager, solved, info=batch_info,
+                               guard=guard)
             seconds = time.perf_counter() - t0
         except BaseException as exc:  # noqa: BLE001 - every failure must end in results
             st.reservation.release()
@@ -982,8 +1043,14 @@ def _run_packed(packed: Any, method: str) -> tuple:
 
 def _results(systems: list[LinearSystem], packed: Any, method: str, device: Device,
              manager: DeviceManager, solved: tuple, *, restart: bool = True,
-             info: dict | None = None) -> list[SolveResult]:
-    """The host part of :func:`_solve_packed`: each system's result, drifted ones solved again."""
+             info: dict | None = None, guard: Any = None) -> list[SolveResult]:
+    """The host part of :func:`_solve_packed`: each system's result, drifted ones solved again.
+
+    ``guard`` (a lock) is held around the solves made here (restarts,
+    polishes), for a caller that does not hold it already: host kernels run
+    one batch at a time (``_HOST_KERNEL_LOCK``).
+    """
+    guard = guard if guard is not None else nullcontext()
     PackedBatch = _core()[0]
     out, rn, bn, seconds = solved
     offsets = packed.offsets.tolist()
@@ -1009,21 +1076,24 @@ def _results(systems: list[LinearSystem], packed: Any, method: str, device: Devi
         elif code == 2 and s.method == "auto":
             # "auto" chose CG from symmetry and a positive diagonal, but the matrix is
             # indefinite: solve() picks a method that does not break down.
-            res = _polish(s, None, "auto", device, manager)
+            with guard:
+                res = _polish(s, None, "auto", device, manager)
         elif code == 0:
             res.message = converged_msg
         results.append(res)
     if drifted and restart:
         warm = [_with_x0(systems[k], results[k].x) for k in drifted]
         sub = PackedBatch.pack(warm, device=str(device), jacobi=packed.dinv is not None)
-        again = _solve_packed(warm, sub, method, device, manager, restart=False, info=info)
+        with guard:
+            again = _solve_packed(warm, sub, method, device, manager, restart=False, info=info)
         for k, res in zip(drifted, again, strict=True):
             res.iterations += results[k].iterations
             res.info["restarted"] = True
             results[k] = res
     elif drifted:
         for k in drifted:
-            results[k] = _polish(systems[k], results[k].x, method, device, manager)
+            with guard:
+                results[k] = _polish(systems[k], results[k].x, method, device, manager)
     return results
 
 

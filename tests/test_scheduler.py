@@ -260,10 +260,14 @@ def test_a_device_that_always_fails_ends_on_the_cpu():
     assert {r.device for r in results} == {"cpu"}
 
 
-# The device part of a batch (the core, true residuals), its results, or the whole.
-@pytest.mark.parametrize("where", ["_run_packed", "_results", "_solve_packed"])
-def test_a_non_device_error_is_a_device_error_result_not_a_crash(where, monkeypatch):
+# The device part of a batch (the core, true residuals) and its results, on an
+# accelerator (results built on the finisher thread) and in one piece.
+@pytest.mark.parametrize("where, beside", [("_run_packed", True), ("_results", True),
+                                           ("_run_packed", False), ("_results", False),
+                                           ("_solve_packed", False)])
+def test_a_non_device_error_is_a_device_error_result_not_a_crash(where, beside, monkeypatch):
     dm = DeviceManager(simulate="1x64MiB")
+    monkeypatch.setattr(sched, "FINISH_BESIDE", beside)
 
     def broken(*a, **k):
         raise ZeroDivisionError("bug in a solver")
@@ -785,7 +789,17 @@ def test_a_device_error_while_building_results_retries_the_batch_and_loses_nothi
 
     monkeypatch.setattr(sched, "_results", flaky)
     systems = mixed_systems(40, seed=13, lo=3, hi=12)
+    finishers = []
+    real_submit = sched.ThreadPoolExecutor.submit
+
+    def submit(self, fn, *a, **k):  # the results are built on the finisher threads
+        if getattr(fn, "__name__", "") == "_complete":
+            finishers.append(threading.current_thread().name)
+        return real_submit(self, fn, *a, **k)
+
+    monkeypatch.setattr(sched.ThreadPoolExecutor, "submit", submit)
     results = solve_many(systems, manager=dm)
+    assert finishers and all(t.startswith("solve_many-sim:") for t in finishers)
     assert calls[0] >= 2
     assert_solves(systems, results)
     assert all(dm.reserved_bytes(d) == 0 for d in ("sim:0", "sim:1"))
@@ -984,3 +998,32 @@ def test_a_process_setting_holds_the_smallest_value_asked_and_restores_the_calle
     assert values[-1] == 7.0
     with setting.held(2.0, active=False):
         assert values[-1] == 7.0
+
+
+def test_a_batch_computes_while_the_results_of_the_one_before_are_built(monkeypatch):
+    """On an accelerator the worker does not wait for a batch's results to start the next one."""
+    dm = DeviceManager(simulate="1x1GiB")
+    monkeypatch.setattr(sched, "target_rows", lambda *a, **k: 200)  # several batches
+    release = threading.Event()
+    ran_while_blocked = []
+    real_results, real_run = sched._results, sched._run_packed
+    blocked = threading.Event()
+
+    def results(*a, **k):
+        if not blocked.is_set():  # the first batch's results wait for the second batch
+            blocked.set()
+            ran_while_blocked.append(release.wait(10))
+        return real_results(*a, **k)
+
+    def run(*a, **k):
+        if blocked.is_set():
+            release.set()
+        return real_run(*a, **k)
+
+    monkeypatch.setattr(sched, "_results", results)
+    monkeypatch.setattr(sched, "_run_packed", run)
+    systems = mixed_systems(30, seed=17, lo=6, hi=10)
+    out = solve_many(systems, manager=dm)
+    assert ran_while_blocked == [True]
+    assert_solves(systems, out)
+    assert len({r.info["batch"] for r in out}) >= 3
