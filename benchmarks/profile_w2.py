@@ -109,6 +109,7 @@ def install():
     timed(sched._Stager, "close", label="stager close")
     timed(sched, "_solve_many_local")
     timed(sched, "_results", note=lambda a, k: f"{len(a[0])} sys")
+    timed(sched, "_run_packed")
     timed(sched, "_select_devices")
     timed(sched, "_packed_bytes")
     timed(sched, "is_symmetric", label="is_symmetric (per call)")
@@ -203,6 +204,8 @@ CONFIGS = {
     "no-head-start": {"head_start": 1 << 62},
     # scheduler.HEAD_SWITCH_INTERVAL as the call's own (0.5 ms) instead of 0.1 ms
     "head-switch-0.5ms": {"head_switch": 5e-4},
+    # scheduler.FINISH_BESIDE off: each batch's results built on its worker before the next batch
+    "finish-on-worker": {"finish_beside": False},
 }
 
 
@@ -218,6 +221,7 @@ def configure(name):
     sched.PREFETCH_ALL_CORES = cfg.get("prefetch_all_cores", _PREFETCH_ALL_CORES)
     sched.HEAD_START_SYSTEMS = cfg.get("head_start", _HEAD_START_SYSTEMS)
     sched.HEAD_SWITCH_INTERVAL = cfg.get("head_switch", _HEAD_SWITCH_INTERVAL)
+    sched.FINISH_BESIDE = cfg.get("finish_beside", True)
     sched.target_rows = functools.partial(packing.target_rows,
                                           batches_per_device=cfg.get("bpd", packing.BATCHES_PER_DEVICE))
 
