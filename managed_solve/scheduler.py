@@ -327,6 +327,24 @@ def estimate(s: LinearSystem, i: int, *, host_only: bool, manager: DeviceManager
     return e
 
 
+# The group method of a batch whose "auto" method is still being found (a
+# head-start system: see HEAD_START_SYSTEMS); the runner resolves it when the
+# batch is staged, after its copy to the device has started.
+DEFERRED = "auto"
+
+
+def _deferred_estimate(s: LinearSystem, i: int) -> Estimate:
+    """A batched system's estimate before its method is known (the costlier bytes reserved)."""
+    n, nnz = s.n, s.nnz
+    w, iw = s.dtype.itemsize, s.index_dtype.itemsize
+    jac = isinstance(s.M, str) and s.M == "jacobi"
+    its = predict_iterations(n, rtol=s.rtol, method="cg", maxiter=s.maxiter)
+    cost = bytes_per_iteration(n, nnz, itemsize=w, index_itemsize=iw, method="cg", jacobi=jac) * its
+    nbytes = solve_bytes(n, nnz, itemsize=w, index_itemsize=iw, method="bicgstab", jacobi=jac)
+    return Estimate(i, n, nnz, nbytes, cost, BATCH, (DEFERRED, _dtype_name(s.dtype), jac),
+                    _home(s), its)
+
+
 def _home(s: LinearSystem) -> str | None:
     """The GPU a system's arrays already lie on, None on the host."""
     dev = s.device
@@ -521,7 +539,8 @@ class _Runner:
 
     def __init__(self, systems: list[LinearSystem | None], plan: Plan, devices: Sequence[Device],
                  manager: DeviceManager, results: list[SolveResult | None], *, bar: Any,
-                 batch_bytes: Callable | None, more: bool = False):
+                 batch_bytes: Callable | None, more: bool = False,
+                 method_of: Callable[[LinearSystem], str] | None = None):
         self.systems = systems
         self.plan = plan
         self.manager = manager
@@ -540,6 +559,7 @@ class _Runner:
         # counts as one outstanding batch, so no worker stops before it came.
         self.outstanding = sum(len(q) for q in self.queues.values()) + int(more)
         self.more = more
+        self.method_of = method_of  # resolves DEFERRED methods (see _batch_method)
         self.next_id = plan.next_id
         self.threads: list[threading.Thread] = []
         # Per accelerator: its stager while its worker runs, and the batch staged
@@ -605,6 +625,25 @@ class _Runner:
             self.stolen.append((name, victim, b.id))
             return b
         return None
+
+    def _batch_method(self, b: Batch) -> str:
+        """The batch's Krylov method, found now if it was deferred (then kept in its group)."""
+        group = b.group
+        if group[0] != DEFERRED:
+            return group[0]
+        if self.method_of is None:
+            raise RuntimeError("solve_many: internal error, a deferred method without a resolver")
+        methods = {self.method_of(self.systems[i]) for i in b.indices}
+        if len(methods) != 1:  # head-start batches hold one system each
+            raise RuntimeError(f"solve_many: internal error, batch {b.id} mixes methods {methods}")
+        method = methods.pop()
+        with self.cond:
+            b.group = (method, *group[1:])
+            for i in b.indices:
+                e = self.plan.estimates.get(i)
+                if e is not None:
+                    e.group = b.group
+        return method
 
     def _done(self, new: Sequence[tuple[str, Batch]] = ()) -> None:
         with self.cond:
@@ -754,17 +793,18 @@ class _Runner:
             fut = None
             if b.route == BATCH:
                 systems = [self.systems[i] for i in b.indices]
-                method, _dt, jacobi = b.group
+                _method, _dt, jacobi = b.group
                 target = str(dev)  # PackedBatch puts "sim:k" batches on the host
 
-                def stage(systems=systems, jacobi=jacobi, target=target, dev=dev, method=method):
+                def stage(systems=systems, jacobi=jacobi, target=target, dev=dev, b=b):
                     packed = _pack(systems, jacobi, target, dev)
                     if dev.kind == "cuda" and PREPARE_WORKSPACE:
                         # The solver's workspace too (its bytes are in the batch's
                         # reservation): off the worker's path between two batches.
+                        # A deferred method is waited for here, after the copy.
                         from .solvers._cuda_krylov import prepare
 
-                        prepare(packed, method)
+                        prepare(packed, self._batch_method(b))
                     return packed
 
                 fut = stager.submit(stage) if stager is not None else _now(stage)
@@ -787,8 +827,8 @@ class _Runner:
             t0 = time.perf_counter()
             with st.reservation, dev.context():
                 if b.route == BATCH:
-                    method, _dt, _jacobi = b.group
                     packed = st.packed.result()
+                    method = self._batch_method(b)
                     systems = [self.systems[i] for i in b.indices]
                     if dev.kind == "cuda":
                         out = _solve_packed(systems, packed, method, dev, self.manager,
@@ -820,11 +860,11 @@ class _Runner:
         them and releases the batch's bytes.
         """
         b = st.batch
-        method = b.group[0]
         try:
             t0 = time.perf_counter()
             with dev.context():
                 packed = st.packed.result()
+                method = self._batch_method(b)
                 if dev.kind == "cuda":
                     solved = _run_packed(packed, method)
                 else:
@@ -1198,6 +1238,7 @@ def _packed_bytes(manager: DeviceManager, systems: Sequence[LinearSystem | None]
         if e0.route != BATCH:
             return manager.size_of(int(sum(e.nbytes for e in members)))
         method, dt, jacobi = e0.group
+        method = "bicgstab" if method == DEFERRED else method  # the larger workspace of the two
         n = sum(e.n for e in members)
         nnz = sum(e.nnz for e in members)
         idx = np.int32 if max(n, nnz) < 2**31 - 1 else np.int64
@@ -1445,13 +1486,17 @@ def _solve_many_local(systems: Iterable[Any], *, disperse: bool, devices: Any, m
     cache: dict = {}  # symmetry per matrix object, for this call
     early = _prefetch_methods(valid, cache)
 
-    def estimates(indices: Iterable[int]) -> list[Estimate]:
+    def estimates(indices: Iterable[int], defer: bool = False) -> list[Estimate]:
         out = []
         for i in indices:
             s = valid[i]
             try:
                 if early and s.kind == "csr":
-                    pending = early.pop(id(s.A), None)
+                    pending = early.get(id(s.A))
+                    if pending is not None and defer and not pending.done() and s.method == "auto" \
+                            and (s.M is None or (isinstance(s.M, str) and s.M == "jacobi")):
+                        out.append(_deferred_estimate(s, i))  # its method found while it is copied
+                        continue
                     if pending is not None:
                         pending.result()  # the large matrix's method, found beside this loop
                 out.append(estimate(s, i, host_only=host_only, manager=mgr, reference=ref,
@@ -1474,10 +1519,17 @@ def _solve_many_local(systems: Iterable[Any], *, disperse: bool, devices: Any, m
             if head:
                 # The systems that run alone start now; the others are
                 # estimated and planned while they compute (HEAD_START_SYSTEMS).
-                ests = estimates(head)
+                ests = estimates(head, defer=True)
+
+                def method_of(s: LinearSystem) -> str:
+                    pending = early.get(id(s.A))
+                    if pending is not None:
+                        pending.result()
+                    return _krylov_method(s, cache)
+
                 first = plan_work(ests, devs, mgr, batch_bytes=batch_bytes, packed_rows=rows_bound)
                 runner = _Runner(valid, first, devs, mgr, results, bar=bar,
-                                 batch_bytes=batch_bytes, more=True)
+                                 batch_bytes=batch_bytes, more=True, method_of=method_of)
                 runner.start()
                 try:
                     # The loop below is Python beside the workers' first copies and

@@ -1027,3 +1027,44 @@ def test_a_batch_computes_while_the_results_of_the_one_before_are_built(monkeypa
     assert ran_while_blocked == [True]
     assert_solves(systems, out)
     assert len({r.info["batch"] for r in out}) >= 3
+
+
+def test_a_large_systems_method_is_found_while_its_batch_is_copied(monkeypatch):
+    """Head start: the large batch is staged before its matrix's method is known, then resolved."""
+    import time as _time
+
+    monkeypatch.setattr(sched, "PREFETCH_ALL_CORES", 1)
+    monkeypatch.setattr(sched, "PREFETCH_MIN_NNZ", 10_000)
+    dm = DeviceManager(simulate="2x1GiB")
+    systems = head_start_mix()
+    conv = convection(150)  # a large non-symmetric one: resolved to BiCGStab
+    systems[1] = LinearSystem(conv, np.ones(conv.shape[0]), rtol=1e-8, name="big-convection")
+    big = {id(systems[0].A), id(conv)}
+    method_done: dict[int, float] = {}
+    packed_at: list[float] = []
+    real_method, real_pack = sched._krylov_method, sched._pack
+
+    def method(s, cache):
+        if id(s.A) in big and id(s.A) not in method_done:
+            _time.sleep(0.3)  # a slow test: the batch must not wait for it to start its copy
+            out = real_method(s, cache)
+            method_done[id(s.A)] = _time.perf_counter()
+            return out
+        return real_method(s, cache)
+
+    def pack(batch_systems, *a, **k):
+        if any(id(s.A) in big for s in batch_systems):
+            packed_at.append(_time.perf_counter())
+        return real_pack(batch_systems, *a, **k)
+
+    monkeypatch.setattr(sched, "_krylov_method", method)
+    monkeypatch.setattr(sched, "_pack", pack)
+    recorded = []
+    real_record = dm.record
+    monkeypatch.setattr(dm, "record", lambda sig, *a, **k: (recorded.append(sig), real_record(sig, *a, **k))[1])
+    results = solve_many(systems, manager=dm)
+    assert_solves(systems, results)
+    assert len(packed_at) == 2 and len(method_done) == 2
+    assert min(packed_at) < min(method_done.values())  # the copy started before the method was known
+    assert results[0].method == "cg" and results[1].method == "bicgstab"
+    assert all(sched.DEFERRED not in sig[2] for sig in recorded if sig[0] == "solve_many")
