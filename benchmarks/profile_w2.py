@@ -206,6 +206,8 @@ CONFIGS = {
     "head-switch-0.5ms": {"head_switch": 5e-4},
     # scheduler.FINISH_BESIDE off: each batch's results built on its worker before the next batch
     "finish-on-worker": {"finish_beside": False},
+    # scheduler.HEAD_DEFER_METHOD off: a large system waits for its method test before its copy
+    "no-defer": {"defer": False},
 }
 
 
@@ -222,6 +224,7 @@ def configure(name):
     sched.HEAD_START_SYSTEMS = cfg.get("head_start", _HEAD_START_SYSTEMS)
     sched.HEAD_SWITCH_INTERVAL = cfg.get("head_switch", _HEAD_SWITCH_INTERVAL)
     sched.FINISH_BESIDE = cfg.get("finish_beside", True)
+    sched.HEAD_DEFER_METHOD = cfg.get("defer", True)
     sched.target_rows = functools.partial(packing.target_rows,
                                           batches_per_device=cfg.get("bpd", packing.BATCHES_PER_DEVICE))
 

@@ -1440,6 +1440,9 @@ HEAD_START_SYSTEMS = 256
 # 10-14 ms instead of 1-2 and its packing 19 ms instead of 10, each CUDA call
 # of the stager waiting out the 0.5 ms interval to take the GIL back.
 HEAD_SWITCH_INTERVAL: float | None = 1e-4
+# A large system whose "auto" method test (symmetry, diagonal) is still running
+# is staged at once, the method found after its copy (see DEFERRED).
+HEAD_DEFER_METHOD = True
 
 
 def _head_start(valid: Sequence[LinearSystem | None], devs: Sequence[Device],
@@ -1519,7 +1522,7 @@ def _solve_many_local(systems: Iterable[Any], *, disperse: bool, devices: Any, m
             if head:
                 # The systems that run alone start now; the others are
                 # estimated and planned while they compute (HEAD_START_SYSTEMS).
-                ests = estimates(head, defer=True)
+                ests = estimates(head, defer=HEAD_DEFER_METHOD)
 
                 def method_of(s: LinearSystem) -> str:
                     pending = early.get(id(s.A))
