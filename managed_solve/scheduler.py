@@ -1321,11 +1321,15 @@ def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = 
     Notes
     -----
     While a call runs, automatic (cyclic) garbage collection is paused, and
-    with two or more GPUs the interpreter's GIL switch interval is 0.5 ms;
-    both are restored when the last concurrent call returns
-    (``scheduler.PAUSE_GC`` and ``scheduler.SWITCH_INTERVAL = None`` leave
-    them alone). One process feeds every GPU: a full collection or a 5 ms GIL
-    hand-off stalls all of them (``docs/performance.md``).
+    with two or more GPUs the interpreter's GIL switch interval is 0.5 ms
+    (0.1 ms while the call plans beside workers already started, on any
+    number of GPUs); all are restored when the last concurrent call returns
+    (``scheduler.PAUSE_GC`` and ``SWITCH_INTERVAL`` / ``HEAD_SWITCH_INTERVAL =
+    None`` leave them alone). One process feeds every GPU: a full collection
+    or a 5 ms GIL hand-off stalls all of them (``docs/performance.md``).
+
+    With many systems (``HEAD_START_SYSTEMS``), the large ones (which run
+    alone) start computing before the others are estimated and planned.
 
     See Also
     --------
