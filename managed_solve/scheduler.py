@@ -81,6 +81,11 @@ DIRECT_MAX_N = 200_000
 # devices, which compute with NumPy/Numba on the host) runs one batch at a time.
 _HOST_KERNEL_LOCK = threading.Lock()
 
+
+def _host_kernels(dev: Device) -> Any:
+    """The host-kernel lock for work on a host or simulated device; nothing on a GPU."""
+    return _HOST_KERNEL_LOCK if dev.kind != "cuda" else nullcontext()
+
 # GPU batches get their solver workspace built in the stager thread, with the
 # packing, while the device computes the batch before (see _Runner._start).
 PREPARE_WORKSPACE = True
@@ -830,13 +835,9 @@ class _Runner:
                     packed = st.packed.result()
                     method = self._batch_method(b)
                     systems = [self.systems[i] for i in b.indices]
-                    if dev.kind == "cuda":
+                    with _host_kernels(dev):
                         out = _solve_packed(systems, packed, method, dev, self.manager,
                                             info=batch_info)
-                    else:
-                        with _HOST_KERNEL_LOCK:
-                            out = _solve_packed(systems, packed, method, dev, self.manager,
-                                                info=batch_info)
                 elif b.route == DIRECT:
                     symmetric = bool(b.group[2])
                     out = [_direct_solve(self.systems[i], symmetric) for i in b.indices]
@@ -844,8 +845,7 @@ class _Runner:
                     out = [self._run_single(i, dev) for i in b.indices]
             seconds = time.perf_counter() - t0
         except BaseException as exc:  # noqa: BLE001 - every failure must end in results
-            st.reservation.release()
-            self._done(self._recover(b, dev, exc))
+            self._failed(st, dev, exc)
             return
         self._deliver_batch(b, dev, out, seconds, batch_info)
 
@@ -865,14 +865,10 @@ class _Runner:
             with dev.context():
                 packed = st.packed.result()
                 method = self._batch_method(b)
-                if dev.kind == "cuda":
+                with _host_kernels(dev):
                     solved = _run_packed(packed, method)
-                else:
-                    with _HOST_KERNEL_LOCK:
-                        solved = _run_packed(packed, method)
         except BaseException as exc:  # noqa: BLE001 - every failure must end in results
-            st.reservation.release()
-            self._done(self._recover(b, dev, exc))
+            self._failed(st, dev, exc)
             return
         finisher.submit(self._complete, st, dev, packed, method, solved, batch_info, t0)
 
@@ -884,16 +880,19 @@ class _Runner:
             systems = [self.systems[i] for i in b.indices]
             # On the host, restarts and polishes hold the host-kernel lock (not the
             # building of results, so the worker's next batch computes meanwhile).
-            guard = _HOST_KERNEL_LOCK if dev.kind != "cuda" else None
             with st.reservation, dev.context():
                 out = _results(systems, packed, method, dev, self.manager, solved, info=batch_info,
-                               guard=guard)
+                               guard=_host_kernels(dev))
             seconds = time.perf_counter() - t0
         except BaseException as exc:  # noqa: BLE001 - every failure must end in results
-            st.reservation.release()
-            self._done(self._recover(b, dev, exc))
+            self._failed(st, dev, exc)
             return
         self._deliver_batch(b, dev, out, seconds, batch_info)
+
+    def _failed(self, st: _Staged, dev: Device, exc: BaseException) -> None:
+        """A staged batch that failed: its bytes released, its systems split and retried."""
+        st.reservation.release()
+        self._done(self._recover(st.batch, dev, exc))
 
     def _deliver_batch(self, b: Batch, dev: Device, out: list[SolveResult], seconds: float,
                        batch_info: dict) -> None:
@@ -955,11 +954,8 @@ class _Runner:
     def _run_single(self, i: int, dev: Device) -> SolveResult:
         from .solve import solve  # solve.py sits above packing in the layers, beside us
 
-        s = self.systems[i]
-        if dev.kind == "cuda":
-            return solve(s, device=dev, manager=self.manager)
-        with _HOST_KERNEL_LOCK:
-            return solve(s, device=dev, manager=self.manager)
+        with _host_kernels(dev):
+            return solve(self.systems[i], device=dev, manager=self.manager)
 
 
 def _device_seconds(results: Sequence[SolveResult]) -> float | None:

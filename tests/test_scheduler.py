@@ -67,6 +67,13 @@ def assert_solves(systems, results):
         assert np.linalg.norm(x - ref) <= cond_margin * s.rtol * np.linalg.norm(ref)
 
 
+def assert_converged(systems, results, rtol=1e-8):
+    """Each result converged and meets ``rtol`` by its true residual (unnamed systems too)."""
+    for s, r in zip(systems, results, strict=True):
+        assert r.converged
+        assert np.linalg.norm(s.b - s.A @ r.to_numpy()) <= rtol * np.linalg.norm(s.b)
+
+
 @pytest.fixture
 def sims():
     return DeviceManager(simulate="2x64MiB")
@@ -633,9 +640,7 @@ def test_every_matrix_method_found_beside_the_estimates_on_many_cores(monkeypatc
     for threads in calls.values():  # each matrix's method found once, on a helper thread
         assert threads[0].startswith("managed_solve-prefetch")
     assert [r.method for r in results[:4]] == ["cg", "cg", "cg", "bicgstab"]
-    for s, r in zip(systems, results, strict=True):
-        assert r.converged
-        assert np.linalg.norm(s.b - s.A @ r.to_numpy()) <= 1e-8 * np.linalg.norm(s.b)
+    assert_converged(systems, results)
 
 
 def test_large_matrices_are_tested_alone_before_the_small_ones(monkeypatch):
@@ -669,9 +674,7 @@ def test_large_matrices_are_tested_alone_before_the_small_ones(monkeypatch):
     assert all(spans[A.nnz][0] >= large_end for A in smalls)
     assert [results[2 * k].method for k in range(len(mats))] == \
         ["cg", "cg", "cg", "bicgstab", "cg", "bicgstab"]
-    for s, r in zip(systems, results, strict=True):
-        assert r.converged
-        assert np.linalg.norm(s.b - s.A @ r.to_numpy()) <= 1e-8 * np.linalg.norm(s.b)
+    assert_converged(systems, results)
 
 
 def test_a_failed_method_test_reaches_the_system_it_was_for(monkeypatch):
@@ -860,18 +863,33 @@ def head_start_mix(n_small=300, seed=21):
     return systems
 
 
-def test_large_systems_start_while_the_others_are_still_estimated(monkeypatch):
-    """Head start: the large systems compute before the last small system is even estimated."""
-    dm = DeviceManager(simulate="2x1GiB")
-    systems = head_start_mix()
+def batch_started(monkeypatch, of=None) -> threading.Event:
+    """An event set when a worker starts computing a batch (one holding a system of ``of``)."""
     started = threading.Event()
     real_finish = sched._Runner._finish
 
     def finish(self, st, dev):
-        if any(i < 2 for i in st.batch.indices):
+        if of is None or set(st.batch.indices) & set(of):
             started.set()
         return real_finish(self, st, dev)
 
+    monkeypatch.setattr(sched._Runner, "_finish", finish)
+    return started
+
+
+def runners_started(monkeypatch) -> list:
+    """The runners solve_many starts, recorded (``_Runner.start`` spied on)."""
+    runners = []
+    real_start = sched._Runner.start
+    monkeypatch.setattr(sched._Runner, "start", lambda self: (runners.append(self), real_start(self))[1])
+    return runners
+
+
+def test_large_systems_start_while_the_others_are_still_estimated(monkeypatch):
+    """Head start: the large systems compute before the last small system is even estimated."""
+    dm = DeviceManager(simulate="2x1GiB")
+    systems = head_start_mix()
+    started = batch_started(monkeypatch, of=(0, 1))
     seen_running = []
     real_estimate = sched.estimate
 
@@ -880,11 +898,8 @@ def test_large_systems_start_while_the_others_are_still_estimated(monkeypatch):
             seen_running.append(started.wait(10))
         return real_estimate(s, i, **kw)
 
-    monkeypatch.setattr(sched._Runner, "_finish", finish)
     monkeypatch.setattr(sched, "estimate", estimate)
-    runners = []
-    real_start = sched._Runner.start
-    monkeypatch.setattr(sched._Runner, "start", lambda self: (runners.append(self), real_start(self))[1])
+    runners = runners_started(monkeypatch)
     results = solve_many(systems, manager=dm)
     assert seen_running == [True]
     assert_solves(systems, results)
@@ -901,13 +916,10 @@ def test_head_start_plans_what_one_plan_would(monkeypatch):
     """When the large batches are the longest, planning them first changes no placement."""
     def placement(head_start):
         monkeypatch.setattr(sched, "HEAD_START_SYSTEMS", 256 if head_start else 10**9)
-        runners = []
-        real_start = sched._Runner.start
-        monkeypatch.setattr(sched._Runner, "start",
-                            lambda self: (runners.append(self), real_start(self))[1])
-        systems = head_start_mix(seed=5)
-        assert_solves(systems, solve_many(systems, manager=DeviceManager(simulate="2x1GiB")))
-        monkeypatch.setattr(sched._Runner, "start", real_start)
+        with monkeypatch.context() as m:
+            runners = runners_started(m)
+            systems = head_start_mix(seed=5)
+            assert_solves(systems, solve_many(systems, manager=DeviceManager(simulate="2x1GiB")))
         (runner,) = runners
         return {name: sorted(tuple(b.indices) for b in q) for name, q in runner.plan.queues.items() if q}
 
@@ -918,13 +930,7 @@ def test_an_error_while_the_rest_is_estimated_stops_the_started_workers(monkeypa
     """A failure after the large systems started: raised, and no worker is left waiting."""
     dm = DeviceManager(simulate="2x1GiB")
     systems = head_start_mix()
-    started = threading.Event()
-    real_finish = sched._Runner._finish
-
-    def finish(self, st, dev):
-        started.set()
-        return real_finish(self, st, dev)
-
+    started = batch_started(monkeypatch)
     real_estimate = sched.estimate
 
     def estimate(s, i, **kw):
@@ -933,7 +939,6 @@ def test_an_error_while_the_rest_is_estimated_stops_the_started_workers(monkeypa
             raise RuntimeError("estimator broke")
         return real_estimate(s, i, **kw)
 
-    monkeypatch.setattr(sched._Runner, "_finish", finish)
     monkeypatch.setattr(sched, "estimate", estimate)
     before = set(threading.enumerate())
     raised = []
