@@ -576,14 +576,7 @@ def test_an_idle_device_takes_queued_batches_from_a_slow_one(monkeypatch):
     monkeypatch.setattr(slow, "fault", lambda dev, nbytes: _time.sleep(0.15))
     systems = [LinearSystem(poisson2d(m), np.ones(m * m), rtol=1e-8, method="cg", name=f"s{k}")
                for k, m in enumerate([24] * 48)]
-    runners = []
-    real = sched._Runner.start
-
-    def spy(self):
-        runners.append(self)
-        return real(self)
-
-    monkeypatch.setattr(sched._Runner, "start", spy)
+    runners = runners_started(monkeypatch)
     results = solve_many(systems, manager=dm)
     assert_solves(systems, results)
     (runner,) = runners
@@ -698,7 +691,7 @@ def test_a_failed_method_test_reaches_the_system_it_was_for(monkeypatch):
     assert results[0].converged and results[2].converged
 
 
-def spy_on_run(monkeypatch, probe) -> tuple[list, object, object]:
+def spy_on_start(monkeypatch, probe) -> tuple[list, object, object]:
     """Record ``probe()`` each time a solve_many call starts its workers.
 
     Returns the records, the real ``_Runner.start`` and the spy (to set again).
@@ -717,7 +710,7 @@ def spy_on_run(monkeypatch, probe) -> tuple[list, object, object]:
 def test_garbage_collection_is_paused_during_the_call_and_restored_after(sims, monkeypatch):
     import gc
 
-    seen, run, spying = spy_on_run(monkeypatch, gc.isenabled)
+    seen, run, spying = spy_on_start(monkeypatch, gc.isenabled)
     systems = mixed_systems(4, seed=12)
     assert gc.isenabled()
     assert_solves(systems, solve_many(systems, manager=sims))
@@ -811,7 +804,7 @@ def test_a_device_error_while_building_results_retries_the_batch_and_loses_nothi
 def test_switch_interval_is_shortened_while_two_gpus_are_fed_and_restored_after(monkeypatch):
     import sys
 
-    seen = spy_on_run(monkeypatch, sys.getswitchinterval)[0]
+    seen = spy_on_start(monkeypatch, sys.getswitchinterval)[0]
     before = sys.getswitchinterval()
     systems = mixed_systems(4, seed=14)
     solve_many(systems, manager=DeviceManager(simulate="2x64MiB"))
