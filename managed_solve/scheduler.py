@@ -539,6 +539,14 @@ def _core():
 _AHEAD = object()  # _Runner._pop: a batch was staged for this worker; take it
 
 
+class _InvalidInput(Exception):
+    """A system found invalid after its batch was planned (a deferred method's test failed)."""
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
+
+
 class _Runner:
     """Executes a plan: one worker per device, recovery, results in input order."""
 
@@ -638,7 +646,10 @@ class _Runner:
             return group[0]
         if self.method_of is None:
             raise RuntimeError("solve_many: internal error, a deferred method without a resolver")
-        methods = {self.method_of(self.systems[i]) for i in b.indices}
+        try:
+            methods = {self.method_of(self.systems[i]) for i in b.indices}
+        except (TypeError, ValueError) as exc:  # as the estimate loop would have: bad input
+            raise _InvalidInput(exc) from exc
         if len(methods) != 1:  # head-start batches hold one system each
             raise RuntimeError(f"solve_many: internal error, batch {b.id} mixes methods {methods}")
         method = methods.pop()
@@ -914,6 +925,10 @@ class _Runner:
 
     def _recover(self, b: Batch, dev: Device, exc: BaseException) -> list[tuple[str, Batch]]:
         """Split a failed batch and send the halves elsewhere, finally to the CPU."""
+        if isinstance(exc, _InvalidInput):
+            for i in b.indices:
+                self._deliver(i, _invalid(exc.error, i, self.systems[i]))
+            return []
         if not is_device_error(exc):
             log.error("solve_many: batch %d on %s failed: %r", b.id, dev, exc)
             msg = (f"solve_many: solving on {dev} raised {type(exc).__name__}: {exc} "

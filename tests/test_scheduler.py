@@ -1066,3 +1066,28 @@ def test_a_large_systems_method_is_found_while_its_batch_is_copied(monkeypatch):
     assert min(packed_at) < min(method_done.values())  # the copy started before the method was known
     assert results[0].method == "cg" and results[1].method == "bicgstab"
     assert all(sched.DEFERRED not in sig[2] for sig in recorded if sig[0] == "solve_many")
+
+
+def test_a_large_system_whose_deferred_method_test_fails_is_invalid_input(monkeypatch):
+    """As in the estimate loop: a method test raising ValueError makes that system INVALID_INPUT."""
+    import time as _time
+
+    monkeypatch.setattr(sched, "PREFETCH_ALL_CORES", 1)
+    monkeypatch.setattr(sched, "PREFETCH_MIN_NNZ", 10_000)
+    systems = head_start_mix()
+    bad = systems[1].A
+    real_method = sched._krylov_method
+
+    def method(s, cache):
+        if s.A is bad:
+            _time.sleep(0.2)  # still running when the batch is planned: deferred
+            raise ValueError("systems[1]: this matrix's symmetry cannot be tested")
+        return real_method(s, cache)
+
+    monkeypatch.setattr(sched, "_krylov_method", method)
+    dm = DeviceManager(simulate="2x1GiB")
+    results = solve_many(systems, manager=dm)
+    assert results[1].status is Status.INVALID_INPUT
+    assert "cannot be tested" in results[1].message
+    assert_solves(systems[:1] + systems[2:], results[:1] + results[2:])
+    assert all(dm.reserved_bytes(d) == 0 for d in dm.accelerators)
