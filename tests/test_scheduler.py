@@ -957,6 +957,9 @@ def test_head_start_shortens_the_switch_interval_beside_the_started_workers(monk
     """On one GPU too, while the rest is estimated beside the started workers (then restored)."""
     import sys
 
+    # Only 1M-entry matrices' methods beside the loop (on any host): the large
+    # ones here then go through estimate() (not a deferred method).
+    monkeypatch.setattr(sched, "PREFETCH_ALL_CORES", 1 << 30)
     systems = head_start_mix(n_small=260)
     seen = {}
     real_estimate = sched.estimate
