@@ -86,6 +86,7 @@ def _host_kernels(dev: Device) -> Any:
     """The host-kernel lock for work on a host or simulated device; nothing on a GPU."""
     return _HOST_KERNEL_LOCK if dev.kind != "cuda" else nullcontext()
 
+
 # GPU batches get their solver workspace built in the stager thread, with the
 # packing, while the device computes the batch before (see _Runner._start).
 PREPARE_WORKSPACE = True
@@ -422,7 +423,7 @@ def plan_work(estimates: Iterable[Estimate], devices: Sequence[Device], manager:
     (``Plan.sharded``; solved by ``managed_solve.sharded`` once the batches
     are done); otherwise it goes to the CPU.
 
-    A call planned in parts (see ``HEAD_START_ROWS``) passes the rows that all
+    A call planned in parts (see ``HEAD_START_SYSTEMS``) passes the rows that all
     its batched systems hold (``packed_rows``, which sets the batch size), the
     slots of the part before (whose ``busy`` holds that part's work) and the
     first free batch id.
