@@ -12,9 +12,10 @@ transpose path on the device.
 from __future__ import annotations
 
 import numba
+import numpy as np
 
 __all__ = ["abs_max", "csr_positive_diagonal", "csr_symmetry", "csr_symmetry_rows",
-           "csr_symmetry_scaled"]
+           "csr_symmetry_rows_search", "csr_symmetry_rows_window", "csr_symmetry_scaled"]
 
 SYMMETRIC, DIFFERENT_VALUES, DIFFERENT_PATTERN = 1, 0, -1
 
@@ -54,10 +55,56 @@ def csr_symmetry_scaled(indptr, indices, data, rel):
 def csr_symmetry_rows(indptr, indices, data, limit, lo, hi):
     """:func:`csr_symmetry` for the stored entries of rows ``lo:hi`` only (the same codes).
 
-    Each ``(i, j)`` is looked up in row ``j`` by binary search, so row ranges
-    are independent: chunks of one matrix run side by side on helper threads
-    (the GIL released), and together they check every entry against its mirror.
+    Row ranges are independent, so chunks of one matrix run side by side on
+    helper threads (the GIL released), and together they check every entry
+    against its mirror. A chunk whose columns span a window of at most
+    ``4 x`` its rows (plus 64; banded and mesh matrices) keeps one cursor per
+    row of that window (:func:`csr_symmetry_rows_window`); a wider one looks
+    each entry up by binary search (:func:`csr_symmetry_rows_search`, about
+    2.2 x slower on a 1M-row 2D Poisson matrix).
     """
+    if indptr[lo] == indptr[hi]:
+        return SYMMETRIC
+    jmin, jmax = indptr.shape[0], -1
+    for i in range(lo, hi):  # sorted rows: their first and last columns bound the window
+        a, b = indptr[i], indptr[i + 1]
+        if a < b:
+            jmin = min(jmin, indices[a])
+            jmax = max(jmax, indices[b - 1])
+    if jmax - jmin + 1 <= 4 * (hi - lo) + 64:
+        return csr_symmetry_rows_window(indptr, indices, data, limit, lo, hi, jmin, jmax)
+    return csr_symmetry_rows_search(indptr, indices, data, limit, lo, hi)
+
+
+@numba.njit(nogil=True, cache=True)
+def csr_symmetry_rows_window(indptr, indices, data, limit, lo, hi, jmin, jmax):
+    """Rows ``lo:hi`` whose columns lie in ``jmin..jmax``: one cursor per row of that window.
+
+    As in :func:`csr_symmetry`, the mirrors ``(j, i)`` of rows ``i = lo, lo+1, ...``
+    meet row ``j``'s columns in order; a row's cursor starts, at its first
+    use, at its first column ``>= lo`` (stepped to from the row's start: rows
+    inside the chunk start there, only rows reaching below ``lo`` step).
+    """
+    cursor = np.full(jmax - jmin + 1, -1, dtype=indptr.dtype)
+    for i in range(lo, hi):
+        for p in range(indptr[i], indptr[i + 1]):
+            j = indices[p]
+            q = cursor[j - jmin]
+            if q < 0:  # first use: row j's first column >= lo (its start, but near lo)
+                q, end = indptr[j], indptr[j + 1]
+                while q < end and indices[q] < lo:
+                    q += 1
+            if q == indptr[j + 1] or indices[q] != i:
+                return DIFFERENT_PATTERN
+            cursor[j - jmin] = q + 1
+            if abs(data[p] - data[q]) > limit:
+                return DIFFERENT_VALUES
+    return SYMMETRIC
+
+
+@numba.njit(nogil=True, cache=True)
+def csr_symmetry_rows_search(indptr, indices, data, limit, lo, hi):
+    """Rows ``lo:hi``, each ``(i, j)`` looked up in row ``j`` by binary search."""
     for i in range(lo, hi):
         for p in range(indptr[i], indptr[i + 1]):
             j = indices[p]

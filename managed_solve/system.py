@@ -291,8 +291,9 @@ def _host_symmetry(A: Any, rel: float) -> int:
     from .kernels.symmetry import abs_max, csr_symmetry_rows, csr_symmetry_scaled
 
     workers = SYMMETRY_WORKERS
-    # A chunk's binary searches cost about 3 x the one-pass kernel's cursor
-    # steps (measured on a 2-core host): only worth it with several cores.
+    # Chunks cost about 1.6 x the one-pass kernel in all (banded matrices, with
+    # a cursor window per chunk; 2.2 x with a binary search per entry; 1M-row
+    # 2D Poisson on the 2-core host): only worth it with several cores.
     if A.nnz < SYMMETRY_PARALLEL_NNZ or workers < 4:
         return int(csr_symmetry_scaled(A.indptr, A.indices, A.data, rel))
     pool = _backend.thread_pool("symmetry", workers)

@@ -12,6 +12,8 @@ from managed_solve.kernels.symmetry import (
     abs_max,
     csr_symmetry,
     csr_symmetry_rows,
+    csr_symmetry_rows_search,
+    csr_symmetry_rows_window,
 )
 
 from managed_solve.system import is_symmetric
@@ -88,13 +90,18 @@ def test_row_chunks_give_the_one_pass_codes(dtype):
         A = A.astype(dtype)
         A.sort_indices()
         cuts = np.unique(np.r_[0, rng.integers(0, n, 3), n])
-        codes = [csr_symmetry_rows(A.indptr, A.indices, A.data, 1e-9, lo, hi)
-                 for lo, hi in zip(cuts[:-1], cuts[1:], strict=True)]
         whole = csr_symmetry(A.indptr, A.indices, A.data, 1e-9)
-        if DIFFERENT_PATTERN in (whole, min(codes)):  # the first failure met may differ
-            assert not (whole == SYMMETRIC or min(codes) == SYMMETRIC)
-        else:
-            assert min(codes) == whole
+        pieces = list(zip(cuts[:-1], cuts[1:], strict=True))
+        chunked = [  # the dispatcher, then each way of looking mirrors up
+            [csr_symmetry_rows(A.indptr, A.indices, A.data, 1e-9, lo, hi) for lo, hi in pieces],
+            [csr_symmetry_rows_search(A.indptr, A.indices, A.data, 1e-9, lo, hi) for lo, hi in pieces],
+            [csr_symmetry_rows_window(A.indptr, A.indices, A.data, 1e-9, lo, hi, 0, max(n - 1, 0))
+             for lo, hi in pieces]]
+        for codes in chunked:
+            if DIFFERENT_PATTERN in (whole, min(codes)):  # the first failure met may differ
+                assert not (whole == SYMMETRIC or min(codes) == SYMMETRIC)
+            else:
+                assert min(codes) == whole
         assert abs_max(A.data, 0, A.nnz) == (abs(A.data).max() if A.nnz else 0.0)
 
 
