@@ -196,6 +196,8 @@ CONFIGS = {
     "workspace-on-worker": {"prepare": False},  # scheduler.PREPARE_WORKSPACE off
     "batches-per-gpu-2": {"bpd": 2},  # packing.BATCHES_PER_DEVICE (default 4)
     "batches-per-gpu-3": {"bpd": 3},
+    "batches-per-gpu-6": {"bpd": 6},
+    "batches-per-gpu-8": {"bpd": 8},
     "eager-x": {"lazy_x": False},  # scheduler.LAZY_X off: every x view made on the worker
     "serial-symmetry": {"sym_workers": 1},  # system.SYMMETRY_WORKERS = 1: one-thread symmetry test
     # scheduler.PREFETCH_ALL_CORES out of reach: only the 1M-entry matrices' methods beside the loop
