@@ -82,18 +82,22 @@ def csr_symmetry_rows_window(indptr, indices, data, limit, lo, hi, jmin, jmax):
 
     As in :func:`csr_symmetry`, the mirrors ``(j, i)`` of rows ``i = lo, lo+1, ...``
     meet row ``j``'s columns in order; a row's cursor starts, at its first
-    use, at its first column ``>= lo`` (stepped to from the row's start: rows
-    inside the chunk start there, only rows reaching below ``lo`` step).
+    use, at its first column ``>= lo`` (one binary search per row of the
+    window, not per entry, so a long row reaching below ``lo`` costs its log).
     """
     cursor = np.full(jmax - jmin + 1, -1, dtype=indptr.dtype)
     for i in range(lo, hi):
         for p in range(indptr[i], indptr[i + 1]):
             j = indices[p]
             q = cursor[j - jmin]
-            if q < 0:  # first use: row j's first column >= lo (its start, but near lo)
+            if q < 0:  # first use: row j's first column >= lo
                 q, end = indptr[j], indptr[j + 1]
-                while q < end and indices[q] < lo:
-                    q += 1
+                while q < end:
+                    m = (q + end) >> 1
+                    if indices[m] < lo:
+                        q = m + 1
+                    else:
+                        end = m
             if q == indptr[j + 1] or indices[q] != i:
                 return DIFFERENT_PATTERN
             cursor[j - jmin] = q + 1

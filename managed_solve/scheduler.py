@@ -281,16 +281,26 @@ def _dtype_name(dt: np.dtype) -> str:
     return name
 
 
+def _jacobi(M: Any) -> bool:
+    """Whether ``M`` is the Jacobi preconditioner named by string."""
+    return isinstance(M, str) and M == "jacobi"
+
+
+def _batched_preconditioner(s: LinearSystem) -> bool:
+    """Whether the batched core takes the system's preconditioner (none, or Jacobi)."""
+    return s.M is None or _jacobi(s.M)
+
+
 def _route(s: LinearSystem, *, host_only: bool, cache: dict | None = None) -> tuple[str, tuple]:
     """(route, group) of a system; batches mix systems of one group only."""
     if s.kind != "csr" or s.method in ("gmres", "minres", "direct") or (
-            s.M is not None and not (isinstance(s.M, str) and s.M == "jacobi")):
+            not _batched_preconditioner(s)):
         return SINGLE, (s.method, _dtype_name(s.dtype))
     if host_only and s.method == "auto" and s.M is None and s.n <= DIRECT_MAX_N:
         symmetric = is_symmetric(s.A, cache)
         if not prefers_cg(s.A, s.rtol, symmetric):
             return DIRECT, ("direct", _dtype_name(s.dtype), symmetric)
-    return BATCH, (_krylov_method(s, cache), _dtype_name(s.dtype), s.M == "jacobi")
+    return BATCH, (_krylov_method(s, cache), _dtype_name(s.dtype), _jacobi(s.M))
 
 
 def estimate(s: LinearSystem, i: int, *, host_only: bool, manager: DeviceManager | None = None,
@@ -315,7 +325,7 @@ def estimate(s: LinearSystem, i: int, *, host_only: bool, manager: DeviceManager
     >>> e.route, e.n, e.nnz, round(e.iterations)
     ('batch', 100, 100, 19)
     """
-    if cache is None or s.kind != "csr" or not (s.M is None or (isinstance(s.M, str) and s.M == "jacobi")):
+    if cache is None or s.kind != "csr" or not _batched_preconditioner(s):
         return _estimate(s, i, host_only=host_only, manager=manager, reference=reference, cache=cache)
     # What a batched or host-LU estimate depends on besides the matrix (x0 counts in
     # a host LU's bytes); other routes are not kept (they ask the manager's hints).
@@ -343,7 +353,7 @@ def _deferred_estimate(s: LinearSystem, i: int) -> Estimate:
     """A batched system's estimate before its method is known (the costlier bytes reserved)."""
     n, nnz = s.n, s.nnz
     w, iw = s.dtype.itemsize, s.index_dtype.itemsize
-    jac = isinstance(s.M, str) and s.M == "jacobi"
+    jac = _jacobi(s.M)
     its = predict_iterations(n, rtol=s.rtol, method="cg", maxiter=s.maxiter)
     cost = bytes_per_iteration(n, nnz, itemsize=w, index_itemsize=iw, method="cg", jacobi=jac) * its
     nbytes = solve_bytes(n, nnz, itemsize=w, index_itemsize=iw, method="bicgstab", jacobi=jac)
@@ -1513,7 +1523,7 @@ def _solve_many_local(systems: Iterable[Any], *, disperse: bool, devices: Any, m
                 if early and s.kind == "csr":
                     pending = early.get(id(s.A))
                     if pending is not None and defer and not pending.done() and s.method == "auto" \
-                            and (s.M is None or (isinstance(s.M, str) and s.M == "jacobi")):
+                            and _batched_preconditioner(s):
                         out.append(_deferred_estimate(s, i))  # its method found while it is copied
                         continue
                     if pending is not None:

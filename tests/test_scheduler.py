@@ -1030,13 +1030,19 @@ def test_a_batch_computes_while_the_results_of_the_one_before_are_built(monkeypa
     assert len({r.info["batch"] for r in out}) >= 3
 
 
-def test_a_large_systems_method_is_found_while_its_batch_is_copied(monkeypatch):
-    """Head start: the large batch is staged before its matrix's method is known, then resolved."""
+@pytest.mark.parametrize("where", ["sim", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_large_systems_method_is_found_while_its_batch_is_copied(monkeypatch, where):
+    """Head start: the large batch is staged before its matrix's method is known, then resolved.
+
+    On a GPU the stager resolves the method between the copy and the
+    workspace/graph set-up (``_cuda_krylov.prepare``); on simulated GPUs the
+    worker does.
+    """
     import time as _time
 
     monkeypatch.setattr(sched, "PREFETCH_ALL_CORES", 1)
     monkeypatch.setattr(sched, "PREFETCH_MIN_NNZ", 10_000)
-    dm = DeviceManager(simulate="2x1GiB")
+    dm = DeviceManager(simulate="2x1GiB") if where == "sim" else DeviceManager(["cuda:0"])
     systems = head_start_mix()
     conv = convection(150)  # a large non-symmetric one: resolved to BiCGStab
     systems[1] = LinearSystem(conv, np.ones(conv.shape[0]), rtol=1e-8, name="big-convection")
@@ -1069,6 +1075,10 @@ def test_a_large_systems_method_is_found_while_its_batch_is_copied(monkeypatch):
     assert min(packed_at) < min(method_done.values())  # the copy started before the method was known
     assert results[0].method == "cg" and results[1].method == "bicgstab"
     assert all(sched.DEFERRED not in sig[2] for sig in recorded if sig[0] == "solve_many")
+    if where == "cuda":
+        cp = _cupy()
+        assert {r.device for r in results} == {"cuda:0"}
+        assert all(isinstance(r.x, cp.ndarray) for r in results)
 
 
 def test_a_large_system_whose_deferred_method_test_fails_is_invalid_input(monkeypatch):
