@@ -472,8 +472,12 @@ def test_symmetry_check_sorted_unsorted_and_cached():
     assert sched.is_symmetric(A.copy(), cache)
 
 
-def test_true_residual_check_restarts_drifted_systems(monkeypatch):
-    """A batch whose recurrence says converged but whose true residual misses rtol runs again."""
+@pytest.mark.parametrize("where", ["sim", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_true_residual_check_restarts_drifted_systems(monkeypatch, where):
+    """A batch whose recurrence says converged but whose true residual misses rtol runs again.
+
+    On a GPU the restart packs host systems with their x0 on the GPU.
+    """
     PackedBatch, cg_batched, bicgstab_batched = sched._core()
     calls = []
 
@@ -488,7 +492,8 @@ def test_true_residual_check_restarts_drifted_systems(monkeypatch):
 
     monkeypatch.setattr(sched, "_core", lambda: (PackedBatch, drifting_cg, bicgstab_batched))
     systems = [LinearSystem(poisson2d(m), np.ones(m * m), name=f"p{m}") for m in range(4, 12)]
-    results = solve_many(systems, manager=DeviceManager(simulate="1x64MiB"))
+    dm = DeviceManager(simulate="1x64MiB") if where == "sim" else DeviceManager(["cuda:0"])
+    results = solve_many(systems, manager=dm)
     assert_solves(systems, results)
     assert calls[:2] == [8, 4]  # one batch, then the 4 spoiled systems together
     assert [bool(r.info.get("restarted")) for r in results] == [m % 2 == 1 for m in range(4, 12)]

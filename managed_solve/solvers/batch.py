@@ -244,9 +244,12 @@ class PackedBatch:
             dt = np.dtype(dtype)
         if dt not in _FLOATS:
             raise TypeError(f"PackedBatch.pack(dtype={dt}): expected float32 or float64")
-        if all(getattr(s, "device", "cpu") == "cpu" for s in systems):
+        if all(getattr(s, "device", "cpu") == "cpu"
+               and not _backend.is_cupy_array(getattr(s, "x0", None)) for s in systems):
             # Host inputs: one vectorised pass into the batch's arrays (pinned
             # ones when bound for a GPU, then one asynchronous copy per array).
+            # A system's device follows A and b; an x0 on a GPU (solve_many's
+            # warm restart of host systems solved there) takes the path below.
             kind, idx = _target(device)
             if kind == "cuda":
                 return _pack_host_to_gpu(systems, jacobi=jacobi, device_id=idx, dtype=dt,
