@@ -850,10 +850,14 @@ def test_results_cut_x_from_the_batch_when_first_read():
     assert r.x.tolist() == [0.0, 0.0, 0.0] and repr(r).startswith("SolveResult(")
 
 
-def head_start_mix(n_small=300, seed=21):
-    """Two large grids (each runs alone, the longest batches) and many small ones."""
+def head_start_mix(n_small=300, seed=21, big=160):
+    """Two large grids (each runs alone, the longest batches) and many small ones.
+
+    ``big`` (the grid side): 160 runs alone on simulated GPUs; on a real GPU a
+    system runs alone from 262,144 rows (a quarter of a GPU batch): 540 there.
+    """
     rng = np.random.default_rng(seed)
-    systems = [LinearSystem(poisson2d(160), np.ones(160 * 160), rtol=1e-8, name=f"big{k}")
+    systems = [LinearSystem(poisson2d(big), np.ones(big * big), rtol=1e-8, name=f"big{k}")
                for k in range(2)]
     for k, m in enumerate(rng.integers(6, 17, size=n_small)):
         systems.append(LinearSystem(poisson2d(int(m)), rng.standard_normal(int(m) ** 2),
@@ -1048,8 +1052,9 @@ def test_a_large_systems_method_is_found_while_its_batch_is_copied(monkeypatch, 
     monkeypatch.setattr(sched, "PREFETCH_ALL_CORES", 1)
     monkeypatch.setattr(sched, "PREFETCH_MIN_NNZ", 10_000)
     dm = DeviceManager(simulate="2x1GiB") if where == "sim" else DeviceManager(["cuda:0"])
-    systems = head_start_mix()
-    conv = convection(150)  # a large non-symmetric one: resolved to BiCGStab
+    side = 160 if where == "sim" else 540  # both above 262,144 rows on a GPU
+    systems = head_start_mix(big=side)
+    conv = convection(side - 10)  # a large non-symmetric one: resolved to BiCGStab
     systems[1] = LinearSystem(conv, np.ones(conv.shape[0]), rtol=1e-8, name="big-convection")
     big = {id(systems[0].A), id(conv)}
     method_done: dict[int, float] = {}
