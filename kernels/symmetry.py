@@ -91,13 +91,7 @@ def csr_symmetry_rows_window(indptr, indices, data, limit, lo, hi, jmin, jmax):
             j = indices[p]
             q = cursor[j - jmin]
             if q < 0:  # first use: row j's first column >= lo
-                q, end = indptr[j], indptr[j + 1]
-                while q < end:
-                    m = (q + end) >> 1
-                    if indices[m] < lo:
-                        q = m + 1
-                    else:
-                        end = m
+                q = _first_at_least(indices, indptr[j], indptr[j + 1], lo)
             if q == indptr[j + 1] or indices[q] != i:
                 return DIFFERENT_PATTERN
             cursor[j - jmin] = q + 1
@@ -112,18 +106,24 @@ def csr_symmetry_rows_search(indptr, indices, data, limit, lo, hi):
     for i in range(lo, hi):
         for p in range(indptr[i], indptr[i + 1]):
             j = indices[p]
-            a, b = indptr[j], indptr[j + 1]
-            while a < b:  # the first column >= i in row j
-                m = (a + b) >> 1
-                if indices[m] < i:
-                    a = m + 1
-                else:
-                    b = m
+            a = _first_at_least(indices, indptr[j], indptr[j + 1], i)
             if a == indptr[j + 1] or indices[a] != i:
                 return DIFFERENT_PATTERN
             if abs(data[p] - data[a]) > limit:
                 return DIFFERENT_VALUES
     return SYMMETRIC
+
+
+@numba.njit(nogil=True, cache=True)
+def _first_at_least(indices, a, b, value):
+    """The first position of the sorted ``indices[a:b]`` holding ``value`` or more (``b``: none)."""
+    while a < b:
+        m = (a + b) >> 1
+        if indices[m] < value:
+            a = m + 1
+        else:
+            b = m
+    return a
 
 
 @numba.njit(nogil=True, cache=True)
