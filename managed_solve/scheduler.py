@@ -59,7 +59,7 @@ from .packing import (
 )
 from .partition import choose_shard_count
 from .result import SolveError, SolveResult, Status, _SlicedResult
-from .system import METHODS, PRECONDITIONERS, LinearSystem, is_symmetric, prefers_cg
+from .system import FALLBACK, METHODS, PRECONDITIONERS, LinearSystem, is_symmetric, prefers_cg
 
 log = logging.getLogger("managed_solve")
 
@@ -1136,10 +1136,14 @@ def _results(systems: list[LinearSystem], packed: Any, method: str, device: Devi
         if code == 0 and not r <= max(s.rtol * bnorm, s.atol):
             drifted.append(k)
         elif code == 2 and s.method == "auto":
-            # "auto" chose CG from symmetry and a positive diagonal, but the matrix is
-            # indefinite: solve() picks a method that does not break down.
+            # "auto" guessed from cheap tests (a positive diagonal does not make a
+            # symmetric matrix definite; BiCGStab breaks down on nearly imaginary
+            # spectra): solve it alone with the method that cannot break down this
+            # way, as solve() would after its own attempt (not repeated here).
             with guard:
-                res = _polish(s, None, "auto", device, manager)
+                res = _polish(s, None, FALLBACK[method], device, manager)
+            res.iterations += its
+            res.info["fallback_from"] = method
         elif code == 0:
             res.message = converged_msg
         results.append(res)

@@ -24,7 +24,7 @@ from .solvers.direct import direct
 from .solvers.gmres import gmres
 from .solvers.minres import minres
 from .solvers.preconditioners import make_preconditioner
-from .system import LinearSystem, positive_diagonal, prefers_cg
+from .system import FALLBACK, LinearSystem, positive_diagonal, prefers_cg
 
 log = logging.getLogger("managed_solve")
 
@@ -47,8 +47,6 @@ DIRECT_MAX_DENSE_N = 4_000
 # Extra Krylov restarts from the current x when the recurrence residual met
 # the tolerance but the true residual did not (drift, mostly in float32).
 _REFINEMENTS = 2
-# What method="auto" retries with when its first choice breaks down.
-_FALLBACK = {"cg": "minres", "bicgstab": "gmres"}
 
 
 def solve(A_or_system: Any, b: Any = None, *, x0: Any = None, rtol: float = 1e-8,
@@ -356,13 +354,13 @@ def _run(system: LinearSystem, method: str, symmetric: bool | None, dev: Device,
         dev.check_fault(system.nbytes)
         with dev.context():
             out = _dispatch(system, method, symmetric, callback, maxiter, first_check=first_check)
-            if system.method == "auto" and out.code == _common.BREAKDOWN and method in _FALLBACK:
+            if system.method == "auto" and out.code == _common.BREAKDOWN and method in FALLBACK:
                 # "auto" guessed from cheap tests (a positive diagonal does not
                 # make a symmetric matrix definite): retry with the robust method.
                 log.info("managed_solve: %s broke down (%s); auto falls back to %s",
-                         method, out.message, _FALLBACK[method])
+                         method, out.message, FALLBACK[method])
                 spent = out.iterations
-                method = _FALLBACK[method]
+                method = FALLBACK[method]
                 out = _dispatch(system, method, symmetric, callback, maxiter)
                 out.iterations += spent
                 out.info["fallback_from"] = {"minres": "cg", "gmres": "bicgstab"}[method]

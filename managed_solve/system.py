@@ -19,6 +19,9 @@ from . import _backend
 
 METHODS = ("auto", "cg", "bicgstab", "gmres", "minres", "direct")
 PRECONDITIONERS = ("jacobi", "chebyshev", "neumann")
+# What "auto" turns to when its guess breaks down: MINRES for a symmetric matrix
+# that is not definite, GMRES for a spectrum BiCGStab cannot handle.
+FALLBACK = {"cg": "minres", "bicgstab": "gmres"}
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 

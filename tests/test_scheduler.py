@@ -172,7 +172,33 @@ def test_auto_on_an_indefinite_matrix_recovers_from_cg_breakdown(sims):
     results = solve_many([(A, b), (spd, np.ones(25))], manager=sims)
     assert all(r.converged for r in results)
     np.testing.assert_allclose(A @ results[0].to_numpy(), b, atol=1e-10)
-    assert results[0].method != "cg"
+    assert results[0].method == "minres" and results[0].info["fallback_from"] == "cg"
+    assert results[1].method == "cg" and "fallback_from" not in results[1].info
+
+
+def test_auto_on_a_skew_matrix_recovers_from_bicgstab_breakdown(sims, monkeypatch):
+    # Non-symmetric, so "auto" tries BiCGStab; r0 . A r0 = 0 for a skew-symmetric A,
+    # so it breaks down at once. The batch's other systems are not touched.
+    import importlib
+
+    solve_mod = importlib.import_module("managed_solve.solve")  # the module, not the function
+    alone = []
+    real_dispatch = solve_mod._dispatch
+    monkeypatch.setattr(solve_mod, "_dispatch",
+                        lambda system, method, *a, **k: (alone.append(method), real_dispatch(system, method, *a, **k))[1])
+    rot = sp.csr_matrix(np.array([[0.0, 1.0], [-1.0, 0.0]]))
+    A = sp.block_diag([rot, 2 * rot, 3 * rot], format="csr")
+    b = np.ones(6)
+    conv = convection(6)
+    results = solve_many([(A, b), (conv, np.ones(36))], manager=sims)
+    assert all(r.converged for r in results), [r.message for r in results]
+    np.testing.assert_allclose(A @ results[0].to_numpy(), b, atol=1e-10)
+    assert results[0].method == "gmres" and results[0].info["fallback_from"] == "bicgstab"
+    assert results[0].iterations >= 1  # the broken-down attempt's iterations are counted
+    assert alone == ["gmres"]  # the batch's breakdown is not tried again alone
+    assert results[1].method == "bicgstab" and "fallback_from" not in results[1].info
+    x = spla.spsolve(conv.tocsc(), np.ones(36))
+    np.testing.assert_allclose(results[1].to_numpy(), x, rtol=1e-6)
 
 
 def test_disperse_false_keeps_everything_on_one_device(sims):
