@@ -1,4 +1,4 @@
-"""Batched Krylov kernels on the CPU: CG and BiCGStab over a block-diagonal CSR.
+"""Batched Krylov kernels on the CPU: CG and BiCGStab over a block-diagonal CSR (and GMRES's host half).
 
 The CPU twins of the fused CUDA kernels in
 ``managed_solve/solvers/_cuda_krylov.py``. Every system ``s`` owns the rows
@@ -36,6 +36,8 @@ __all__ = [
     "bicgstab_systems",
     "cg_rows",
     "cg_systems",
+    "gmres_coefficients",
+    "givens_columns",
     "row_product",
     "run_systems",
 ]
@@ -422,3 +424,69 @@ def run_systems(kernel, *args):
         kernel(*args)
     finally:
         numba.set_parallel_chunksize(old)
+
+
+# ---------------------------------------------------------------------------
+# Batched GMRES: the host half (see ``managed_solve.solvers.batched.gmres_batched``).
+# The Arnoldi process runs on the batch's device; these turn each system's new
+# Hessenberg columns into its triangular factor (Givens rotations) and, at the
+# end of a restart cycle, its least-squares coefficients. A loop over systems
+# here costs microseconds where NumPy over systems would launch O(restart)
+# array operations per column.
+
+
+@numba.njit(cache=True)
+def givens_columns(H, R, cs, sn, g, j0, est):
+    """Rotate new Hessenberg columns ``j0..j0+c-1`` of every system into ``R`` and ``g``.
+
+    ``H[s, :j+2, c]`` holds column ``j = j0 + c`` of system ``s`` (float64);
+    ``R`` (nsys, m, m), ``cs``, ``sn`` (nsys, m) and ``g`` (nsys, m + 1) carry
+    the factorisation from column to column. ``est[s, c]`` receives the
+    residual estimate ``|g[j+1]|`` after column ``j``.
+    """
+    nsys, rows, ncol = H.shape
+    h = np.empty(rows)
+    for s in range(nsys):
+        for c in range(ncol):
+            j = j0 + c
+            for i in range(j + 2):
+                h[i] = H[s, i, c]
+            for i in range(j):
+                t = cs[s, i] * h[i] + sn[s, i] * h[i + 1]
+                h[i + 1] = -sn[s, i] * h[i] + cs[s, i] * h[i + 1]
+                h[i] = t
+            rr = math.hypot(h[j], h[j + 1])
+            if rr == 0.0:
+                cj, sj = 1.0, 0.0
+            else:
+                cj, sj = h[j] / rr, h[j + 1] / rr
+            cs[s, j] = cj
+            sn[s, j] = sj
+            for i in range(j):
+                R[s, i, j] = h[i]
+            R[s, j, j] = rr
+            gj = g[s, j]
+            g[s, j + 1] = -sj * gj
+            g[s, j] = cj * gj
+            est[s, c] = abs(g[s, j + 1])
+
+
+@numba.njit(cache=True)
+def gmres_coefficients(R, g, k, y):
+    """``y[s, :k[s]]`` solving ``R[s, :k, :k] y = g[s, :k]``; the rest of ``y`` zero.
+
+    A vanishing diagonal (the basis stalled) cuts the system to its leading
+    well-posed part, as a least-squares solve would.
+    """
+    nsys, m = y.shape
+    for s in range(nsys):
+        ks = 0
+        while ks < k[s] and abs(R[s, ks, ks]) > 1e-300:
+            ks += 1
+        for i in range(ks, m):
+            y[s, i] = 0.0
+        for i in range(ks - 1, -1, -1):
+            acc = g[s, i]
+            for j in range(i + 1, ks):
+                acc -= R[s, i, j] * y[s, j]
+            y[s, i] = acc / R[s, i, i]

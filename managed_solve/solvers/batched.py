@@ -197,3 +197,207 @@ def _cpu_solve(batch: PackedBatch, method: str) -> BatchOutcome:
         _k.run_systems(kernel_sys, *A, *vecs, batch.offsets, batch.rtol, batch.atol,
                        batch.maxiter, has_x0, its, rr, st)
     return BatchOutcome(x=x, iterations=its, residual_norms=np.sqrt(rr), status=st, host_syncs=0)
+
+
+# Krylov vectors kept before a restart (as ``solve``'s GMRES).
+GMRES_RESTART = 30
+# Arnoldi steps between host reads of the new Hessenberg columns (each read
+# waits for the device); a system stops at the step its estimate first meets
+# its tolerance whatever the spacing, later steps of its cycle are masked out.
+GMRES_CHECK_EVERY = 8
+# Basis vectors orthogonalised against per pass: bounds the temporaries of
+# the segmented products at GMRES_BLOCK vectors instead of the restart.
+GMRES_BLOCK = 8
+
+
+def gmres_batched(batch: PackedBatch, *, restart: int = GMRES_RESTART,
+                  check_every: int | None = None) -> BatchOutcome:
+    """Restarted GMRES on every system of a batch (any non-singular systems).
+
+    Every system has its own Krylov basis (its rows of the shared basis
+    vectors), its own Hessenberg matrix and Givens rotations, its own stopping
+    rule, ``maxiter`` (total inner iterations) and status. The Arnoldi steps
+    run on the batch's device for all systems at once: one SpMV of the
+    block-diagonal matrix and segmented products (classical Gram-Schmidt,
+    applied twice). Every ``check_every`` steps the host reads the new
+    Hessenberg columns and rotates them per system
+    (:func:`managed_solve.kernels.krylov.givens_columns`); a system is done
+    for the cycle at the step its residual estimate meets its tolerance, the
+    cycle ends when every system is, and each system's solution is updated
+    with its own number of basis vectors. Each cycle starts from the true
+    residual, which also decides the final status, so a system never reports
+    convergence its true residual does not show.
+
+    Jacobi preconditioning (``batch.dinv``) is applied on the right, so the
+    residuals are those of the original systems.
+
+    Parameters
+    ----------
+    batch : PackedBatch
+        On the CPU (NumPy) or a GPU (CuPy).
+    restart : int
+        Krylov vectors kept before a restart (default 30).
+    check_every : int, optional
+        Arnoldi steps between host reads of the Hessenberg columns (default 8).
+
+    Returns
+    -------
+    BatchOutcome
+        ``residual_norms`` are true residual norms ``||b_s - A_s x_s||``;
+        status 2 (breakdown) when a residual is not finite (NaN or Inf in A,
+        b or the preconditioner). ``host_syncs`` counts the host's reads.
+
+    See Also
+    --------
+    scipy.sparse.linalg.gmres : one system at a time (SciPy counts
+        ``maxiter`` in restart cycles; here it counts inner iterations).
+    managed_solve.solvers.gmres.gmres : the single-system GMRES.
+
+    Examples
+    --------
+    >>> import numpy as np, scipy.sparse as sp
+    >>> from managed_solve import LinearSystem
+    >>> from managed_solve.solvers.batch import PackedBatch
+    >>> from managed_solve.solvers.batched import gmres_batched
+    >>> rot = sp.csr_matrix(np.array([[0.0, 1.0], [-1.0, 0.0]]))  # BiCGStab breaks down on it
+    >>> A = sp.diags([-1.5, 2.5, -0.5], [-1, 0, 1], shape=(40, 40), format="csr")
+    >>> batch = PackedBatch.pack([LinearSystem(rot, np.ones(2)), LinearSystem(A, np.ones(40))])
+    >>> out = gmres_batched(batch)
+    >>> out.status.tolist(), out.iterations.tolist()[0]
+    ([0, 0], 2)
+    >>> x = batch.unpack(out.x)
+    >>> bool(np.allclose(rot @ x[0], 1.0)) and bool(np.allclose(A @ x[1], 1.0))
+    True
+    """
+    call = "gmres_batched(batch)"
+    _check(batch, call, check_every)
+    if int(restart) != restart or restart < 1:
+        raise ValueError(f"{call}: restart must be a positive integer, e.g. 30; got {restart!r}")
+    return _Gmres(batch, int(restart), int(check_every or GMRES_CHECK_EVERY)).run()
+
+
+class _Gmres:
+    """Workspace and loop of one :func:`gmres_batched` call."""
+
+    def __init__(self, batch: PackedBatch, restart: int, every: int):
+        from .. import _backend
+
+        xp = batch.xp
+        self.xp, self.batch, self.every = xp, batch, every
+        n, ns, dt = batch.n, batch.nsys, batch.dtype
+        self.n, self.ns, self.dt = n, ns, dt
+        sizes = batch.sizes
+        self.m = m = max(1, min(int(restart), int(sizes.max()) if ns else 1))
+        sps = _backend.sparse_module(xp)
+        self.A = sps.csr_matrix((batch.data, batch.indices, batch.indptr), shape=(n, n))
+        # Segment sums (per-system dot products) as one sparse product: row s
+        # of `seg` holds ones over system s's rows.
+        idx = np.int32 if n < 2**31 - 1 else np.int64
+        self.seg = sps.csr_matrix((xp.ones(n, dtype=dt), xp.arange(n, dtype=idx),
+                                   xp.asarray(batch.offsets.astype(idx))), shape=(ns, n))
+        self.row_sys = batch.row_sys
+        self.V = xp.empty((m + 1, n), dtype=dt)
+        self.H = xp.zeros((ns, m + 1, m), dtype=np.float64)  # Hessenberg columns, device
+        self.to_host = _backend.to_host
+        self.syncs = 0
+
+    def _segsum(self, P: Any) -> Any:
+        """Per-system sums of the rows of ``P`` (shape (n,) or (n, k)), as float64."""
+        return (self.seg @ P).astype(np.float64, copy=False)
+
+    def _norms(self, v: Any) -> np.ndarray:
+        out = self.to_host(self.xp.sqrt(self._segsum(v * v)))  # sync: one read per call
+        self.syncs += 1
+        return np.asarray(out, dtype=np.float64)
+
+    def _per_row(self, coef: Any) -> Any:
+        """Per-system coefficients (nsys,) or (nsys, k), spread to rows: (n,) or (k, n)."""
+        c = coef.astype(self.dt, copy=False)
+        return c[self.row_sys] if c.ndim == 1 else c.T[:, self.row_sys]
+
+    def _orthogonalise(self, w: Any, j: int) -> Any:
+        """One classical Gram-Schmidt pass of w against V[:j+1]; returns the coefficients."""
+        xp, V = self.xp, self.V
+        h = xp.empty((self.ns, j + 1), dtype=np.float64)
+        for a in range(0, j + 1, GMRES_BLOCK):
+            e = min(j + 1, a + GMRES_BLOCK)
+            h[:, a:e] = self._segsum((V[a:e] * w).T)
+        for a in range(0, j + 1, GMRES_BLOCK):
+            e = min(j + 1, a + GMRES_BLOCK)
+            w -= (V[a:e] * self._per_row(h[:, a:e])).sum(axis=0)
+        return h
+
+    def run(self) -> BatchOutcome:
+        from ..kernels import krylov as _kk
+
+        xp, b, batch, m, ns = self.xp, self.batch.b, self.batch, self.m, self.ns
+        V, H, A = self.V, self.H, self.A
+        dinv = batch.dinv
+        x = batch.x0.astype(self.dt, copy=True) if batch.x0 is not None else xp.zeros(self.n, self.dt)
+        bn = self._norms(b)
+        tol = np.maximum(batch.rtol * bn, batch.atol)
+        total = np.zeros(ns, dtype=np.int64)
+        status = np.full(ns, -1, dtype=np.int8)
+        res = np.zeros(ns)
+        started = batch.x0 is not None
+        checkpoints = 0
+        while True:
+            r = b - A @ x if started else b.copy()
+            started = True
+            beta = self._norms(r)
+            run = status < 0
+            res[run] = beta[run]
+            status[run & ~np.isfinite(beta)] = BREAKDOWN
+            status[(status < 0) & (beta <= tol)] = CONVERGED
+            status[(status < 0) & (total >= batch.maxiter)] = MAXITER
+            run = status < 0
+            if not run.any():
+                break
+            limit = np.where(run, np.minimum(m, batch.maxiter - total), 0)
+            scale = np.where(run & (beta > 0), 1.0 / np.where(beta > 0, beta, 1.0), 0.0)
+            V[0] = r * self._per_row(xp.asarray(scale))
+            R = np.zeros((ns, m, m))
+            cs, sn = np.zeros((ns, m)), np.zeros((ns, m))
+            g = np.zeros((ns, m + 1))
+            g[:, 0] = np.where(run, beta, 0.0)
+            used = np.where(run, -1, 0)  # basis vectors each system keeps this cycle
+            steps = int(limit.max())
+            added = 0
+            for j in range(steps):
+                z = V[j] * dinv if dinv is not None else V[j]
+                w = A @ z
+                h = self._orthogonalise(w, j)
+                h += self._orthogonalise(w, j)  # twice: one classical pass loses orthogonality
+                hn = xp.sqrt(self._segsum(w * w))
+                inv = xp.where(hn > 0, 1.0 / xp.where(hn > 0, hn, 1.0), 0.0)
+                V[j + 1] = w * self._per_row(inv)
+                H[:, : j + 1, j] = h
+                H[:, j + 1, j] = hn
+                if j + 1 - added < self.every and j < steps - 1:
+                    continue
+                cols = np.ascontiguousarray(self.to_host(H[:, : j + 2, added: j + 1]))  # sync
+                self.syncs += 1
+                checkpoints += 1
+                est = np.empty((ns, j + 1 - added))
+                _kk.givens_columns(cols, R, cs, sn, g, added, est)
+                for c in range(j + 1 - added):
+                    k = added + c + 1
+                    stop = (used < 0) & ((est[:, c] <= tol) | (k >= limit))
+                    used[stop] = k
+                added = j + 1
+                if (used >= 0).all():
+                    break
+            used[used < 0] = added
+            y = np.zeros((ns, m))
+            _kk.gmres_coefficients(R, g, used, y)
+            kmax = int(used.max())
+            if kmax:
+                yd = xp.asarray(y[:, :kmax])
+                upd = xp.zeros(self.n, dtype=self.dt)
+                for a in range(0, kmax, GMRES_BLOCK):
+                    e = min(kmax, a + GMRES_BLOCK)
+                    upd += (V[a:e] * self._per_row(yd[:, a:e])).sum(axis=0)
+                x += upd * dinv if dinv is not None else upd
+            total += used
+        return BatchOutcome(x=x, iterations=total, residual_norms=res, status=status,
+                            host_syncs=self.syncs, checkpoints=checkpoints)
