@@ -38,6 +38,7 @@ __all__ = [
     "cg_systems",
     "gmres_coefficients",
     "givens_columns",
+    "gmres_systems",
     "row_product",
     "run_systems",
 ]
@@ -435,6 +436,52 @@ def run_systems(kernel, *args):
 # array operations per column.
 
 
+@numba.njit(cache=True, inline="always")
+def _rotate_column(h, j, R, cs, sn, g):
+    """Apply the previous rotations to Hessenberg column ``h`` (length j+2), add the new one.
+
+    Writes column ``j`` of the triangular factor ``R`` and updates ``g``;
+    returns the residual estimate ``|g[j+1]|``.
+    """
+    for i in range(j):
+        t = cs[i] * h[i] + sn[i] * h[i + 1]
+        h[i + 1] = -sn[i] * h[i] + cs[i] * h[i + 1]
+        h[i] = t
+    rr = math.hypot(h[j], h[j + 1])
+    if rr == 0.0:
+        cj, sj = 1.0, 0.0
+    else:
+        cj, sj = h[j] / rr, h[j + 1] / rr
+    cs[j] = cj
+    sn[j] = sj
+    for i in range(j):
+        R[i, j] = h[i]
+    R[j, j] = rr
+    gj = g[j]
+    g[j + 1] = -sj * gj
+    g[j] = cj * gj
+    return abs(g[j + 1])
+
+
+@numba.njit(cache=True, inline="always")
+def _back_substitute(R, g, k, y):
+    """``y[:k] = R[:k, :k]^-1 g[:k]``, the rest zero; cut at a vanishing diagonal.
+
+    A vanishing diagonal (the basis stalled) cuts the system to its leading
+    well-posed part, as a least-squares solve would.
+    """
+    ks = 0
+    while ks < k and abs(R[ks, ks]) > 1e-300:
+        ks += 1
+    for i in range(ks, y.shape[0]):
+        y[i] = 0.0
+    for i in range(ks - 1, -1, -1):
+        acc = g[i]
+        for j in range(i + 1, ks):
+            acc -= R[i, j] * y[j]
+        y[i] = acc / R[i, i]
+
+
 @numba.njit(cache=True)
 def givens_columns(H, R, cs, sn, g, j0, est):
     """Rotate new Hessenberg columns ``j0..j0+c-1`` of every system into ``R`` and ``g``.
@@ -451,42 +498,123 @@ def givens_columns(H, R, cs, sn, g, j0, est):
             j = j0 + c
             for i in range(j + 2):
                 h[i] = H[s, i, c]
-            for i in range(j):
-                t = cs[s, i] * h[i] + sn[s, i] * h[i + 1]
-                h[i + 1] = -sn[s, i] * h[i] + cs[s, i] * h[i + 1]
-                h[i] = t
-            rr = math.hypot(h[j], h[j + 1])
-            if rr == 0.0:
-                cj, sj = 1.0, 0.0
-            else:
-                cj, sj = h[j] / rr, h[j + 1] / rr
-            cs[s, j] = cj
-            sn[s, j] = sj
-            for i in range(j):
-                R[s, i, j] = h[i]
-            R[s, j, j] = rr
-            gj = g[s, j]
-            g[s, j + 1] = -sj * gj
-            g[s, j] = cj * gj
-            est[s, c] = abs(g[s, j + 1])
+            est[s, c] = _rotate_column(h, j, R[s], cs[s], sn[s], g[s])
 
 
 @numba.njit(cache=True)
 def gmres_coefficients(R, g, k, y):
-    """``y[s, :k[s]]`` solving ``R[s, :k, :k] y = g[s, :k]``; the rest of ``y`` zero.
+    """``y[s, :k[s]]`` solving ``R[s, :k, :k] y = g[s, :k]`` for every system; the rest zero."""
+    for s in range(y.shape[0]):
+        _back_substitute(R[s], g[s], k[s], y[s])
 
-    A vanishing diagonal (the basis stalled) cuts the system to its leading
-    well-posed part, as a least-squares solve would.
+
+@numba.njit(cache=True)
+def _local_product(indptr, indices, data, v, i, lo):
+    """Row ``i`` of A times ``v``, where ``v`` holds the segment's entries from ``lo`` on."""
+    acc = 0.0
+    for k in range(indptr[i], indptr[i + 1]):
+        acc += data[k] * v[indices[k] - lo]
+    return acc
+
+
+@numba.njit(cache=True)
+def _gmres_segment(lo, hi, indptr, indices, data, b, x, dinv, rtol, atol, maxiter, restart,
+                   has_x0):
+    """Restarted GMRES on rows ``lo:hi`` (one system): (iterations, ||r||, status).
+
+    The same algorithm as the GPU path of ``gmres_batched``: classical
+    Gram-Schmidt twice, Givens rotations, Jacobi on the right, the true
+    residual at every restart deciding the status. Vectors are the
+    segment's own (cache-resident for W2's sizes).
     """
-    nsys, m = y.shape
-    for s in range(nsys):
-        ks = 0
-        while ks < k[s] and abs(R[s, ks, ks]) > 1e-300:
-            ks += 1
-        for i in range(ks, m):
-            y[s, i] = 0.0
-        for i in range(ks - 1, -1, -1):
-            acc = g[s, i]
-            for j in range(i + 1, ks):
-                acc -= R[s, i, j] * y[s, j]
-            y[s, i] = acc / R[s, i, i]
+    n = hi - lo
+    m = max(1, min(restart, n))
+    jac = dinv.size > 0
+    V = np.empty((m + 1, n))
+    R = np.zeros((m, m))
+    cs = np.zeros(m)
+    sn = np.zeros(m)
+    g = np.zeros(m + 1)
+    h = np.empty(m + 1)
+    hp = np.empty(m + 1)
+    y = np.zeros(m)
+    w = np.empty(n)
+    z = np.empty(n)
+    bb = 0.0
+    for i in range(n):
+        bb += float(b[lo + i]) ** 2
+    tol = max(rtol * math.sqrt(bb), atol)
+    if not has_x0:
+        for i in range(n):
+            x[lo + i] = 0.0
+    for i in range(n):
+        z[i] = x[lo + i]
+    total = 0
+    while True:
+        beta2 = 0.0
+        for i in range(n):
+            ri = float(b[lo + i]) - _local_product(indptr, indices, data, z, lo + i, lo)
+            V[0, i] = ri
+            beta2 += ri * ri
+        beta = math.sqrt(beta2)
+        if not math.isfinite(beta):
+            return total, beta, 2
+        if beta <= tol:
+            return total, beta, 0
+        if total >= maxiter:
+            return total, beta, 1
+        for i in range(n):
+            V[0, i] /= beta
+        g[:] = 0.0
+        g[0] = beta
+        steps = min(m, maxiter - total)
+        k = steps
+        for j in range(steps):
+            for i in range(n):
+                z[i] = V[j, i] * dinv[lo + i] if jac else V[j, i]
+            for i in range(n):
+                w[i] = _local_product(indptr, indices, data, z, lo + i, lo)
+            for a in range(j + 1):
+                h[a] = 0.0
+            for _pass in range(2):
+                for a in range(j + 1):
+                    acc = 0.0
+                    for i in range(n):
+                        acc += V[a, i] * w[i]
+                    hp[a] = acc
+                for a in range(j + 1):
+                    ca = hp[a]
+                    h[a] += ca
+                    for i in range(n):
+                        w[i] -= ca * V[a, i]
+            hn = 0.0
+            for i in range(n):
+                hn += w[i] * w[i]
+            hn = math.sqrt(hn)
+            inv = 1.0 / hn if hn > 0.0 else 0.0
+            for i in range(n):
+                V[j + 1, i] = w[i] * inv
+            h[j + 1] = hn
+            if _rotate_column(h, j, R, cs, sn, g) <= tol:
+                k = j + 1
+                break
+        _back_substitute(R, g, k, y)
+        for i in range(n):
+            acc = 0.0
+            for a in range(k):
+                acc += V[a, i] * y[a]
+            if jac:
+                acc *= dinv[lo + i]
+            x[lo + i] = x[lo + i] + acc
+            z[i] = x[lo + i]
+        total += k
+
+
+@numba.njit(parallel=True, cache=True)
+def gmres_systems(indptr, indices, data, b, x, dinv, offsets, rtol, atol, maxiter, restart,
+                  has_x0, its, res, st):
+    """Restarted GMRES on every system of a batch, ``prange`` over systems."""
+    for s in prange(offsets.size - 1):
+        its[s], res[s], st[s] = _gmres_segment(offsets[s], offsets[s + 1], indptr, indices, data,
+                                               b, x, dinv, rtol[s], atol[s], maxiter[s], restart,
+                                               has_x0)

@@ -178,7 +178,7 @@ def _invalid(exc: Exception, i: int, item: Any) -> SolveResult:
 # --------------------------------------------------------------------------- estimation
 def _krylov_method(s: LinearSystem, cache: dict | None) -> str:
     """CG for symmetric matrices with a positive diagonal, else BiCGStab ("auto")."""
-    if s.method in ("cg", "bicgstab"):
+    if s.method in ("cg", "bicgstab", "gmres"):
         return s.method
     if not is_symmetric(s.A, cache):
         return "bicgstab"
@@ -293,8 +293,7 @@ def _batched_preconditioner(s: LinearSystem) -> bool:
 
 def _route(s: LinearSystem, *, host_only: bool, cache: dict | None = None) -> tuple[str, tuple]:
     """(route, group) of a system; batches mix systems of one group only."""
-    if s.kind != "csr" or s.method in ("gmres", "minres", "direct") or (
-            not _batched_preconditioner(s)):
+    if s.kind != "csr" or s.method in ("minres", "direct") or not _batched_preconditioner(s):
         return SINGLE, (s.method, _dtype_name(s.dtype))
     if host_only and s.method == "auto" and s.M is None and s.n <= DIRECT_MAX_N:
         symmetric = is_symmetric(s.A, cache)
@@ -540,11 +539,11 @@ def is_device_error(exc: BaseException) -> bool:
 
 # --------------------------------------------------------------------------- running
 def _core():
-    """The batched Krylov core: (PackedBatch, cg_batched, bicgstab_batched)."""
+    """The batched Krylov core: (PackedBatch, {method: batched solver})."""
     from .solvers.batch import PackedBatch
-    from .solvers.batched import bicgstab_batched, cg_batched
+    from .solvers.batched import bicgstab_batched, cg_batched, gmres_batched
 
-    return PackedBatch, cg_batched, bicgstab_batched
+    return PackedBatch, {"cg": cg_batched, "bicgstab": bicgstab_batched, "gmres": gmres_batched}
 
 
 _AHEAD = object()  # _Runner._pop: a batch was staged for this worker; take it
@@ -831,7 +830,9 @@ class _Runner:
                         # A deferred method is waited for here, after the copy.
                         from .solvers._cuda_krylov import prepare
 
-                        prepare(packed, self._batch_method(b))
+                        method = self._batch_method(b)
+                        if method in ("cg", "bicgstab"):  # the fused core's; GMRES has none
+                            prepare(packed, method)
                     return packed
 
                 fut = stager.submit(stage) if stager is not None else _now(stage)
@@ -1082,8 +1083,7 @@ def _solve_packed(systems: list[LinearSystem], packed: Any, method: str, device:
 
 def _run_packed(packed: Any, method: str) -> tuple:
     """The device part of :func:`_solve_packed`: the batched core, then the true residuals."""
-    _PackedBatch, cg_batched, bicgstab_batched = _core()
-    core = cg_batched if method == "cg" else bicgstab_batched
+    core = _core()[1][method]
     t0 = time.perf_counter()
     out = core(packed)
     seconds = time.perf_counter() - t0
@@ -1118,6 +1118,7 @@ def _results(systems: list[LinearSystem], packed: Any, method: str, device: Devi
     offsets = packed.offsets.tolist()
     results: list[SolveResult] = []
     drifted: list[int] = []
+    broken: list[int] = []  # "auto" systems on which BiCGStab broke down: GMRES, batched
     # Python work per system (thousands a batch, while the GPU waits for the
     # next batch): plain lists read once, one shared message, info dicts copied.
     common = {"host_syncs": int(out.host_syncs), "checkpoints": int(out.checkpoints),
@@ -1135,11 +1136,12 @@ def _results(systems: list[LinearSystem], packed: Any, method: str, device: Devi
             res.x  # noqa: B018 (the view made now, as before: for paired profiles)
         if code == 0 and not r <= max(s.rtol * bnorm, s.atol):
             drifted.append(k)
-        elif code == 2 and s.method == "auto":
-            # "auto" guessed from cheap tests (a positive diagonal does not make a
-            # symmetric matrix definite; BiCGStab breaks down on nearly imaginary
-            # spectra): solve it alone with the method that cannot break down this
-            # way, as solve() would after its own attempt (not repeated here).
+        elif code == 2 and s.method == "auto" and method == "bicgstab":
+            broken.append(k)
+        elif code == 2 and s.method == "auto" and method in FALLBACK:
+            # "auto" chose CG from symmetry and a positive diagonal, but the matrix is
+            # indefinite: MINRES alone, as solve() would after its own attempt (not
+            # repeated here).
             with guard:
                 res = _polish(s, None, FALLBACK[method], device, manager)
             res.iterations += its
@@ -1160,6 +1162,18 @@ def _results(systems: list[LinearSystem], packed: Any, method: str, device: Devi
         for k in drifted:
             with guard:
                 results[k] = _polish(systems[k], results[k].x, method, device, manager)
+    if broken:
+        # BiCGStab breaks down on spectra it cannot handle (eigenvalues near the
+        # imaginary axis); GMRES cannot break down this way. One batch, from their own x0.
+        again_systems = [systems[k] for k in broken]
+        sub = PackedBatch.pack(again_systems, device=str(device), jacobi=packed.dinv is not None)
+        with guard:
+            again = _solve_packed(again_systems, sub, FALLBACK[method], device, manager,
+                                  restart=restart, info=info)
+        for k, res in zip(broken, again, strict=True):
+            res.iterations += results[k].iterations
+            res.info["fallback_from"] = method
+            results[k] = res
     return results
 
 

@@ -150,7 +150,7 @@ def test_jacobi_preconditioner_batches():
 def test_systems_the_batched_core_cannot_take_go_through_solve(sims):
     A = sp.diags([-1.0, 2.5, -1.0], [-1, 0, 1], shape=(50, 50), format="csr")
     b = np.linspace(1.0, 2.0, 50)
-    items = [LinearSystem(A, b, method="gmres", name="gmres"), (A.toarray(), b),
+    items = [LinearSystem(A, b, method="minres", name="minres"), (A.toarray(), b),
              (spla.aslinearoperator(A), b), LinearSystem(A, b, method="direct", name="direct"),
              LinearSystem(A, b, M="neumann", name="neumann"), (A, b)]
     results = solve_many(items, manager=sims)
@@ -160,8 +160,25 @@ def test_systems_the_batched_core_cannot_take_go_through_solve(sims):
         assert np.linalg.norm(b - A @ r.to_numpy()) <= 1e-8 * np.linalg.norm(b)
         np.testing.assert_allclose(r.to_numpy(), ref, rtol=1e-6)
     assert [r.info["batch_size"] for r in results[:5]] == [1] * 5
-    assert results[0].method == "gmres" and results[3].method == "direct"
+    assert results[0].method == "minres" and results[3].method == "direct"
     assert results[5].method == "cg"
+
+
+@pytest.mark.parametrize("where", ["sim", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_gmres_systems_are_batched(where):
+    """method="gmres": many non-symmetric systems share batches, each to its own rtol."""
+    rng = np.random.default_rng(8)
+    systems = []
+    for k in range(24):
+        m = 4 + k % 9
+        A = convection(m) if k % 2 else (poisson2d(m) + sp.diags([0.9], [1], shape=(m * m, m * m))).tocsr()
+        systems.append(LinearSystem(A, rng.standard_normal(m * m), rtol=10.0 ** -(6 + k % 5),
+                                    method="gmres", name=f"g{k}"))
+    dm = DeviceManager(simulate="2x256MiB") if where == "sim" else DeviceManager(["cuda:0"])
+    results = solve_many(systems, manager=dm)
+    assert_solves(systems, results)
+    assert {r.method for r in results} == {"gmres"}
+    assert max(r.info["batch_size"] for r in results) > 1  # batched, not one solve() each
 
 
 def test_auto_on_an_indefinite_matrix_recovers_from_cg_breakdown(sims):
@@ -178,7 +195,8 @@ def test_auto_on_an_indefinite_matrix_recovers_from_cg_breakdown(sims):
 
 def test_auto_on_a_skew_matrix_recovers_from_bicgstab_breakdown(sims, monkeypatch):
     # Non-symmetric, so "auto" tries BiCGStab; r0 . A r0 = 0 for a skew-symmetric A,
-    # so it breaks down at once. The batch's other systems are not touched.
+    # so it breaks down at once, and goes again through the batched GMRES. The
+    # batch's other systems are not touched.
     import importlib
 
     solve_mod = importlib.import_module("managed_solve.solve")  # the module, not the function
@@ -195,7 +213,7 @@ def test_auto_on_a_skew_matrix_recovers_from_bicgstab_breakdown(sims, monkeypatc
     np.testing.assert_allclose(A @ results[0].to_numpy(), b, atol=1e-10)
     assert results[0].method == "gmres" and results[0].info["fallback_from"] == "bicgstab"
     assert results[0].iterations >= 1  # the broken-down attempt's iterations are counted
-    assert alone == ["gmres"]  # the batch's breakdown is not tried again alone
+    assert alone == []  # solved again as a GMRES batch, not alone through solve()
     assert results[1].method == "bicgstab" and "fallback_from" not in results[1].info
     x = spla.spsolve(conv.tocsc(), np.ones(36))
     np.testing.assert_allclose(results[1].to_numpy(), x, rtol=1e-6)
@@ -504,7 +522,8 @@ def test_true_residual_check_restarts_drifted_systems(monkeypatch, where):
 
     On a GPU the restart packs host systems with their x0 on the GPU.
     """
-    PackedBatch, cg_batched, bicgstab_batched = sched._core()
+    PackedBatch, cores = sched._core()
+    cg_batched = cores["cg"]
     calls = []
 
     def drifting_cg(batch, **kw):
@@ -516,7 +535,7 @@ def test_true_residual_check_restarts_drifted_systems(monkeypatch, where):
                     v *= 1.01
         return out
 
-    monkeypatch.setattr(sched, "_core", lambda: (PackedBatch, drifting_cg, bicgstab_batched))
+    monkeypatch.setattr(sched, "_core", lambda: (PackedBatch, {**cores, "cg": drifting_cg}))
     systems = [LinearSystem(poisson2d(m), np.ones(m * m), name=f"p{m}") for m in range(4, 12)]
     dm = DeviceManager(simulate="1x64MiB") if where == "sim" else DeviceManager(["cuda:0"])
     results = solve_many(systems, manager=dm)

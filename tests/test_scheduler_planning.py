@@ -42,7 +42,7 @@ def shared_matrix_systems() -> list[LinearSystem]:
         out.append(LinearSystem(
             A, rng.standard_normal(n), x0=rng.standard_normal(n) if k % 7 == 0 else None,
             rtol=10.0 ** -(6 + k % 3), maxiter=[None, 30, 5000][k % 3 if k % 11 == 0 else 0],
-            method=["auto", "auto", "cg", "bicgstab", "gmres"][k % 5 if k % 4 == 0 else 0],
+            method=["auto", "gmres", "cg", "bicgstab", "minres"][k % 5 if k % 4 == 0 else 0],
             M="jacobi" if k % 6 == 0 else None, name=f"{name}{k}"))
     return out
 

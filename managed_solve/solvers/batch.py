@@ -22,8 +22,13 @@ _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 # Work vectors beyond A, b and x0 that each method allocates once per solve
 # (x itself is counted separately): CG r, p, q (+ z with Jacobi); BiCGStab
-# r, r~, p, v, t (+ z, holding p-hat then s-hat, with Jacobi).
-WORK_VECTORS = {"cg": 3, "bicgstab": 5}
+# r, r~, p, v, t (+ z, holding p-hat then s-hat, with Jacobi); GMRES (batched.py's
+# GMRES_RESTART 30, GMRES_BLOCK 8) its basis of 31 vectors, three temporaries of
+# 8 vectors each in the segmented products, r, w and the update.
+WORK_VECTORS = {"cg": 3, "bicgstab": 5, "gmres": 31 + 3 * 8 + 3}
+# GMRES per system: Hessenberg columns on the device (31 x 30 float64) and the
+# per-system coefficients of one product block.
+_GMRES_PER_SYSTEM_BYTES = 8 * (31 * 30 + 2 * 8)
 # Per-system device scalars: rtol, atol, tol^2, maxiter, iterations, status,
 # final rr, accumulators (up to 6 dot products x 4 rotating slots), offsets.
 _PER_SYSTEM_BYTES = 8 * (8 + 6 * 4)
@@ -172,7 +177,8 @@ class PackedBatch:
         True
         """
         if method not in WORK_VECTORS:
-            raise ValueError(f"PackedBatch.predict_bytes: method={method!r}; expected 'cg' or 'bicgstab'")
+            raise ValueError(f"PackedBatch.predict_bytes: method={method!r}; expected 'cg', "
+                             "'bicgstab' or 'gmres'")
         w = np.dtype(dtype).itemsize
         iw = np.dtype(index_dtype).itemsize
         n, nnz, nsys = int(n), int(nnz), int(nsys)
@@ -182,6 +188,8 @@ class PackedBatch:
         work = (1 + WORK_VECTORS[method] + (1 if jacobi else 0)) * n * w
         work += n * iw if nsys > 1 else 0  # the compaction row list
         scalars = nsys * _PER_SYSTEM_BYTES
+        if method == "gmres":
+            scalars += nsys * _GMRES_PER_SYSTEM_BYTES + n * (w + iw)  # + the segment-sum matrix
         return int(batch + work + scalars + _ARRAYS_PER_SOLVE * _POOL_ROUND)
 
     # -- construction ----------------------------------------------------------

@@ -13,9 +13,12 @@ from managed_solve.solvers.batch import PackedBatch
 from managed_solve.solvers.batched import bicgstab_batched, gmres_batched
 
 
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request):
-    return "cpu" if request.param == "cpu" else "cuda:0"
+@pytest.fixture(params=["cpu", "cpu-vectorised", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request, monkeypatch):
+    """Where the batch lies; "cpu-vectorised" runs the device algorithm on NumPy."""
+    if request.param == "cpu-vectorised":
+        monkeypatch.setattr(bt, "GMRES_VECTORISED_ON_HOST", True)
+    return "cuda:0" if request.param == "cuda" else "cpu"
 
 
 def host(a):
@@ -168,7 +171,25 @@ def test_checkpoint_spacing_does_not_change_the_answer(device):
     a, c = gmres_batched(batch, check_every=1), gmres_batched(batch, check_every=30)
     assert a.iterations.tolist() == c.iterations.tolist()
     np.testing.assert_allclose(host(a.x), host(c.x), rtol=1e-12, atol=1e-13)
-    assert a.host_syncs > c.host_syncs
+    if device != "cpu" or bt.GMRES_VECTORISED_ON_HOST:  # the per-system CPU kernel has no reads
+        assert a.host_syncs > c.host_syncs
+
+
+def test_cpu_kernel_and_device_algorithm_are_twins(monkeypatch):
+    """The per-system Numba GMRES and the whole-batch array algorithm take the same steps."""
+    rng = np.random.default_rng(7)
+    mats = [convection(m, 0.4) for m in (6, 9, 13)] + [upwind(11), skew_blocks(2)]
+    systems = [LinearSystem(A, rng.standard_normal(A.shape[0]), rtol=1e-9, maxiter=150)
+               for A in mats]
+    systems.append(LinearSystem(mats[2], rng.standard_normal(169), rtol=1e-12, maxiter=20))
+    batch = PackedBatch.pack(systems)
+    kernel = gmres_batched(batch, restart=12)
+    monkeypatch.setattr(bt, "GMRES_VECTORISED_ON_HOST", True)
+    arrays = gmres_batched(batch, restart=12)
+    assert kernel.status.tolist() == arrays.status.tolist() == [0, 0, 0, 0, 0, 1]
+    assert np.abs(kernel.iterations - arrays.iterations).max() <= 1
+    assert kernel.iterations[-1] == arrays.iterations[-1] == 20
+    np.testing.assert_allclose(kernel.x, arrays.x, rtol=0, atol=1e-7 * np.abs(kernel.x).max())
 
 
 def test_bad_arguments():
@@ -180,3 +201,54 @@ def test_bad_arguments():
     with pytest.raises(TypeError, match="PackedBatch"):
         gmres_batched("not a batch")
     assert bt.GMRES_RESTART == 30
+
+
+def test_memory_prediction_bounds_the_workspace(monkeypatch):
+    """PackedBatch.predict_bytes(method="gmres") covers what the device algorithm allocates.
+
+    Run on NumPy, where tracemalloc sees every array (the GPU variant reads CuPy's pool).
+    """
+    import tracemalloc
+
+    monkeypatch.setattr(bt, "GMRES_VECTORISED_ON_HOST", True)
+
+    from managed_solve.solvers.batch import WORK_VECTORS
+
+    assert WORK_VECTORS["gmres"] == bt.GMRES_RESTART + 1 + 3 * bt.GMRES_BLOCK + 3
+    rng = np.random.default_rng(9)
+    systems = [LinearSystem(convection(m), rng.standard_normal(m * m), rtol=1e-10) for m in (30, 40, 50)]
+    batch = PackedBatch.pack(systems)
+    gmres_batched(batch)  # compile the host kernels first
+    tracemalloc.start()
+    try:
+        out = gmres_batched(batch)
+        _now, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert (out.status == 0).all() and out.iterations.min() > bt.GMRES_RESTART  # restarted
+    predicted = PackedBatch.predict_bytes(batch.n, batch.nnz, batch.nsys, batch.dtype,
+                                          batch.index_dtype, "gmres", jacobi=False, x0=False)
+    assert peak <= predicted - batch.nbytes, (peak, predicted - batch.nbytes)
+    assert peak >= 0.3 * (predicted - batch.nbytes)  # and does not overstate it wildly
+
+
+@pytest.mark.gpu
+def test_gpu_memory_prediction_bounds_the_workspace():
+    """On a GPU: the bytes CuPy's pool grows by during a solve stay within the prediction."""
+    import cupy as cp
+
+    rng = np.random.default_rng(10)
+    systems = [LinearSystem(convection(m), rng.standard_normal(m * m), rtol=1e-10) for m in (60, 80, 100)]
+    batch = PackedBatch.pack(systems, device="cuda:0")
+    pool = cp.get_default_memory_pool()
+    gmres_batched(batch)  # kernels and cuSPARSE set up
+    cp.cuda.Device().synchronize()
+    pool.free_all_blocks()
+    base = pool.total_bytes()
+    out = gmres_batched(batch)
+    cp.cuda.Device().synchronize()
+    grown = pool.total_bytes() - base  # the pool keeps freed blocks: about the peak held
+    assert (out.status == 0).all()
+    predicted = PackedBatch.predict_bytes(batch.n, batch.nnz, batch.nsys, batch.dtype,
+                                          batch.index_dtype, "gmres", jacobi=False, x0=False)
+    assert grown <= predicted - batch.nbytes, (grown, predicted - batch.nbytes)
