@@ -85,9 +85,9 @@ def bytes_per_iteration(n: int, nnz: int, *, itemsize: int = 8, index_itemsize: 
         return float(2 * spmv + (20 + 2 * jacobi) * n * itemsize)
     if method == "gmres":
         # Classical Gram-Schmidt twice against 15 basis vectors on average
-        # (restart 30): each pass reads them twice and writes and reads a
-        # product and a spread of coefficients, about 10 vectors per basis vector.
-        return float(spmv + (10 * 15 + 10 + 2 * jacobi) * n * itemsize)
+        # (restart 30): each pass reads them twice (dot products, then the
+        # update), plus w's reads and writes and the new vector.
+        return float(spmv + (4 * 15 + 10 + 2 * jacobi) * n * itemsize)
     return float(spmv + (11 + 2 * jacobi) * n * itemsize)
 
 
@@ -99,9 +99,9 @@ def solve_bytes(n: int, nnz: int, *, itemsize: int = 8, index_itemsize: int = 4,
     (``solve_many`` passes that one). Vectors: b, x, the method's workspace,
     the inverse diagonal with Jacobi, a row-to-system map and per-system scalars.
     """
-    vectors = {"cg": 4, "bicgstab": 7, "gmres": 60}.get(method, 7) + 2 + (1 if jacobi else 0)
+    vectors = {"cg": 4, "bicgstab": 7, "gmres": 33}.get(method, 7) + 2 + (1 if jacobi else 0)
     csr = nnz * (itemsize + index_itemsize) + (n + 1) * index_itemsize
-    per_system = 64 + (7_600 if method == "gmres" else 0)  # GMRES: its Hessenberg columns
+    per_system = 64 + (7_700 if method == "gmres" else 0)  # GMRES: its Hessenberg columns
     return int(csr + vectors * n * itemsize + 4 * n + per_system * nsys)
 
 

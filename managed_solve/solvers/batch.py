@@ -23,12 +23,11 @@ _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 # Work vectors beyond A, b and x0 that each method allocates once per solve
 # (x itself is counted separately): CG r, p, q (+ z with Jacobi); BiCGStab
 # r, r~, p, v, t (+ z, holding p-hat then s-hat, with Jacobi); GMRES (batched.py's
-# GMRES_RESTART 30, GMRES_BLOCK 8) its basis of 31 vectors, three temporaries of
-# 8 vectors each in the segmented products, r, w and the update.
-WORK_VECTORS = {"cg": 3, "bicgstab": 5, "gmres": 31 + 3 * 8 + 3}
-# GMRES per system: Hessenberg columns on the device (31 x 30 float64) and the
-# per-system coefficients of one product block.
-_GMRES_PER_SYSTEM_BYTES = 8 * (31 * 30 + 2 * 8)
+# GMRES_RESTART 30) its basis of 31 vectors (the residual lives in the first) and w.
+WORK_VECTORS = {"cg": 3, "bicgstab": 5, "gmres": 31 + 1}
+# GMRES per system: its Hessenberg columns on the device (30 x 31 float64), the
+# second Gram-Schmidt pass's coefficients (31) and a norm.
+_GMRES_PER_SYSTEM_BYTES = 8 * (30 * 31 + 31 + 1)
 # Per-system device scalars: rtol, atol, tol^2, maxiter, iterations, status,
 # final rr, accumulators (up to 6 dot products x 4 rotating slots), offsets.
 _PER_SYSTEM_BYTES = 8 * (8 + 6 * 4)
@@ -189,7 +188,7 @@ class PackedBatch:
         work += n * iw if nsys > 1 else 0  # the compaction row list
         scalars = nsys * _PER_SYSTEM_BYTES
         if method == "gmres":
-            scalars += nsys * _GMRES_PER_SYSTEM_BYTES + n * (w + iw)  # + the segment-sum matrix
+            scalars += nsys * _GMRES_PER_SYSTEM_BYTES
         return int(batch + work + scalars + _ARRAYS_PER_SOLVE * _POOL_ROUND)
 
     # -- construction ----------------------------------------------------------

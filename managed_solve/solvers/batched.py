@@ -305,7 +305,20 @@ def _cpu_gmres(batch: PackedBatch, restart: int) -> BatchOutcome:
 
 
 class _Gmres:
-    """Workspace and loop of one :func:`gmres_batched` call."""
+    """Workspace and loop of one :func:`gmres_batched` call on a device (or, for tests, NumPy).
+
+    The loop (cycles, checkpoints, Givens on the host, coefficients) is
+    shared; four primitives differ: the product ``w = A (dinv v)``, the
+    per-system dot products with up to GMRES_BLOCK basis vectors, the
+    combination ``y += sign sum_a c[a, s] V[a]`` and the scaling of ``w`` into
+    the next basis vector. On a GPU they are the fused kernels of
+    :mod:`managed_solve.solvers._cuda_krylov` (one pass each, float64 sums,
+    no temporaries); on NumPy, array operations. All workspace is allocated
+    before the loop.
+
+    Device layouts: the basis ``V`` (restart + 1, n); the Hessenberg columns
+    ``H`` (restart, restart + 1, nsys), column j in ``H[j]``, [row][system].
+    """
 
     def __init__(self, batch: PackedBatch, restart: int, every: int):
         from .. import _backend
@@ -314,53 +327,95 @@ class _Gmres:
         self.xp, self.batch, self.every = xp, batch, every
         n, ns, dt = batch.n, batch.nsys, batch.dtype
         self.n, self.ns, self.dt = n, ns, dt
-        sizes = batch.sizes
-        self.m = m = max(1, min(int(restart), int(sizes.max()) if ns else 1))
-        sps = _backend.sparse_module(xp)
-        self.A = sps.csr_matrix((batch.data, batch.indices, batch.indptr), shape=(n, n))
-        # Segment sums (per-system dot products) as one sparse product: row s
-        # of `seg` holds ones over system s's rows.
-        idx = np.int32 if n < 2**31 - 1 else np.int64
-        self.seg = sps.csr_matrix((xp.ones(n, dtype=dt), xp.arange(n, dtype=idx),
-                                   xp.asarray(batch.offsets.astype(idx))), shape=(ns, n))
-        self.row_sys = batch.row_sys
-        self.V = xp.empty((m + 1, n), dtype=dt)
-        self.H = xp.zeros((ns, m + 1, m), dtype=np.float64)  # Hessenberg columns, device
+        self.m = m = max(1, min(int(restart), int(batch.sizes.max()) if ns else 1))
         self.to_host = _backend.to_host
+        self.gpu = xp is not np
+        self.jac = batch.dinv is not None
+        self.V = xp.empty((m + 1, n), dtype=dt)
+        self.w = xp.empty(n, dtype=dt)
+        self.H = xp.zeros((m, m + 1, ns), dtype=np.float64)
+        self.h2 = xp.zeros((m + 1, ns), dtype=np.float64)  # the second Gram-Schmidt pass
+        self.nrm = xp.zeros((1, ns), dtype=np.float64)
         self.syncs = 0
+        if self.gpu:
+            from . import _cuda_krylov
 
-    def _segsum(self, P: Any) -> Any:
-        """Per-system sums of the rows of ``P`` (shape (n,) or (n, k)), as float64."""
-        return (self.seg @ P).astype(np.float64, copy=False)
+            dev = int(batch.data.device.id)
+            self.k = _cuda_krylov.kernels(dev, dt, batch.index_dtype)
+            self.grid = (_cuda_krylov._grid_rows(n, dev),)
+            self.block = (_cuda_krylov.THREADS,)
+            self.nn, self.nsys32 = np.int64(n), np.int32(ns)
+            self.dinv = batch.dinv if self.jac else self.w  # never read without Jacobi
+        else:
+            sps = _backend.sparse_module(xp)
+            self.A = sps.csr_matrix((batch.data, batch.indices, batch.indptr), shape=(n, n))
+            # Segment sums (per-system dot products) as one sparse product: row s
+            # of `seg` holds ones over system s's rows.
+            idx = np.int32 if n < 2**31 - 1 else np.int64
+            self.seg = sps.csr_matrix((np.ones(n, dtype=dt), np.arange(n, dtype=idx),
+                                       batch.offsets.astype(idx)), shape=(ns, n))
+
+    # -- the four primitives ---------------------------------------------------------
+    def _matvec(self, v: Any, w: Any) -> None:
+        """``w = A (dinv v)``."""
+        b = self.batch
+        if self.gpu:
+            self.k[f"gmres_spmv{int(self.jac)}"](self.grid, self.block, (
+                b.indptr, b.indices, b.data, v, self.dinv, w, self.nn))
+        else:
+            w[...] = self.A @ (v * b.dinv if self.jac else v)
+
+    def _dots(self, a0: int, k: int, w: Any, out: Any) -> None:
+        """``out[a, s] += V[a0 + a] . w`` over system s's rows, for a < k <= GMRES_BLOCK."""
+        if self.gpu:
+            src = self.V if a0 >= 0 else w  # a0 < 0: w . w
+            self.k["gmres_dots"](self.grid, self.block, (
+                src, np.int64(self.n), w, self.batch.row_sys, out, np.int32(max(a0, 0)),
+                np.int32(k), self.nsys32, self.nn))
+        else:
+            src = self.V[a0: a0 + k] if a0 >= 0 else w[None]
+            out[:k] += (self.seg @ (src * w).T).T
+
+    def _combine(self, k: int, coef: Any, y: Any, sign: float, jac: bool) -> None:
+        """``y += sign (dinv) sum_{a<k} coef[a, s(i)] V[a, i]``."""
+        if k == 0:
+            return
+        if self.gpu:
+            self.k[f"gmres_combine{int(jac)}"](self.grid, self.block, (
+                self.V, np.int64(self.n), coef, self.batch.row_sys, self.dinv, y, np.int32(k),
+                np.float64(sign), self.nsys32, self.nn))
+        else:
+            acc = (self.V[:k] * coef[:k][:, self.batch.row_sys]).sum(axis=0)
+            y += (sign * acc * self.batch.dinv if jac else sign * acc).astype(self.dt, copy=False)
+
+    def _scale(self, w: Any, norm: Any, v: Any) -> None:
+        """``v = w / norm[s(i)]`` (0 where the norm is 0)."""
+        if self.gpu:
+            self.k["gmres_scale"](self.grid, self.block, (w, v, norm, self.batch.row_sys, self.nn))
+        else:
+            safe = np.where(norm > 0, norm, 1.0)
+            v[...] = w * np.where(norm > 0, 1.0 / safe, 0.0)[self.batch.row_sys]
 
     def _norms(self, v: Any) -> np.ndarray:
-        out = self.to_host(self.xp.sqrt(self._segsum(v * v)))  # sync: one read per call
+        """Per-system ``||v_s||`` on the host (one read)."""
+        self.nrm[...] = 0
+        self._dots(-1, 1, v, self.nrm)
         self.syncs += 1
-        return np.asarray(out, dtype=np.float64)
+        return np.sqrt(np.asarray(self.to_host(self.nrm[0]), dtype=np.float64))  # sync
 
-    def _per_row(self, coef: Any) -> Any:
-        """Per-system coefficients (nsys,) or (nsys, k), spread to rows: (n,) or (k, n)."""
-        c = coef.astype(self.dt, copy=False)
-        return c[self.row_sys] if c.ndim == 1 else c.T[:, self.row_sys]
-
-    def _orthogonalise(self, w: Any, j: int) -> Any:
-        """One classical Gram-Schmidt pass of w against V[:j+1]; returns the coefficients."""
-        xp, V = self.xp, self.V
-        h = xp.empty((self.ns, j + 1), dtype=np.float64)
+    def _orthogonalise(self, w: Any, j: int, out: Any) -> None:
+        """One classical Gram-Schmidt pass of w against V[:j+1]; coefficients into out[:j+1]."""
         for a in range(0, j + 1, GMRES_BLOCK):
-            e = min(j + 1, a + GMRES_BLOCK)
-            h[:, a:e] = self._segsum((V[a:e] * w).T)
-        for a in range(0, j + 1, GMRES_BLOCK):
-            e = min(j + 1, a + GMRES_BLOCK)
-            w -= (V[a:e] * self._per_row(h[:, a:e])).sum(axis=0)
-        return h
+            k = min(GMRES_BLOCK, j + 1 - a)
+            self._dots(a, k, w, out[a:])
+        self._combine(j + 1, out, w, -1.0, False)
 
+    # -- the loop ----------------------------------------------------------------------
     def run(self) -> BatchOutcome:
         from ..kernels import krylov as _kk
 
-        xp, b, batch, m, ns = self.xp, self.batch.b, self.batch, self.m, self.ns
-        V, H, A = self.V, self.H, self.A
-        dinv = batch.dinv
+        xp, batch, m, ns = self.xp, self.batch, self.m, self.ns
+        V, H, w, b = self.V, self.H, self.w, batch.b
         x = batch.x0.astype(self.dt, copy=True) if batch.x0 is not None else xp.zeros(self.n, self.dt)
         bn = self._norms(b)
         tol = np.maximum(batch.rtol * bn, batch.atol)
@@ -369,8 +424,13 @@ class _Gmres:
         res = np.zeros(ns)
         started = batch.x0 is not None
         checkpoints = 0
+        r = V[0]  # the residual is formed in place of the first basis vector
         while True:
-            r = b - A @ x if started else b.copy()
+            if started:
+                self._matvec_plain(x, w)
+                xp.subtract(b, w, out=r)
+            else:
+                r[...] = b
             started = True
             beta = self._norms(r)
             run = status < 0
@@ -382,30 +442,31 @@ class _Gmres:
             if not run.any():
                 break
             limit = np.where(run, np.minimum(m, batch.maxiter - total), 0)
-            scale = np.where(run & (beta > 0), 1.0 / np.where(beta > 0, beta, 1.0), 0.0)
-            V[0] = r * self._per_row(xp.asarray(scale))
+            scale = np.where(run & (beta > 0), beta, 0.0)  # a finished system's basis is zero
+            self._scale(r, xp.asarray(scale), V[0])
             R = np.zeros((ns, m, m))
             cs, sn = np.zeros((ns, m)), np.zeros((ns, m))
             g = np.zeros((ns, m + 1))
-            g[:, 0] = np.where(run, beta, 0.0)
+            g[:, 0] = scale
             used = np.where(run, -1, 0)  # basis vectors each system keeps this cycle
             steps = int(limit.max())
+            H[...] = 0
             added = 0
             for j in range(steps):
-                z = V[j] * dinv if dinv is not None else V[j]
-                w = A @ z
-                h = self._orthogonalise(w, j)
-                h += self._orthogonalise(w, j)  # twice: one classical pass loses orthogonality
-                hn = xp.sqrt(self._segsum(w * w))
-                inv = xp.where(hn > 0, 1.0 / xp.where(hn > 0, hn, 1.0), 0.0)
-                V[j + 1] = w * self._per_row(inv)
-                H[:, : j + 1, j] = h
-                H[:, j + 1, j] = hn
+                self._matvec(V[j], w)
+                self._orthogonalise(w, j, H[j])
+                self.h2[...] = 0
+                self._orthogonalise(w, j, self.h2)  # twice: one classical pass loses orthogonality
+                H[j, : j + 1] += self.h2[: j + 1]
+                self._dots(-1, 1, w, H[j, j + 1:])
+                xp.sqrt(H[j, j + 1], out=H[j, j + 1])
+                self._scale(w, H[j, j + 1], V[j + 1])
                 if j + 1 - added < self.every and j < steps - 1:
                     continue
-                cols = np.ascontiguousarray(self.to_host(H[:, : j + 2, added: j + 1]))  # sync
+                cols = self.to_host(H[added: j + 1, : j + 2])  # sync: (c, j + 2, nsys)
                 self.syncs += 1
                 checkpoints += 1
+                cols = np.ascontiguousarray(np.asarray(cols).transpose(2, 1, 0))
                 est = np.empty((ns, j + 1 - added))
                 _kk.givens_columns(cols, R, cs, sn, g, added, est)
                 for c in range(j + 1 - added):
@@ -420,12 +481,16 @@ class _Gmres:
             _kk.gmres_coefficients(R, g, used, y)
             kmax = int(used.max())
             if kmax:
-                yd = xp.asarray(y[:, :kmax])
-                upd = xp.zeros(self.n, dtype=self.dt)
-                for a in range(0, kmax, GMRES_BLOCK):
-                    e = min(kmax, a + GMRES_BLOCK)
-                    upd += (V[a:e] * self._per_row(yd[:, a:e])).sum(axis=0)
-                x += upd * dinv if dinv is not None else upd
+                self._combine(kmax, xp.asarray(np.ascontiguousarray(y[:, :kmax].T)), x, 1.0, self.jac)
             total += used
         return BatchOutcome(x=x, iterations=total, residual_norms=res, status=status,
                             host_syncs=self.syncs, checkpoints=checkpoints)
+
+    def _matvec_plain(self, v: Any, w: Any) -> None:
+        """``w = A v`` (the residual's product: no preconditioner)."""
+        b = self.batch
+        if self.gpu:
+            self.k["gmres_spmv0"](self.grid, self.block, (
+                b.indptr, b.indices, b.data, v, self.dinv, w, self.nn))
+        else:
+            w[...] = self.A @ v
