@@ -517,7 +517,13 @@ def _local_product(indptr, indices, data, v, i, lo):
     return acc
 
 
-@numba.njit(cache=True)
+# Reassociation lets LLVM vectorise the dot products and updates (the sums'
+# order changes, by rounding only); NaN and Inf keep their IEEE meaning, so
+# the finiteness test below still sees them.
+_GMRES_FASTMATH = {"reassoc", "contract"}
+
+
+@numba.njit(cache=True, fastmath=_GMRES_FASTMATH)
 def _gmres_segment(lo, hi, indptr, indices, data, b, x, dinv, rtol, atol, maxiter, restart,
                    has_x0):
     """Restarted GMRES on rows ``lo:hi`` (one system): (iterations, ||r||, status).

@@ -25,8 +25,12 @@ from ._common import (
     identity,
     krylov_setup,
     norm,
+    outcome_from_batch,
     safe_div,
 )
+
+_NOT_FINITE = ("GMRES produced a non-finite residual; check A, b and M for NaN/Inf "
+               "or a singular preconditioner.")
 
 
 class _Givens:
@@ -147,9 +151,7 @@ def gmres(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 0
         if beta <= tol:
             return Outcome(x, CONVERGED, total, beta, host_syncs=syncs)
         if not np.isfinite(beta):
-            return Outcome(x, BREAKDOWN, total, beta,
-                           "GMRES produced a non-finite residual; check A and M for NaN/Inf "
-                           "or a singular preconditioner.", host_syncs=syncs)
+            return Outcome(x, BREAKDOWN, total, beta, _NOT_FINITE, host_syncs=syncs)
         if total >= maxiter:
             return Outcome(x, MAXITER, total, beta, host_syncs=syncs)
         V[0] = r / beta
@@ -193,3 +195,18 @@ def gmres(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 0
             return Outcome(x, CONVERGED, total, float(last), host_syncs=syncs)
         if total >= maxiter:
             return Outcome(x, MAXITER, total, float(last), host_syncs=syncs)
+
+
+def gmres_fused(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 0.0,
+                maxiter: int | None = None, jacobi: bool = False, restart: int = 30) -> Outcome:
+    """GMRES on a CSR matrix through the batched core (a batch of one system).
+
+    The same algorithm as :func:`gmres` (classical Gram-Schmidt twice, Givens
+    rotations on the host, right preconditioning), with the GPU's fused
+    kernels and the CPU's Numba kernel; no callback.
+    """
+    from .batch import PackedBatch  # see cg_fused
+    from .batched import gmres_batched
+
+    batch = PackedBatch.from_csr(A, b, x0=x0, rtol=rtol, atol=atol, maxiter=maxiter, jacobi=jacobi)
+    return outcome_from_batch(gmres_batched(batch, restart=restart), _NOT_FINITE)
