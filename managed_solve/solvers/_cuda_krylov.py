@@ -694,14 +694,18 @@ __global__ void ms_bicg_update_r(T* x, T* r, const T* z, const T* t, const T* __
 
 // ------------------------------------------- GMRES (batched.py's device path, _Gmres)
 // Per-system coefficient arrays are laid out [a][s] (a = basis vector, s = system).
+// Every kernel walks n rows: all of them, or (compact != 0) the list act of the
+// rows of systems still running (compaction at a restart).
 
 // w = A (dinv .* v), right Jacobi when JAC; one thread per row.
 template <typename T, typename I, bool JAC>
 __global__ void ms_gmres_spmv(const I* __restrict__ indptr, const I* __restrict__ indices,
                               const T* __restrict__ data, const T* __restrict__ v,
-                              const T* __restrict__ dinv, T* __restrict__ w, ll n) {
+                              const T* __restrict__ dinv, T* __restrict__ w, ll n,
+                              const ll* __restrict__ act, int compact) {
     MS_GRID_STRIDE
-    for (ll i = tid; i < n; i += G) {
+    for (ll t = tid; t < n; t += G) {
+        const ll i = MS_ROW(t);
         double sum = 0.0;
         const I end = indptr[i + 1];
         for (I j = indptr[i]; j < end; ++j) {
@@ -713,15 +717,13 @@ __global__ void ms_gmres_spmv(const I* __restrict__ indptr, const I* __restrict_
 }
 
 // out[a][s] += sum over system s's rows of V[a0 + a][i] * w[i], for a < k <= 8.
-template <typename T>
+// SINGLE (one system): sums in registers, one block reduction, one atomic per block.
+template <typename T, bool SINGLE>
 __global__ void ms_gmres_dots(const T* __restrict__ V, ll ldv, const T* __restrict__ w,
                               const int* __restrict__ row_sys, double* out, int a0, int k,
-                              int nsys, ll n) {
-    const int compact = 0;  // every row
-    const int* act = nullptr;
-    constexpr bool SINGLE = false;
+                              int nsys, ll n, const ll* __restrict__ act, int compact) {
     MS_GRID_STRIDE
-    SegSum<8, false> sum;
+    SegSum<8, SINGLE> sum;
 #define MS_OUT(a) (out + (ll)((a) < k ? (a) : 0) * nsys)
     double* const outs[8] = {MS_OUT(0), MS_OUT(1), MS_OUT(2), MS_OUT(3),
                              MS_OUT(4), MS_OUT(5), MS_OUT(6), MS_OUT(7)};
@@ -732,7 +734,7 @@ __global__ void ms_gmres_dots(const T* __restrict__ V, ll ldv, const T* __restri
         #pragma unroll
         for (int a = 0; a < 8; ++a) c[a] = 0.0;
         if (in_) {
-            s = row_sys[i];
+            s = SINGLE ? 0 : row_sys[i];
             const double wi = (double)w[i];
             #pragma unroll
             for (int a = 0; a < 8; ++a)
@@ -748,9 +750,11 @@ __global__ void ms_gmres_dots(const T* __restrict__ V, ll ldv, const T* __restri
 template <typename T, bool JAC>
 __global__ void ms_gmres_combine(const T* __restrict__ V, ll ldv, const double* __restrict__ coef,
                                  const int* __restrict__ row_sys, const T* __restrict__ dinv,
-                                 T* y, int k, double sign, int nsys, ll n) {
+                                 T* y, int k, double sign, int nsys, ll n,
+                                 const ll* __restrict__ act, int compact) {
     MS_GRID_STRIDE
-    for (ll i = tid; i < n; i += G) {
+    for (ll t = tid; t < n; t += G) {
+        const ll i = MS_ROW(t);
         const int s = row_sys[i];
         double acc = 0.0;
         for (int a = 0; a < k; ++a) acc += coef[(ll)a * nsys + s] * (double)V[(ll)a * ldv + i];
@@ -763,9 +767,10 @@ __global__ void ms_gmres_combine(const T* __restrict__ V, ll ldv, const double* 
 template <typename T>
 __global__ void ms_gmres_scale(const T* __restrict__ w, T* __restrict__ v,
                                const double* __restrict__ norm, const int* __restrict__ row_sys,
-                               ll n) {
+                               ll n, const ll* __restrict__ act, int compact) {
     MS_GRID_STRIDE
-    for (ll i = tid; i < n; i += G) {
+    for (ll t = tid; t < n; t += G) {
+        const ll i = MS_ROW(t);
         const double nn = norm[row_sys[i]];
         v[i] = nn > 0.0 ? (T)((double)w[i] / nn) : (T)0;
     }
@@ -797,7 +802,7 @@ def _instantiations(T: str, I: str) -> dict[str, str]:
     for j in (0, 1):
         names[f"gmres_spmv{j}"] = f"ms_gmres_spmv<{T}, {I}, {_B[j]}>"
         names[f"gmres_combine{j}"] = f"ms_gmres_combine<{T}, {_B[j]}>"
-    names["gmres_dots"] = f"ms_gmres_dots<{T}>"
+        names[f"gmres_dots{j}"] = f"ms_gmres_dots<{T}, {_B[j]}>"
     names["gmres_scale"] = f"ms_gmres_scale<{T}>"
     # extern "C" kernels go through name expressions too: their lowered name is their own.
     names["init_status"] = "ms_init_status"

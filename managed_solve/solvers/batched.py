@@ -346,6 +346,10 @@ class _Gmres:
             self.block = (_cuda_krylov.THREADS,)
             self.nn, self.nsys32 = np.int64(n), np.int32(ns)
             self.dinv = batch.dinv if self.jac else self.w  # never read without Jacobi
+            # Compaction (at a restart): the kernels walk act[:nn], the rows of the
+            # systems still running, once those are at most half the rows walked.
+            self.act, self.compact = xp.empty(0, dtype=np.int64), np.int32(0)
+            self.compactions = 0
         else:
             sps = _backend.sparse_module(xp)
             self.A = sps.csr_matrix((batch.data, batch.indices, batch.indptr), shape=(n, n))
@@ -361,7 +365,7 @@ class _Gmres:
         b = self.batch
         if self.gpu:
             self.k[f"gmres_spmv{int(self.jac)}"](self.grid, self.block, (
-                b.indptr, b.indices, b.data, v, self.dinv, w, self.nn))
+                b.indptr, b.indices, b.data, v, self.dinv, w, self.nn, self.act, self.compact))
         else:
             w[...] = self.A @ (v * b.dinv if self.jac else v)
 
@@ -369,9 +373,9 @@ class _Gmres:
         """``out[a, s] += V[a0 + a] . w`` over system s's rows, for a < k <= GMRES_BLOCK."""
         if self.gpu:
             src = self.V if a0 >= 0 else w  # a0 < 0: w . w
-            self.k["gmres_dots"](self.grid, self.block, (
+            self.k[f"gmres_dots{int(self.ns == 1)}"](self.grid, self.block, (
                 src, np.int64(self.n), w, self.batch.row_sys, out, np.int32(max(a0, 0)),
-                np.int32(k), self.nsys32, self.nn))
+                np.int32(k), self.nsys32, self.nn, self.act, self.compact))
         else:
             src = self.V[a0: a0 + k] if a0 >= 0 else w[None]
             out[:k] += (self.seg @ (src * w).T).T
@@ -383,7 +387,7 @@ class _Gmres:
         if self.gpu:
             self.k[f"gmres_combine{int(jac)}"](self.grid, self.block, (
                 self.V, np.int64(self.n), coef, self.batch.row_sys, self.dinv, y, np.int32(k),
-                np.float64(sign), self.nsys32, self.nn))
+                np.float64(sign), self.nsys32, self.nn, self.act, self.compact))
         else:
             acc = (self.V[:k] * coef[:k][:, self.batch.row_sys]).sum(axis=0)
             y += (sign * acc * self.batch.dinv if jac else sign * acc).astype(self.dt, copy=False)
@@ -391,7 +395,8 @@ class _Gmres:
     def _scale(self, w: Any, norm: Any, v: Any) -> None:
         """``v = w / norm[s(i)]`` (0 where the norm is 0)."""
         if self.gpu:
-            self.k["gmres_scale"](self.grid, self.block, (w, v, norm, self.batch.row_sys, self.nn))
+            self.k["gmres_scale"](self.grid, self.block, (w, v, norm, self.batch.row_sys, self.nn,
+                                                          self.act, self.compact))
         else:
             safe = np.where(norm > 0, norm, 1.0)
             v[...] = w * np.where(norm > 0, 1.0 / safe, 0.0)[self.batch.row_sys]
@@ -441,6 +446,7 @@ class _Gmres:
             run = status < 0
             if not run.any():
                 break
+            self._compact(run)
             limit = np.where(run, np.minimum(m, batch.maxiter - total), 0)
             scale = np.where(run & (beta > 0), beta, 0.0)  # a finished system's basis is zero
             self._scale(r, xp.asarray(scale), V[0])
@@ -484,13 +490,36 @@ class _Gmres:
                 self._combine(kmax, xp.asarray(np.ascontiguousarray(y[:, :kmax].T)), x, 1.0, self.jac)
             total += used
         return BatchOutcome(x=x, iterations=total, residual_norms=res, status=status,
-                            host_syncs=self.syncs, checkpoints=checkpoints)
+                            host_syncs=self.syncs, checkpoints=checkpoints,
+                            compactions=getattr(self, "compactions", 0))
+
+    def _compact(self, run: np.ndarray) -> None:
+        """GPU: walk only the running systems' rows from now on, when that halves the rows.
+
+        Finished systems' rows of x, w and the basis are then left alone (the
+        matrix is block-diagonal: no running row reads them).
+        """
+        from . import _cuda_krylov as ck
+
+        if not self.gpu or self.ns == 1 or int(self.nn) < ck.COMPACT_MIN_ROWS:
+            return
+        sizes = self.batch.sizes
+        rows = int(sizes[run].sum())
+        if rows > ck.COMPACT_FRACTION * int(self.nn):
+            return
+        from ..kernels.packing import active_rows
+
+        host = np.empty(rows, dtype=np.int64)
+        active_rows(self.batch.offsets[:-1][run].astype(np.int64), sizes[run].astype(np.int64), host)
+        self.act = self.xp.asarray(host)
+        self.nn, self.compact = np.int64(rows), np.int32(1)
+        self.compactions += 1
 
     def _matvec_plain(self, v: Any, w: Any) -> None:
         """``w = A v`` (the residual's product: no preconditioner)."""
         b = self.batch
         if self.gpu:
             self.k["gmres_spmv0"](self.grid, self.block, (
-                b.indptr, b.indices, b.data, v, self.dinv, w, self.nn))
+                b.indptr, b.indices, b.data, v, self.dinv, w, self.nn, self.act, self.compact))
         else:
             w[...] = self.A @ v

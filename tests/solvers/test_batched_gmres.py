@@ -238,3 +238,24 @@ def test_gpu_memory_prediction_bounds_the_workspace():
     predicted = PackedBatch.predict_bytes(batch.n, batch.nnz, batch.nsys, batch.dtype,
                                           batch.index_dtype, "gmres", jacobi=False, x0=False)
     assert grown <= predicted - batch.nbytes, (grown, predicted - batch.nbytes)
+
+
+@pytest.mark.gpu
+def test_gpu_compaction_at_restart_keeps_the_answers(monkeypatch):
+    """Once the running systems hold at most half the rows, the kernels walk only theirs."""
+    from managed_solve.solvers import _cuda_krylov as ck
+
+    rng = np.random.default_rng(11)
+    easy = [(upwind(40, 0.3) + 4 * sp.identity(1600)).tocsr() for _ in range(30)]  # a few steps
+    hard = [convection(100, 0.5)]  # hundreds of steps, over several restarts
+    systems = [LinearSystem(A, rng.standard_normal(A.shape[0]), rtol=1e-9) for A in easy + hard]
+    batch = PackedBatch.pack(systems, device="cuda:0")
+    packed = gmres_batched(batch)
+    assert packed.compactions == 1 and (packed.status == 0).all()
+    monkeypatch.setattr(ck, "COMPACT_FRACTION", 0.0)
+    whole = gmres_batched(batch)
+    assert whole.compactions == 0
+    assert packed.iterations.tolist() == whole.iterations.tolist()
+    np.testing.assert_allclose(host(packed.x), host(whole.x), rtol=0, atol=1e-10 * np.abs(host(whole.x)).max())
+    for s, x in zip(systems, batch.unpack(host(packed.x)), strict=True):
+        assert residual(s.A, x, s.b) <= 1e-9 * np.linalg.norm(s.b)
