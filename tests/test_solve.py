@@ -261,3 +261,16 @@ def test_host_path_tests_see_a_cpu_only_default_manager():
     assert [str(d) for d in default_manager().devices] == ["cpu"]
     res = solve(poisson2d(5), np.ones(25))
     assert res.device == "cpu" and isinstance(res.x, np.ndarray)
+
+
+def test_gmres_takes_the_batched_core_on_a_gpu_only(backend):
+    """CSR GMRES: the batched core on a GPU (fused kernels), the generic one on the CPU (BLAS)."""
+    T = sp.diags([-1.6, 2.0, -0.4], [-1, 0, 1], shape=(20, 20))
+    A = (sp.kron(sp.eye(20), T) + sp.kron(T, sp.eye(20))).tocsr()  # upwind: non-symmetric
+    b = np.random.default_rng(3).standard_normal(400)
+    res = solve(*on(backend, A, b), method="gmres", rtol=1e-10)
+    assert res.converged and res.method == "gmres"
+    x = host(res.x)
+    assert np.linalg.norm(b - A @ x) <= 1e-10 * np.linalg.norm(b)
+    np.testing.assert_allclose(x, sla.spsolve(A.tocsc(), b), rtol=1e-7, atol=1e-9)
+    assert (res.info.get("path") == "batched") == (backend != "cpu")
