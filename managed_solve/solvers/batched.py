@@ -15,6 +15,7 @@ changing and stops costing work.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -208,6 +209,8 @@ GMRES_CHECK_EVERY = 8
 # Basis vectors orthogonalised against per pass: bounds the temporaries of
 # the segmented products at GMRES_BLOCK vectors instead of the restart.
 GMRES_BLOCK = 8
+# GPU: chunks of check_every Arnoldi steps queued beyond the one the host reads.
+GMRES_AHEAD = 1
 
 
 def gmres_batched(batch: PackedBatch, *, restart: int = GMRES_RESTART,
@@ -337,6 +340,7 @@ class _Gmres:
         self.h2 = xp.zeros((m + 1, ns), dtype=np.float64)  # the second Gram-Schmidt pass
         self.nrm = xp.zeros((1, ns), dtype=np.float64)
         self.syncs = 0
+        self._keep: list = []  # page-locked buffers of queued copies
         if self.gpu:
             from . import _cuda_krylov
 
@@ -457,31 +461,36 @@ class _Gmres:
             used = np.where(run, -1, 0)  # basis vectors each system keeps this cycle
             steps = int(limit.max())
             H[...] = 0
-            added = 0
-            for j in range(steps):
-                self._matvec(V[j], w)
-                self._orthogonalise(w, j, H[j])
-                self.h2[...] = 0
-                self._orthogonalise(w, j, self.h2)  # twice: one classical pass loses orthogonality
-                H[j, : j + 1] += self.h2[: j + 1]
-                self._dots(-1, 1, w, H[j, j + 1:])
-                xp.sqrt(H[j, j + 1], out=H[j, j + 1])
-                self._scale(w, H[j, j + 1], V[j + 1])
-                if j + 1 - added < self.every and j < steps - 1:
-                    continue
-                cols = self.to_host(H[added: j + 1, : j + 2])  # sync: (c, j + 2, nsys)
+            added = 0  # columns the host has rotated
+            launched = 0  # Arnoldi steps queued
+            pending: deque = deque()  # (first column, end column, host copy) per chunk
+            while added < steps:
+                # Keep GMRES_AHEAD chunks queued beyond the one the host reads next:
+                # the Arnoldi steps do not depend on the rotations.
+                while launched < steps and len(pending) <= GMRES_AHEAD:
+                    end = min(steps, launched + self.every)
+                    for j in range(launched, end):
+                        self._step(j)
+                    pending.append((launched, end, self._read_columns(launched, end)))
+                    launched = end
+                lo, hi, read = pending.popleft()
+                cols = read()  # sync: this chunk's Hessenberg columns; later chunks stay queued
                 self.syncs += 1
                 checkpoints += 1
-                cols = np.ascontiguousarray(np.asarray(cols).transpose(2, 1, 0))
-                est = np.empty((ns, j + 1 - added))
-                _kk.givens_columns(cols, R, cs, sn, g, added, est)
-                for c in range(j + 1 - added):
-                    k = added + c + 1
+                est = np.empty((ns, hi - lo))
+                _kk.givens_columns(cols, R, cs, sn, g, lo, est)
+                for c in range(hi - lo):
+                    k = lo + c + 1
                     stop = (used < 0) & ((est[:, c] <= tol) | (k >= limit))
                     used[stop] = k
-                added = j + 1
+                added = hi
                 if (used >= 0).all():
-                    break
+                    break  # steps still queued run on; they write later columns only
+            if pending and self.gpu:  # copies of chunks still queued: keep their buffers
+                from ._cuda_krylov import _retire
+
+                _retire(self.xp.cuda.get_current_stream().record(), self._keep)
+            self._keep = []  # (otherwise every copy was waited for)
             used[used < 0] = added
             y = np.zeros((ns, m))
             _kk.gmres_coefficients(R, g, used, y)
@@ -492,6 +501,44 @@ class _Gmres:
         return BatchOutcome(x=x, iterations=total, residual_norms=res, status=status,
                             host_syncs=self.syncs, checkpoints=checkpoints,
                             compactions=getattr(self, "compactions", 0))
+
+    def _step(self, j: int) -> None:
+        """Arnoldi step j: column j of the Hessenberg matrix into H[j], V[j+1]."""
+        xp, V, H, w = self.xp, self.V, self.H, self.w
+        self._matvec(V[j], w)
+        self._orthogonalise(w, j, H[j])
+        self.h2[...] = 0
+        self._orthogonalise(w, j, self.h2)  # twice: one classical pass loses orthogonality
+        H[j, : j + 1] += self.h2[: j + 1]
+        self._dots(-1, 1, w, H[j, j + 1:])
+        xp.sqrt(H[j, j + 1], out=H[j, j + 1])
+        self._scale(w, H[j, j + 1], V[j + 1])
+
+    def _read_columns(self, lo: int, hi: int) -> Any:
+        """Start copying columns lo..hi-1 of H to the host; the returned call waits for them.
+
+        The call gives them as (nsys, restart + 1, hi - lo) float64, C order.
+        On a GPU the copy is asynchronous (page-locked buffer, event): the
+        host waits for this chunk while later chunks stay queued.
+        """
+        part = self.H[lo:hi]  # contiguous: whole columns
+        if not self.gpu:
+            cols = np.ascontiguousarray(part.transpose(2, 1, 0))
+            return lambda: cols
+        from .. import _backend
+
+        cp = self.xp
+        buf = _backend.pinned_empty(part.size, np.float64, self._keep)
+        stream = cp.cuda.get_current_stream()
+        cp.cuda.runtime.memcpyAsync(buf.ctypes.data, part.data.ptr, part.nbytes,
+                                    cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+        done = stream.record()
+
+        def read() -> np.ndarray:
+            done.synchronize()
+            return np.ascontiguousarray(buf.reshape(part.shape).transpose(2, 1, 0))
+
+        return read
 
     def _compact(self, run: np.ndarray) -> None:
         """GPU: walk only the running systems' rows from now on, when that halves the rows.
