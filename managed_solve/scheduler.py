@@ -1323,7 +1323,11 @@ def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = 
         Overrides each system's method when not "auto". "auto" picks CG for
         symmetric matrices with a positive diagonal, BiCGStab otherwise, and
         on a CPU-only run a sparse LU for systems up to ``DIRECT_MAX_N``
-        unknowns (faster than CG there, measured).
+        unknowns (faster than CG there, measured). CG, BiCGStab and GMRES(30)
+        systems are batched; an "auto" system on which CG breaks down (an
+        indefinite matrix) is solved again alone with MINRES, one on which
+        BiCGStab breaks down (eigenvalues near the imaginary axis) again in a
+        GMRES batch, and its result says ``info["fallback_from"]``.
     M : {"jacobi", ...} or operator, optional
         Preconditioner for every system (overrides theirs when given).
     rtol : float, optional
