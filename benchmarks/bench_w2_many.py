@@ -61,6 +61,20 @@ def per_system(benchmark, count: int, **extra) -> None:
     benchmark.extra_info.update(extra)
 
 
+def time_solver_loop(benchmark, machine_info, kind: str, loop, systems: int, timed: int) -> None:
+    """An anchor that loops a library solver over every tenth system (``loop() -> [(x, info)]``).
+
+    The first call checks the solver converged (info 0) and warms it up;
+    seconds per system make it comparable with ours over all ``systems``.
+    """
+    x, info = loop()[0]
+    assert info == 0
+    benchmark.pedantic(loop, rounds=ROUNDS, iterations=1, warmup_rounds=0)
+    machine_info(benchmark, kind, role="anchor", dtype="float64", systems=systems,
+                 note=f"timed on every tenth system ({timed}) and compared per system")
+    per_system(benchmark, timed)
+
+
 def check_own_rtol(pairs, results) -> None:
     for (A, b), r in zip(pairs, results, strict=True):
         x = r.to_numpy()
@@ -131,12 +145,7 @@ def bench_w2_gpu_cupyx_cg_loop(benchmark, w2_gpu, machine_info):
             sync()
         return out
 
-    x, info = loop()[0]
-    assert info == 0
-    benchmark.pedantic(loop, rounds=ROUNDS, iterations=1, warmup_rounds=1)
-    machine_info(benchmark, "cuda", role="anchor", dtype="float64", systems=len(dev_pairs),
-                 note="timed on every tenth system (40) and compared per system")
-    per_system(benchmark, len(subset))
+    time_solver_loop(benchmark, machine_info, "cuda", loop, len(dev_pairs), len(subset))
 
 
 @pytest.mark.gpu

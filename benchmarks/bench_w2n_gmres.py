@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 import scipy.sparse.linalg as spla
-from bench_w2_many import ROUNDS, RTOL, per_system, w2_sizes
+from bench_w2_many import ROUNDS, RTOL, per_system, time_solver_loop, w2_sizes
 
 from conftest import sync
 from managed_solve.manager import DeviceManager
@@ -64,12 +64,7 @@ def bench_w2n_cpu_scipy_gmres_loop(benchmark, w2n, machine_info):
     def loop():
         return [spla.gmres(A, b, rtol=RTOL, restart=RESTART, maxiter=1000) for A, b in subset]
 
-    x, info = loop()[0]
-    assert info == 0
-    benchmark.pedantic(loop, rounds=ROUNDS, iterations=1, warmup_rounds=0)
-    machine_info(benchmark, "cpu", role="anchor", dtype="float64", systems=len(pairs),
-                 note=f"timed on every tenth system ({len(subset)}) and compared per system")
-    per_system(benchmark, len(subset))
+    time_solver_loop(benchmark, machine_info, "cpu", loop, len(pairs), len(subset))
 
 
 @pytest.mark.benchmark(group="w2n-cpu")
@@ -99,12 +94,7 @@ def bench_w2n_gpu_cupyx_gmres_loop(benchmark, w2n, machine_info):
             sync()
         return out
 
-    x, info = loop()[0]
-    assert info == 0
-    benchmark.pedantic(loop, rounds=ROUNDS, iterations=1, warmup_rounds=0)
-    machine_info(benchmark, "cuda", role="anchor", dtype="float64", systems=len(pairs),
-                 note=f"timed on every tenth system ({len(subset)}) and compared per system")
-    per_system(benchmark, len(subset))
+    time_solver_loop(benchmark, machine_info, "cuda", loop, len(pairs), len(subset))
 
 
 @pytest.mark.gpu

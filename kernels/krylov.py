@@ -36,9 +36,11 @@ __all__ = [
     "bicgstab_systems",
     "cg_rows",
     "cg_systems",
+    "back_substitute",
     "gmres_coefficients",
     "givens_columns",
     "gmres_systems",
+    "rotate_column",
     "row_product",
     "run_systems",
 ]
@@ -437,7 +439,7 @@ def run_systems(kernel, *args):
 
 
 @numba.njit(cache=True, inline="always")
-def _rotate_column(h, j, R, cs, sn, g):
+def rotate_column(h, j, R, cs, sn, g):
     """Apply the previous rotations to Hessenberg column ``h`` (length j+2), add the new one.
 
     Writes column ``j`` of the triangular factor ``R`` and updates ``g``;
@@ -464,7 +466,7 @@ def _rotate_column(h, j, R, cs, sn, g):
 
 
 @numba.njit(cache=True, inline="always")
-def _back_substitute(R, g, k, y):
+def back_substitute(R, g, k, y):
     """``y[:k] = R[:k, :k]^-1 g[:k]``, the rest zero; cut at a vanishing diagonal.
 
     A vanishing diagonal (the basis stalled) cuts the system to its leading
@@ -498,14 +500,14 @@ def givens_columns(H, R, cs, sn, g, j0, est):
             j = j0 + c
             for i in range(j + 2):
                 h[i] = H[s, i, c]
-            est[s, c] = _rotate_column(h, j, R[s], cs[s], sn[s], g[s])
+            est[s, c] = rotate_column(h, j, R[s], cs[s], sn[s], g[s])
 
 
 @numba.njit(cache=True)
 def gmres_coefficients(R, g, k, y):
     """``y[s, :k[s]]`` solving ``R[s, :k, :k] y = g[s, :k]`` for every system; the rest zero."""
     for s in range(y.shape[0]):
-        _back_substitute(R[s], g[s], k[s], y[s])
+        back_substitute(R[s], g[s], k[s], y[s])
 
 
 @numba.njit(cache=True)
@@ -601,10 +603,10 @@ def _gmres_segment(lo, hi, indptr, indices, data, b, x, dinv, rtol, atol, maxite
             for i in range(n):
                 V[j + 1, i] = w[i] * inv
             h[j + 1] = hn
-            if _rotate_column(h, j, R, cs, sn, g) <= tol:
+            if rotate_column(h, j, R, cs, sn, g) <= tol:
                 k = j + 1
                 break
-        _back_substitute(R, g, k, y)
+        back_substitute(R, g, k, y)
         for i in range(n):
             acc = 0.0
             for a in range(k):

@@ -34,10 +34,10 @@ _NOT_FINITE = ("GMRES produced a non-finite residual; check A, b and M for NaN/I
 
 
 class _Givens:
-    """Host-side QR of the Hessenberg matrix, one column at a time."""
+    """Host-side QR of the Hessenberg matrix, one column at a time (the batched core's kernels)."""
 
     def __init__(self, m: int, beta: float):
-        self.R = np.zeros((m + 1, m))
+        self.R = np.zeros((m, m))
         self.cs = np.zeros(m)
         self.sn = np.zeros(m)
         self.g = np.zeros(m + 1)
@@ -46,41 +46,20 @@ class _Givens:
 
     def add(self, h: np.ndarray) -> float:
         """Add column ``h`` (length k+2); return the residual estimate after it."""
-        j = self.k
-        h = np.array(h, dtype=np.float64)
-        for i in range(j):
-            t = self.cs[i] * h[i] + self.sn[i] * h[i + 1]
-            h[i + 1] = -self.sn[i] * h[i] + self.cs[i] * h[i + 1]
-            h[i] = t
-        rr = np.hypot(h[j], h[j + 1])
-        c, s = (1.0, 0.0) if rr == 0 else (h[j] / rr, h[j + 1] / rr)
-        self.cs[j], self.sn[j] = c, s
-        h[j], h[j + 1] = rr, 0.0
-        self.R[: j + 2, j] = h
-        self.g[j + 1] = -s * self.g[j]
-        self.g[j] = c * self.g[j]
+        from ..kernels import krylov as _kk
+
+        est = _kk.rotate_column(np.array(h, dtype=np.float64), self.k, self.R, self.cs, self.sn, self.g)
         self.k += 1
-        return abs(self.g[j + 1])
+        return float(est)
 
     def coefficients(self, k: int) -> np.ndarray:
-        """Least-squares coefficients y of the first ``k`` basis vectors."""
-        R = self.R[:k, :k]
-        if k == 0:
-            return np.zeros(0)
-        d = np.abs(np.diag(R))
-        if d.min() <= 1e-300:  # singular R: the basis stalled; use the well-posed part
-            k = int(np.flatnonzero(d > 1e-300)[-1]) + 1 if (d > 1e-300).any() else 0
-            out = np.zeros(R.shape[0])
-            if k:
-                out[:k] = _backsolve(R[:k, :k], self.g[:k])
-            return out
-        return _backsolve(R, self.g[:k])
+        """Least-squares coefficients y of the first ``k`` basis vectors (zero past a stall)."""
+        from ..kernels import krylov as _kk
 
-
-def _backsolve(R: np.ndarray, g: np.ndarray) -> np.ndarray:
-    import scipy.linalg
-
-    return scipy.linalg.solve_triangular(R, g, lower=False)
+        y = np.zeros(k)
+        if k:
+            _kk.back_substitute(self.R, self.g, k, y)
+        return y
 
 
 def gmres(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 0.0,
