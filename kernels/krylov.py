@@ -484,7 +484,7 @@ def back_substitute(R, g, k, y):
         y[i] = acc / R[i, i]
 
 
-@numba.njit(cache=True)
+@numba.njit(nogil=True, cache=True)  # called by GPU workers: other threads run meanwhile
 def givens_columns(H, R, cs, sn, g, j0, est):
     """Rotate new Hessenberg columns ``j0..j0+c-1`` of every system into ``R`` and ``g``.
 
@@ -503,7 +503,7 @@ def givens_columns(H, R, cs, sn, g, j0, est):
             est[s, c] = rotate_column(h, j, R[s], cs[s], sn[s], g[s])
 
 
-@numba.njit(cache=True)
+@numba.njit(nogil=True, cache=True)  # called by GPU workers: other threads run meanwhile
 def gmres_coefficients(R, g, k, y):
     """``y[s, :k[s]]`` solving ``R[s, :k, :k] y = g[s, :k]`` for every system; the rest zero."""
     for s in range(y.shape[0]):
