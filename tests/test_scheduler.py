@@ -181,19 +181,22 @@ def test_gmres_systems_are_batched(where):
     assert max(r.info["batch_size"] for r in results) > 1  # batched, not one solve() each
 
 
-def test_auto_on_an_indefinite_matrix_recovers_from_cg_breakdown(sims):
+@pytest.mark.parametrize("where", ["sim", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_auto_on_an_indefinite_matrix_recovers_from_cg_breakdown(where):
     # Symmetric with a positive diagonal, so "auto" tries CG, but indefinite.
     A = sp.csr_matrix(np.array([[1.0, 2.0, 0.0], [2.0, 1.0, 0.0], [0.0, 0.0, 3.0]]))
     b = np.array([1.0, -1.0, 1.0])
     spd = poisson2d(5)
-    results = solve_many([(A, b), (spd, np.ones(25))], manager=sims)
+    dm = DeviceManager(simulate="2x64MiB") if where == "sim" else DeviceManager(["cuda:0"])
+    results = solve_many([(A, b), (spd, np.ones(25))], manager=dm)
     assert all(r.converged for r in results)
     np.testing.assert_allclose(A @ results[0].to_numpy(), b, atol=1e-10)
     assert results[0].method == "minres" and results[0].info["fallback_from"] == "cg"
     assert results[1].method == "cg" and "fallback_from" not in results[1].info
 
 
-def test_auto_on_a_skew_matrix_recovers_from_bicgstab_breakdown(sims, monkeypatch):
+@pytest.mark.parametrize("where", ["sim", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_auto_on_a_skew_matrix_recovers_from_bicgstab_breakdown(where, monkeypatch):
     # Non-symmetric, so "auto" tries BiCGStab; r0 . A r0 = 0 for a skew-symmetric A,
     # so it breaks down at once, and goes again through the batched GMRES. The
     # batch's other systems are not touched.
@@ -208,8 +211,10 @@ def test_auto_on_a_skew_matrix_recovers_from_bicgstab_breakdown(sims, monkeypatc
     A = sp.block_diag([rot, 2 * rot, 3 * rot], format="csr")
     b = np.ones(6)
     conv = convection(6)
-    results = solve_many([(A, b), (conv, np.ones(36))], manager=sims)
+    dm = DeviceManager(simulate="2x64MiB") if where == "sim" else DeviceManager(["cuda:0"])
+    results = solve_many([(A, b), (conv, np.ones(36))], manager=dm)
     assert all(r.converged for r in results), [r.message for r in results]
+    assert {r.device for r in results} <= {"sim:0", "sim:1", "cuda:0"}
     np.testing.assert_allclose(A @ results[0].to_numpy(), b, atol=1e-10)
     assert results[0].method == "gmres" and results[0].info["fallback_from"] == "bicgstab"
     assert results[0].iterations >= 1  # the broken-down attempt's iterations are counted
