@@ -465,7 +465,9 @@ def plan_work(estimates: Iterable[Estimate], devices: Sequence[Device], manager:
     sharded: list[int] = []
     rooms = [s.room for s in slots if s.kind != "cpu"]
     for e in too_big:
-        if e.route == BATCH and len(rooms) >= 2 and choose_shard_count(e.nbytes, rooms) >= 2:
+        # The sharded solver runs CG and BiCGStab ("auto" resolves to one of them).
+        shardable = e.route == BATCH and e.group[0] in ("cg", "bicgstab", DEFERRED)
+        if shardable and len(rooms) >= 2 and choose_shard_count(e.nbytes, rooms) >= 2:
             sharded.append(e.index)
             continue
         extra.append(_place_oversized(e, next_id, batch_bytes))

@@ -62,3 +62,17 @@ def test_a_failing_sharded_solve_loses_nothing_else(mix, monkeypatch):
         assert res[k].converged and res[k].name == mix[k].name
     with pytest.raises(Exception, match="s1"):
         solve_many(mix, manager=dm, rtol=1e-10, on_error="raise")
+
+
+def test_an_oversized_gmres_system_goes_to_the_cpu_not_to_the_sharded_solver(mix):
+    """The sharded solver runs CG and BiCGStab only: a GMRES system too large for one device runs on the CPU."""
+    # GMRES's 33 vectors a row: the big system (about 3.4 MB) fits no device, but
+    # would fit two as shards.
+    dm = DeviceManager(simulate="2x2MiB", reserved=0.0)
+    res = solve_many(mix, manager=dm, rtol=1e-10, method="gmres")
+    assert all(r.converged and r.method == "gmres" for r in res), [r.message for r in res]
+    assert res[1].device == "cpu" and "shards" not in res[1].info
+    assert {r.device for r in res[::2]} <= {"sim:0", "sim:1"}
+    for s, r in zip(mix, res, strict=True):
+        ref = spla.spsolve(s.A.tocsc(), s.b)
+        np.testing.assert_allclose(r.to_numpy(), ref, rtol=0, atol=1e-6 * np.abs(ref).max())
