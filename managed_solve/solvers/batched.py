@@ -211,6 +211,10 @@ GMRES_CHECK_EVERY = 8
 GMRES_BLOCK = 8
 # GPU: chunks of check_every Arnoldi steps queued beyond the one the host reads.
 GMRES_AHEAD = 1
+# GPU: a chunk of Arnoldi steps seen in an earlier restart cycle is replayed as
+# a CUDA graph (one launch instead of about 14 a step; the host holds the GIL
+# for less, and a small system's step is no longer launch-bound).
+GMRES_GRAPHS = True
 
 
 def gmres_batched(batch: PackedBatch, *, restart: int = GMRES_RESTART,
@@ -354,6 +358,9 @@ class _Gmres:
             # systems still running, once those are at most half the rows walked.
             self.act, self.compact = xp.empty(0, dtype=np.int64), np.int32(0)
             self.compactions = 0
+            self.graphs: dict = {}  # (first step, end step) -> captured chunk
+            self.seen: set = set()  # chunks launched once directly (kernels loaded)
+            self._old: list = []  # graphs and row lists replaced while still queued
         else:
             sps = _backend.sparse_module(xp)
             self.A = sps.csr_matrix((batch.data, batch.indices, batch.indptr), shape=(n, n))
@@ -421,6 +428,50 @@ class _Gmres:
 
     # -- the loop ----------------------------------------------------------------------
     def run(self) -> BatchOutcome:
+        """The solve; on a GPU on a stream of its own (graph capture needs one)."""
+        if not self.gpu:
+            return self._run()
+        from ._cuda_krylov import _retire
+
+        cp = self.xp
+        caller = cp.cuda.get_current_stream()
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.stream.wait_event(caller.record())  # the batch was written on the caller's stream
+        try:
+            with self.stream:
+                out = self._run()
+        finally:
+            caller.wait_event(self.stream.record())  # x, for the caller's later work
+            # Steps queued past the last read still run: the workspace, graphs and
+            # row lists live until they end.
+            _retire(self.stream.record(), [self, *self._old])
+        return out
+
+    def _launch_chunk(self, lo: int, hi: int) -> None:
+        """Arnoldi steps lo..hi-1: directly the first time, then as a replayed CUDA graph."""
+        if not (self.gpu and GMRES_GRAPHS):
+            for j in range(lo, hi):
+                self._step(j)
+            return
+        key = (lo, hi)
+        graph = self.graphs.get(key)
+        if graph is None and key in self.seen:
+            stream = self.stream
+            stream.begin_capture()
+            try:
+                for j in range(lo, hi):
+                    self._step(j)
+            finally:
+                graph = stream.end_capture()
+            self.graphs[key] = graph
+        if graph is None:
+            self.seen.add(key)
+            for j in range(lo, hi):
+                self._step(j)
+        else:
+            graph.launch(self.stream)
+
+    def _run(self) -> BatchOutcome:
         from ..kernels import krylov as _kk
 
         xp, batch, m, ns = self.xp, self.batch, self.m, self.ns
@@ -469,8 +520,7 @@ class _Gmres:
                 # the Arnoldi steps do not depend on the rotations.
                 while launched < steps and len(pending) <= GMRES_AHEAD:
                     end = min(steps, launched + self.every)
-                    for j in range(launched, end):
-                        self._step(j)
+                    self._launch_chunk(launched, end)
                     pending.append((launched, end, self._read_columns(launched, end)))
                     launched = end
                 lo, hi, read = pending.popleft()
@@ -558,6 +608,10 @@ class _Gmres:
 
         host = np.empty(rows, dtype=np.int64)
         active_rows(self.batch.offsets[:-1][run].astype(np.int64), sizes[run].astype(np.int64), host)
+        # Graphs hold the old row list and count: captured again on the next use.
+        self._old += [self.act, *self.graphs.values()]
+        self.graphs.clear()
+        self.seen.clear()
         self.act = self.xp.asarray(host)
         self.nn, self.compact = np.int64(rows), np.int32(1)
         self.compactions += 1

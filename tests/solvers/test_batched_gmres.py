@@ -259,3 +259,20 @@ def test_gpu_compaction_at_restart_keeps_the_answers(monkeypatch):
     np.testing.assert_allclose(host(packed.x), host(whole.x), rtol=0, atol=1e-10 * np.abs(host(whole.x)).max())
     for s, x in zip(systems, batch.unpack(host(packed.x)), strict=True):
         assert residual(s.A, x, s.b) <= 1e-9 * np.linalg.norm(s.b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("every", [8, 3])
+def test_gpu_graph_replay_keeps_the_answers(monkeypatch, every):
+    """Chunks replayed as CUDA graphs (from the second restart cycle on) compute what direct launches do."""
+    rng = np.random.default_rng(12)
+    systems = [LinearSystem(convection(m, 0.5), rng.standard_normal(m * m), rtol=1e-10)
+               for m in (20, 33, 47)]
+    systems.append(LinearSystem(upwind(30), rng.standard_normal(900), rtol=1e-10, M="jacobi"))
+    batch = PackedBatch.pack(systems, device="cuda:0", jacobi=True)
+    graphs = gmres_batched(batch, check_every=every)
+    monkeypatch.setattr(bt, "GMRES_GRAPHS", False)
+    direct = gmres_batched(batch, check_every=every)
+    assert (graphs.status == 0).all() and graphs.iterations.max() > 3 * bt.GMRES_RESTART
+    assert graphs.iterations.tolist() == direct.iterations.tolist()
+    np.testing.assert_allclose(host(graphs.x), host(direct.x), rtol=0, atol=1e-12 * np.abs(host(direct.x)).max())
