@@ -427,7 +427,8 @@ def _fused_ok(system: LinearSystem, method: str, callback: Any) -> bool:
 
     GMRES(30) takes the batched core on a GPU only. One H100, upwind
     convection-diffusion, rtol 1e-8, same iterations both ways: n = 65k,
-    batched 164 ms, generic 428; n = 1M, batched 847, generic 1,524. On the
+    batched 60 ms (chunks replayed as CUDA graphs), generic 344; n = 1M,
+    batched 782, generic 1,188. On the
     CPU the generic GMRES's BLAS products beat the per-system Numba kernel
     for one large system (2-core development machine, n = 65k: 409 against
     778 ms); many systems (``solve_many``) take the kernel, in parallel.
