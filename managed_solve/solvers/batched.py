@@ -269,11 +269,11 @@ def gmres_batched(batch: PackedBatch, *, restart: int = GMRES_RESTART,
     --------
     >>> import numpy as np, scipy.sparse as sp
     >>> from managed_solve import LinearSystem
-    >>> from managed_solve.solvers.batch import PackedBatch
-    >>> from managed_solve.solvers.batched import gmres_batched
     >>> rot = sp.csr_matrix(np.array([[0.0, 1.0], [-1.0, 0.0]]))  # BiCGStab breaks down on it
     >>> A = sp.diags([-1.5, 2.5, -0.5], [-1, 0, 1], shape=(40, 40), format="csr")
+    >>> from managed_solve.solvers.batch import PackedBatch
     >>> batch = PackedBatch.pack([LinearSystem(rot, np.ones(2)), LinearSystem(A, np.ones(40))])
+    >>> from managed_solve.solvers.batched import gmres_batched
     >>> out = gmres_batched(batch)
     >>> out.status.tolist(), out.iterations.tolist()[0]
     ([0, 0], 2)
