@@ -276,3 +276,29 @@ def test_gpu_graph_replay_keeps_the_answers(monkeypatch, every):
     assert (graphs.status == 0).all() and graphs.iterations.max() > 3 * bt.GMRES_RESTART
     assert graphs.iterations.tolist() == direct.iterations.tolist()
     np.testing.assert_allclose(host(graphs.x), host(direct.x), rtol=0, atol=1e-12 * np.abs(host(direct.x)).max())
+
+
+def test_one_large_cpu_system_takes_the_blas_gmres_with_the_same_iterates(monkeypatch):
+    """On the CPU a single system of ROWS_LAYOUT_MIN rows or more runs the generic GMRES (BLAS)."""
+    import importlib
+
+    generic = importlib.import_module("managed_solve.solvers.gmres")  # the module, not the function
+    A = upwind(110, 0.6)  # 12,100 rows
+    b = np.random.default_rng(13).standard_normal(A.shape[0])
+    assert A.shape[0] >= bt.ROWS_LAYOUT_MIN
+    calls = []
+    real = generic.gmres
+    monkeypatch.setattr(generic, "gmres", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    for jacobi in (False, True):
+        batch = PackedBatch.pack([LinearSystem(A, b, rtol=1e-9, maxiter=40)], jacobi=jacobi)
+        short = gmres_batched(batch)
+        assert short.status.tolist() == [1] and short.iterations.tolist() == [40]
+        assert short.residual_norms[0] == pytest.approx(residual(A, short.x, b), rel=1e-12)
+        batch = PackedBatch.pack([LinearSystem(A, b, rtol=1e-9)], jacobi=jacobi)
+        one = gmres_batched(batch)
+        assert one.status.tolist() == [0] and residual(A, one.x, b) <= 1e-9 * np.linalg.norm(b)
+        small = PackedBatch.pack([LinearSystem(A, b, rtol=1e-9), LinearSystem(upwind(4), np.ones(16))],
+                                 jacobi=jacobi)
+        kernel = gmres_batched(small)  # two systems: the per-system kernel
+        assert abs(int(kernel.iterations[0]) - int(one.iterations[0])) <= 1
+    assert len(calls) == 4
