@@ -1151,15 +1151,19 @@ def _results(systems: list[LinearSystem], packed: Any, method: str, device: Devi
         elif code == 0:
             res.message = converged_msg
         results.append(res)
-    if drifted and restart:
-        warm = [_with_x0(systems[k], results[k].x) for k in drifted]
-        sub = PackedBatch.pack(warm, device=str(device), jacobi=packed.dinv is not None)
+    def again(ks: list[int], subset: list[LinearSystem], how: str, restart: bool, note: tuple) -> None:
+        """Solve ``subset`` (systems ks, changed) as one more batch; their results replace the first."""
+        sub = PackedBatch.pack(subset, device=str(device), jacobi=packed.dinv is not None)
         with guard:
-            again = _solve_packed(warm, sub, method, device, manager, restart=False, info=info)
-        for k, res in zip(drifted, again, strict=True):
+            redo = _solve_packed(subset, sub, how, device, manager, restart=restart, info=info)
+        for k, res in zip(ks, redo, strict=True):
             res.iterations += results[k].iterations
-            res.info["restarted"] = True
+            res.info[note[0]] = note[1]
             results[k] = res
+
+    if drifted and restart:
+        again(drifted, [_with_x0(systems[k], results[k].x) for k in drifted], method, False,
+              ("restarted", True))
     elif drifted:
         for k in drifted:
             with guard:
@@ -1167,15 +1171,8 @@ def _results(systems: list[LinearSystem], packed: Any, method: str, device: Devi
     if broken:
         # BiCGStab breaks down on spectra it cannot handle (eigenvalues near the
         # imaginary axis); GMRES cannot break down this way. One batch, from their own x0.
-        again_systems = [systems[k] for k in broken]
-        sub = PackedBatch.pack(again_systems, device=str(device), jacobi=packed.dinv is not None)
-        with guard:
-            again = _solve_packed(again_systems, sub, FALLBACK[method], device, manager,
-                                  restart=restart, info=info)
-        for k, res in zip(broken, again, strict=True):
-            res.iterations += results[k].iterations
-            res.info["fallback_from"] = method
-            results[k] = res
+        again(broken, [systems[k] for k in broken], FALLBACK[method], restart,
+              ("fallback_from", method))
     return results
 
 

@@ -361,11 +361,11 @@ def _run(system: LinearSystem, method: str, symmetric: bool | None, dev: Device,
                 # make a symmetric matrix definite): retry with the robust method.
                 log.info("managed_solve: %s broke down (%s); auto falls back to %s",
                          method, out.message, FALLBACK[method])
-                spent = out.iterations
+                spent, tried = out.iterations, method
                 method = FALLBACK[method]
                 out = _dispatch(system, method, symmetric, callback, maxiter)
                 out.iterations += spent
-                out.info["fallback_from"] = {"minres": "cg", "gmres": "bicgstab"}[method]
+                out.info["fallback_from"] = tried
             if method != "direct":
                 out = _refine(system, method, callback, out, tol, maxiter)
             _backend.synchronize() if dev.kind == "cuda" else None

@@ -206,8 +206,8 @@ GMRES_RESTART = 30
 # waits for the device); a system stops at the step its estimate first meets
 # its tolerance whatever the spacing, later steps of its cycle are masked out.
 GMRES_CHECK_EVERY = 8
-# Basis vectors orthogonalised against per pass: bounds the temporaries of
-# the segmented products at GMRES_BLOCK vectors instead of the restart.
+# Basis vectors one dot-product kernel launch covers (its per-system partial
+# sums live in registers: 8 of them).
 GMRES_BLOCK = 8
 # GPU: chunks of check_every Arnoldi steps queued beyond the one the host reads.
 GMRES_AHEAD = 1
@@ -283,7 +283,7 @@ def gmres_batched(batch: PackedBatch, *, restart: int = GMRES_RESTART,
     """
     call = "gmres_batched(batch)"
     _check(batch, call, check_every)
-    if int(restart) != restart or restart < 1:
+    if isinstance(restart, bool) or not isinstance(restart, (int, np.integer)) or restart < 1:
         raise ValueError(f"{call}: restart must be a positive integer, e.g. 30; got {restart!r}")
     if batch.xp is np and not GMRES_VECTORISED_ON_HOST:
         return _cpu_gmres(batch, int(restart))
@@ -368,7 +368,7 @@ class _Gmres:
         self.h2 = xp.zeros((m + 1, ns), dtype=np.float64)  # the second Gram-Schmidt pass
         self.nrm = xp.zeros((1, ns), dtype=np.float64)
         self.syncs = 0
-        self._keep: list = []  # page-locked buffers of queued copies
+        self.compactions = 0
         if self.gpu:
             from . import _cuda_krylov
 
@@ -381,7 +381,15 @@ class _Gmres:
             # Compaction (at a restart): the kernels walk act[:nn], the rows of the
             # systems still running, once those are at most half the rows walked.
             self.act, self.compact = xp.empty(0, dtype=np.int64), np.int32(0)
-            self.compactions = 0
+            # Page-locked landing buffers of the column copies, one per chunk that
+            # can be in flight (reused in turn; stream order keeps them apart).
+            from .. import _backend as be
+
+            size = every * (m + 1) * ns
+            self._pinned_keep: list = []
+            self.landing = [be.pinned_empty(size, np.float64, self._pinned_keep)
+                            for _ in range(GMRES_AHEAD + 1)]
+            self.chunks = 0
             self.graphs: dict = {}  # (first step, end step) -> captured chunk
             self.seen: set = set()  # chunks launched once directly (kernels loaded)
             self._old: list = []  # graphs and row lists replaced while still queued
@@ -560,11 +568,6 @@ class _Gmres:
                 added = hi
                 if (used >= 0).all():
                     break  # steps still queued run on; they write later columns only
-            if pending and self.gpu:  # copies of chunks still queued: keep their buffers
-                from ._cuda_krylov import _retire
-
-                _retire(self.xp.cuda.get_current_stream().record(), self._keep)
-            self._keep = []  # (otherwise every copy was waited for)
             used[used < 0] = added
             y = np.zeros((ns, m))
             _kk.gmres_coefficients(R, g, used, y)
@@ -574,7 +577,7 @@ class _Gmres:
             total += used
         return BatchOutcome(x=x, iterations=total, residual_norms=res, status=status,
                             host_syncs=self.syncs, checkpoints=checkpoints,
-                            compactions=getattr(self, "compactions", 0))
+                            compactions=self.compactions)
 
     def _step(self, j: int) -> None:
         """Arnoldi step j: column j of the Hessenberg matrix into H[j], V[j+1]."""
@@ -599,10 +602,9 @@ class _Gmres:
         if not self.gpu:
             cols = np.ascontiguousarray(part.transpose(2, 1, 0))
             return lambda: cols
-        from .. import _backend
-
         cp = self.xp
-        buf = _backend.pinned_empty(part.size, np.float64, self._keep)
+        buf = self.landing[self.chunks % len(self.landing)][: part.size]
+        self.chunks += 1
         stream = cp.cuda.get_current_stream()
         cp.cuda.runtime.memcpyAsync(buf.ctypes.data, part.data.ptr, part.nbytes,
                                     cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)

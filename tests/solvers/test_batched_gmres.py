@@ -194,8 +194,9 @@ def test_cpu_kernel_and_device_algorithm_are_twins(monkeypatch):
 
 def test_bad_arguments():
     batch = PackedBatch.pack([LinearSystem(upwind(3), np.ones(9))])
-    with pytest.raises(ValueError, match="restart"):
-        gmres_batched(batch, restart=0)
+    for bad in (0, -3, 2.5, "30", None, True):
+        with pytest.raises(ValueError, match="restart must be a positive integer"):
+            gmres_batched(batch, restart=bad)
     with pytest.raises(ValueError, match="check_every"):
         gmres_batched(batch, check_every=0)
     with pytest.raises(TypeError, match="PackedBatch"):
