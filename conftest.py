@@ -39,8 +39,21 @@ try:
     from hypothesis import settings
 
     # The first call of a Numba function JIT-compiles: no per-example deadline.
-    settings.register_profile("managed_solve", deadline=None, max_examples=30)
-    settings.load_profile("managed_solve")
+    # The default profile is derandomized and keeps no example database, so a
+    # run (CI's included) draws the same examples on every machine and writes
+    # nothing into the repository. `HYPOTHESIS_PROFILE=explore` searches anew
+    # with a database under the user's cache directory, to hunt for new cases.
+    settings.register_profile("managed_solve", deadline=None, max_examples=30,
+                              derandomize=True, database=None, print_blob=True)
+    try:
+        from hypothesis.database import DirectoryBasedExampleDatabase
+
+        _cache = os.path.join(os.path.expanduser("~"), ".cache", "managed_solve", "hypothesis")
+        settings.register_profile("explore", deadline=None, max_examples=300,
+                                  database=DirectoryBasedExampleDatabase(_cache))
+    except ImportError:
+        pass
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "managed_solve"))
 except ImportError:  # hypothesis is an extra of `test`
     pass
 

@@ -6,6 +6,7 @@ first use, so importing the package never touches a GPU driver.
 
 from __future__ import annotations
 
+from . import config as config
 from .devices import Device as Device
 from .devices import discover as discover
 from .manager import DeviceManager as DeviceManager

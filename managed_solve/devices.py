@@ -19,11 +19,9 @@ from types import ModuleType
 import numpy as np
 
 from . import _backend
+from .config import ENV_DEVICES, ENV_SIMULATE, environment
 
 log = logging.getLogger("managed_solve")
-
-ENV_DEVICES = "MANAGED_SOLVE_DEVICES"
-ENV_SIMULATE = "MANAGED_SOLVE_SIMULATE"
 
 _UNITS = {
     "": 1,
@@ -331,10 +329,10 @@ def discover(devices: str | Sequence[str] | None = None, simulate: str | None = 
     """
     var_dev = "devices" if devices is not None else ENV_DEVICES
     if devices is None:
-        devices = os.environ.get(ENV_DEVICES) or None
+        devices = environment(ENV_DEVICES)
     var_sim = "simulate" if simulate is not None else ENV_SIMULATE
     if simulate is None:
-        simulate = os.environ.get(ENV_SIMULATE) or None
+        simulate = environment(ENV_SIMULATE)
 
     if simulate:
         accel = parse_simulate(simulate, var=var_sim)

@@ -189,11 +189,13 @@ def balanced_row_blocks(row_nnz: np.ndarray, nparts: int,
     closer_left = np.abs(prev - targets) < np.abs(cum[np.minimum(cuts - 1, n - 1)] - targets)
     cuts = np.where(closer_left, cuts - 1, cuts)
     offsets = np.concatenate([[0], cuts, [n]]).astype(np.int64)
-    # Every block gets at least one row (tiny matrices, extreme weights).
-    for i in range(1, nparts + 1):
+    # Every block gets at least one row (tiny matrices, extreme weights, more
+    # parts than rows with entries): cut i lies in [i, n - nparts + i], then a
+    # forward pass makes the cuts strictly increasing without passing n.
+    inner = np.arange(1, nparts)
+    offsets[1:nparts] = np.clip(offsets[1:nparts], inner, n - nparts + inner)
+    for i in range(1, nparts):
         offsets[i] = max(offsets[i], offsets[i - 1] + 1)
-    for i in range(nparts - 1, 0, -1):
-        offsets[i] = min(offsets[i], offsets[i + 1] - 1)
     return offsets
 
 

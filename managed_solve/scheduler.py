@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _backend
+from . import _backend, config
 from .devices import Device
 from .manager import DeviceManager, default_manager
 from .packing import (
@@ -625,7 +625,7 @@ class _Runner:
         whose systems already lie on their device stay there.
         """
         dev = self.by_name[name]
-        if dev.kind == "cpu":
+        if dev.kind == "cpu" or not config.current().work_stealing:
             return None
 
         def left(q: str) -> float:  # predicted seconds of the batches still queued there

@@ -106,6 +106,28 @@ def test_random_matrices_layout(n, nparts, density, seed, reorder):
     check_layout(p, A)
 
 
+def test_more_parts_than_rows_with_entries():
+    # Three of four rows hold only their diagonal: the nnz balance alone put
+    # the last cut past the end (offsets [0, 1, 3, 4, 5] for n = 4).
+    A = (sp.random(4, 4, density=0.25, random_state=2252, format="csr")
+         + sp.eye(4, format="csr")).tocsr()
+    p = part.build_partition(A, 4, reorder=None)
+    assert p.offsets.tolist() == [0, 1, 2, 3, 4]
+    check_layout(p, A)
+
+
+@settings(max_examples=200)
+@given(row_nnz=st.lists(st.integers(0, 50), min_size=1, max_size=40), data=st.data())
+def test_balanced_row_blocks_always_cover_every_row_once(row_nnz, data):
+    n = len(row_nnz)
+    nparts = data.draw(st.integers(1, n))
+    weights = data.draw(st.one_of(st.none(), st.lists(st.floats(0.01, 100.0), min_size=nparts,
+                                                      max_size=nparts)))
+    offs = part.balanced_row_blocks(row_nnz, nparts, weights)
+    assert offs.shape == (nparts + 1,) and offs[0] == 0 and offs[-1] == n
+    assert np.all(np.diff(offs) >= 1)
+
+
 def test_balanced_row_blocks_examples():
     assert part.balanced_row_blocks([1, 1, 1, 1, 4], 2).tolist() == [0, 3, 5]
     # Heavy first row: it sits alone, the rest share the other block.

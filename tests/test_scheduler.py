@@ -8,6 +8,7 @@ here; the ``gpu`` / ``multi_gpu`` cases run the same on real GPUs.
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ import scipy.sparse.linalg as spla
 
 import managed_solve as ms
 from managed_solve import LinearSystem, Status
+from managed_solve import config as ms_config
 from managed_solve import scheduler as sched
 from managed_solve.devices import SimulatedOutOfMemory
 from managed_solve.manager import DeviceManager
@@ -81,7 +83,10 @@ def sims():
 
 def test_results_in_input_order_each_meeting_its_own_rtol(sims):
     systems = mixed_systems(60)
-    results = solve_many(systems, manager=sims)
+    # Without work stealing every batch runs where the plan put it, so the
+    # devices seen depend on the plan alone, not on which thread ran first.
+    with ms_config.override(work_stealing=False):
+        results = solve_many(systems, manager=sims)
     assert_solves(systems, results)
     assert {r.device for r in results} == {"sim:0", "sim:1"}  # dispersed
     assert any(r.info["batch_size"] > 1 for r in results)  # batched
@@ -624,14 +629,20 @@ def test_host_pack_names_a_system_jacobi_cannot_scale(chunk_nnz):
 
 def test_an_idle_device_takes_queued_batches_from_a_slow_one(monkeypatch):
     """Work stealing: the plan splits the batches evenly, one device is slow, the other drains it."""
-    import time as _time
-
     dm = DeviceManager(simulate="2x1GiB")
     slow = dm.accelerators[0]
-    monkeypatch.setattr(slow, "fault", lambda dev, nbytes: _time.sleep(0.15))
+    runners = runners_started(monkeypatch)
+
+    def stalled_until_stolen_from(dev, nbytes):
+        # The slow device holds its first batch until the other device has
+        # taken one of its queued batches: the outcome depends on no timing.
+        deadline = time.monotonic() + 60
+        while not (runners and runners[0].stolen) and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    monkeypatch.setattr(slow, "fault", stalled_until_stolen_from)
     systems = [LinearSystem(poisson2d(m), np.ones(m * m), rtol=1e-8, method="cg", name=f"s{k}")
                for k, m in enumerate([24] * 48)]
-    runners = runners_started(monkeypatch)
     results = solve_many(systems, manager=dm)
     assert_solves(systems, results)
     (runner,) = runners
@@ -952,7 +963,8 @@ def test_large_systems_start_while_the_others_are_still_estimated(monkeypatch):
 
     monkeypatch.setattr(sched, "estimate", estimate)
     runners = runners_started(monkeypatch)
-    results = solve_many(systems, manager=dm)
+    with ms_config.override(work_stealing=False):  # both devices run their planned share
+        results = solve_many(systems, manager=dm)
     assert seen_running == [True]
     assert_solves(systems, results)
     (runner,) = runners  # one runner, extended with the rest of the plan
@@ -1115,9 +1127,13 @@ def test_a_large_systems_method_is_found_while_its_batch_is_copied(monkeypatch, 
     packed_at: list[float] = []
     real_method, real_pack = sched._krylov_method, sched._pack
 
+    copy_started = threading.Event()
+
     def method(s, cache):
         if id(s.A) in big and id(s.A) not in method_done:
-            _time.sleep(0.3)  # a slow test: the batch must not wait for it to start its copy
+            # A slow test: it ends only once a large system's copy has started
+            # (or after 60 s, and then the ordering assertion below fails).
+            copy_started.wait(60)
             out = real_method(s, cache)
             method_done[id(s.A)] = _time.perf_counter()
             return out
@@ -1126,6 +1142,7 @@ def test_a_large_systems_method_is_found_while_its_batch_is_copied(monkeypatch, 
     def pack(batch_systems, *a, **k):
         if any(id(s.A) in big for s in batch_systems):
             packed_at.append(_time.perf_counter())
+            copy_started.set()
         return real_pack(batch_systems, *a, **k)
 
     monkeypatch.setattr(sched, "_krylov_method", method)

@@ -1,0 +1,112 @@
+"""Library settings: one frozen :class:`Settings` object, changed only through :func:`override`.
+
+Every tunable the library reads at run time lives here, so a run can be
+reproduced from one object and a test can change a setting without touching
+module globals. Environment variables are read here and nowhere else.
+
+Examples
+--------
+>>> import managed_solve as ms
+>>> ms.config.current().work_stealing
+True
+>>> with ms.config.override(work_stealing=False):
+...     ms.config.current().work_stealing
+False
+>>> ms.config.current().work_stealing
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+#: Environment variables the library reads (see :func:`environment`).
+ENV_DEVICES = "MANAGED_SOLVE_DEVICES"
+ENV_SIMULATE = "MANAGED_SOLVE_SIMULATE"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Run-time settings of the library (read-only; see :func:`override`).
+
+    Attributes
+    ----------
+    work_stealing : bool
+        In ``solve_many``, a device whose queue runs dry takes batches queued
+        on a slower device of the same kind. Off, every batch runs where the
+        plan put it (placement then depends on the plan alone, not on timing).
+    pause_gc : bool
+        ``solve_many`` pauses Python's cyclic garbage collector while it runs
+        (its pauses stall the threads that feed the GPUs). Process-wide, so
+        off unless the caller opts in.
+    switch_interval : float or None
+        Seconds for ``sys.setswitchinterval`` while ``solve_many`` runs (a
+        shorter interval hands the GIL to the GPU-feeding threads sooner).
+        Process-wide, so None (unchanged) unless the caller opts in.
+    """
+
+    work_stealing: bool = True
+    pause_gc: bool = False
+    switch_interval: float | None = None
+
+    def replace(self, **changes) -> Settings:
+        """A copy with ``changes`` applied (names checked, see :func:`override`)."""
+        names = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - names)
+        if unknown:
+            raise TypeError(
+                f"override({', '.join(unknown)}=...): no such setting; "
+                f"the settings are {', '.join(sorted(names))}."
+            )
+        return dataclasses.replace(self, **changes)
+
+
+_lock = threading.Lock()
+_current = Settings()
+
+
+def current() -> Settings:
+    """The settings in force now (the same object for every thread)."""
+    return _current
+
+
+@contextmanager
+def override(**changes) -> Iterator[Settings]:
+    """Change settings for the duration of a ``with`` block (process-wide).
+
+    The settings are process-wide, not thread-local: worker threads started
+    by ``solve_many`` read the same object. Blocks may nest; each restores
+    what it found.
+
+    Raises
+    ------
+    TypeError
+        A name that is not a setting.
+    """
+    global _current
+    with _lock:
+        previous = _current
+        _current = previous.replace(**changes)
+    try:
+        yield _current
+    finally:
+        with _lock:
+            _current = previous
+
+
+def environment(name: str) -> str | None:
+    """The value of one of the library's environment variables, read now (None when unset).
+
+    The variables are read at call time, so a process may set them after
+    importing the package.
+    """
+    if name not in (ENV_DEVICES, ENV_SIMULATE):
+        raise ValueError(f"environment({name!r}): not a variable of this library; "
+                         f"expected {ENV_DEVICES} or {ENV_SIMULATE}.")
+    value = os.environ.get(name)
+    return value if value else None
