@@ -9,39 +9,23 @@ after checking the true residual.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from .. import _backend
-
-# Status codes shared with the batched core's BatchOutcome.status.
-CONVERGED, MAXITER, BREAKDOWN = 0, 1, 2
+from .engine import BREAKDOWN as BREAKDOWN
+from .engine import CONVERGED as CONVERGED
+from .engine import MAXITER as MAXITER
+from .engine import Outcome as Outcome
+from .engine import default_maxiter as default_maxiter
 
 # How often a generic solver reads its residual on the host when xp is CuPy:
 # each read is a device synchronisation (about 10-20 us plus the launch
 # queue draining), so reading every 8 iterations keeps the loop launch-bound
 # instead of sync-bound while overshooting convergence by at most 7 iterations.
 GPU_CHECK_EVERY = 8
-
-
-@dataclass
-class Outcome:
-    """What a solver loop reports (host values only, except ``x``)."""
-
-    x: Any
-    code: int
-    iterations: int
-    residual_norm: float  # the solver's own (recurrence or estimated) residual norm
-    message: str = ""
-    host_syncs: int = 0
-    info: dict = field(default_factory=dict)
-
-
-def default_maxiter(n: int) -> int:
-    """SciPy's default for CG-like methods: ``10 * n``, and at least 100."""
-    return max(100, 10 * int(n))
 
 
 def checkpoint_interval(xp: Any, requested: int | None = None) -> int:

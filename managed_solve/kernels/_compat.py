@@ -5,7 +5,7 @@ its first kernel; NumPy 2.5 removed ``row_stack`` (an alias of ``vstack``),
 so every CUDA compilation fails with ``AttributeError: module 'numpy' has no
 attribute 'row_stack'``. Restoring the alias is harmless on older NumPy
 (where it exists and this does nothing). Kept in this one place; every module
-of ``kernels/`` that uses ``numba.cuda`` imports it before ``numba.cuda``.
+of ``managed_solve/kernels/`` that uses ``numba.cuda`` imports it before ``numba.cuda``.
 """
 
 from __future__ import annotations

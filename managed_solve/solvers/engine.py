@@ -1,0 +1,151 @@
+"""The one shape every engine has: ``prepare`` once, then ``solve`` / ``update`` / ``solve_transpose``.
+
+An *engine* turns an operator into a :class:`Prepared` object on one device
+(or, for the sharded engine, a set of devices). Preparing does all the work
+that depends on the operator alone (validation of the pattern, factorisation,
+preconditioner or hierarchy set-up, workspace, a transpose where one is
+needed); solving then depends on the right-hand side alone, so one matrix
+with many right-hand sides, and the adjoint solve of a gradient, pay the
+set-up once.
+
+::
+
+    prepared = engine.prepare(operator, options, device)
+    outcome  = prepared.solve(rhs, x0=None)      # rhs (n,) or (n, k)
+    prepared.update(values)                      # same pattern, new values
+    outcome  = prepared.solve_transpose(rhs)     # A^T y = rhs
+    prepared.close()                             # workspace released
+
+An engine never chooses where it runs (the caller passes the device) and
+never chooses its method (``options.method`` is already resolved by
+:mod:`managed_solve.system.method`). Results are :class:`Outcome` objects:
+host scalars plus ``x`` on the engine's device; the caller checks the true
+residual and builds the user-facing :class:`~managed_solve.result.SolveResult`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .. import _backend
+
+# Status codes of every engine (and of the batched core's per-system arrays).
+CONVERGED, MAXITER, BREAKDOWN = 0, 1, 2
+
+
+@dataclass
+class Outcome:
+    """What an engine reports for one right-hand side (host values, except ``x``)."""
+
+    x: Any
+    code: int
+    iterations: int
+    residual_norm: float  # the engine's own (recurrence or estimated) residual norm
+    message: str = ""
+    host_syncs: int = 0
+    info: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Options:
+    """What a prepared engine needs besides the operator: method, preconditioner, stopping rule.
+
+    ``method`` is resolved (never ``"auto"``); ``M`` is None, a preconditioner
+    name or a user operator; ``maxiter`` None means the engine's default
+    (:func:`default_maxiter`).
+    """
+
+    method: str
+    M: Any = None
+    rtol: float = 1e-8
+    atol: float = 0.0
+    maxiter: int | None = None
+    callback: Callable[[Any], None] | None = None
+    symmetric: bool | None = None
+    first_check: int | None = None  # iterations before the first host read (a learned hint)
+
+
+def default_maxiter(n: int) -> int:
+    """SciPy's default for CG-like methods: ``10 * n``, and at least 100."""
+    return max(100, 10 * int(n))
+
+
+class Prepared(ABC):
+    """An operator set up on a device by an engine; solve as often as needed.
+
+    Subclasses implement :meth:`_solve_vector` (one right-hand side) and may
+    override :meth:`solve` for a block of right-hand sides solved together.
+    ``update`` and ``solve_transpose`` raise ``NotImplementedError`` naming the
+    engine where an engine cannot do them.
+    """
+
+    #: the engine's name ("krylov", "batched", "direct", "sharded", ...)
+    engine: str = "engine"
+
+    def __init__(self, device: Any, options: Options, n: int):
+        self.device = device
+        self.options = options
+        self.n = int(n)
+        self.closed = False
+
+    # ------------------------------------------------------------------ solving
+    def solve(self, rhs: Any, x0: Any = None) -> Outcome | list[Outcome]:
+        """Solve ``A x = rhs``; a (n, k) ``rhs`` gives a list of k outcomes (one per column)."""
+        return self._columns(rhs, x0, self._solve_vector)
+
+    def solve_transpose(self, rhs: Any, x0: Any = None) -> Outcome | list[Outcome]:
+        """Solve ``A^T x = rhs`` on the same set-up (the adjoint of a gradient)."""
+        return self._columns(rhs, x0, self._solve_transpose_vector)
+
+    @abstractmethod
+    def _solve_vector(self, b: Any, x0: Any) -> Outcome:
+        """One right-hand side of shape (n,), on this engine's device."""
+
+    def _solve_transpose_vector(self, b: Any, x0: Any) -> Outcome:
+        if self.options.symmetric:
+            return self._solve_vector(b, x0)
+        raise NotImplementedError(
+            f"{self.engine} engine: solve_transpose of a non-symmetric operator is not available "
+            "for this engine; prepare the transposed matrix instead.")
+
+    def _columns(self, rhs: Any, x0: Any, one: Callable[[Any, Any], Outcome]) -> Any:
+        self._check_open()
+        if getattr(rhs, "ndim", 1) == 1:
+            return one(rhs, x0)
+        return [one(rhs[:, j], None if x0 is None else x0[:, j]) for j in range(rhs.shape[1])]
+
+    # ------------------------------------------------------------------ set-up
+    def update(self, values: Any) -> None:
+        """New values on the same sparsity pattern: redo only the numeric set-up."""
+        raise NotImplementedError(f"{self.engine} engine: update() is not available; prepare again.")
+
+    def close(self) -> None:
+        """Release the workspace (idempotent); the object cannot solve afterwards."""
+        self.closed = True
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError(f"{self.engine} engine: this prepared solver was closed; "
+                               "prepare a new one.")
+
+    def __enter__(self) -> Prepared:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class Engine(Protocol):
+    """Anything with ``prepare(operator, options, device) -> Prepared``."""
+
+    name: str
+
+    def prepare(self, operator: Any, options: Options, device: Any) -> Prepared: ...
+
+
+def on_device_of(*arrays: Any) -> Any:
+    """The array module of the given arrays (NumPy or CuPy): engines compute with ``xp.``."""
+    return _backend.array_module(*arrays)
