@@ -7,6 +7,7 @@ directly instead of the library's ``managed_solve._backend.cuda_usable``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 
@@ -101,3 +102,12 @@ def _cpu_tests_place_on_the_cpu(request):
         yield
     finally:
         mgr_mod.set_default_manager(previous)
+
+
+@pytest.fixture
+def settings():
+    """``settings(name=value, ...)`` applies ``ms.config.override`` until the test ends."""
+    from managed_solve import config
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(config.override(**changes))

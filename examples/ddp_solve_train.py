@@ -26,9 +26,8 @@ import scipy.sparse as sp
 import torch
 import torch.distributed as dist
 
-from managed_solve import _backend
+from managed_solve import _backend, solve
 from managed_solve.manager import default_manager
-from managed_solve.solve import solve
 
 
 def poisson_2d(m: int) -> sp.csr_matrix:

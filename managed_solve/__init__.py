@@ -7,6 +7,7 @@ first use, so importing the package never touches a GPU driver.
 from __future__ import annotations
 
 from . import config as config
+from ._solve import solve as solve
 from .devices import Device as Device
 from .devices import discover as discover
 from .manager import DeviceManager as DeviceManager
@@ -15,10 +16,6 @@ from .result import SolveError as SolveError
 from .result import SolveResult as SolveResult
 from .result import Status as Status
 from .scheduler import solve_many as solve_many
-
-# Imported eagerly: the submodule `managed_solve.solve` would otherwise shadow the
-# function of the same name once anything imports it.
-from .solve import solve as solve
 from .system import LinearSystem as LinearSystem
 
 __version__ = "0.1.0"

@@ -48,11 +48,20 @@ class Settings:
         Seconds for ``sys.setswitchinterval`` while ``solve_many`` runs (a
         shorter interval hands the GIL to the GPU-feeding threads sooner).
         Process-wide, so None (unchanged) unless the caller opts in.
+    symmetry_parallel_nnz : int
+        Host CSR matrices with at least this many stored entries have their
+        symmetry and diagonal tested in row chunks on helper threads.
+    symmetry_workers : int or None
+        Threads for those chunked tests (None: up to 8, one per core). Fewer
+        than four runs the one-pass test on the calling thread.
     """
 
     work_stealing: bool = True
     pause_gc: bool = False
     switch_interval: float | None = None
+    # -- matrix properties (system/properties.py)
+    symmetry_parallel_nnz: int = 1 << 20
+    symmetry_workers: int | None = None
 
     def replace(self, **changes) -> Settings:
         """A copy with ``changes`` applied (names checked, see :func:`override`)."""

@@ -60,6 +60,7 @@ from .packing import (
 from .partition import choose_shard_count
 from .result import SolveError, SolveResult, Status, _SlicedResult
 from .system import FALLBACK, METHODS, PRECONDITIONERS, LinearSystem, is_symmetric, prefers_cg
+from .system.method import krylov_method
 
 log = logging.getLogger("managed_solve")
 
@@ -186,9 +187,8 @@ def _krylov_method(s: LinearSystem, cache: dict | None) -> str:
     hit = cache.get(key) if cache is not None else None
     if hit is not None and hit[0] is s.A:
         return hit[1]
-    from .solve import krylov_method  # solve.py sits beside us: see _Runner._run_single
-
-    method = krylov_method(s.A, True, indefinite="bicgstab")  # sync: one read per matrix
+    method = krylov_method(s.A, True)  # sync: one read per matrix
+    method = "bicgstab" if method == "minres" else method  # the batched core has no MINRES
     if cache is not None:
         cache[key] = (s.A, method)
     return method
@@ -489,7 +489,7 @@ def _run_sharded(s: LinearSystem, devs: Sequence[Device], mgr: DeviceManager) ->
     Any other failure becomes this system's DEVICE_ERROR result (as for a
     batch), so it never sinks the other systems' results.
     """
-    from .solve import solve  # solve.py sits above packing in the layers, beside us
+    from ._solve import solve
 
     gpus = [str(d) for d in devs if d.kind != "cpu"]
     where = ", ".join(gpus)
@@ -981,7 +981,7 @@ class _Runner:
 
     # ---------------------------------------------------------------- routes
     def _run_single(self, i: int, dev: Device) -> SolveResult:
-        from .solve import solve  # solve.py sits above packing in the layers, beside us
+        from ._solve import solve
 
         with _host_kernels(dev):
             return solve(self.systems[i], device=dev, manager=self.manager)
@@ -1191,7 +1191,7 @@ LAZY_X = True
 
 def _polish(s: LinearSystem, x0: Any, method: str, device: Device,
             manager: DeviceManager) -> SolveResult:
-    from .solve import solve  # see _Runner._run_single
+    from ._solve import solve
 
     t = _with_x0(s, x0) if x0 is not None else _with_x0(s, s.x0)
     t.method = method

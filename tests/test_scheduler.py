@@ -207,7 +207,7 @@ def test_auto_on_a_skew_matrix_recovers_from_bicgstab_breakdown(where, monkeypat
     # batch's other systems are not touched.
     import importlib
 
-    solve_mod = importlib.import_module("managed_solve.solve")  # the module, not the function
+    solve_mod = importlib.import_module("managed_solve._solve")
     alone = []
     real_dispatch = solve_mod._dispatch
     monkeypatch.setattr(solve_mod, "_dispatch",

@@ -45,7 +45,7 @@ def test_a_failing_sharded_solve_loses_nothing_else(mix, monkeypatch):
     """A sharded solve that raises (not a device error) gives that system a failed result only."""
     import sys
 
-    solve_module = sys.modules["managed_solve.solve"]
+    solve_module = sys.modules["managed_solve._solve"]
     real = solve_module.solve
 
     def broken(system, *args, devices=None, **kwargs):

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import importlib
-
 import numpy as np
 import pytest
 import scipy.sparse as sp
 import scipy.sparse.linalg as sla
 
-from managed_solve import DeviceManager, LinearSystem, SolveError, Status
+from managed_solve import DeviceManager, LinearSystem, SolveError, Status, solve
 from managed_solve.devices import SimulatedOutOfMemory
-from managed_solve.solve import solve
+from managed_solve.system import method as method_policy
 from tests._problems import BACKENDS, host, on, poisson2d
-
-# The module, not the function the package re-exports under the same name.
-solve_mod = importlib.import_module("managed_solve.solve")
 
 METHODS = ["cg", "bicgstab", "gmres", "minres", "direct"]
 
@@ -50,30 +45,31 @@ def test_every_method_known_solution(backend, method, dtype, rtol):
     assert res.seconds > 0
 
 
-def test_auto_chooses_by_size_symmetry_and_device(monkeypatch):
+def test_auto_chooses_by_size_symmetry_and_device():
     A = poisson2d(10)
     b = np.ones(100)
     assert solve(A, b).method == "direct"  # small 2D-like system on the CPU
     assert solve(A.toarray(), b).method == "direct"
-    monkeypatch.setattr(solve_mod, "DIRECT_MAX_N", 50)
-    assert solve(A, b).method == "cg"
+    assert solve(A, b, M="jacobi").method == "cg"  # a preconditioner asks for a Krylov solve
+    big = method_policy.DIRECT_MAX_N + 1
+    assert not method_policy.wants_direct("csr", big, 5 * big)
+    assert not method_policy.wants_direct("csr", 1000, 27 * 1000)  # 3D-like: too much fill
+    # A simulated GPU takes the GPU's choice (iterative), as a real one would.
+    dm = DeviceManager(simulate="2x1GiB")
+    assert solve(A, b, manager=dm).method == "cg"
     negative = (A - 5.0 * sp.eye(100)).tocsr()  # symmetric, negative diagonal
-    res = solve(negative, b)
+    res = solve(negative, b, manager=dm)
     assert res.method == "minres" and res.converged
     shifted = (A - 0.5 * sp.eye(100)).tocsr()  # positive diagonal, yet indefinite
-    res = solve(shifted, b)
+    res = solve(shifted, b, manager=dm)
     assert res.method == "minres" and res.converged
     assert res.info["fallback_from"] == "cg"
-    np.testing.assert_allclose(res.x, sla.spsolve(shifted.tocsc(), b), rtol=1e-6)
+    np.testing.assert_allclose(res.to_numpy(), sla.spsolve(shifted.tocsc(), b), rtol=1e-6)
     nonsym = (A + sp.diags([0.5], [1], shape=A.shape)).tocsr()
-    res = solve(nonsym, b)
+    res = solve(nonsym, b, manager=dm)
     assert res.method == "bicgstab" and res.converged
     res = solve(sla.aslinearoperator(A), b)
     assert res.method == "bicgstab" and res.converged
-    monkeypatch.undo()
-    # a simulated GPU takes the GPU's choice (iterative), as a real one would
-    dm = DeviceManager(simulate="2x1GiB")
-    assert solve(A, b, manager=dm).method == "cg"
 
 
 def test_device_none_places_through_the_manager_and_learns():

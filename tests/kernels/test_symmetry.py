@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import scipy.sparse as sp
+
 from managed_solve.kernels.symmetry import (
     DIFFERENT_PATTERN,
     DIFFERENT_VALUES,
@@ -15,7 +16,6 @@ from managed_solve.kernels.symmetry import (
     csr_symmetry_rows_search,
     csr_symmetry_rows_window,
 )
-
 from managed_solve.system import is_symmetric
 
 
@@ -106,12 +106,11 @@ def test_row_chunks_give_the_one_pass_codes(dtype):
 
 
 @pytest.mark.parametrize("asym", [None, "value", "pattern"])
-def test_large_matrices_are_tested_in_chunks(monkeypatch, asym):
+def test_large_matrices_are_tested_in_chunks(monkeypatch, settings, asym):
     """is_symmetric's chunked path (helper threads) against the transpose test."""
-    from managed_solve import system
+    from managed_solve import _backend
 
-    monkeypatch.setattr(system, "SYMMETRY_PARALLEL_NNZ", 1000)
-    monkeypatch.setattr(system, "SYMMETRY_WORKERS", 4)
+    settings(symmetry_parallel_nnz=1000, symmetry_workers=4)
     m = 40
     T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(m, m))
     A = sp.kronsum(T, T).tocsr()  # 1,600 rows, 7,840 entries
@@ -122,20 +121,19 @@ def test_large_matrices_are_tested_in_chunks(monkeypatch, asym):
         A = (A + sp.csr_matrix(([0.5], ([1500], [3])), shape=A.shape)).tocsr()
         A.sort_indices()
     calls = []
-    real = system._backend.thread_pool
-    monkeypatch.setattr(system._backend, "thread_pool",
+    real = _backend.thread_pool
+    monkeypatch.setattr(_backend, "thread_pool",
                         lambda name, workers: calls.append(name) or real(name, workers))
     assert is_symmetric(A) == reference(A, 1e-12 * float(abs(A.data).max())) == (asym is None)
     assert calls == ["symmetry"]
 
 
 @pytest.mark.parametrize("workers", [1, 8])
-def test_positive_diagonal_matches_scipy_diagonal(monkeypatch, workers):
+def test_positive_diagonal_matches_scipy_diagonal(settings, workers):
     """Against SciPy's ``diagonal()`` (duplicates summed), on small and chunked large matrices."""
     from managed_solve import system
 
-    monkeypatch.setattr(system, "SYMMETRY_WORKERS", workers)
-    monkeypatch.setattr(system, "SYMMETRY_PARALLEL_NNZ", 64)
+    settings(symmetry_parallel_nnz=64, symmetry_workers=workers)
     rng = np.random.default_rng(3)
     for trial in range(40):
         n = int(rng.integers(1, 60))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import scipy.sparse.linalg as sla
 
-from managed_solve.solve import solve
+from managed_solve import solve
 from managed_solve.solvers.gmres import gmres
 from tests._problems import BACKENDS, assert_solves, on
 from tests._problems import convection_diffusion as _convection_diffusion

@@ -7,7 +7,7 @@ import pytest
 import scipy.sparse as sp
 import scipy.sparse.linalg as sla
 
-from managed_solve.solve import solve
+from managed_solve import solve
 from managed_solve.solvers.cg import cg
 from managed_solve.solvers.preconditioners import (
     chebyshev,

@@ -26,26 +26,11 @@ from .solvers.direct import direct
 from .solvers.gmres import gmres, gmres_fused
 from .solvers.minres import minres
 from .solvers.preconditioners import make_preconditioner
-from .system import FALLBACK, LinearSystem, positive_diagonal, prefers_cg
+from .system import FALLBACK, LinearSystem
+from .system.method import choose_method, krylov_method, matrix_symmetry
 
 log = logging.getLogger("managed_solve")
 
-# method="auto" picks the direct solver on the CPU up to this many unknowns
-# for 2D-like sparsity (at most _DIRECT_MAX_ROW_NNZ entries a row). Measured
-# 2026-11-22 on the 2-core development machine (shared, so +-30%), 2D
-# 5-point Poisson, b = ones, float64, rtol 1e-8, SuperLU (MMD_AT_PLUS_A) vs
-# the fused batched CG and the generic CG:
-#   n =  2,500: direct 0.014 s, CG 0.011-0.012 s (93 iterations)
-#   n = 10,000: direct 0.039 s, CG 0.017-0.065 s (187)
-#   n = 40,000: direct 0.25 s,  CG 1.2-1.5 s (369)
-#   n = 90,000: direct 0.57 s,  CG 7.6-12 s (550)
-# Direct wins from about 10k up to 90k and beyond; 100k is where we stop
-# trusting it: 3D problems (more fill) are excluded by the row-length test,
-# and SuperLU's memory grows faster than CG's five vectors.
-DIRECT_MAX_N = 100_000
-_DIRECT_MAX_ROW_NNZ = 12
-# Dense matrices: LAPACK's LU beats any Krylov method at these sizes.
-DIRECT_MAX_DENSE_N = 4_000
 # Extra Krylov restarts from the current x when the recurrence residual met
 # the tolerance but the true residual did not (drift, mostly in float32).
 _REFINEMENTS = 2
@@ -132,7 +117,7 @@ def solve(A_or_system: Any, b: Any = None, *, x0: Any = None, rtol: float = 1e-8
     Examples
     --------
     >>> import numpy as np, scipy.sparse as sp
-    >>> from managed_solve.solve import solve
+    >>> from managed_solve import solve
     >>> A = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(100, 100)).tocsr()
     >>> res = solve(A, np.ones(100), method="cg", device="cpu")
     >>> res.converged, res.device, res.relative_residual < 1e-8
@@ -158,8 +143,8 @@ def solve(A_or_system: Any, b: Any = None, *, x0: Any = None, rtol: float = 1e-8
 
     # The method decides the workspace; "auto" on a device still unknown is
     # resolved as for an accelerator (no direct), then again once placed.
-    symmetric = _is_symmetric(system) if system.method in ("auto", "direct") else None
-    planned = _choose_method(system, dev.kind if dev is not None else "cuda", symmetric)
+    symmetric = matrix_symmetry(system) if system.method in ("auto", "direct") else None
+    planned = choose_method(system, dev.kind if dev is not None else "cuda", symmetric=symmetric)
     # Through the manager's size heuristic (managed_solve.USE_HEURISTIC), as
     # every reservation of an object is.
     nbytes = mgr.size_of(system.nbytes + system.workspace_bytes(planned))
@@ -168,7 +153,7 @@ def solve(A_or_system: Any, b: Any = None, *, x0: Any = None, rtol: float = 1e-8
         if dev is None:
             dev = reservation.device
         system = _move(system, dev)
-        chosen = _choose_method(system, dev.kind, symmetric)
+        chosen = choose_method(system, dev.kind, symmetric=symmetric)
         return _run(system, chosen, symmetric, dev, callback, mgr, reservation)
     finally:
         if reservation is not None:
@@ -186,7 +171,10 @@ def _sharded(system: LinearSystem, devices: Any, mgr: Any) -> SolveResult:
                          f"A arrived as {system.kind}. Convert it with scipy.sparse.csr_matrix(A).")
     method = system.method
     if method == "auto":
-        method = krylov_method(system.A, _is_symmetric(system), indefinite="bicgstab")
+        # The sharded solver runs CG and BiCGStab: a symmetric indefinite
+        # matrix ("minres" on one device) takes BiCGStab there.
+        method = krylov_method(system.A, matrix_symmetry(system))
+        method = "bicgstab" if method == "minres" else method
     if method not in ("cg", "bicgstab"):
         raise ValueError(f"solve(A, b, devices=...): method={method!r} cannot be sharded; "
                          "use method='cg' (SPD) or 'bicgstab', or solve on one device.")
@@ -276,66 +264,6 @@ def _move(system: LinearSystem, dev: Device) -> LinearSystem:
             system = system.to(str(dev))
         return system
     return system if system.device == "cpu" else system.to("cpu")
-
-
-def _is_symmetric(system: LinearSystem) -> bool | None:
-    if system.kind == "csr":
-        return system.is_symmetric_hint
-    if system.kind == "dense":
-        xp = _backend.array_module(system.A)
-        A = system.A
-        scale = float(xp.abs(A).max())  # sync: once, choosing the method
-        return bool(xp.abs(A - A.T).max() <= 1e-12 * max(scale, 1.0))  # sync: once
-    return None
-
-
-def _choose_method(system: LinearSystem, device_kind: str, symmetric: bool | None) -> str:
-    """The method for ``method="auto"`` on a device of ``device_kind``; the given one otherwise."""
-    method = system.method
-    if method != "auto":
-        return method
-    # Simulated GPUs run on the CPU backend but stand for GPUs: they take the
-    # GPU's choice, so tests on them exercise the iterative paths.
-    host = device_kind == "cpu"
-    if host and system.kind == "csr" and system.n <= DIRECT_MAX_N \
-            and system.nnz <= _DIRECT_MAX_ROW_NNZ * system.n \
-            and not prefers_cg(system.A, system.rtol, symmetric):
-        return "direct"
-    if host and system.kind == "dense" and system.n <= DIRECT_MAX_DENSE_N:
-        return "direct"
-    return krylov_method(system.A, symmetric)
-
-
-def krylov_method(A: Any, symmetric: bool | None, *, indefinite: str = "minres") -> str:
-    """The Krylov method for a matrix: the package's one rule, also used by ``solve_many``.
-
-    Parameters
-    ----------
-    A : sparse matrix or dense array
-        Only its diagonal is read, and only when ``symmetric`` is true.
-    symmetric : bool or None
-        Whether A is symmetric (None: unknown, treated as not symmetric).
-    indefinite : str
-        The method for a symmetric A whose diagonal is not all positive:
-        ``"minres"`` for :func:`solve`; ``"bicgstab"`` where only CG and
-        BiCGStab exist (the batched core, sharded solves).
-
-    Returns
-    -------
-    str
-        ``"cg"`` for a symmetric A with a positive diagonal, ``indefinite``
-        for another symmetric A, ``"bicgstab"`` otherwise.
-
-    Examples
-    --------
-    >>> import scipy.sparse as sp
-    >>> A = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(4, 4), format="csr")
-    >>> krylov_method(A, True), krylov_method(-A, True), krylov_method(A, False)
-    ('cg', 'minres', 'bicgstab')
-    """
-    if not symmetric:
-        return "bicgstab"
-    return "cg" if positive_diagonal(A) else indefinite
 
 
 # ---------------------------------------------------------------------- running

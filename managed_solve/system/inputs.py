@@ -1,0 +1,167 @@
+"""Input conversion and validation: what arrives (SciPy, CuPy, torch, operators) becomes arrays.
+
+Inputs are taken where they lie: SciPy sparse stays on the host, cupyx sparse
+and CuPy arrays stay on their GPU, torch tensors come through DLPack without
+copies (CPU tensors as NumPy views, CUDA tensors as CuPy views). Errors name
+the argument, what was expected, what arrived and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .. import _backend
+
+#: The dtypes a solve runs in.
+FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+_F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
+
+
+def result_dtype(*dtypes: Any) -> np.dtype:
+    """float32 only when every input is float32; integers promote to float64."""
+    found = False
+    for d in dtypes:
+        if d is None:
+            continue
+        if np.dtype(d) != _F32:  # a dtype against a dtype: no conversion per comparison
+            return _F64
+        found = True
+    return _F32 if found else _F64
+
+
+def check_dtype(dtype: Any, *, call: str, arg: str) -> np.dtype:
+    dt = np.dtype(dtype)
+    if dt.kind == "c":
+        raise TypeError(
+            f"{call}: {arg} has complex dtype {dt}; managed-solve solves real systems "
+            "(float32 or float64). Split a complex system into its real 2x2 block form."
+        )
+    if dt.kind not in "fiub" or dt.itemsize > 8:
+        raise TypeError(
+            f"{call}: {arg} has dtype {dt}; expected float32 or float64 "
+            "(integers are promoted to float64)."
+        )
+    return dt
+
+
+def _torch_to_array(t: Any, *, call: str, arg: str) -> Any:
+    """A torch tensor as a NumPy (CPU) or CuPy (CUDA) view, through DLPack."""
+    if t.requires_grad:
+        t = t.detach()  # the solver does not differentiate through A or b
+    if t.device.type == "cpu":
+        return t.resolve_conj().numpy()
+    if t.device.type == "cuda":
+        cp = _backend.cupy()
+        return cp.from_dlpack(t)
+    raise TypeError(f"{call}: {arg} is a torch tensor on {t.device}; expected a CPU or CUDA tensor")
+
+
+def _torch_sparse(t: Any, *, call: str) -> Any:
+    layout = str(t.layout)
+    if layout == "torch.sparse_coo":
+        t = t.coalesce().to_sparse_csr()
+    elif layout != "torch.sparse_csr":
+        raise TypeError(f"{call}: A is a torch tensor with layout {layout}; expected dense, sparse_coo or sparse_csr")
+    shape = tuple(t.shape)
+    crow = _torch_to_array(t.crow_indices(), call=call, arg="A.crow_indices()")
+    col = _torch_to_array(t.col_indices(), call=call, arg="A.col_indices()")
+    val = _torch_to_array(t.values(), call=call, arg="A.values()")
+    xp = _backend.array_module(val)
+    sparse = _backend.sparse_module(xp)
+    return sparse.csr_matrix((val, col, crow), shape=shape)
+
+
+def as_operator(A: Any, *, call: str = "solve") -> tuple[Any, str]:
+    """Normalise A: (matrix, kind) with kind in {"csr", "dense", "operator"}."""
+    if A is None:
+        raise TypeError(f"{call}: A is None; expected a sparse matrix, a dense array or an operator")
+    if _backend.is_torch_tensor(A):
+        if A.layout != __import__("torch").strided:
+            return _torch_sparse(A, call=call), "csr"
+        A = _torch_to_array(A, call=call, arg="A")
+    if _backend.is_scipy_sparse(A) or _backend.is_cupy_sparse(A):
+        if A.ndim != 2:
+            raise ValueError(f"{call}: A must be 2-D, got {A.ndim}-D")
+        A = A.tocsr()
+        A.sum_duplicates()
+        return A, "csr"
+    if isinstance(A, np.ndarray) or _backend.is_cupy_array(A):
+        if A.ndim != 2:
+            raise ValueError(f"{call}: A must be a 2-D matrix, got an array of shape {A.shape}")
+        return A, "dense"
+    if hasattr(A, "shape") and (hasattr(A, "matvec") or hasattr(A, "__matmul__")):
+        if len(A.shape) != 2:
+            raise ValueError(f"{call}: A.shape must have two entries, got {A.shape}")
+        return A, "operator"
+    raise TypeError(
+        f"{call}: A is a {type(A).__module__}.{type(A).__name__}; expected a SciPy or cupyx sparse "
+        "matrix, a torch sparse CSR/COO tensor, a dense NumPy/CuPy/torch array, or an object "
+        "with `shape` and `matvec`."
+    )
+
+
+def as_vector(v: Any, n: int, *, call: str, arg: str, xp: Any = None) -> Any:
+    """A 1-D array of length n, on the device v lies on."""
+    if _backend.is_torch_tensor(v):
+        v = _torch_to_array(v, call=call, arg=arg)
+    elif not (isinstance(v, np.ndarray) or _backend.is_cupy_array(v)):
+        try:
+            v = np.asarray(v)
+        except Exception as exc:
+            raise TypeError(f"{call}: {arg} must be an array, got {type(v).__name__}") from exc
+    if v.ndim == 2 and v.shape[1] == 1:
+        v = v.reshape(-1)
+    if v.ndim != 1 or v.shape[0] != n:
+        raise ValueError(
+            f"{call}: {arg} must have shape ({n},) to match A of shape ({n}, {n}), got shape "
+            f"{tuple(v.shape)}. For several right-hand sides, solve them as separate systems "
+            "with solve_many."
+        )
+    check_dtype(v.dtype, call=call, arg=arg)
+    return v
+
+
+def all_finite(a: Any) -> bool:
+    """Whether every entry of a float array is finite (no NaN, no Inf), on its device.
+
+    Fast path: one reduction, ``a.sum()`` (reads ``a`` once, allocates
+    nothing). A NaN or an Inf anywhere makes the sum non-finite, so a finite
+    sum proves every entry finite; a non-finite sum may also be an overflow of
+    huge finite entries, so only then the exact elementwise test decides.
+    NumPy's sum runs on the calling thread. A BLAS dot (used before) was as
+    fast on one core but may wake the BLAS thread pool for long vectors; on a
+    32-core GPU host, W2 given as (A, b) pairs (validated in the call) ran at
+    148 ms against 78 ms for prebuilt systems while it was a dot.
+    """
+    if a.size == 0:
+        return True
+    with np.errstate(over="ignore", invalid="ignore"):  # huge entries are decided below
+        fast = a.sum()
+    if math.isfinite(float(fast)):  # sync: one host read at validation
+        return True
+    xp = _backend.array_module(a)
+    return bool(xp.isfinite(a).all())  # sync: as above, only after an overflow, NaN or Inf
+
+
+def checked_finite(a: Any, memo: dict | None) -> bool:
+    """:func:`all_finite`, remembering arrays found finite in ``memo`` (by object)."""
+    if memo is not None:
+        hit = memo.get(id(a))
+        if hit is not None and hit is a:
+            return True
+    ok = all_finite(a)
+    if ok and memo is not None:
+        memo[id(a)] = a
+    return ok
+
+
+def nonnegative_finite(v: Any) -> bool:
+    """``v`` is a finite number >= 0 (Python numbers without a NumPy call)."""
+    if type(v) is float or type(v) is int:
+        return math.isfinite(v) and v >= 0
+    return bool(np.isfinite(v) and v >= 0)

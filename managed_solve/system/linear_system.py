@@ -1,0 +1,234 @@
+"""LinearSystem: one validated ``A x = b`` with its solver options.
+
+Validation happens once, here (see :mod:`managed_solve.system.inputs`), with
+errors naming the argument, what was expected, what arrived and the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .. import _backend
+from .inputs import (
+    FLOAT_DTYPES,
+    as_operator,
+    as_vector,
+    check_dtype,
+    checked_finite,
+    nonnegative_finite,
+    result_dtype,
+)
+from .method import METHODS, PRECONDITIONERS
+from .properties import is_symmetric
+
+
+class LinearSystem:
+    """One linear system ``A x = b`` with its solver options, validated once.
+
+    Parameters
+    ----------
+    A : sparse matrix, dense array, torch tensor or operator
+        SciPy/cupyx sparse, torch sparse CSR/COO, dense NumPy/CuPy/torch, or an
+        object with ``shape`` and ``matvec``. Square.
+    b : array
+        NumPy, CuPy or torch, shape ``(n,)``.
+    x0 : array, optional
+        Initial guess, shape ``(n,)``.
+    rtol, atol : float
+        Converged when ``||b - A x|| <= max(rtol * ||b||, atol)`` (SciPy's rule).
+    maxiter : int, optional
+        Iteration limit; default ``10 * n`` (at least 100).
+    method : {"auto", "cg", "bicgstab", "gmres", "minres", "direct"}
+    M : {"jacobi", "chebyshev", "neumann"} or operator, optional
+        Preconditioner.
+    name : str, optional
+        Shown in results and errors.
+
+    Examples
+    --------
+    >>> import numpy as np, scipy.sparse as sp
+    >>> from managed_solve import LinearSystem
+    >>> A = sp.diags([2.0, 3.0, 4.0]).tocsr()
+    >>> s = LinearSystem(A, np.ones(3))
+    >>> s.n, s.nnz, str(s.dtype)
+    (3, 3, 'float64')
+    """
+
+    def __init__(self, A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 0.0,
+                 maxiter: int | None = None, method: str = "auto", M: Any = None,
+                 name: str | None = None, dtype: Any = None, check_finite: bool = True,
+                 _call: str | None = None, _finite_memo: dict | None = None):
+        # _call: the public call to name in errors (solve() passes "solve(A, b)").
+        # _finite_memo: arrays already found finite, by object, for a caller that
+        # validates many systems sharing matrices within one call (solve_many).
+        call = _call or (f"LinearSystem({name!r})" if name else "LinearSystem(A, b)")
+        A, kind = as_operator(A, call=call)
+        shape = tuple(int(s) for s in A.shape)
+        if shape[0] != shape[1]:
+            raise ValueError(
+                f"{call}: A must be square, got shape {shape}. For a least-squares problem, "
+                "solve the normal equations (A.T @ A) x = A.T @ b."
+            )
+        n = shape[0]
+        if n == 0:
+            raise ValueError(f"{call}: A is empty (shape {shape}); there is nothing to solve")
+        a_dtype = check_dtype(getattr(A, "dtype", np.float64), call=call, arg="A")
+        b = as_vector(b, n, call=call, arg="b")
+        if x0 is not None:
+            x0 = as_vector(x0, n, call=call, arg="x0")
+        if not nonnegative_finite(rtol):
+            raise ValueError(f"{call}: rtol must be a finite number >= 0, got {rtol}")
+        if not nonnegative_finite(atol):
+            raise ValueError(f"{call}: atol must be a finite number >= 0, got {atol}")
+        if rtol == 0 and atol == 0:
+            raise ValueError(f"{call}: rtol and atol are both 0, so no iterate can converge; set rtol=1e-8")
+        if maxiter is not None and (int(maxiter) != maxiter or maxiter < 1):
+            raise ValueError(f"{call}: maxiter must be a positive integer, got {maxiter!r}")
+        if method not in METHODS:
+            raise ValueError(f"{call}: method={method!r} is not known; choose one of {', '.join(METHODS)}")
+        if isinstance(M, str) and M not in PRECONDITIONERS:
+            raise ValueError(f"{call}: M={M!r} is not a known preconditioner; use one of "
+                             f"{', '.join(PRECONDITIONERS)}, an operator, or None")
+        if kind == "operator" and method == "direct":
+            raise ValueError(f"{call}: method='direct' needs the matrix entries; A is an operator. "
+                             "Use method='gmres' or pass A as a sparse matrix.")
+        if kind == "operator" and M == "jacobi" and not hasattr(A, "diagonal"):
+            raise ValueError(f"{call}: M='jacobi' needs A's diagonal; A is an operator without "
+                             "diagonal(). Pass M as an operator instead.")
+
+        dt = check_dtype(dtype, call=call, arg="dtype") if dtype is not None else result_dtype(a_dtype, b.dtype)
+        if dt not in FLOAT_DTYPES:
+            raise TypeError(f"{call}: dtype={dt} is not supported; use float32 or float64")
+        xp = _backend.array_module(b)
+        # A CSR's data array, not the matrix: cupyx sparse matrices raise
+        # NotImplementedError from `.device`, which the array test probes.
+        a_xp = _backend.array_module(A.data if kind == "csr" else A) if kind != "operator" else xp
+        if a_xp is not xp:
+            raise ValueError(
+                f"{call}: A is on {'a GPU' if a_xp is not np else 'the host'} but b is on "
+                f"{'a GPU' if xp is not np else 'the host'}; put both on one device "
+                "(LinearSystem(...).to(device) moves both)."
+            )
+        if kind == "csr":
+            if A.dtype != dt:
+                A = A.astype(dt)
+            if check_finite and A.nnz and not checked_finite(A.data, _finite_memo):
+                raise ValueError(f"{call}: A has NaN or Inf entries; clean the matrix before solving")
+        elif kind == "dense":
+            A = A.astype(dt, copy=False)
+            if check_finite and not checked_finite(A, _finite_memo):
+                raise ValueError(f"{call}: A has NaN or Inf entries; clean the matrix before solving")
+        b = b.astype(dt, copy=False)
+        if check_finite and not checked_finite(b, _finite_memo):
+            raise ValueError(f"{call}: b has NaN or Inf entries")
+        if x0 is not None:
+            x0 = xp.asarray(x0).astype(dt, copy=False)
+            if check_finite and not checked_finite(x0, _finite_memo):
+                raise ValueError(f"{call}: x0 has NaN or Inf entries")
+
+        self.A, self.kind, self.b, self.x0 = A, kind, b, x0
+        self.rtol, self.atol = float(rtol), float(atol)
+        self.maxiter = int(maxiter) if maxiter is not None else None
+        self.method, self.M, self.name = method, M, name
+        self.dtype = dt
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def n(self) -> int:
+        return int(self.A.shape[0])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.n)
+
+    @property
+    def nnz(self) -> int:
+        if self.kind == "csr":
+            return int(self.A.nnz)
+        if self.kind == "dense":
+            return self.n * self.n
+        return 0
+
+    @property
+    def index_dtype(self) -> np.dtype:
+        return np.dtype(self.A.indices.dtype) if self.kind == "csr" else np.dtype(np.int64)
+
+    @property
+    def nbytes(self) -> int:
+        """Stored bytes of A, b and x0 (sparse A by its stored entries, never dense shape)."""
+        if self.kind == "csr":
+            a = self.A.data.nbytes + self.A.indices.nbytes + self.A.indptr.nbytes
+        elif self.kind == "dense":
+            a = self.A.nbytes
+        else:
+            a = 0
+        return int(a + self.b.nbytes + (self.x0.nbytes if self.x0 is not None else 0))
+
+    def workspace_bytes(self, method: str | None = None) -> int:
+        """Extra bytes a Krylov solve needs: x plus the method's work vectors."""
+        method = method or self.method
+        vectors = {"cg": 4, "bicgstab": 7, "gmres": 30 + 3, "minres": 8, "direct": 0}.get(method, 7)
+        extra = 1 if self.M is not None else 0
+        if method == "direct":  # fill-in of a sparse LU: a rough bound of 20 x nnz
+            return int(20 * self.nnz * (self.dtype.itemsize + 4))
+        return int((vectors + extra) * self.n * self.dtype.itemsize)
+
+    @property
+    def device(self) -> str:
+        """Where the arrays lie: ``"cpu"`` or ``"cuda:i"``."""
+        if _backend.is_cupy_array(self.b):
+            return f"cuda:{self.b.device.id}"
+        return "cpu"
+
+    @property
+    def signature(self) -> tuple:
+        """What predicts cost: (n, nnz, dtype, method, kind)."""
+        return (self.n, self.nnz, str(self.dtype), self.method, self.kind)
+
+    @property
+    def is_symmetric_hint(self) -> bool | None:
+        """Symmetry of a sparse A (:func:`is_symmetric`); None for a dense A or an operator.
+
+        Not cached on the system: A is the caller's matrix (not a copy) and may
+        be changed in place between two solves.
+        """
+        if self.kind != "csr":
+            return None
+        return is_symmetric(self.A)
+
+    def to(self, device: Any) -> LinearSystem:
+        """The same system with its arrays on ``device`` (``"cpu"``, ``"cuda:1"``, a Device)."""
+        from ..devices import parse_device_name
+
+        kind, idx = parse_device_name(str(device), what="device")
+        if kind in ("cpu", "sim"):
+            if self.kind == "operator":
+                A = self.A
+            elif _backend.is_cupy_sparse(self.A):  # before to_host: see the note in __init__
+                A = self.A.get()
+            else:
+                A = _backend.to_host(self.A)
+            b, x0 = _backend.to_host(self.b), _backend.to_host(self.x0) if self.x0 is not None else None
+        else:
+            cp = _backend.cupy()
+            with cp.cuda.Device(idx):
+                if self.kind == "csr":
+                    A = _backend.cupyx_sparse().csr_matrix(self.A) if not (
+                        _backend.is_cupy_sparse(self.A) and self.A.data.device.id == idx) else self.A
+                elif self.kind == "dense":
+                    A = cp.asarray(self.A)
+                else:
+                    A = self.A
+                b = cp.asarray(self.b)
+                x0 = cp.asarray(self.x0) if self.x0 is not None else None
+        out = object.__new__(LinearSystem)
+        out.__dict__.update(self.__dict__)
+        out.A, out.b, out.x0 = A, b, x0
+        return out
+
+    def __repr__(self) -> str:
+        nm = f"{self.name!r}, " if self.name else ""
+        return (f"LinearSystem({nm}n={self.n}, nnz={self.nnz}, dtype={self.dtype}, "
+                f"method={self.method!r}, device={self.device!r})")

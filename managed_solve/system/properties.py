@@ -1,0 +1,170 @@
+"""Properties of a matrix that choose methods: symmetry, the sign of the diagonal, a CG bound.
+
+Each is computed on the device the matrix lies on, with one host read.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from .. import _backend, config
+
+
+def symmetry_workers() -> int:
+    """Threads the host symmetry and diagonal tests of large matrices use (``config``)."""
+    workers = config.current().symmetry_workers
+    return int(workers) if workers else min(8, os.cpu_count() or 1)
+
+
+def cg_iteration_bound(A: Any, rtol: float) -> float:
+    """Upper bound on the CG iterations a symmetric CSR matrix needs, from Gershgorin discs.
+
+    The eigenvalues of A lie in ``[min(a_ii - r_i), max(a_ii + r_i)]`` with
+    ``r_i`` the absolute off-diagonal row sums, so for a strictly diagonally
+    dominant A with a positive diagonal ``kappa <= hi / lo`` and CG needs at
+    most about ``0.5 * sqrt(kappa) * ln(2 / rtol)`` iterations. Infinite when
+    A is not strictly diagonally dominant (a Poisson matrix: its bound says
+    nothing). Used to prefer CG over a sparse LU on the CPU for systems that are
+    easy for CG (a heat step with a small time step, a strongly screened
+    Poisson problem), where the LU's fill-in costs more than a few sweeps.
+
+    Examples
+    --------
+    >>> import scipy.sparse as sp
+    >>> heat = sp.diags([-0.1, 1.2, -0.1], [-1, 0, 1], shape=(50, 50), format="csr")
+    >>> round(cg_iteration_bound(heat, 1e-8), 1)
+    11.3
+    >>> cg_iteration_bound(sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(50, 50), format="csr"), 1e-8)
+    inf
+    """
+    xp = _backend.array_module(A.data)
+    d = xp.asarray(A.diagonal())
+    rows = xp.asarray(abs(A).sum(axis=1)).ravel()
+    off = rows - xp.abs(d)
+    lo = float((d - off).min())  # sync: one read for the bound
+    if not lo > 0:
+        return float("inf")
+    hi = float((d + off).max())  # sync: as above
+    return 0.5 * float(np.sqrt(hi / lo)) * float(np.log(2.0 / max(rtol, 1e-300)))
+
+
+def is_symmetric(A: Any, cache: dict | None = None) -> bool:
+    """Whether a CSR matrix equals its transpose (to 1e-12 relative), on the device A lies on.
+
+    The one symmetry test of the package (``solve``'s method choice, the
+    ``LinearSystem.is_symmetric_hint`` property, ``solve_many``'s routing).
+    With sorted indices and a symmetric pattern the test is one transpose and
+    three comparisons (about half the cost of ``abs(A - A.T).max()``);
+    otherwise, or when the stored patterns differ (stored values below the
+    tolerance may still make A symmetric), the difference ``A - A.T`` decides.
+
+    Parameters
+    ----------
+    A : scipy.sparse or cupyx.scipy.sparse CSR matrix
+    cache : dict, optional
+        Answers by matrix object, for callers that meet one matrix many times
+        within a call (``solve_many``); an entry is reused for the same object only.
+
+    Returns
+    -------
+    bool
+
+    Examples
+    --------
+    >>> import scipy.sparse as sp
+    >>> is_symmetric(sp.diags([1.0, 2.0, 1.0], [-1, 0, 1], shape=(4, 4), format="csr"))
+    True
+    >>> is_symmetric(sp.diags([1.0, 2.0], [0, 1], shape=(4, 4), format="csr"))
+    False
+    """
+    if cache is not None:
+        hit = cache.get(id(A))
+        if hit is not None and hit[0] is A:
+            return hit[1]
+    if A.nnz == 0:
+        result = True
+    else:
+        xp = _backend.array_module(A.data)
+        result = None
+        if xp is np and A.has_canonical_format:
+            from ..kernels.symmetry import DIFFERENT_PATTERN
+
+            code = _host_symmetry(A, 1e-12)
+            result = None if code == DIFFERENT_PATTERN else bool(code)
+        if result is None:
+            scale = float(xp.abs(A.data).max())  # sync: one read per distinct matrix
+            limit = 1e-12 * max(scale, 1.0)
+            if xp is not np and A.has_sorted_indices:
+                T = A.T.tocsr()  # sorted indices, like A
+                if bool(xp.array_equal(T.indptr, A.indptr)) and bool(  # sync: as above
+                        xp.array_equal(T.indices, A.indices)):
+                    result = bool(float(xp.abs(T.data - A.data).max()) <= limit)  # sync: as above
+            if result is None:
+                d = A - A.T
+                result = bool(d.nnz == 0 or float(abs(d).max()) <= limit)  # sync: as above
+    if cache is not None:
+        cache[id(A)] = (A, result)
+    return result
+
+
+
+
+def _host_symmetry(A: Any, rel: float) -> int:
+    """The symmetry code of a canonical host CSR matrix (``kernels.symmetry``), chunked when large."""
+    from ..kernels.symmetry import abs_max, csr_symmetry_rows, csr_symmetry_scaled
+
+    workers = symmetry_workers()
+    # Chunks cost about 1.6 x the one-pass kernel in all (banded matrices, with
+    # a cursor window per chunk; 2.2 x with a binary search per entry; 1M-row
+    # 2D Poisson on the 2-core host): only worth it with several cores.
+    if A.nnz < config.current().symmetry_parallel_nnz or workers < 4:
+        return int(csr_symmetry_scaled(A.indptr, A.indices, A.data, rel))
+    pool = _backend.thread_pool("symmetry", workers)
+    nnz = A.nnz
+    chunks = _row_chunks(A, 2 * workers)
+    step = -(-nnz // (2 * workers))
+    scale = max(f.result() for f in [pool.submit(abs_max, A.data, k, min(k + step, nnz))
+                                     for k in range(0, nnz, step)])
+    limit = rel * max(scale, 1.0)
+    codes = [f.result() for f in [pool.submit(csr_symmetry_rows, A.indptr, A.indices, A.data, limit, lo, hi)
+                                  for lo, hi in chunks]]
+    return min(codes)  # DIFFERENT_PATTERN (-1) < DIFFERENT_VALUES (0) < SYMMETRIC (1)
+
+
+def _row_chunks(A: Any, parts: int) -> list[tuple[int, int]]:
+    """Row ranges of a CSR matrix holding about equal numbers of stored entries."""
+    n, nnz = A.shape[0], A.nnz
+    cuts = [0, *np.searchsorted(A.indptr, np.linspace(0, nnz, parts + 1)[1:-1]).tolist(), n]
+    return [(lo, hi) for lo, hi in zip(cuts[:-1], cuts[1:], strict=True) if hi > lo]
+
+
+def positive_diagonal(A: Any) -> bool:
+    """Whether every diagonal entry of a square matrix is positive (CG's half of ``method="auto"``).
+
+    Large host CSR matrices (``config.current().symmetry_parallel_nnz`` entries, with four or
+    more symmetry workers) are read by a Numba kernel in row ranges on helper threads: a
+    1M-row matrix's ``A.diagonal()`` took about 9 ms of one thread on an
+    H200 host, on the path before ``solve_many``'s first GPU batch. Other
+    matrices use their own ``diagonal()`` (SciPy's is faster than the kernel
+    on one thread).
+
+    Examples
+    --------
+    >>> import scipy.sparse as sp
+    >>> A = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(4, 4), format="csr")
+    >>> positive_diagonal(A), positive_diagonal(-A)
+    (True, False)
+    """
+    workers = symmetry_workers()
+    if _backend.is_scipy_sparse(A) and A.format == "csr" \
+            and A.nnz >= config.current().symmetry_parallel_nnz and workers >= 4:
+        from ..kernels.symmetry import csr_positive_diagonal
+
+        pool = _backend.thread_pool("symmetry", workers)
+        return all(f.result() for f in [
+            pool.submit(csr_positive_diagonal, A.indptr, A.indices, A.data, lo, hi)
+            for lo, hi in _row_chunks(A, 2 * workers)])
+    return bool((A.diagonal() > 0).all())  # sync: once, choosing the method
