@@ -14,18 +14,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from . import _backend
 from .devices import Device, parse_device_name
 from .result import SolveResult, Status
-from .solvers import _common, _cuda_krylov
-from .solvers.bicgstab import bicgstab, bicgstab_fused
-from .solvers.cg import cg, cg_fused
-from .solvers.direct import direct
-from .solvers.gmres import gmres, gmres_fused
-from .solvers.minres import minres
-from .solvers.preconditioners import make_preconditioner
+from .solvers import _cuda_krylov
+from .solvers._common import norm, stop_threshold, true_residual_norm
+from .solvers.direct import SINGULAR, DirectEngine, Singular
+from .solvers.engine import BREAKDOWN, CONVERGED, MAXITER, Options, Outcome, Prepared
+from .solvers.krylov import KrylovEngine, PreparedKrylov
 from .system import FALLBACK, LinearSystem
 from .system.method import choose_method, krylov_method, matrix_symmetry
 
@@ -268,13 +264,51 @@ def _move(system: LinearSystem, dev: Device) -> LinearSystem:
 
 # ---------------------------------------------------------------------- running
 
+def prepare(system: LinearSystem, method: str, device: Device, *, symmetric: bool | None = None,
+            callback: Any = None, first_check: int | None = None) -> Prepared:
+    """The engine for ``method`` prepared on ``system.A`` (already on ``device``).
+
+    ``"direct"`` factorises (:class:`~managed_solve.solvers.direct.DirectEngine`);
+    the Krylov methods build their preconditioner
+    (:class:`~managed_solve.solvers.krylov.KrylovEngine`).
+    """
+    options = Options(method, M=system.M, rtol=system.rtol, atol=system.atol,
+                      maxiter=system.maxiter, callback=callback, symmetric=symmetric,
+                      first_check=first_check)
+    if method == "direct":
+        if system.kind == "operator":
+            raise ValueError("solve(method='direct'): A is an operator without entries; use "
+                             "method='gmres' or pass A as a sparse matrix.")
+        return DirectEngine().prepare(system.A, options, device)
+    return KrylovEngine().prepare(system.A, options, device, kind=system.kind)
+
+
+def _attempt(system: LinearSystem, method: str, symmetric: bool | None, callback: Any,
+             dev: Device, first_check: int | None) -> Outcome:
+    """Prepare ``method`` and solve the system's b once (direct: factors, then one solve)."""
+    try:
+        prepared = prepare(system, method, dev, symmetric=symmetric, callback=callback,
+                           first_check=first_check)
+    except Singular as exc:
+        return Outcome(None, BREAKDOWN, 0, float("nan"), f"{SINGULAR} ({exc})")
+    with prepared:
+        out = prepared.solve(system.b, system.x0)
+        if method == "direct":
+            if callback is not None and out.x is not None:
+                callback(out.x)
+        else:
+            tol = stop_threshold(system.rtol, system.atol, float(norm(_backend.array_module(
+                system.b), system.b)))  # sync: once, the restart threshold
+            out = _refine(system, prepared, out, tol)
+    return out
+
+
 def _run(system: LinearSystem, method: str, symmetric: bool | None, dev: Device,
          callback: Any, mgr: Any, reservation: Any) -> SolveResult:
     A, b = system.A, system.b
     xp = _backend.array_module(b)
-    b_norm = float(_common.norm(xp, b))  # sync: once, for the result
-    tol = _common.stop_threshold(system.rtol, system.atol, b_norm)
-    maxiter = system.maxiter if system.maxiter is not None else _common.default_maxiter(system.n)
+    b_norm = float(norm(xp, b))  # sync: once, for the result
+    tol = stop_threshold(system.rtol, system.atol, b_norm)
     # Iterations the manager saw for this kind of system: the fused loop's first
     # convergence read goes there, so a repeated solve syncs with the host once.
     sig = (*system.signature[:3], method, system.kind, system.rtol)
@@ -283,19 +317,19 @@ def _run(system: LinearSystem, method: str, symmetric: bool | None, dev: Device,
     try:
         dev.check_fault(system.nbytes)
         with dev.context():
-            out = _dispatch(system, method, symmetric, callback, maxiter, first_check=first_check)
-            if system.method == "auto" and out.code == _common.BREAKDOWN and method in FALLBACK:
+            out = _attempt(system, method, symmetric, callback, dev, first_check)
+            fallback = fallback_method(system, method, out, symmetric)
+            if fallback is not None:
                 # "auto" guessed from cheap tests (a positive diagonal does not
-                # make a symmetric matrix definite): retry with the robust method.
-                log.info("managed_solve: %s broke down (%s); auto falls back to %s",
-                         method, out.message, FALLBACK[method])
+                # make a symmetric matrix definite; a factorisation may meet a
+                # singular matrix): retry with the robust method.
+                log.info("managed_solve: %s did not solve (%s); auto falls back to %s",
+                         method, out.message, fallback)
                 spent, tried = out.iterations, method
-                method = FALLBACK[method]
-                out = _dispatch(system, method, symmetric, callback, maxiter)
+                method = fallback
+                out = _attempt(system, method, symmetric, callback, dev, None)
                 out.iterations += spent
                 out.info["fallback_from"] = tried
-            if method != "direct":
-                out = _refine(system, method, callback, out, tol, maxiter)
             _backend.synchronize() if dev.kind == "cuda" else None
     except MemoryError as exc:  # SimulatedOutOfMemory, cupy's OutOfMemoryError
         seconds = time.perf_counter() - t0
@@ -306,7 +340,7 @@ def _run(system: LinearSystem, method: str, symmetric: bool | None, dev: Device,
 
     x = out.x
     if x is not None:
-        residual = _common.true_residual_norm(A, b, x)
+        residual = true_residual_norm(A, b, x)
         # That read waited for the solve's queued masked iterations: free what
         # the fused GPU core kept alive for them (nothing on other paths).
         _cuda_krylov._release_done()
@@ -325,98 +359,62 @@ def _run(system: LinearSystem, method: str, symmetric: bool | None, dev: Device,
                        message, system.name, info)
 
 
-def _status(out: _common.Outcome, method: str, residual: float, tol: float,
+def fallback_method(system: LinearSystem, method: str, out: Outcome,
+                    symmetric: bool | None) -> str | None:
+    """The method "auto" tries next after ``out``, or None (the verify-and-fall-back rule).
+
+    A Krylov method that broke down goes to :data:`FALLBACK` (CG to MINRES,
+    BiCGStab to GMRES); a factorisation that found A singular goes to the
+    Krylov method of the auto policy (CG or MINRES converge on a consistent
+    singular system).
+    """
+    if system.method != "auto":
+        return None
+    if method == "direct" and out.code == BREAKDOWN and system.kind != "operator":
+        return krylov_method(system.A, symmetric)
+    if out.code == BREAKDOWN and method in FALLBACK:
+        return FALLBACK[method]
+    return None
+
+
+def _status(out: Outcome, method: str, residual: float, tol: float,
             system: LinearSystem) -> tuple[Status, str]:
-    if out.code == _common.BREAKDOWN:
+    if out.code == BREAKDOWN:
         return Status.BREAKDOWN, out.message or Status.BREAKDOWN.message
-    if out.code == _common.MAXITER:
+    if out.code == MAXITER:
+        if method == "direct":
+            return Status.MAXITER, out.message
         return Status.MAXITER, (f"{method}: {out.iterations} iterations did not reach the "
                                 f"tolerance (||b - A x|| = {residual:.3g} > {tol:.3g}); raise "
                                 "maxiter, loosen rtol, or add a preconditioner (M='jacobi').")
-    if method == "direct":
-        return Status.CONVERGED, f"solved by {out.info.get('factorisation', 'LU')}"
     if not residual <= tol * (1 + 1e-6):
+        if method == "direct":
+            return Status.MAXITER, (
+                f"direct: the true residual ||b - A x|| = {residual:.3g} exceeds {tol:.3g}; "
+                f"A is too ill-conditioned for rtol={system.rtol:g} in {system.dtype}.")
         return Status.MAXITER, (
             f"{method}: the recurrence met the tolerance but the true residual "
             f"||b - A x|| = {residual:.3g} exceeds {tol:.3g} after {_REFINEMENTS} restarts; "
             f"{system.dtype} may not resolve rtol={system.rtol:g} (use dtype='float64' or a "
             "looser rtol).")
+    if method == "direct":
+        return Status.CONVERGED, f"solved by {out.info.get('factorisation', 'LU')}"
     return Status.CONVERGED, f"{method}: converged in {out.iterations} iterations"
 
 
-def _fused_ok(system: LinearSystem, method: str, callback: Any) -> bool:
-    """The batched core applies: CSR, CG/BiCGStab (GMRES on a GPU), no or Jacobi M, no callback.
-
-    The generic path is kept only for what the fused core cannot do (dense A,
-    operators, polynomial or user M, callbacks), not for speed. Measured on
-    one H200, 2D Poisson, float64, rtol 1e-8: n = 16k, fused 18 us/iteration,
-    cupyx cg 241, generic CuPy CG 575 (Python dispatch of ~25 small CuPy
-    operations per iteration); n = 1M, fused 55, cupyx 200, generic 456.
-
-    GMRES(30) takes the batched core on a GPU only. One H100, upwind
-    convection-diffusion, rtol 1e-8, same iterations both ways: n = 65k,
-    batched 60 ms (chunks replayed as CUDA graphs), generic 344; n = 1M,
-    batched 782, generic 1,188. On the
-    CPU the generic GMRES's BLAS products beat the per-system Numba kernel
-    for one large system (2-core development machine, n = 65k: 409 against
-    778 ms); many systems (``solve_many``) take the kernel, in parallel.
-    """
-    if system.kind != "csr" or method not in ("cg", "bicgstab", "gmres") or callback is not None:
-        return False
-    if method == "gmres" and _backend.array_module(system.b) is np:
-        return False
-    if not (system.M is None or _is_jacobi(system.M)):
-        return False
-    try:
-        from .solvers import batched  # noqa: F401
-    except ImportError:  # the fused core is an optional part during development
-        log.info("managed_solve: the batched core is not importable; using the generic %s", method)
-        return False
-    return True
-
-
-def _is_jacobi(M: Any) -> bool:
-    return isinstance(M, str) and M == "jacobi"
-
-
-def _dispatch(system: LinearSystem, method: str, symmetric: bool | None, callback: Any,
-              maxiter: int, x0: Any = None, first_check: int | None = None) -> _common.Outcome:
-    A, b = system.A, system.b
-    x0 = system.x0 if x0 is None else x0
-    if method == "direct":
-        if system.kind == "operator":
-            raise ValueError("solve(method='direct'): A is an operator without entries; use "
-                             "method='gmres' or pass A as a sparse matrix.")
-        out = direct(A, b, symmetric=symmetric)
-        if callback is not None and out.x is not None:
-            callback(out.x)
-        return out
-    if _fused_ok(system, method, callback):
-        if method == "gmres":
-            return gmres_fused(A, b, x0=x0, rtol=system.rtol, atol=system.atol, maxiter=maxiter,
-                               jacobi=_is_jacobi(system.M))
-        fused = cg_fused if method == "cg" else bicgstab_fused
-        return fused(A, b, x0=x0, rtol=system.rtol, atol=system.atol, maxiter=maxiter,
-                     jacobi=_is_jacobi(system.M), first_check=first_check)
-    M = make_preconditioner(system.M, A)
-    solver = {"cg": cg, "bicgstab": bicgstab, "gmres": gmres, "minres": minres}[method]
-    return solver(A, b, x0=x0, rtol=system.rtol, atol=system.atol, maxiter=maxiter, M=M,
-                  callback=callback)
-
-
-def _refine(system: LinearSystem, method: str, callback: Any, out: _common.Outcome,
-            tol: float, maxiter: int) -> _common.Outcome:
+def _refine(system: LinearSystem, prepared: PreparedKrylov, out: Outcome, tol: float) -> Outcome:
     """Restart from x while the recurrence converged but the true residual did not."""
     total, syncs = out.iterations, out.host_syncs
+    maxiter = prepared.maxiter
     for _ in range(_REFINEMENTS):
-        if out.code != _common.CONVERGED or out.x is None:
+        if out.code != CONVERGED or out.x is None:
             break
-        if _common.true_residual_norm(system.A, system.b, out.x) <= tol:
+        if true_residual_norm(system.A, system.b, out.x) <= tol:
             break
         left = maxiter - total
         if left <= 0:
             break
-        nxt = _dispatch(system, method, None, callback, left, x0=out.x)
+        nxt = prepared.solve_limited(system.b, out.x, left)
         total += nxt.iterations
         syncs += nxt.host_syncs
         out = nxt

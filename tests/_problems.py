@@ -64,3 +64,13 @@ def assert_matches_spsolve(x, A, b, dtype):
     x_direct = sla.spsolve(A.astype(np.float64).tocsc(), b.astype(np.float64))
     tol = 1e-6 if dtype == np.float64 else 1e-2
     assert np.linalg.norm(host(x) - x_direct) / np.linalg.norm(x_direct) < tol
+
+
+def high_contrast_poisson(m, contrast=1e6):
+    """``-div(c grad u)`` on an m x m grid, c jumping by ``contrast`` across the middle (SPD)."""
+    from managed_solve import pde
+
+    def coefficient(x, y):
+        return np.where(x < 0.5, contrast, 1.0)
+
+    return pde.poisson_grid((m, m), 1.0, coefficient, device="cpu").A

@@ -209,9 +209,9 @@ def test_auto_on_a_skew_matrix_recovers_from_bicgstab_breakdown(where, monkeypat
 
     solve_mod = importlib.import_module("managed_solve._solve")
     alone = []
-    real_dispatch = solve_mod._dispatch
-    monkeypatch.setattr(solve_mod, "_dispatch",
-                        lambda system, method, *a, **k: (alone.append(method), real_dispatch(system, method, *a, **k))[1])
+    real_prepare = solve_mod.prepare
+    monkeypatch.setattr(solve_mod, "prepare",
+                        lambda system, method, *a, **k: (alone.append(method), real_prepare(system, method, *a, **k))[1])
     rot = sp.csr_matrix(np.array([[0.0, 1.0], [-1.0, 0.0]]))
     A = sp.block_diag([rot, 2 * rot, 3 * rot], format="csr")
     b = np.ones(6)

@@ -27,14 +27,40 @@ def test_direct_matches_spsolve(backend, dtype, symmetric):
     b = (A @ x_true).astype(dtype)
     ref = sla.spsolve(A.astype(np.float64).tocsc(), b.astype(np.float64))
     Ad, bd = on(backend, A, b)
-    res = solve(Ad, bd, method="direct")
+    rtol = 1e-8 if dtype == np.float64 else 1e-5  # what float32 can resolve
+    res = solve(Ad, bd, method="direct", rtol=rtol)
     assert res.converged, res.message
+    assert res.relative_residual <= rtol
     x = host(res.x)
     assert x.dtype == dtype
     tol = 1e-10 if dtype == np.float64 else 1e-3
     np.testing.assert_allclose(x, ref, rtol=tol, atol=tol)
     np.testing.assert_allclose(x, x_true, rtol=tol * 10, atol=tol * 10)
     assert res.iterations == 1
+
+
+def test_direct_reports_a_tolerance_the_dtype_cannot_meet(backend):
+    """float32 factors refined in float32 cannot reach rtol 1e-8: an honest status, x kept."""
+    A = poisson2d(15, np.float32)
+    b = np.ones(A.shape[0], dtype=np.float32)
+    Ad, bd = on(backend, A, b)
+    res = solve(Ad, bd, method="direct", rtol=1e-8)
+    assert res.status.name == "MAXITER" and res.x is not None
+    assert "float32" in res.message
+    assert 1e-8 < res.relative_residual < 1e-5
+
+
+def test_high_contrast_solvable_system_keeps_its_solution():
+    """A coefficient jump of 1e6 makes tiny pivots; the answer is judged by its residual."""
+    from tests._problems import high_contrast_poisson
+
+    A = high_contrast_poisson(63, contrast=1e6)
+    b = np.ones(A.shape[0])
+    res = solve(A, b, method="direct", rtol=1e-6)
+    assert res.converged, res.message
+    assert np.linalg.norm(b - A @ res.x) <= 1e-6 * np.linalg.norm(b)
+    ref = sla.spsolve(A.tocsc(), b)
+    np.testing.assert_allclose(res.x, ref, rtol=1e-6, atol=1e-9 * np.abs(ref).max())
 
 
 def test_direct_orders_symmetric_matrices_for_symmetry():
