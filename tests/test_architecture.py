@@ -1,0 +1,134 @@
+"""The package's shape: no import cycles, no private name used across modules, modules of a readable size.
+
+The layer contract (imports point down) is import-linter's, in
+``pyproject.toml``, run by ``make lint``; these checks complete it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "managed_solve"
+MAX_LINES = 700
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _resolve(module: str, level: int, name: str | None, is_package: bool) -> str:
+    if level == 0:
+        return name or ""
+    base = module.split(".")
+    if not is_package:
+        base = base[:-1]
+    base = base[: len(base) - (level - 1)] if level > 1 else base
+    return ".".join(base + ([name] if name else []))
+
+
+def _imports(module: str, path: Path) -> list[tuple[str, str | None, int]]:
+    """(imported module, imported name or None, line) for every import in a module, lazy ones too."""
+    tree = ast.parse(path.read_text(), str(path))
+    is_package = path.name == "__init__.py"
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                found.append((alias.name, None, node.lineno))
+        elif isinstance(node, ast.ImportFrom):
+            target = _resolve(module, node.level, node.module, is_package)
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                if sub in MODULES:
+                    found.append((sub, None, node.lineno))
+                else:
+                    found.append((target, alias.name, node.lineno))
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {m: set() for m in MODULES}
+    for module, path in MODULES.items():
+        for target, _name, _line in _imports(module, path):
+            if target in MODULES and target != module:
+                graph[module].add(target)
+    return graph
+
+
+def _is_ancestor(a: str, b: str) -> bool:
+    return b.startswith(a + ".")
+
+
+def test_no_import_cycles():
+    """Between modules (a package's __init__ re-exporting its children is not a cycle)."""
+    graph = {m: {t for t in ts if not _is_ancestor(m, t) and not _is_ancestor(t, m)}
+             for m, ts in _graph().items()}
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(graph[m]):
+            if state.get(t) == 1:
+                cycles.append(stack[stack.index(t):] + [t])
+            elif t not in state:
+                visit(t, stack)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_private_name_used_from_another_module():
+    """``from .x import _name`` and ``x._name`` across modules; package-private modules are fine."""
+    offences = []
+    for module, path in MODULES.items():
+        imported_modules = {}
+        for target, name, line in _imports(module, path):
+            if name is not None and name.startswith("_") and not name.startswith("__") \
+                    and target in MODULES and target != module:
+                offences.append(f"{module}:{line} imports {target}.{name}")
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                target = _resolve(module, node.level, node.module, path.name == "__init__.py")
+                for alias in node.names:
+                    if f"{target}.{alias.name}" in MODULES:
+                        imported_modules[alias.asname or alias.name] = f"{target}.{alias.name}"
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in MODULES and alias.asname:
+                        imported_modules[alias.asname] = alias.name
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                    and node.attr.startswith("_") and not node.attr.startswith("__"):
+                target = imported_modules.get(node.value.id)
+                if target is not None and target != module and not target.split(".")[-1].startswith("_"):
+                    offences.append(f"{module}:{node.lineno} uses {target}.{node.attr}")
+                elif target is not None and target.split(".")[-1].startswith("_") \
+                        and node.attr.startswith("_"):
+                    offences.append(f"{module}:{node.lineno} uses {target}.{node.attr}")
+    assert not offences, "private names used across modules:\n" + "\n".join(offences)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_modules_are_of_a_readable_size(module):
+    lines = len(MODULES[module].read_text().splitlines())
+    assert lines <= MAX_LINES, f"{module} has {lines} lines (at most {MAX_LINES}): split it on its concerns"
