@@ -54,6 +54,17 @@ class Settings:
     symmetry_workers : int or None
         Threads for those chunked tests (None: up to 8, one per core). Fewer
         than four runs the one-pass test on the calling thread.
+    sharded_check_every : int
+        Iterations between host reads of the residual in a sharded solve on
+        GPUs: each read drains every device's queue, the iterations in
+        between cost nothing extra, so a solve runs up to this many
+        iterations past convergence. Simulated devices read every iteration
+        (a read is free there). ``check_every=`` of a call overrides it.
+    sharded_cache : bool
+        ``solve_sharded`` keeps the set-up of a matrix (partition, arrays on
+        the devices) while the matrix object lives, so the next solve with
+        it skips the set-up. Off, every call sets up again and the device
+        memory is released after the solve.
     """
 
     work_stealing: bool = True
@@ -62,6 +73,10 @@ class Settings:
     # -- matrix properties (system/properties.py)
     symmetry_parallel_nnz: int = 1 << 20
     symmetry_workers: int | None = None
+
+    # sharded solver (managed_solve.sharded)
+    sharded_check_every: int = 8
+    sharded_cache: bool = True
 
     def replace(self, **changes) -> Settings:
         """A copy with ``changes`` applied (names checked, see :func:`override`)."""

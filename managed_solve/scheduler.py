@@ -57,8 +57,8 @@ from .packing import (
     split,
     target_rows,
 )
-from .partition import choose_shard_count
 from .result import SolveError, SolveResult, Status, _SlicedResult
+from .sharded import choose_shard_count
 from .system import FALLBACK, METHODS, PRECONDITIONERS, LinearSystem, is_symmetric, prefers_cg
 from .system.method import krylov_method
 

@@ -74,3 +74,17 @@ def high_contrast_poisson(m, contrast=1e6):
         return np.where(x < 0.5, contrast, 1.0)
 
     return pde.poisson_grid((m, m), 1.0, coefficient, device="cpu").A
+
+
+def poisson3d(m, dtype=np.float64):
+    """The 7-point Laplacian on an m x m x m grid: SPD, n = m ** 3."""
+    T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(m, m))
+    return sp.kronsum(sp.kronsum(T, T), T).tocsr().astype(dtype)
+
+
+def random_spd(n, seed=0):
+    """Random sparse SPD: symmetric pattern, strictly diagonally dominant, varied diagonal."""
+    R = sp.random(n, n, density=4.0 / n, random_state=seed, format="csr")
+    S = R + R.T
+    d = np.asarray(abs(S).sum(axis=1)).ravel() + np.random.default_rng(seed).uniform(0.5, 5, n)
+    return (S + sp.diags(d)).tocsr()

@@ -8,17 +8,13 @@ import scipy.sparse as sp
 import scipy.sparse.linalg as spla
 
 from managed_solve import DeviceManager, solve
-
-
-def _poisson(n):
-    T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(n, n))
-    return (sp.kron(sp.eye(n), T) + sp.kron(T, sp.eye(n))).tocsr()
+from tests._problems import poisson2d
 
 
 @pytest.mark.parametrize("how", ["all", "list"])
 def test_sharded_route_matches_direct_solve(how):
     dm = DeviceManager(simulate="3x1GiB")
-    A = _poisson(24)
+    A = poisson2d(24)
     b = np.random.default_rng(0).standard_normal(A.shape[0])
     kw = {"device": "all"} if how == "all" else {"devices": ["sim:0", "sim:2"]}
     res = solve(A, b, rtol=1e-10, manager=dm, **kw)
@@ -28,7 +24,7 @@ def test_sharded_route_matches_direct_solve(how):
 
 def test_sharded_route_nonsymmetric_picks_bicgstab():
     dm = DeviceManager(simulate="2x1GiB")
-    A = (_poisson(16) + sp.diags([0.3], [1], shape=(256, 256))).tocsr()
+    A = (poisson2d(16) + sp.diags([0.3], [1], shape=(256, 256))).tocsr()
     b = np.ones(256)
     res = solve(A, b, devices="all", manager=dm, rtol=1e-10)
     assert res.converged and res.method == "bicgstab"
@@ -38,4 +34,4 @@ def test_sharded_route_nonsymmetric_picks_bicgstab():
 def test_sharded_route_rejects_unshardable_method():
     dm = DeviceManager(simulate="2x1GiB")
     with pytest.raises(ValueError, match="cannot be sharded"):
-        solve(_poisson(8), np.ones(64), devices="all", method="gmres", manager=dm)
+        solve(poisson2d(8), np.ones(64), devices="all", method="gmres", manager=dm)

@@ -1,7 +1,7 @@
 """Row partitioning and halo maps for one sparse system sharded over several devices.
 
-Pure host code (NumPy/SciPy), no devices: :mod:`managed_solve.sharded` turns a
-:class:`Partition` into arrays on GPUs (or simulated GPUs). The layout follows
+Pure host code (NumPy/SciPy), no devices: :mod:`managed_solve.sharded.layout`
+turns a :class:`Partition` into arrays on GPUs (or simulated GPUs). The layout follows
 the classic distributed-CSR split (PETSc's MPIAIJ, Trilinos' Tpetra maps):
 
 * an optional bandwidth-reducing reordering (reverse Cuthill-McKee) first, so
@@ -34,9 +34,6 @@ __all__ = [
     "ShardLayout",
     "balanced_row_blocks",
     "build_partition",
-    "choose_shard_count",
-    "needs_sharding",
-    "predict_shard_bytes",
     "rcm_permutation",
 ]
 
@@ -114,6 +111,48 @@ class Partition:
 
     def halo_sizes(self) -> np.ndarray:
         return np.array([s.nhalo for s in self.shards], dtype=np.int64)
+
+    def with_values(self, A: sp.spmatrix) -> Partition:
+        """The same partition holding ``A``'s values; ``A`` must have the pattern it was built from.
+
+        Only the values move: the permutation, row blocks and halo maps stay,
+        so a matrix whose entries changed but not where they are (a new time
+        step, a new coefficient) is redistributed without partitioning again.
+
+        Raises
+        ------
+        ValueError
+            ``A`` has another shape or sparsity pattern.
+
+        Examples
+        --------
+        >>> import scipy.sparse as sp
+        >>> A = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(6, 6)).tocsr()
+        >>> p = build_partition(A, 2, reorder=None).with_values(3 * A)
+        >>> p.shards[0].interior.diagonal().tolist()
+        [6.0, 6.0]
+        """
+        A = sp.csr_matrix(A)
+        if A.shape != (self.n, self.n):
+            raise ValueError(
+                f"Partition.with_values(A=...): expected shape {(self.n, self.n)}, got {A.shape}; "
+                "a matrix of another size needs its own partition (build_partition).")
+        inv = self.inverse_perm
+        shards = []
+        for old in self.shards:
+            new = _shard_layout(A, self.perm, inv, self.offsets, old.index, old.n_interior)
+            same = (np.array_equal(new.halo_global, old.halo_global)
+                    and all(np.array_equal(getattr(getattr(new, part), a), getattr(getattr(old, part), a))
+                            for part in ("interior", "boundary") for a in ("indptr", "indices")))
+            if not same:
+                raise ValueError(
+                    "Partition.with_values(A=...): A's sparsity pattern differs from the one "
+                    f"this partition was built from (rows {old.row_start}..{old.row_stop - 1} of "
+                    "the partition order); partition the new matrix with build_partition, or "
+                    "keep explicit zeros so the pattern stays the same.")
+            new.send = old.send
+            shards.append(new)
+        return Partition(self.n, self.perm, self.offsets, shards, self.reorder)
 
 
 def rcm_permutation(A: sp.spmatrix) -> np.ndarray:
@@ -285,36 +324,43 @@ def build_partition(A: sp.spmatrix, nparts: int, *, reorder: str | None = "rcm",
     shards = []
     for s in range(nparts):
         lo, hi = int(offs[s]), int(offs[s + 1])
-        nloc = hi - lo
-        sub = A[perm[lo:hi]]  # scipy's C++ row gather
-        cols = inv[sub.indices]
-        owned = (cols >= lo) & (cols < hi)
-        ext = cols[~owned]
-        halo = np.unique(ext)
-        local = cols - lo
-        local[~owned] = nloc + np.searchsorted(halo, ext)
-        idx_dtype = np.int32 if max(nloc + halo.size, sub.nnz) < 2**31 else np.int64
-        ptr = sub.indptr.astype(idx_dtype)
-        block = sp.csr_matrix((sub.data, local.astype(idx_dtype), ptr),
-                              shape=(nloc, nloc + halo.size))
-        block.sort_indices()
         n_int = int(np.count_nonzero(~is_boundary[perm[lo:hi]]))
-        # Row slices as views of the block's arrays (no copy of the entries).
-        cut = int(ptr[n_int])
-        interior = sp.csr_matrix((block.data[:cut], block.indices[:cut], ptr[: n_int + 1]),
-                                 shape=(n_int, block.shape[1]))
-        boundary = sp.csr_matrix((block.data[cut:], block.indices[cut:], ptr[n_int:] - cut),
-                                 shape=(nloc - n_int, block.shape[1]))
-        recv = []
-        owner = np.searchsorted(offs, halo, side="right") - 1
-        for t in np.unique(owner):
-            idx = np.flatnonzero(owner == t)
-            recv.append((int(t), int(idx[0]), int(idx[-1]) + 1))
-        shards.append(ShardLayout(s, lo, hi, n_int, interior, boundary, halo, recv))
+        shards.append(_shard_layout(A, perm, inv, offs, s, n_int))
     for s, lay in enumerate(shards):
         for t, a, b in lay.recv:
             shards[t].send.append((s, lay.halo_global[a:b] - offs[t]))
     return Partition(n, perm, offs, shards, reorder)
+
+
+def _shard_layout(A: sp.csr_matrix, perm: np.ndarray, inv: np.ndarray, offs: np.ndarray,
+                  s: int, n_int: int) -> ShardLayout:
+    """Shard ``s``'s local block, split into interior and boundary rows, and its receive map."""
+    lo, hi = int(offs[s]), int(offs[s + 1])
+    nloc = hi - lo
+    sub = A[perm[lo:hi]]  # scipy's C++ row gather
+    cols = inv[sub.indices]
+    owned = (cols >= lo) & (cols < hi)
+    ext = cols[~owned]
+    halo = np.unique(ext)
+    local = cols - lo
+    local[~owned] = nloc + np.searchsorted(halo, ext)
+    idx_dtype = np.int32 if max(nloc + halo.size, sub.nnz) < 2**31 else np.int64
+    ptr = sub.indptr.astype(idx_dtype)
+    block = sp.csr_matrix((sub.data, local.astype(idx_dtype), ptr),
+                          shape=(nloc, nloc + halo.size))
+    block.sort_indices()
+    # Row slices as views of the block's arrays (no copy of the entries).
+    cut = int(ptr[n_int])
+    interior = sp.csr_matrix((block.data[:cut], block.indices[:cut], ptr[: n_int + 1]),
+                             shape=(n_int, block.shape[1]))
+    boundary = sp.csr_matrix((block.data[cut:], block.indices[cut:], ptr[n_int:] - cut),
+                             shape=(nloc - n_int, block.shape[1]))
+    recv = []
+    owner = np.searchsorted(offs, halo, side="right") - 1
+    for t in np.unique(owner):
+        idx = np.flatnonzero(owner == t)
+        recv.append((int(t), int(idx[0]), int(idx[-1]) + 1))
+    return ShardLayout(s, lo, hi, n_int, interior, boundary, halo, recv)
 
 
 def _metis_permutation(A: sp.csr_matrix, nparts: int) -> np.ndarray:
@@ -333,76 +379,3 @@ def _metis_permutation(A: sp.csr_matrix, nparts: int) -> np.ndarray:
     else:
         _, parts = pymetis.part_graph(nparts, xadj=P.indptr, adjncy=P.indices)
     return np.argsort(np.asarray(parts), kind="stable").astype(np.int64)
-
-
-# ---------------------------------------------------------------- sharding decision
-def needs_sharding(nbytes: int, available: Sequence[int]) -> bool:
-    """True when a system of ``nbytes`` fits on no single device but could on several.
-
-    Parameters
-    ----------
-    nbytes : int
-        Predicted device bytes of the whole solve (matrix, vectors, workspace).
-    available : sequence of int
-        Bytes each accelerator can take now (``DeviceManager.available_bytes``).
-
-    Examples
-    --------
-    >>> needs_sharding(3 << 30, [2 << 30, 2 << 30])
-    True
-    >>> needs_sharding(1 << 30, [2 << 30, 2 << 30])
-    False
-    """
-    return len(available) >= 2 and choose_shard_count(nbytes, available) > 1
-
-
-def choose_shard_count(nbytes: int, available: Sequence[int], *,
-                       halo_margin: float = 0.05) -> int:
-    """Fewest devices (largest first) whose free bytes hold ``nbytes``; 0 when none do.
-
-    ``halo_margin`` adds a share of each shard for halo buffers, send buffers
-    and per-shard workspace (a few percent for banded PDE matrices).
-
-    Examples
-    --------
-    >>> choose_shard_count(5 << 30, [4 << 30, 4 << 30, 4 << 30])
-    2
-    >>> choose_shard_count(50 << 30, [4 << 30])
-    0
-    """
-    avail = sorted((int(a) for a in available), reverse=True)
-    for k in range(1, len(avail) + 1):
-        # Shards are balanced by weight = free bytes, so every one of the k
-        # devices fills to the same fraction of its free bytes.
-        if nbytes * (1.0 + (halo_margin if k > 1 else 0.0)) <= sum(avail[:k]):
-            return k
-    return 0
-
-
-# Vectors of n/P entries each shard keeps during a solve (b and x included).
-_SHARD_VECTORS = {"cg": 6, "bicgstab": 10}
-
-
-def predict_shard_bytes(n: int, nnz: int, nshards: int, *, itemsize: int = 8,
-                        method: str = "cg", jacobi: bool = False,
-                        halo_fraction: float = 0.02) -> int:
-    """Device bytes one shard of a balanced sharded solve needs (the largest shard).
-
-    CSR block (int32 indices) plus the solver's vectors, with ``halo_fraction``
-    of extra entries for halo columns and send buffers (banded PDE matrices
-    after RCM: a few percent).
-
-    Examples
-    --------
-    >>> predict_shard_bytes(1000, 5000, 2) < predict_shard_bytes(1000, 5000, 1)
-    True
-    """
-    if method not in _SHARD_VECTORS:
-        raise ValueError(f"predict_shard_bytes(method={method!r}): expected 'cg' or 'bicgstab'.")
-    if nshards < 1:
-        raise ValueError(f"predict_shard_bytes(nshards={nshards}): expected at least 1.")
-    rows = -(-int(n) // int(nshards))
-    entries = -(-int(nnz) // int(nshards))
-    vectors = _SHARD_VECTORS[method] + (2 if jacobi else 0)
-    csr = entries * (itemsize + 4) + (rows + 1) * 4
-    return int((csr + vectors * rows * itemsize) * (1.0 + halo_fraction))

@@ -1,7 +1,7 @@
 """CuPy kernels of the sharded Krylov loop (fused vector updates and partial dots).
 
 Compiled lazily on first use and cached per dtype by CuPy. The NumPy twins of
-these operations live in :mod:`managed_solve.sharded` (``_HostOps``); both
+these operations live in :mod:`managed_solve.sharded.comm` (``HostOps``); both
 compute the same thing, so the simulated-device tests check the numerics and
 the GPU tests check these kernels.
 

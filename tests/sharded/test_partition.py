@@ -1,4 +1,4 @@
-"""Row partitioning and halo maps (pure host code)."""
+"""Row partitioning and halo maps (pure host code), and new values on the same layout."""
 
 from __future__ import annotations
 
@@ -8,12 +8,8 @@ import scipy.sparse as sp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from managed_solve import partition as part
-
-
-def poisson2d(n: int) -> sp.csr_matrix:
-    T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(n, n))
-    return (sp.kron(sp.eye(n), T) + sp.kron(T, sp.eye(n))).tocsr()
+from managed_solve.sharded import partition as part
+from tests._problems import poisson2d
 
 
 def reconstruct(p: part.Partition, A: sp.csr_matrix) -> list[sp.csr_matrix]:
@@ -157,34 +153,6 @@ def test_build_partition_errors():
         part.build_partition(A, 2, reorder="amd")
 
 
-def test_choose_shard_count_and_needs_sharding():
-    G = 1 << 30
-    assert part.choose_shard_count(G, [4 * G, 4 * G]) == 1
-    assert part.choose_shard_count(5 * G, [4 * G, 4 * G, 4 * G]) == 2
-    assert part.choose_shard_count(9 * G, [4 * G, 4 * G, 4 * G]) == 3
-    assert part.choose_shard_count(13 * G, [4 * G, 4 * G, 4 * G]) == 0
-    # The halo margin: exactly the sum of two devices does not fit on two.
-    assert part.choose_shard_count(8 * G, [4 * G, 4 * G, 4 * G]) == 3
-    assert part.needs_sharding(5 * G, [4 * G, 4 * G])
-    assert not part.needs_sharding(3 * G, [4 * G, 4 * G])
-    assert not part.needs_sharding(5 * G, [4 * G])  # one device: nothing to shard over
-
-
-def test_predict_shard_bytes_matches_the_solver_arrays():
-    from managed_solve import sharded
-    from managed_solve.manager import DeviceManager
-
-    A = poisson2d(40)
-    S = sharded.ShardedSystem(A, "all", reorder=None, manager=DeviceManager(simulate="2x1GiB"))
-    csr = max(s.nbytes for s in S.shards)
-    vectors = 6 * max(s.nloc for s in S.shards) * 8
-    pred = part.predict_shard_bytes(A.shape[0], A.nnz, 2)
-    assert csr + vectors <= pred <= 1.1 * (csr + vectors)
-    assert part.predict_shard_bytes(A.shape[0], A.nnz, 2, method="bicgstab") > pred
-    with pytest.raises(ValueError, match="method"):
-        part.predict_shard_bytes(10, 10, 2, method="gmres")
-
-
 @pytest.mark.parametrize("nparts", [2, 3])
 def test_metis_partition_layout_and_small_halo(nparts):
     pytest.importorskip("pymetis")  # the `metis` extra; installed by `make test`
@@ -213,3 +181,24 @@ def test_metis_sharded_solve_matches_spsolve():
                         manager=DeviceManager(simulate="2x1GiB"))
     assert res.converged and res.info["reorder"] == "metis"
     np.testing.assert_allclose(res.to_numpy(), spla.spsolve(A.tocsc(), b), rtol=1e-7, atol=1e-9)
+
+
+def test_with_values_moves_values_and_keeps_the_layout():
+    A = poisson2d(12)
+    p = part.build_partition(A, 3, reorder="rcm")
+    B = A.copy()
+    B.data = np.arange(1.0, B.nnz + 1)
+    q = p.with_values(B)
+    check_layout(q, B)
+    assert q.perm is p.perm and q.offsets is p.offsets
+    assert [s.send for s in q.shards] == [s.send for s in p.shards]
+    assert [s.recv for s in q.shards] == [s.recv for s in p.shards]
+    # Column indices in another order inside each row: the same pattern, the same layout.
+    order = np.lexsort((-B.indices, np.repeat(np.arange(144), np.diff(B.indptr))))
+    unsorted = sp.csr_matrix((B.data[order], B.indices[order], B.indptr), shape=B.shape)
+    assert not unsorted.has_sorted_indices
+    check_layout(p.with_values(unsorted), B)
+    with pytest.raises(ValueError, match="pattern differs"):
+        p.with_values((A + sp.eye(144, k=40)).tocsr())
+    with pytest.raises(ValueError, match="expected shape"):
+        p.with_values(poisson2d(5))
