@@ -19,7 +19,7 @@ import numpy as np
 from . import _backend
 from .devices import Device, parse_device_name
 from .result import SolveResult, Status
-from .solvers import _common, _cuda_krylov
+from .solvers import _common, batched
 from .solvers.bicgstab import bicgstab, bicgstab_fused
 from .solvers.cg import cg, cg_fused
 from .solvers.direct import direct
@@ -381,7 +381,7 @@ def _run(system: LinearSystem, method: str, symmetric: bool | None, dev: Device,
         residual = _common.true_residual_norm(A, b, x)
         # That read waited for the solve's queued masked iterations: free what
         # the fused GPU core kept alive for them (nothing on other paths).
-        _cuda_krylov._release_done()
+        batched.release_done()
     else:
         residual = out.residual_norm
     status, message = _status(out, method, residual, tol, system)

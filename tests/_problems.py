@@ -64,3 +64,25 @@ def assert_matches_spsolve(x, A, b, dtype):
     x_direct = sla.spsolve(A.astype(np.float64).tocsc(), b.astype(np.float64))
     tol = 1e-6 if dtype == np.float64 else 1e-2
     assert np.linalg.norm(host(x) - x_direct) / np.linalg.norm(x_direct) < tol
+
+
+# -- problems of the batched engine's tests (tests/solvers/batched/)
+def upwind(m, peclet=0.6):
+    """2D upwind convection-diffusion with both directions convected: non-symmetric; n = m * m.
+
+    Diagonally dominant while ``peclet`` < 1 (BiCGStab and GMRES converge).
+    """
+    t = sp.diags([-1.0 - peclet, 2.0, -1.0 + peclet], [-1, 0, 1], shape=(m, m))
+    return (sp.kron(sp.eye(m), t) + sp.kron(t, sp.eye(m))).tocsr()
+
+
+def skew_convection(m, wind=0.5):
+    """The 5-point Laplacian plus a skew part: eigenvalues near zero almost imaginary (hard for BiCGStab)."""
+    U = sp.diags([wind], [1], shape=(m * m, m * m))
+    return (poisson2d(m) + U - U.T).tocsr()
+
+
+def random_spd(n, rng, density=0.2):
+    """A random sparse SPD matrix: R R^T shifted by ``1 + n * density``."""
+    R = sp.random(n, n, density=density, random_state=rng, format="csr")
+    return (R @ R.T + sp.eye(n) * (1.0 + n * density)).tocsr()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import scipy.sparse as sp
+
 from managed_solve.kernels.symmetry import (
     DIFFERENT_PATTERN,
     DIFFERENT_VALUES,
@@ -15,7 +16,6 @@ from managed_solve.kernels.symmetry import (
     csr_symmetry_rows_search,
     csr_symmetry_rows_window,
 )
-
 from managed_solve.system import is_symmetric
 
 
