@@ -18,8 +18,7 @@ import scipy.sparse as sp
 import scipy.sparse.linalg as spla
 
 from managed_solve import _backend
-from managed_solve.solvers.batch import PackedBatch
-from managed_solve.solvers.batched import cg_batched
+from managed_solve.solvers.batched import PackedBatch, cg_batched
 
 TINY = 1e-30  # never reached: every run does exactly maxiter iterations
 

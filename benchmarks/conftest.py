@@ -11,11 +11,18 @@ from managed_solve import _backend
 
 GPU_COUNT = _backend.cuda_probe()[0]
 
-# Packing piece size, to compare settings between runs of the same benchmarks.
-if os.environ.get("BENCH_COPY_CHUNK_NNZ"):
-    from managed_solve.solvers import batch as _batch
 
-    _batch.COPY_CHUNK_NNZ = int(os.environ["BENCH_COPY_CHUNK_NNZ"])
+
+@pytest.fixture(autouse=True)
+def _pack_chunk_nnz():
+    """Packing piece size from BENCH_COPY_CHUNK_NNZ, to compare settings between runs."""
+    if not os.environ.get("BENCH_COPY_CHUNK_NNZ"):
+        yield
+        return
+    from managed_solve import config
+
+    with config.override(pack_chunk_nnz=int(os.environ["BENCH_COPY_CHUNK_NNZ"])):
+        yield
 
 
 def pytest_report_header(config):

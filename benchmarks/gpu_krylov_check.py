@@ -38,8 +38,7 @@ def main():
     import cupyx.scipy.sparse.linalg as cspla
 
     from managed_solve import LinearSystem
-    from managed_solve.solvers.batch import PackedBatch
-    from managed_solve.solvers.batched import bicgstab_batched, cg_batched
+    from managed_solve.solvers.batched import PackedBatch, bicgstab_batched, cg_batched
 
     dev = cp.cuda.Device()
     props = cp.cuda.runtime.getDeviceProperties(dev.id)

@@ -27,7 +27,7 @@ from managed_solve import scheduler as sched  # noqa: E402
 from managed_solve.devices import Device  # noqa: E402
 from managed_solve.manager import DeviceManager  # noqa: E402
 from managed_solve.packing import Slot  # noqa: E402
-from managed_solve.solvers.batch import pack_host  # noqa: E402
+from managed_solve.solvers.batched import pack_host  # noqa: E402
 
 
 def best(fn, repeat: int) -> float:

@@ -10,6 +10,7 @@ worker's timeline. Run on a GPU machine:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import functools
 import gc
@@ -24,10 +25,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 import numpy as np  # noqa: E402
 from bench_w2_many import RTOL, poisson2d, w2_pairs, w2_sizes  # noqa: E402
 
-from managed_solve import LinearSystem, _backend, packing, system  # noqa: E402
+from managed_solve import LinearSystem, _backend, config, packing, system  # noqa: E402
 from managed_solve import scheduler as sched  # noqa: E402
 from managed_solve.manager import DeviceManager  # noqa: E402
-from managed_solve.solvers import _cuda_krylov, batch, batched  # noqa: E402
+from managed_solve.solvers import batched  # noqa: E402
+from managed_solve.solvers.batched import gpu as batched_gpu  # noqa: E402
+from managed_solve.solvers.batched import packed  # noqa: E402
 
 EVENTS: list[tuple[str, str, float, float, str]] = []
 # Re-entrant: a garbage collection may start (and log itself) while a thread holds it.
@@ -88,17 +91,17 @@ def install():
     timed(sched, "_validate", label="validate (per system)")
     timed(sched, "estimate", label="estimate (per system)")
     timed(sched, "_run_sharded")
-    timed(batch, "pack_host", note=_rows)
-    timed(batch.PackedBatch, "unpack")
+    timed(packed, "pack_host", note=_rows)
+    timed(packed.PackedBatch, "unpack")
     timed(batched, "cg_batched", note=lambda a, k: f"{a[0].nsys} sys, {a[0].n:,} rows")
-    timed(_cuda_krylov, "solve", label="cuda solve",
+    timed(batched_gpu, "solve", label="cuda solve",
           result_note=lambda out: f"gpu {1e3 * out[7]:.1f} ms, {out[5]} checkpoints, "
                                   f"{out[6]} compactions, its<= {int(out[1].max())}")
-    timed(_cuda_krylov, "residual_norms")
-    timed(_cuda_krylov._Solver, "__init__", label="solver init")
-    timed(_cuda_krylov._Solver, "_setup", label="solver setup")
-    timed(_cuda_krylov._Solver, "_capture", label="graph capture")
-    timed(_cuda_krylov._Solver, "_compact", label="compaction")
+    timed(batched, "residual_norms")
+    timed(batched_gpu.FusedSolve, "__init__", label="solver init")
+    timed(batched_gpu.FusedSolve, "_setup", label="solver setup")
+    timed(batched_gpu.FusedSolve, "_capture", label="graph capture")
+    timed(batched_gpu.FusedSolve, "_compact", label="compaction")
     timed(sched._Runner, "_deliver", label="deliver (per result)")
     timed(sched._Runner, "_deliver_many", label="deliver (per batch)")
     timed(sched, "_prefetch_methods")
@@ -213,10 +216,14 @@ CONFIGS = {
 }
 
 
+_SETTINGS = contextlib.ExitStack()  # the library settings of the experiment running
+
+
 def configure(name):
     """Apply one experiment's settings (module flags of the library)."""
     cfg = CONFIGS[name]
-    _cuda_krylov.GRAPH_BATCHES = cfg.get("graph_batches", True)
+    _SETTINGS.close()  # the previous experiment's
+    _SETTINGS.enter_context(config.override(batched_graph_batches=cfg.get("graph_batches", True)))
     sched.SWITCH_INTERVAL = cfg.get("switch", 5e-4)
     sched.PAUSE_GC = not cfg.get("gc", False)
     sched.PREPARE_WORKSPACE = cfg.get("prepare", True)

@@ -17,7 +17,7 @@ from typing import Any
 from . import _backend
 from .devices import Device, parse_device_name
 from .result import SolveResult, Status
-from .solvers import _cuda_krylov
+from .solvers import batched
 from .solvers._common import norm, stop_threshold, true_residual_norm
 from .solvers.direct import SINGULAR, DirectEngine, Singular
 from .solvers.engine import BREAKDOWN, CONVERGED, MAXITER, Options, Outcome, Prepared
@@ -343,7 +343,7 @@ def _run(system: LinearSystem, method: str, symmetric: bool | None, dev: Device,
         residual = true_residual_norm(A, b, x)
         # That read waited for the solve's queued masked iterations: free what
         # the fused GPU core kept alive for them (nothing on other paths).
-        _cuda_krylov._release_done()
+        batched.release_done()
     else:
         residual = out.residual_norm
     status, message = _status(out, method, residual, tol, system)

@@ -65,6 +65,30 @@ class Settings:
         the devices) while the matrix object lives, so the next solve with
         it skips the set-up. Off, every call sets up again and the device
         memory is released after the solve.
+    pack_chunk_nnz : int
+        Batched engine: stored entries per piece when host systems are copied
+        into a batch (one piece per thread of the packing pool).
+    batched_graph_max_rows : int
+        Batched engine (GPU): a single system of at most this many rows
+        replays its CG/BiCGStab iterations as CUDA graphs; above it an
+        iteration's kernels are long enough to hide launch latency.
+    batched_graph_batches : bool
+        Batched engine (GPU): batches of several systems replay CUDA graphs
+        at every size (off: only up to ``batched_graph_max_rows``).
+    batched_compact_fraction : float
+        Batched engine (GPU): once the running systems hold at most this
+        fraction of the rows the kernels walk, the kernels walk only theirs.
+    batched_compact_min_rows : int
+        Batched engine (GPU): no compaction below this many rows walked.
+    batched_vector_min_nnz_per_row : int
+        Batched engine (GPU): mean stored entries per row from which the
+        products use a warp per row instead of a thread per row.
+    batched_gmres_graphs : bool
+        Batched engine (GPU): GMRES replays a chunk of Arnoldi steps seen in
+        an earlier restart cycle as a CUDA graph (off: direct launches).
+    batched_gmres_vectorised_on_host : bool
+        Batched engine: NumPy batches run GMRES's whole-batch device loop
+        instead of the per-system Numba kernel (for comparing the two).
     """
 
     work_stealing: bool = True
@@ -77,6 +101,16 @@ class Settings:
     # sharded solver (managed_solve.sharded)
     sharded_check_every: int = 8
     sharded_cache: bool = True
+
+    # -- batched Krylov engine (solvers/batched/)
+    pack_chunk_nnz: int = 1 << 19
+    batched_graph_max_rows: int = 1 << 20
+    batched_graph_batches: bool = True
+    batched_compact_fraction: float = 0.5
+    batched_compact_min_rows: int = 1 << 15
+    batched_vector_min_nnz_per_row: int = 32
+    batched_gmres_graphs: bool = True
+    batched_gmres_vectorised_on_host: bool = False
 
     def replace(self, **changes) -> Settings:
         """A copy with ``changes`` applied (names checked, see :func:`override`)."""

@@ -542,8 +542,7 @@ def is_device_error(exc: BaseException) -> bool:
 # --------------------------------------------------------------------------- running
 def _core():
     """The batched Krylov core: (PackedBatch, {method: batched solver})."""
-    from .solvers.batch import PackedBatch
-    from .solvers.batched import bicgstab_batched, cg_batched, gmres_batched
+    from .solvers.batched import PackedBatch, bicgstab_batched, cg_batched, gmres_batched
 
     return PackedBatch, {"cg": cg_batched, "bicgstab": bicgstab_batched, "gmres": gmres_batched}
 
@@ -830,7 +829,7 @@ class _Runner:
                         # The solver's workspace too (its bytes are in the batch's
                         # reservation): off the worker's path between two batches.
                         # A deferred method is waited for here, after the copy.
-                        from .solvers._cuda_krylov import prepare
+                        from .solvers.batched import prepare
 
                         method = self._batch_method(b)
                         if method in ("cg", "bicgstab"):  # the fused core's; GMRES has none
@@ -1099,7 +1098,7 @@ def _run_packed(packed: Any, method: str) -> tuple:
         rn = np.sqrt(np.bincount(seg, weights=r * r, minlength=packed.nsys))
         bn = np.sqrt(np.bincount(seg, weights=packed.b * packed.b, minlength=packed.nsys))
     else:
-        from .solvers._cuda_krylov import residual_norms
+        from .solvers.batched import residual_norms
 
         rn, bn = residual_norms(packed, out.x)  # sync: one host read of per-system norms
     return out, rn, bn, seconds

@@ -88,3 +88,23 @@ def random_spd(n, seed=0):
     S = R + R.T
     d = np.asarray(abs(S).sum(axis=1)).ravel() + np.random.default_rng(seed).uniform(0.5, 5, n)
     return (S + sp.diags(d)).tocsr()
+# -- problems of the batched engine's tests (tests/solvers/batched/)
+def upwind(m, peclet=0.6):
+    """2D upwind convection-diffusion with both directions convected: non-symmetric; n = m * m.
+
+    Diagonally dominant while ``peclet`` < 1 (BiCGStab and GMRES converge).
+    """
+    t = sp.diags([-1.0 - peclet, 2.0, -1.0 + peclet], [-1, 0, 1], shape=(m, m))
+    return (sp.kron(sp.eye(m), t) + sp.kron(t, sp.eye(m))).tocsr()
+
+
+def skew_convection(m, wind=0.5):
+    """The 5-point Laplacian plus a skew part: eigenvalues near zero almost imaginary (hard for BiCGStab)."""
+    U = sp.diags([wind], [1], shape=(m * m, m * m))
+    return (poisson2d(m) + U - U.T).tocsr()
+
+
+def random_gram_spd(n, rng, density=0.2):
+    """A random sparse SPD matrix: R R^T shifted by ``1 + n * density``."""
+    R = sp.random(n, n, density=density, random_state=rng, format="csr")
+    return (R @ R.T + sp.eye(n) * (1.0 + n * density)).tocsr()

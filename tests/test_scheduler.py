@@ -557,7 +557,7 @@ def test_true_residual_check_restarts_drifted_systems(monkeypatch, where):
 @pytest.mark.parametrize("chunk_nnz", [1 << 21, 40])  # one piece; many pieces on the pool
 @pytest.mark.parametrize("jacobi", [False, True])
 def test_vectorised_host_pack_matches_block_diagonal(jacobi, chunk_nnz):
-    from managed_solve.solvers.batch import default_maxiter, pack_host
+    from managed_solve.solvers.batched import default_maxiter, pack_host
 
     rng = np.random.default_rng(30)
     systems = []
@@ -621,7 +621,7 @@ def test_host_pack_names_a_system_jacobi_cannot_scale(chunk_nnz):
     A = poisson2d(4).tolil()
     A[2, 2] = 0.0
     systems[3] = LinearSystem(A.tocsr(), np.ones(16), name="zero-diagonal")
-    from managed_solve.solvers.batch import pack_host
+    from managed_solve.solvers.batched import pack_host
 
     with pytest.raises(ValueError, match="zero-diagonal has a zero on its diagonal"):
         pack_host(systems, jacobi=True, chunk_nnz=chunk_nnz)
@@ -1106,7 +1106,7 @@ def test_a_large_systems_method_is_found_while_its_batch_is_copied(monkeypatch, 
     """Head start: the large batch is staged before its matrix's method is known, then resolved.
 
     On a GPU the stager resolves the method between the copy and the
-    workspace/graph set-up (``_cuda_krylov.prepare``); on simulated GPUs the
+    workspace/graph set-up (``solvers.batched.prepare``); on simulated GPUs the
     worker does.
     """
     import time as _time

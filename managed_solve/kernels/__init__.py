@@ -10,9 +10,9 @@ is not free, so nothing is imported here):
 - ``stencil``: 5-point and 7-point finite-difference Laplacians with a
   variable coefficient;
 - ``krylov``: CPU twins of the fused batched CG and BiCGStab kernels (the CUDA
-  side is CUDA C in ``managed_solve.solvers._cuda_krylov``);
+  side is CUDA C in ``managed_solve/solvers/batched/*.cu``);
 - ``packing``: the in-place index fix-up of block-diagonal batch packing
-  (``managed_solve.solvers.batch.pack_host``; CPU only, the host builds batches);
+  (``managed_solve.solvers.batched.pack_host``; CPU only, the host builds batches);
 - ``symmetry``: a one-pass symmetry test of a host CSR matrix (CPU only);
 - ``_compat``: the NumPy 2.5 / numba-cuda ``np.row_stack`` shim, imported
   before ``numba.cuda`` everywhere.

@@ -1,7 +1,7 @@
 """Batched Krylov kernels on the CPU: CG and BiCGStab over a block-diagonal CSR (and GMRES's host half).
 
 The CPU twins of the fused CUDA kernels in
-``managed_solve/solvers/_cuda_krylov.py``. Every system ``s`` owns the rows
+``managed_solve/solvers/batched/cg_bicgstab.cu``. Every system ``s`` owns the rows
 ``offsets[s]:offsets[s+1]`` of one block-diagonal CSR (column indices are
 global), its own scalars and its own stopping rule
 ``||r_s|| <= max(rtol_s * ||b_s||, atol_s)`` (SciPy's rule).
@@ -430,7 +430,7 @@ def run_systems(kernel, *args):
 
 
 # ---------------------------------------------------------------------------
-# Batched GMRES: the host half (see ``managed_solve.solvers.batched.gmres_batched``).
+# Batched GMRES: the host half (see ``managed_solve.solvers.batched.gmres.BatchedGmres``).
 # The Arnoldi process runs on the batch's device; these turn each system's new
 # Hessenberg columns into its triangular factor (Givens rotations) and, at the
 # end of a restart cycle, its least-squares coefficients. A loop over systems

@@ -1,6 +1,6 @@
 """Block-diagonal packing on the CPU: the index fix-up pass of ``pack_host``.
 
-``managed_solve.solvers.batch.pack_host`` packs many CSR systems into one
+``managed_solve.solvers.batched.pack_host`` packs many CSR systems into one
 block-diagonal CSR. It first concatenates each system's arrays into the
 batch's buffers with NumPy (plain copies, the GIL released), so that system
 ``k`` owns rows ``offsets[k]:offsets[k+1]`` and entries

@@ -5,8 +5,8 @@ The batched fused core (one implementation for one system or many):
 """
 
 from ._cudss import release_factorisations as release_factorisations
-from .batch import PackedBatch as PackedBatch
 from .batched import BatchOutcome as BatchOutcome
+from .batched import PackedBatch as PackedBatch
 from .batched import bicgstab_batched as bicgstab_batched
 from .batched import cg_batched as cg_batched
 from .bicgstab import bicgstab as bicgstab

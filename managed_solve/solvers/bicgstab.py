@@ -145,8 +145,7 @@ def bicgstab_fused(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: 
                    check_every: int | None = None, first_check: int | None = None) -> Outcome:
     """BiCGStab on a CSR matrix through the batched fused core (a batch of one system)."""
     # Function-level import: see cg.cg_fused.
-    from .batch import PackedBatch
-    from .batched import bicgstab_batched
+    from .batched import PackedBatch, bicgstab_batched
 
     batch = PackedBatch.from_csr(A, b, x0=x0, rtol=rtol, atol=atol, maxiter=maxiter, jacobi=jacobi)
     return outcome_from_batch(bicgstab_batched(batch, check_every=check_every, first_check=first_check), _BREAKDOWN)

@@ -141,8 +141,7 @@ def cg_fused(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float 
     """
     # Function-level import: the batched core imports this package's _common,
     # and is built alongside; importing it here keeps `solvers` importable alone.
-    from .batch import PackedBatch
-    from .batched import cg_batched
+    from .batched import PackedBatch, cg_batched
 
     batch = PackedBatch.from_csr(A, b, x0=x0, rtol=rtol, atol=atol, maxiter=maxiter, jacobi=jacobi)
     out = cg_batched(batch, check_every=check_every, first_check=first_check)

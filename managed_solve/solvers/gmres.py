@@ -184,8 +184,7 @@ def gmres_fused(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: flo
     rotations on the host, right preconditioning), with the GPU's fused
     kernels and the CPU's Numba kernel; no callback.
     """
-    from .batch import PackedBatch  # see cg_fused
-    from .batched import gmres_batched
+    from .batched import PackedBatch, gmres_batched  # see cg_fused
 
     batch = PackedBatch.from_csr(A, b, x0=x0, rtol=rtol, atol=atol, maxiter=maxiter, jacobi=jacobi)
     return outcome_from_batch(gmres_batched(batch, restart=restart), _NOT_FINITE)

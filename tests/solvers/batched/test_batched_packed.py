@@ -9,8 +9,9 @@ import pytest
 import scipy.sparse as sp
 
 from managed_solve import LinearSystem
-from managed_solve.solvers.batch import PackedBatch, default_maxiter
-from managed_solve.solvers.batched import bicgstab_batched, cg_batched
+from managed_solve.solvers import batched
+from managed_solve.solvers.batched import PackedBatch, bicgstab_batched, cg_batched, default_maxiter
+from tests._problems import poisson2d
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -20,11 +21,6 @@ def device(request):
 
 def host(a):
     return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
-
-
-def poisson2d(m, dtype=np.float64):
-    t = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(m, m))
-    return (sp.kron(sp.eye(m), t) + sp.kron(t, sp.eye(m))).tocsr().astype(dtype)
 
 
 def mixed_systems(rng):
@@ -146,8 +142,6 @@ def test_predict_bytes_is_an_upper_bound_cpu(method, jacobi):
 def test_predict_bytes_is_an_upper_bound_gpu(method):
     import cupy as cp
 
-    from managed_solve.solvers import _cuda_krylov
-
     pool = cp.get_default_memory_pool()
     rng = np.random.default_rng(2)
     systems = [LinearSystem(poisson2d(m), rng.standard_normal(m * m)) for m in (100, 150, 200)]
@@ -155,7 +149,7 @@ def test_predict_bytes_is_an_upper_bound_gpu(method):
     # Earlier solves' batches and workspaces wait in the retired list until their
     # queued masked iterations finish; released now, or this solve would reuse
     # their blocks (freed at its start) and the pool would grow less than it needs.
-    _cuda_krylov._release_done()
+    batched.release_done()
     pool.free_all_blocks()
     before = pool.total_bytes()
     batch = PackedBatch.pack(systems, device="cuda:0", jacobi=True)

@@ -1,15 +1,18 @@
-"""Batched CG and BiCGStab against SciPy, system by system."""
+"""Batched CG and BiCGStab (``solvers/batched/cg.py``, ``bicgstab.py``, ``gpu.py``) against SciPy."""
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import pytest
 import scipy.sparse as sp
 import scipy.sparse.linalg as spla
 
-from managed_solve import LinearSystem
-from managed_solve.solvers.batch import PackedBatch
-from managed_solve.solvers.batched import ROWS_LAYOUT_MIN, bicgstab_batched, cg_batched
+from managed_solve import LinearSystem, config
+from managed_solve.solvers import batched
+from managed_solve.solvers.batched import ROWS_LAYOUT_MIN, PackedBatch, bicgstab_batched, cg_batched
+from tests._problems import poisson2d, random_gram_spd, upwind
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -21,20 +24,11 @@ def host(a):
     return a if isinstance(a, np.ndarray) else a.get()
 
 
-def poisson2d(m, dtype=np.float64):
-    t = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(m, m))
-    return (sp.kron(sp.eye(m), t) + sp.kron(t, sp.eye(m))).tocsr().astype(dtype)
-
-
-def random_spd(n, rng, density=0.2):
-    R = sp.random(n, n, density=density, random_state=rng, format="csr")
-    return (R @ R.T + sp.eye(n) * (1.0 + n * density)).tocsr()
-
-
-def convection_diffusion(m, peclet=0.3):
-    """Upwind 2D convection-diffusion: non-symmetric, diagonally dominant."""
-    t = sp.diags([-1.0 - peclet, 2.0, -1.0 + peclet], [-1, 0, 1], shape=(m, m))
-    return (sp.kron(sp.eye(m), t) + sp.kron(t, sp.eye(m))).tocsr()
+@pytest.fixture
+def settings():
+    """``settings(name=value)`` enters ``config.override`` until the test ends."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **kw: stack.enter_context(config.override(**kw))
 
 
 def scipy_reference(solver, A, b, *, rtol, atol=0.0, maxiter=None, M=None, x0=None):
@@ -53,8 +47,8 @@ def true_residual(A, x, b):
 
 def mixed_spd(rng):
     """Sizes 1, 2, random SPD and Poisson of several sizes, a zero right-hand side."""
-    mats = [sp.csr_matrix(np.array([[4.0]])), random_spd(2, rng, 1.0), poisson2d(7),
-            random_spd(40, rng), poisson2d(16), poisson2d(5)]
+    mats = [sp.csr_matrix(np.array([[4.0]])), random_gram_spd(2, rng, 1.0), poisson2d(7),
+            random_gram_spd(40, rng), poisson2d(16), poisson2d(5)]
     bs = [rng.standard_normal(A.shape[0]) for A in mats]
     bs[5][:] = 0.0
     return mats, bs
@@ -167,7 +161,7 @@ def test_cg_breakdown_on_indefinite_system(device):
 
 def test_bicgstab_matches_scipy_on_nonsymmetric(device):
     rng = np.random.default_rng(5)
-    mats = [convection_diffusion(m, pe) for m, pe in ((4, 0.2), (9, 0.5), (15, 0.8))]
+    mats = [upwind(m, pe) for m, pe in ((4, 0.2), (9, 0.5), (15, 0.8))]
     bs = [rng.standard_normal(A.shape[0]) for A in mats]
     systems = [LinearSystem(A, b, rtol=1e-10, maxiter=400) for A, b in zip(mats, bs, strict=True)]
     batch = PackedBatch.pack(systems, device=device)
@@ -356,16 +350,14 @@ def _skewed_systems(rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("vector", [False, True], ids=["thread-rows", "warp-rows"])
 @pytest.mark.parametrize("method", ["cg", "bicgstab"])
-def test_gpu_compaction_gives_the_same_iterates(monkeypatch, method, vector):
-    from managed_solve.solvers import _cuda_krylov
-
+def test_gpu_compaction_gives_the_same_iterates(settings, method, vector):
     if vector:
-        monkeypatch.setattr(_cuda_krylov, "VECTOR_MIN_NNZ_PER_ROW", 0)
+        settings(batched_vector_min_nnz_per_row=0)
     systems = _skewed_systems(np.random.default_rng(12))
     solve = cg_batched if method == "cg" else bicgstab_batched
     out = solve(PackedBatch.pack(systems, device="cuda:0"))
     assert out.compactions >= 1 and (out.status == 0).all()
-    monkeypatch.setattr(_cuda_krylov, "COMPACT_MIN_ROWS", 1 << 40)  # compaction off
+    settings(batched_compact_min_rows=1 << 40)  # compaction off
     plain = solve(PackedBatch.pack(systems, device="cuda:0"))
     assert plain.compactions == 0 and (plain.status == 0).all()
     # Atomic sums change the rounding from run to run: CG's counts move by at
@@ -409,20 +401,18 @@ def _to_gpu(A, b):
 @pytest.mark.gpu
 @pytest.mark.parametrize("force", [False, True], ids=["long-rows", "forced"])
 @pytest.mark.parametrize("method", ["cg", "bicgstab"])
-def test_gpu_warp_per_row_products(monkeypatch, method, force):
+def test_gpu_warp_per_row_products(settings, method, force):
     """Long rows take the warp-per-row products; forcing them on short rows gives the same answers."""
-    from managed_solve.solvers import _cuda_krylov
-
     rng = np.random.default_rng(10)
     if force:
-        monkeypatch.setattr(_cuda_krylov, "VECTOR_MIN_NNZ_PER_ROW", 0)
+        settings(batched_vector_min_nnz_per_row=0)
         mats, bs = mixed_spd(rng)
     else:
-        mats = [random_spd(70, rng, 0.5), random_spd(33, rng, 0.6), random_spd(1, rng, 1.0)]
+        mats = [random_gram_spd(70, rng, 0.5), random_gram_spd(33, rng, 0.6), random_gram_spd(1, rng, 1.0)]
         bs = [rng.standard_normal(A.shape[0]) for A in mats]
     systems = [LinearSystem(A, b, rtol=1e-9, maxiter=500) for A, b in zip(mats, bs, strict=True)]
     batch = PackedBatch.pack(systems, device="cuda:0")
-    assert force or batch.nnz >= _cuda_krylov.VECTOR_MIN_NNZ_PER_ROW * batch.n
+    assert force or batch.nnz >= config.current().batched_vector_min_nnz_per_row * batch.n
     solve = cg_batched if method == "cg" else bicgstab_batched
     ref_solver = spla.cg if method == "cg" else spla.bicgstab
     out = solve(batch)
@@ -488,7 +478,7 @@ def test_gpu_first_check_at_the_predicted_count_reads_the_host_once():
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("count", [1, 37])
 def test_gpu_fused_residual_norms_match_the_host(dtype, count):
-    from managed_solve.solvers._cuda_krylov import residual_norms
+    from managed_solve.solvers.batched import residual_norms
 
     rng = np.random.default_rng(13)
     systems = [LinearSystem(poisson2d(int(m), dtype), rng.standard_normal(int(m) ** 2).astype(dtype))
@@ -508,19 +498,17 @@ def test_gpu_fused_residual_norms_match_the_host(dtype, count):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", ["cg", "bicgstab"])
-def test_gpu_batches_with_and_without_graphs_agree_and_report_gpu_time(monkeypatch, method):
-    """A multi-system batch past GRAPH_MAX_ROWS replays graphs (GRAPH_BATCHES) like a small one."""
+def test_gpu_batches_with_and_without_graphs_agree_and_report_gpu_time(settings, method):
+    """A multi-system batch past batched_graph_max_rows replays graphs (batched_graph_batches)."""
     import time
-
-    from managed_solve.solvers import _cuda_krylov
 
     systems = _skewed_systems(np.random.default_rng(5))
     solve = cg_batched if method == "cg" else bicgstab_batched
-    monkeypatch.setattr(_cuda_krylov, "GRAPH_MAX_ROWS", 0)  # every batch counts as large
+    settings(batched_graph_max_rows=0)  # every batch counts as large
     t0 = time.perf_counter()
     graphs = solve(PackedBatch.pack(systems, device="cuda:0"))
     wall = time.perf_counter() - t0
-    monkeypatch.setattr(_cuda_krylov, "GRAPH_BATCHES", False)
+    settings(batched_graph_batches=False)
     launches = solve(PackedBatch.pack(systems, device="cuda:0"))
     assert (graphs.status == 0).all() and (launches.status == 0).all()
     # Graph replays read statuses every 24 iterations, launches every CHECK_EVERY.
@@ -543,65 +531,42 @@ def test_cpu_batches_report_no_gpu_time():
 
 @pytest.mark.gpu
 def test_gpu_prepared_workspace_is_used_once_and_gives_the_same_solve():
-    """solve_many's stagers build a batch's workspace ahead (``_cuda_krylov.prepare``)."""
+    """solve_many's stagers build a batch's workspace ahead (``batched.prepare``)."""
     import weakref
-
-    from managed_solve.solvers import _cuda_krylov
 
     systems = _skewed_systems(np.random.default_rng(8))
     plain = cg_batched(PackedBatch.pack(systems, device="cuda:0"))
     batch = PackedBatch.pack(systems, device="cuda:0")
-    _cuda_krylov.prepare(batch, "cg")
-    ws = weakref.ref(batch._workspace)
-    assert batch._workspace.batch is None  # no batch <-> workspace cycle while it waits
+    batched.prepare(batch, "cg")
+    ws = weakref.ref(batch.workspace)
+    assert batch.workspace.batch is None  # no batch <-> workspace cycle while it waits
     out = cg_batched(batch)
-    assert "_workspace" not in batch.__dict__  # used once
+    assert batch.workspace is None  # used once
     assert (out.status == 0).all() and (np.abs(out.iterations - plain.iterations) <= 1).all()
     np.testing.assert_allclose(host(out.x), host(plain.x), rtol=1e-6, atol=1e-9)
     # A workspace prepared for another method is not used; a dropped batch frees its own.
     other = PackedBatch.pack(systems, device="cuda:0")
-    _cuda_krylov.prepare(other, "cg")
+    batched.prepare(other, "cg")
     assert (bicgstab_batched(other).status == 0).all()
     dropped = PackedBatch.pack(systems, device="cuda:0")
-    _cuda_krylov.prepare(dropped, "cg")
-    gone = weakref.ref(dropped._workspace)
+    batched.prepare(dropped, "cg")
+    gone = weakref.ref(dropped.workspace)
     del dropped
     assert gone() is None
     import cupy as cp
 
     cp.cuda.Device(0).synchronize()
-    _cuda_krylov._release_done()  # masked iterations queued after convergence kept it until done
+    batched.release_done()  # masked iterations queued after convergence kept it until done
     assert ws() is None
     # On a stager's stream the first CUDA graph is captured ahead too, and used.
     staged = PackedBatch.pack(systems, device="cuda:0")
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
-        _cuda_krylov.prepare(staged, "cg")
+        batched.prepare(staged, "cg")
     stream.synchronize()
-    solver = staged._workspace
+    solver = staged.workspace
     assert solver.uses_graph and solver.graph is not None
     out = cg_batched(staged)
     assert solver.graph is None  # taken by the solve
     assert (out.status == 0).all() and (np.abs(out.iterations - plain.iterations) <= 1).all()
     np.testing.assert_allclose(host(out.x), host(plain.x), rtol=1e-6, atol=1e-9)
-
-
-def test_retired_buffers_are_released_once_their_work_is_done(monkeypatch):
-    """What a GPU solve keeps alive for its queued masked iterations goes once they finished."""
-    from collections import deque
-
-    from managed_solve.solvers import _cuda_krylov
-
-    class Event:
-        def __init__(self, done):
-            self.done = done
-
-    monkeypatch.setattr(_cuda_krylov, "_retired", deque())
-    slow, fast = Event(False), Event(True)
-    _cuda_krylov._retire(slow, ["slow"])
-    _cuda_krylov._retire(fast, ["fast"])  # done, though queued behind an unfinished one
-    _cuda_krylov._release_done()
-    assert [k for _e, k in _cuda_krylov._retired] == [["slow"]]
-    slow.done = True
-    _cuda_krylov._release_done()
-    assert not _cuda_krylov._retired

@@ -7,35 +7,27 @@ import pytest
 import scipy.sparse as sp
 import scipy.sparse.linalg as spla
 
-from managed_solve import LinearSystem
-from managed_solve.solvers import batched as bt
-from managed_solve.solvers.batch import PackedBatch
-from managed_solve.solvers.batched import bicgstab_batched, gmres_batched
+from managed_solve import LinearSystem, config
+from managed_solve.solvers.batched import (
+    GMRES_RESTART,
+    ROWS_LAYOUT_MIN,
+    PackedBatch,
+    bicgstab_batched,
+    gmres_batched,
+)
+from managed_solve.solvers.batched.gmres import GMRES_CHECK_EVERY, BatchedGmres
+from tests._problems import skew_convection, upwind
 
 
 @pytest.fixture(params=["cpu", "cpu-vectorised", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request, monkeypatch):
+def device(request):
     """Where the batch lies; "cpu-vectorised" runs the device algorithm on NumPy."""
-    if request.param == "cpu-vectorised":
-        monkeypatch.setattr(bt, "GMRES_VECTORISED_ON_HOST", True)
-    return "cuda:0" if request.param == "cuda" else "cpu"
+    with config.override(batched_gmres_vectorised_on_host=request.param == "cpu-vectorised"):
+        yield "cuda:0" if request.param == "cuda" else "cpu"
 
 
 def host(a):
     return a if isinstance(a, np.ndarray) else a.get()
-
-
-def convection(m, wind=0.5):
-    """Poisson plus a skew part: eigenvalues near zero almost imaginary (hard for BiCGStab)."""
-    t = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(m, m))
-    P = sp.kron(sp.eye(m), t) + sp.kron(t, sp.eye(m))
-    U = sp.diags([wind], [1], shape=(m * m, m * m))
-    return (P + U - U.T).tocsr()
-
-
-def upwind(m, peclet=0.6):
-    t = sp.diags([-1.0 - peclet, 2.0, -1.0 + peclet], [-1, 0, 1], shape=(m, m))
-    return (sp.kron(sp.eye(m), t) + sp.kron(t, sp.eye(m))).tocsr()
 
 
 def skew_blocks(k=3):
@@ -61,8 +53,8 @@ def residual(A, x, b):
 
 def test_matches_scipy_on_a_mixed_nonsymmetric_batch(device):
     rng = np.random.default_rng(1)
-    mats = [sp.csr_matrix(np.array([[3.0]])), skew_blocks(), upwind(5), convection(9),
-            upwind(12, 0.9), convection(16, 0.3), sp.random(30, 30, 0.2, random_state=rng) + 6 * sp.eye(30)]
+    mats = [sp.csr_matrix(np.array([[3.0]])), skew_blocks(), upwind(5), skew_convection(9),
+            upwind(12, 0.9), skew_convection(16, 0.3), sp.random(30, 30, 0.2, random_state=rng) + 6 * sp.eye(30)]
     mats = [sp.csr_matrix(A) for A in mats]
     bs = [rng.standard_normal(A.shape[0]) for A in mats]
     rtols = [1e-10, 1e-10, 1e-8, 1e-10, 1e-6, 1e-9, 1e-10]
@@ -95,7 +87,7 @@ def test_converges_where_bicgstab_breaks_down(device):
 
 
 def test_short_restarts_still_converge_and_take_more_iterations(device):
-    A, b = convection(12), np.random.default_rng(2).standard_normal(144)
+    A, b = skew_convection(12), np.random.default_rng(2).standard_normal(144)
     batch = PackedBatch.pack([LinearSystem(A, b, rtol=1e-9)], device=device)
     long, short = gmres_batched(batch, restart=40), gmres_batched(batch, restart=5)
     assert long.status[0] == 0 and short.status[0] == 0
@@ -108,7 +100,7 @@ def test_short_restarts_still_converge_and_take_more_iterations(device):
 
 def test_per_system_maxiter_x0_and_zero_rhs(device):
     rng = np.random.default_rng(3)
-    A = convection(10)
+    A = skew_convection(10)
     b = rng.standard_normal(100)
     x_exact = spla.spsolve(A.tocsc(), b)
     systems = [LinearSystem(A, b, rtol=1e-10, maxiter=7),  # stops at 7 inner iterations
@@ -165,27 +157,27 @@ def test_a_non_finite_system_breaks_down_alone(device):
 
 def test_checkpoint_spacing_does_not_change_the_answer(device):
     rng = np.random.default_rng(6)
-    mats = [convection(m) for m in (5, 8, 11)]
+    mats = [skew_convection(m) for m in (5, 8, 11)]
     systems = [LinearSystem(A, rng.standard_normal(A.shape[0]), rtol=1e-9) for A in mats]
     batch = PackedBatch.pack(systems, device=device)
     a, c = gmres_batched(batch, check_every=1), gmres_batched(batch, check_every=30)
     assert a.iterations.tolist() == c.iterations.tolist()
     np.testing.assert_allclose(host(a.x), host(c.x), rtol=1e-12, atol=1e-13)
-    if device != "cpu" or bt.GMRES_VECTORISED_ON_HOST:  # the per-system CPU kernel has no reads
+    if device != "cpu" or config.current().batched_gmres_vectorised_on_host:  # the per-system CPU kernel has no reads
         assert a.host_syncs > c.host_syncs
 
 
-def test_cpu_kernel_and_device_algorithm_are_twins(monkeypatch):
+def test_cpu_kernel_and_device_algorithm_are_twins():
     """The per-system Numba GMRES and the whole-batch array algorithm take the same steps."""
     rng = np.random.default_rng(7)
-    mats = [convection(m, 0.4) for m in (6, 9, 13)] + [upwind(11), skew_blocks(2)]
+    mats = [skew_convection(m, 0.4) for m in (6, 9, 13)] + [upwind(11), skew_blocks(2)]
     systems = [LinearSystem(A, rng.standard_normal(A.shape[0]), rtol=1e-9, maxiter=150)
                for A in mats]
     systems.append(LinearSystem(mats[2], rng.standard_normal(169), rtol=1e-12, maxiter=20))
     batch = PackedBatch.pack(systems)
     kernel = gmres_batched(batch, restart=12)
-    monkeypatch.setattr(bt, "GMRES_VECTORISED_ON_HOST", True)
-    arrays = gmres_batched(batch, restart=12)
+    with config.override(batched_gmres_vectorised_on_host=True):
+        arrays = gmres_batched(batch, restart=12)
     assert kernel.status.tolist() == arrays.status.tolist() == [0, 0, 0, 0, 0, 1]
     assert np.abs(kernel.iterations - arrays.iterations).max() <= 1
     assert kernel.iterations[-1] == arrays.iterations[-1] == 20
@@ -201,22 +193,22 @@ def test_bad_arguments():
         gmres_batched(batch, check_every=0)
     with pytest.raises(TypeError, match="PackedBatch"):
         gmres_batched("not a batch")
-    assert bt.GMRES_RESTART == 30
+    assert GMRES_RESTART == 30
 
 
 def test_memory_prediction_counts_the_device_workspace():
-    """PackedBatch.predict_bytes(method="gmres") holds the batch, x and _Gmres's workspace."""
-    from managed_solve.solvers.batch import _POOL_ROUND, WORK_VECTORS
+    """PackedBatch.predict_bytes(method="gmres") holds the batch, x and GmresWorkspace's arrays."""
+    from managed_solve.solvers.batched.workspace import POOL_ROUND, WORK_VECTORS
 
-    assert WORK_VECTORS["gmres"] == bt.GMRES_RESTART + 2
+    assert WORK_VECTORS["gmres"] == GMRES_RESTART + 2
     rng = np.random.default_rng(9)
-    systems = [LinearSystem(convection(m), rng.standard_normal(m * m)) for m in (30, 40, 50)]
+    systems = [LinearSystem(skew_convection(m), rng.standard_normal(m * m)) for m in (30, 40, 50)]
     batch = PackedBatch.pack(systems)
-    work = bt._Gmres(batch, bt.GMRES_RESTART, bt.GMRES_CHECK_EVERY)
-    held = sum(a.nbytes for a in (work.V, work.w, work.H, work.h2, work.nrm)) + batch.b.nbytes  # + x
+    work = BatchedGmres(batch, GMRES_RESTART, GMRES_CHECK_EVERY)
+    held = work.nbytes + batch.b.nbytes  # + x
     predicted = PackedBatch.predict_bytes(batch.n, batch.nnz, batch.nsys, batch.dtype,
                                           batch.index_dtype, "gmres", jacobi=False, x0=False)
-    assert batch.nbytes + held <= predicted <= batch.nbytes + held + 2 * 24 * _POOL_ROUND + 4 * batch.n * 8
+    assert batch.nbytes + held <= predicted <= batch.nbytes + held + 2 * 24 * POOL_ROUND + 4 * batch.n * 8
 
 
 @pytest.mark.gpu
@@ -225,7 +217,7 @@ def test_gpu_memory_prediction_bounds_the_workspace():
     import cupy as cp
 
     rng = np.random.default_rng(10)
-    systems = [LinearSystem(convection(m), rng.standard_normal(m * m), rtol=1e-10) for m in (60, 80, 100)]
+    systems = [LinearSystem(skew_convection(m), rng.standard_normal(m * m), rtol=1e-10) for m in (60, 80, 100)]
     batch = PackedBatch.pack(systems, device="cuda:0")
     pool = cp.get_default_memory_pool()
     gmres_batched(batch)  # kernels and cuSPARSE set up
@@ -242,19 +234,17 @@ def test_gpu_memory_prediction_bounds_the_workspace():
 
 
 @pytest.mark.gpu
-def test_gpu_compaction_at_restart_keeps_the_answers(monkeypatch):
+def test_gpu_compaction_at_restart_keeps_the_answers():
     """Once the running systems hold at most half the rows, the kernels walk only theirs."""
-    from managed_solve.solvers import _cuda_krylov as ck
-
     rng = np.random.default_rng(11)
     easy = [(upwind(40, 0.3) + 4 * sp.identity(1600)).tocsr() for _ in range(30)]  # a few steps
-    hard = [convection(100, 0.5)]  # hundreds of steps, over several restarts
+    hard = [skew_convection(100, 0.5)]  # hundreds of steps, over several restarts
     systems = [LinearSystem(A, rng.standard_normal(A.shape[0]), rtol=1e-9) for A in easy + hard]
     batch = PackedBatch.pack(systems, device="cuda:0")
     packed = gmres_batched(batch)
     assert packed.compactions == 1 and (packed.status == 0).all()
-    monkeypatch.setattr(ck, "COMPACT_FRACTION", 0.0)
-    whole = gmres_batched(batch)
+    with config.override(batched_compact_fraction=0.0):
+        whole = gmres_batched(batch)
     assert whole.compactions == 0
     assert packed.iterations.tolist() == whole.iterations.tolist()
     np.testing.assert_allclose(host(packed.x), host(whole.x), rtol=0, atol=1e-10 * np.abs(host(whole.x)).max())
@@ -264,42 +254,48 @@ def test_gpu_compaction_at_restart_keeps_the_answers(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("every", [8, 3])
-def test_gpu_graph_replay_keeps_the_answers(monkeypatch, every):
+def test_gpu_graph_replay_keeps_the_answers(every):
     """Chunks replayed as CUDA graphs (from the second restart cycle on) compute what direct launches do."""
     rng = np.random.default_rng(12)
-    systems = [LinearSystem(convection(m, 0.5), rng.standard_normal(m * m), rtol=1e-10)
+    systems = [LinearSystem(skew_convection(m, 0.5), rng.standard_normal(m * m), rtol=1e-10)
                for m in (20, 33, 47)]
     systems.append(LinearSystem(upwind(30), rng.standard_normal(900), rtol=1e-10, M="jacobi"))
     batch = PackedBatch.pack(systems, device="cuda:0", jacobi=True)
     graphs = gmres_batched(batch, check_every=every)
-    monkeypatch.setattr(bt, "GMRES_GRAPHS", False)
-    direct = gmres_batched(batch, check_every=every)
-    assert (graphs.status == 0).all() and graphs.iterations.max() > 3 * bt.GMRES_RESTART
+    with config.override(batched_gmres_graphs=False):
+        direct = gmres_batched(batch, check_every=every)
+    assert (graphs.status == 0).all() and graphs.iterations.max() > 3 * GMRES_RESTART
     assert graphs.iterations.tolist() == direct.iterations.tolist()
     np.testing.assert_allclose(host(graphs.x), host(direct.x), rtol=0, atol=1e-12 * np.abs(host(direct.x)).max())
 
 
-def test_one_large_cpu_system_takes_the_blas_gmres_with_the_same_iterates(monkeypatch):
-    """On the CPU a single system of ROWS_LAYOUT_MIN rows or more runs the generic GMRES (BLAS)."""
-    import importlib
+def test_one_large_cpu_system_takes_the_blas_gmres_with_the_same_iterates():
+    """On the CPU a single system of ROWS_LAYOUT_MIN rows or more runs cpu.gmres_one (BLAS products).
 
-    generic = importlib.import_module("managed_solve.solvers.gmres")  # the module, not the function
+    Its iterates are the generic single-system GMRES's (same algorithm, a host
+    read every step) and, within one iteration, the per-system kernel's.
+    """
+    from managed_solve.solvers.gmres import gmres
+
     A = upwind(110, 0.6)  # 12,100 rows
     b = np.random.default_rng(13).standard_normal(A.shape[0])
-    assert A.shape[0] >= bt.ROWS_LAYOUT_MIN
-    calls = []
-    real = generic.gmres
-    monkeypatch.setattr(generic, "gmres", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    assert A.shape[0] >= ROWS_LAYOUT_MIN
+    dinv = 1.0 / A.diagonal()
     for jacobi in (False, True):
+        M = (lambda v: dinv * v) if jacobi else None
         batch = PackedBatch.pack([LinearSystem(A, b, rtol=1e-9, maxiter=40)], jacobi=jacobi)
         short = gmres_batched(batch)
         assert short.status.tolist() == [1] and short.iterations.tolist() == [40]
         assert short.residual_norms[0] == pytest.approx(residual(A, short.x, b), rel=1e-12)
+        generic = gmres(A, b, rtol=1e-9, maxiter=40, M=M)
+        np.testing.assert_array_equal(short.x, generic.x)
         batch = PackedBatch.pack([LinearSystem(A, b, rtol=1e-9)], jacobi=jacobi)
         one = gmres_batched(batch)
         assert one.status.tolist() == [0] and residual(A, one.x, b) <= 1e-9 * np.linalg.norm(b)
+        generic = gmres(A, b, rtol=1e-9, M=M)
+        assert one.iterations.tolist() == [generic.iterations]
+        np.testing.assert_array_equal(one.x, generic.x)
         small = PackedBatch.pack([LinearSystem(A, b, rtol=1e-9), LinearSystem(upwind(4), np.ones(16))],
                                  jacobi=jacobi)
         kernel = gmres_batched(small)  # two systems: the per-system kernel
         assert abs(int(kernel.iterations[0]) - int(one.iterations[0])) <= 1
-    assert len(calls) == 4

@@ -15,31 +15,14 @@ from typing import Any
 
 import numpy as np
 
-from .. import _backend
+from ... import _backend, config
+from ..engine import default_maxiter
+from . import workspace
+
+__all__ = ["PackedBatch", "default_maxiter", "pack_host"]
 
 _INT32_MAX = np.iinfo(np.int32).max
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
-
-# Work vectors beyond A, b and x0 that each method allocates once per solve
-# (x itself is counted separately): CG r, p, q (+ z with Jacobi); BiCGStab
-# r, r~, p, v, t (+ z, holding p-hat then s-hat, with Jacobi); GMRES (batched.py's
-# GMRES_RESTART 30) its basis of 31 vectors (the residual lives in the first) and w.
-WORK_VECTORS = {"cg": 3, "bicgstab": 5, "gmres": 31 + 1}
-# GMRES per system: its Hessenberg columns on the device (30 x 31 float64), the
-# second Gram-Schmidt pass's coefficients (31) and a norm.
-_GMRES_PER_SYSTEM_BYTES = 8 * (30 * 31 + 31 + 1)
-# Per-system device scalars: rtol, atol, tol^2, maxiter, iterations, status,
-# final rr, accumulators (up to 6 dot products x 4 rotating slots), offsets.
-_PER_SYSTEM_BYTES = 8 * (8 + 6 * 4)
-# CuPy's memory pool rounds every allocation up to 512 bytes.
-_POOL_ROUND = 512
-_ARRAYS_PER_SOLVE = 24
-
-
-def default_maxiter(n: int) -> int:
-    """Iteration limit when none is given: ``10 * n`` (SciPy's), at least 100."""
-    return max(10 * int(n), 100)
-
 
 def _index_dtype(n: int, nnz: int, index_dtype: Any = None) -> np.dtype:
     if index_dtype is not None:
@@ -56,7 +39,7 @@ def _index_dtype(n: int, nnz: int, index_dtype: Any = None) -> np.dtype:
 
 
 def _target(device: Any) -> tuple[str, int]:
-    from ..devices import parse_device_name
+    from ...devices import parse_device_name
 
     return parse_device_name(str(device), what="PackedBatch.pack(device=...)")
 
@@ -70,8 +53,9 @@ class PackedBatch:
 
     Build it with :meth:`pack` (many :class:`~managed_solve.system.LinearSystem`)
     or :meth:`from_csr` (one matrix); solve it with
-    :func:`~managed_solve.solvers.batched.cg_batched` or
-    :func:`~managed_solve.solvers.batched.bicgstab_batched`.
+    :func:`~managed_solve.solvers.batched.cg_batched`,
+    :func:`~managed_solve.solvers.batched.bicgstab_batched` or
+    :func:`~managed_solve.solvers.batched.gmres_batched`.
 
     Attributes
     ----------
@@ -91,11 +75,18 @@ class PackedBatch:
         Inverse diagonal (Jacobi preconditioner) when packed with ``jacobi=True``.
     device : str
         ``"cpu"``, ``"sim:k"`` or ``"cuda:i"``.
+    workspace : FusedWorkspace or None
+        A GPU solve's workspace built ahead by
+        :func:`managed_solve.solvers.batched.gpu.prepare`; the next CG or
+        BiCGStab solve of the batch takes it (once).
+    host_buffers : tuple
+        Page-locked host buffers the batch's arrays were copied from, kept as
+        long as the batch (their asynchronous copies may still be queued).
 
     Examples
     --------
     >>> import numpy as np, scipy.sparse as sp
-    >>> from managed_solve.solvers.batch import PackedBatch
+    >>> from managed_solve.solvers.batched import PackedBatch
     >>> A = sp.diags([2.0, 4.0]).tocsr()
     >>> batch = PackedBatch.from_csr(A, np.ones(2))
     >>> batch.nsys, batch.n, batch.nnz, str(batch.indices.dtype)
@@ -105,7 +96,7 @@ class PackedBatch:
     def __init__(self, *, indptr: Any, indices: Any, data: Any, b: Any, x0: Any,
                  offsets: np.ndarray, row_sys: Any, rtol: np.ndarray, atol: np.ndarray,
                  maxiter: np.ndarray, dinv: Any = None, device: str = "cpu",
-                 names: Sequence[Any] | None = None):
+                 names: Sequence[Any] | None = None, host_buffers: tuple = ()):
         self.indptr, self.indices, self.data = indptr, indices, data
         self.b, self.x0 = b, x0
         self.offsets = np.asarray(offsets, dtype=np.int64)
@@ -116,6 +107,8 @@ class PackedBatch:
         self.dinv = dinv
         self.device = str(device)
         self.names = list(names) if names is not None else [None] * (len(self.offsets) - 1)
+        self.host_buffers = host_buffers
+        self.workspace: Any = None
 
     # -- facts --------------------------------------------------------------
     @property
@@ -160,36 +153,40 @@ class PackedBatch:
 
     # -- memory prediction ---------------------------------------------------
     @staticmethod
+    def array_bytes(n: int, nnz: int, dtype: Any, index_dtype: Any = np.int32, *,
+                    jacobi: bool = True, x0: bool = True) -> int:
+        """Device bytes of a batch's own arrays (what :meth:`pack` allocates).
+
+        The packed CSR, ``b``, ``row_sys`` (int32), and ``x0`` and ``dinv``
+        when present.
+        """
+        w = np.dtype(dtype).itemsize
+        iw = np.dtype(index_dtype).itemsize
+        n, nnz = int(n), int(nnz)
+        nbytes = nnz * (w + iw) + (n + 1) * iw + n * w + 4 * n
+        nbytes += n * w if x0 else 0
+        nbytes += n * w if jacobi else 0
+        return nbytes
+
+    @staticmethod
     def predict_bytes(n: int, nnz: int, nsys: int, dtype: Any, index_dtype: Any = np.int32,
                       method: str = "cg", *, jacobi: bool = True, x0: bool = True) -> int:
         """Upper bound of the device bytes a batch plus one solve's workspace takes.
 
         Counts the packed CSR, ``b``, ``x0`` (when ``x0``), ``row_sys``,
-        ``dinv`` (when ``jacobi``), the solution ``x``, the method's work
-        vectors, the per-system scalars, and the memory pool's 512-byte
-        rounding of each allocation.
+        ``dinv`` (when ``jacobi``) (:meth:`array_bytes`), the solution ``x``,
+        the method's work vectors and the per-system scalars
+        (:func:`managed_solve.solvers.batched.workspace.workspace_bytes`), and
+        the memory pool's 512-byte rounding of each allocation.
 
         Examples
         --------
-        >>> from managed_solve.solvers.batch import PackedBatch
+        >>> from managed_solve.solvers.batched import PackedBatch
         >>> PackedBatch.predict_bytes(1000, 5000, 1, "float64", "int32", "cg") > 5000 * 12
         True
         """
-        if method not in WORK_VECTORS:
-            raise ValueError(f"PackedBatch.predict_bytes: method={method!r}; expected 'cg', "
-                             "'bicgstab' or 'gmres'")
-        w = np.dtype(dtype).itemsize
-        iw = np.dtype(index_dtype).itemsize
-        n, nnz, nsys = int(n), int(nnz), int(nsys)
-        batch = nnz * (w + iw) + (n + 1) * iw + n * w + 4 * n
-        batch += n * w if x0 else 0
-        batch += n * w if jacobi else 0
-        work = (1 + WORK_VECTORS[method] + (1 if jacobi else 0)) * n * w
-        work += n * iw if nsys > 1 else 0  # the compaction row list
-        scalars = nsys * _PER_SYSTEM_BYTES
-        if method == "gmres":
-            scalars += nsys * _GMRES_PER_SYSTEM_BYTES
-        return int(batch + work + scalars + _ARRAYS_PER_SOLVE * _POOL_ROUND)
+        arrays = PackedBatch.array_bytes(n, nnz, dtype, index_dtype, jacobi=jacobi, x0=x0)
+        return workspace.predict_bytes(arrays, method, n, nsys, dtype, index_dtype, jacobi=jacobi)
 
     # -- construction ----------------------------------------------------------
     @classmethod
@@ -225,7 +222,7 @@ class PackedBatch:
         --------
         >>> import numpy as np, scipy.sparse as sp
         >>> from managed_solve import LinearSystem
-        >>> from managed_solve.solvers.batch import PackedBatch
+        >>> from managed_solve.solvers.batched import PackedBatch
         >>> s1 = LinearSystem(sp.diags([2.0, 2.0]).tocsr(), np.ones(2), rtol=1e-6)
         >>> s2 = LinearSystem(sp.diags([4.0]).tocsr(), np.ones(1))
         >>> batch = PackedBatch.pack([s1, s2])
@@ -331,7 +328,7 @@ class PackedBatch:
         Examples
         --------
         >>> import numpy as np, scipy.sparse as sp
-        >>> from managed_solve.solvers.batch import PackedBatch
+        >>> from managed_solve.solvers.batched import PackedBatch
         >>> A = sp.diags([2.0, 4.0]).tocsr()
         >>> batch = PackedBatch.from_csr(A, np.ones(2), index_dtype=np.int64)
         >>> str(batch.indptr.dtype), batch.maxiter.tolist()
@@ -378,7 +375,7 @@ class PackedBatch:
         --------
         >>> import numpy as np, scipy.sparse as sp
         >>> from managed_solve import LinearSystem
-        >>> from managed_solve.solvers.batch import PackedBatch
+        >>> from managed_solve.solvers.batched import PackedBatch
         >>> ss = [LinearSystem(sp.eye(k, format="csr"), np.ones(k)) for k in (1, 2)]
         >>> [v.tolist() for v in PackedBatch.pack(ss).unpack(np.arange(3.0))]
         [[0.0], [1.0, 2.0]]
@@ -416,12 +413,9 @@ def _inverse_diagonal(A: Any, dt: np.dtype, *, call: str) -> Any:
     return (1.0 / d).astype(dt, copy=False)
 
 
-# Systems are copied into a batch in pieces of about this many stored entries,
-# one piece per thread: the copies are memory-bound and run without the GIL,
-# so several cores move the bytes of a large batch together. On a 32-core
-# H200 host, back-to-back W2 runs gave solve_many 61.9 ms with pieces of 512k
-# entries against 65.1 ms with 2M (W2-large on two GPUs: 770 vs 798 ms).
-COPY_CHUNK_NNZ = 1 << 19
+# Systems are copied into a batch in pieces of about ``config.pack_chunk_nnz``
+# stored entries, one piece per thread: the copies are memory-bound and run
+# without the GIL, so several cores move the bytes of a large batch together.
 # Threads that copy one batch's pieces (a pool per GPU, so stagers of
 # different GPUs do not queue behind each other).
 PACK_WORKERS = 8
@@ -443,14 +437,9 @@ def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cp
     (:func:`~managed_solve.kernels.packing.gather_blocks`). Pieces run on the
     thread pool named ``pool`` (:func:`managed_solve._backend.thread_pool`).
     ``empty(size, dtype)`` allocates the outputs (pinned memory for GPUs).
-
-    The previous formulation (``+= np.repeat(...)`` of the offsets, one
-    ``A.diagonal()`` per system) made two more passes and a temporary the size
-    of ``indices``: on the 2-core development machine, 5.0M W2 rows (1,118
-    systems) into reused buffers, as the pinned pool gives them, went from 9.6
-    to 7.0 ns a row, with Jacobi from 15.2 to 9.3 (``benchmarks/host_overhead.py``).
+    ``chunk_nnz`` defaults to ``config.current().pack_chunk_nnz``.
     """
-    from ..kernels.packing import (
+    from ...kernels.packing import (
         gather_blocks,
         inverse_diagonal_rows,
         shift_blocks,
@@ -458,14 +447,14 @@ def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cp
     )
 
     empty = empty or (lambda size, dtype: np.empty(size, dtype=dtype))
-    chunk_nnz = int(chunk_nnz or COPY_CHUNK_NNZ)  # the module's value at call time
+    chunk_nnz = int(chunk_nnz or config.current().pack_chunk_nnz)
     k = len(systems)
     # The per-system attributes are read once, here: every later step slices these lists.
     mats = [s.A for s in systems]
-    # Systems often share a matrix (one mesh, many right-hand sides; W2-large:
-    # 10,004 systems, 66 matrices): each distinct matrix's arrays are read once
-    # and ``which`` maps every system to its matrix. Reading an array's address
-    # costs about 1 us of Python holding the GIL, beside the GPU workers.
+    # Systems often share a matrix (one mesh, many right-hand sides): each
+    # distinct matrix's arrays are read once and ``which`` maps every system to
+    # its matrix (reading an array's address is Python holding the GIL, beside
+    # the GPU workers).
     uniq: dict[int, Any] = {}
     for A in mats:
         uniq.setdefault(id(A), A)
@@ -557,8 +546,8 @@ def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cp
                 zero_diagonal(j)
 
     # Pieces of about chunk_nnz entries: runs of systems cut at system
-    # boundaries, and a system of two pieces or more cut into row ranges (one
-    # 1M-row system was one serial 30 ms copy on the H200 host).
+    # boundaries, and a system of two pieces or more cut into row ranges (a
+    # large system is otherwise one serial copy).
     tasks: list[tuple] = []
     split = np.flatnonzero(nnzs >= 2 * chunk_nnz).tolist() if k else []
     start = 0
@@ -615,7 +604,7 @@ class _Family:
                 [self.parts[w] for w in self.which[lo:hi].tolist()]
             np.concatenate(parts, out=out)
         else:
-            from ..kernels.packing import gather
+            from ...kernels.packing import gather
 
             gather(self.addresses[lo:hi], self.lengths[lo:hi], out)
 
@@ -624,9 +613,8 @@ def _pack_host_to_gpu(systems: Sequence[Any], *, jacobi: bool, device_id: int, d
                       index_dtype: Any) -> PackedBatch:
     """Host systems packed into page-locked buffers, then one asynchronous copy per array.
 
-    Copying each system's arrays on its own costs 4 small synchronous copies a
-    system (44 ms for W2's 400 systems on an H200); here the copies go on the
-    current stream, so a caller staging on a second stream overlaps them with
+    Copying each system's arrays on its own would cost 4 small synchronous
+    copies a system; here the copies go on the current stream, so a caller staging on a second stream overlaps them with
     the compute of another batch.
     """
     cp = _backend.cupy()
@@ -656,6 +644,5 @@ def _pack_host_to_gpu(systems: Sequence[Any], *, jacobi: bool, device_id: int, d
                             b=up(host.b), x0=up(host.x0), offsets=host.offsets,
                             row_sys=up(host.row_sys), rtol=host.rtol, atol=host.atol,
                             maxiter=host.maxiter, dinv=up(host.dinv), device=f"cuda:{device_id}",
-                            names=host.names)
-    batch._pinned_buffers = (keep, host)
+                            names=host.names, host_buffers=(keep, host))
     return batch

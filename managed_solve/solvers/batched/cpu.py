@@ -1,0 +1,152 @@
+"""The batched methods on the CPU: Numba kernels over systems, or over rows for one large system.
+
+CG and BiCGStab run the kernels of :mod:`managed_solve.kernels.krylov`
+(parallel over systems, or over rows for one large system); GMRES runs one
+Numba GMRES per system, or for one large system a loop whose basis products
+are BLAS calls (:func:`gmres_one`). All workspace is allocated before the
+kernels run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ...kernels import krylov as _k
+from ..engine import BREAKDOWN, CONVERGED, MAXITER
+from .outcome import BatchOutcome
+from .packed import PackedBatch
+
+# One system on the CPU: below this many rows the three (CG) or five
+# (BiCGStab) thread starts per iteration of the row-parallel layout cost more
+# than they save; the serial layout runs instead.
+ROWS_LAYOUT_MIN = 10_000
+
+
+def solve_fused(batch: PackedBatch, method: str) -> BatchOutcome:
+    """CG or BiCGStab: allocate the workspace once and run the Numba kernels of the right layout."""
+    n, dt, nsys = batch.n, batch.dtype, batch.nsys
+    x = batch.x0.copy() if batch.x0 is not None else np.zeros(n, dtype=dt)
+    has_x0 = batch.x0 is not None
+    jac = batch.dinv is not None
+    dinv = batch.dinv if jac else _k.empty_dinv(dt)
+    A = (batch.indptr, batch.indices, batch.data)
+    its = np.zeros(nsys, dtype=np.int64)
+    rr = np.zeros(nsys, dtype=np.float64)
+    st = np.zeros(nsys, dtype=np.int8)
+    rows = nsys == 1 and n >= ROWS_LAYOUT_MIN
+    if method == "cg":
+        r, p, q = (np.empty(n, dtype=dt) for _ in range(3))
+        z = np.empty(n, dtype=dt) if jac else r
+        vecs = (batch.b, x, dinv, r, z, p, q)
+        kernel_rows, kernel_sys = _k.cg_rows, _k.cg_systems
+    else:
+        r, rt, p, v, t = (np.empty(n, dtype=dt) for _ in range(5))
+        z = np.empty(n, dtype=dt) if jac else p
+        vecs = (batch.b, x, dinv, r, rt, p, v, t, z)
+        kernel_rows, kernel_sys = _k.bicgstab_rows, _k.bicgstab_systems
+    if rows:
+        its[0], rr[0], st[0] = kernel_rows(*A, *vecs, float(batch.rtol[0]), float(batch.atol[0]),
+                                           int(batch.maxiter[0]), has_x0)
+    else:
+        _k.run_systems(kernel_sys, *A, *vecs, batch.offsets, batch.rtol, batch.atol,
+                       batch.maxiter, has_x0, its, rr, st)
+    return BatchOutcome(x=x, iterations=its, residual_norms=np.sqrt(rr), status=st, host_syncs=0)
+
+
+def solve_gmres(batch: PackedBatch, restart: int) -> BatchOutcome:
+    """GMRES: one Numba GMRES per system (in parallel over systems), or :func:`gmres_one`."""
+    n, dt, nsys = batch.n, batch.dtype, batch.nsys
+    if nsys == 1 and n >= ROWS_LAYOUT_MIN:
+        return _gmres_large(batch, restart)
+    x = batch.x0.copy() if batch.x0 is not None else np.zeros(n, dtype=dt)
+    dinv = batch.dinv if batch.dinv is not None else _k.empty_dinv(dt)
+    its = np.zeros(nsys, dtype=np.int64)
+    res = np.zeros(nsys, dtype=np.float64)
+    st = np.zeros(nsys, dtype=np.int8)
+    _k.run_systems(_k.gmres_systems, batch.indptr, batch.indices, batch.data, batch.b, x, dinv,
+                   batch.offsets, batch.rtol, batch.atol, batch.maxiter, restart,
+                   batch.x0 is not None, its, res, st)
+    return BatchOutcome(x=x, iterations=its, residual_norms=res, status=st, host_syncs=0)
+
+
+def _gmres_large(batch: PackedBatch, restart: int) -> BatchOutcome:
+    """One large system: :func:`gmres_one`, whose basis products are BLAS calls."""
+    import scipy.sparse as sps
+
+    A = sps.csr_matrix((batch.data, batch.indices, batch.indptr), shape=(batch.n, batch.n))
+    x, code, iterations = gmres_one(A, batch.b, x0=batch.x0, rtol=float(batch.rtol[0]),
+                                    atol=float(batch.atol[0]), restart=restart,
+                                    maxiter=int(batch.maxiter[0]), dinv=batch.dinv)
+    x = x.astype(batch.dtype, copy=False)
+    res = float(np.linalg.norm(batch.b - A @ x))  # the true residual, as the kernels report
+    code = code if np.isfinite(res) else BREAKDOWN
+    return BatchOutcome(x=x, iterations=np.array([iterations], dtype=np.int64),
+                        residual_norms=np.array([res]), status=np.array([code], dtype=np.int8))
+
+
+def gmres_one(A: Any, b: np.ndarray, *, x0: np.ndarray | None, rtol: float, atol: float,
+              restart: int, maxiter: int, dinv: np.ndarray | None) -> tuple[np.ndarray, int, int]:
+    """Restarted GMRES of one system on the host; returns ``(x, status, iterations)``.
+
+    The per-system kernel's algorithm (classical Gram-Schmidt applied twice,
+    Givens rotations of :mod:`managed_solve.kernels.krylov`, right Jacobi
+    preconditioning with ``dinv``) and the generic
+    :func:`managed_solve.solvers.gmres.gmres`'s arithmetic with a host read
+    every step: the same iterates, with the basis products as BLAS calls.
+    """
+    n = b.shape[0]
+    tol = max(float(rtol) * float(np.sqrt(np.dot(b, b))), float(atol))
+    m = min(int(restart), n)
+
+    def precond(v: np.ndarray) -> np.ndarray:
+        return dinv * v if dinv is not None else v
+
+    x = np.zeros_like(b) if x0 is None else x0.astype(b.dtype, copy=True)
+    V = np.empty((m + 1, n), dtype=b.dtype)
+    H = np.zeros((m + 1, m), dtype=b.dtype)  # columns rounded to b's dtype, as on a device
+    one = np.ones((), dtype=b.dtype)
+    total = 0
+    while True:
+        r = b - A @ x if (x0 is not None or total) else b.copy()
+        beta = float(np.sqrt(np.dot(r, r)))
+        if beta <= tol:
+            return x, CONVERGED, total
+        if not np.isfinite(beta):
+            return x, BREAKDOWN, total
+        if total >= maxiter:
+            return x, MAXITER, total
+        V[0] = r / beta
+        H[...] = 0
+        R, cs, sn, g = np.zeros((m, m)), np.zeros(m), np.zeros(m), np.zeros(m + 1)
+        g[0] = beta
+        done_k = None
+        steps = min(m, maxiter - total)
+        for j in range(steps):
+            w = A @ precond(V[j])
+            Vj = V[: j + 1]
+            h = Vj @ w
+            w -= Vj.T @ h
+            h2 = Vj @ w  # second pass: classical Gram-Schmidt alone loses orthogonality
+            w -= Vj.T @ h2
+            h += h2
+            hn = np.sqrt(np.dot(w, w))
+            nz = hn != 0
+            V[j + 1] = w * np.where(nz, one / np.where(nz, hn, 1), 0)
+            H[: j + 1, j] = h
+            H[j + 1, j] = hn
+            est = _k.rotate_column(np.array(H[: j + 2, j], dtype=np.float64), j, R, cs, sn, g)
+            if est <= tol:
+                done_k = j + 1
+                break
+        k = done_k if done_k is not None else steps
+        total += k
+        y = np.zeros(k)
+        if k:
+            _k.back_substitute(R, g, k, y)
+        x += precond(V[:k].T @ y.astype(b.dtype, copy=False))
+        if done_k is not None:
+            return x, CONVERGED, total
+        if total >= maxiter:
+            return x, MAXITER, total

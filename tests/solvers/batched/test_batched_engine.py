@@ -1,0 +1,142 @@
+"""BatchedEngine (``solvers/batched/engine.py``): prepare once, solve, update, solve_transpose."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import scipy.sparse.linalg as spla
+
+from managed_solve import LinearSystem
+from managed_solve.solvers.batched import BatchedEngine, PackedBatch, cg_batched
+from managed_solve.solvers.bicgstab import bicgstab_fused
+from managed_solve.solvers.cg import cg_fused
+from managed_solve.solvers.engine import Options
+from managed_solve.solvers.gmres import gmres_fused
+from tests._problems import poisson2d, upwind
+
+FUSED = {"cg": cg_fused, "bicgstab": bicgstab_fused, "gmres": gmres_fused}
+
+
+def matrix(method):
+    return poisson2d(9) if method == "cg" else upwind(9, 0.5)
+
+
+def prepare(A, method, *, jacobi=False, device="cpu", **kw):
+    opts = Options(method=method, M="jacobi" if jacobi else None, rtol=1e-10, **kw)
+    return BatchedEngine().prepare(A, opts, device)
+
+
+@pytest.mark.parametrize("jacobi", [False, True])
+@pytest.mark.parametrize("method", ["cg", "bicgstab", "gmres"])
+def test_solve_matches_spsolve_and_the_fused_wrapper(method, jacobi):
+    A = matrix(method)
+    rng = np.random.default_rng(1)
+    prepared = prepare(A, method, jacobi=jacobi)
+    assert prepared.engine == "batched" and prepared.n == A.shape[0]
+    for _ in range(2):  # the packed operator is reused
+        b = rng.standard_normal(A.shape[0])
+        out = prepared.solve(b)
+        ref = FUSED[method](A, b, rtol=1e-10, jacobi=jacobi)
+        assert out.code == ref.code == 0
+        assert out.iterations == ref.iterations
+        np.testing.assert_array_equal(out.x, ref.x)
+        np.testing.assert_allclose(out.x, spla.spsolve(A.tocsc(), b), rtol=0, atol=1e-8)
+
+
+@pytest.mark.parametrize("method", ["cg", "bicgstab", "gmres"])
+def test_a_block_of_right_hand_sides_is_one_batch_of_columns(method):
+    A = matrix(method)
+    rng = np.random.default_rng(2)
+    B = rng.standard_normal((A.shape[0], 3))
+    B[:, 1] = 0.0  # a zero column converges at once, alone
+    X0 = rng.standard_normal(B.shape)
+    prepared = prepare(A, method)
+    outs = prepared.solve(B, X0)
+    assert len(outs) == 3
+    for j, out in enumerate(outs):
+        one = prepared.solve(B[:, j], X0[:, j])
+        assert out.code == one.code == 0
+        assert abs(out.iterations - one.iterations) <= (0 if method != "bicgstab" else 1)
+        np.testing.assert_allclose(out.x, spla.spsolve(A.tocsc(), B[:, j]), rtol=0, atol=1e-8)
+        assert out.info["systems"] == 3
+    zero = prepared.solve(B)[1]
+    assert zero.iterations == 0 and not zero.x.any()
+    # The same as packing the k systems by hand.
+    if method == "cg":
+        manual = cg_batched(PackedBatch.pack([LinearSystem(A, B[:, j], rtol=1e-10) for j in range(3)]))
+        assert [o.iterations for o in prepared.solve(B)] == manual.iterations.tolist()
+    assert prepared.solve(np.zeros((A.shape[0], 0))) == []
+
+
+def test_update_replaces_values_on_the_same_pattern():
+    A = upwind(8, 0.5)
+    b = np.random.default_rng(3).standard_normal(A.shape[0])
+    prepared = prepare(A, "bicgstab", jacobi=True)
+    first = prepared.solve(b)
+    A2 = A.copy()
+    A2.data = A2.data * 1.5 + (A2.indices == np.repeat(np.arange(A.shape[0]), np.diff(A.indptr)))
+    prepared.update(A2)
+    again = prepared.solve(b)
+    fresh = prepare(A2, "bicgstab", jacobi=True).solve(b)
+    assert again.iterations == fresh.iterations
+    np.testing.assert_array_equal(again.x, fresh.x)
+    np.testing.assert_allclose(again.x, spla.spsolve(A2.tocsc(), b), rtol=0, atol=1e-8)
+    assert not np.allclose(first.x, again.x)
+    prepared.update(A.data)  # the values alone
+    np.testing.assert_array_equal(prepared.solve(b).x, first.x)
+    other = (A + sp.eye(A.shape[0], k=3)).tocsr()
+    with pytest.raises(ValueError, match="another sparsity pattern.*prepare"):
+        prepared.update(other)
+    with pytest.raises(ValueError, match=f"expected {A.nnz} values"):
+        prepared.update(np.ones(3))
+
+
+def test_solve_transpose_of_a_non_symmetric_matrix_prepares_the_transpose_once():
+    A = upwind(8, 0.6)
+    b = np.random.default_rng(4).standard_normal(A.shape[0])
+    prepared = prepare(A, "gmres")
+    y = prepared.solve_transpose(b)
+    assert y.code == 0
+    np.testing.assert_allclose(y.x, spla.spsolve(A.T.tocsc(), b), rtol=0, atol=1e-8)
+    transposed = prepared.transposed
+    assert transposed is not None
+    prepared.solve_transpose(b)
+    assert prepared.transposed is transposed  # prepared once
+    A2 = A.copy()
+    A2.data = A2.data * 2.0
+    prepared.update(A2)
+    y2 = prepared.solve_transpose(b)
+    np.testing.assert_allclose(y2.x, spla.spsolve(A2.T.tocsc(), b), rtol=0, atol=1e-8)
+
+
+def test_solve_transpose_of_a_symmetric_matrix_is_the_same_solve():
+    A = poisson2d(7)
+    b = np.random.default_rng(5).standard_normal(A.shape[0])
+    prepared = prepare(A, "cg", symmetric=True)
+    np.testing.assert_array_equal(prepared.solve_transpose(b).x, prepared.solve(b).x)
+    assert prepared.transposed is None
+
+
+def test_simulated_gpu_device_and_close():
+    A = poisson2d(4)
+    b = np.ones(A.shape[0])
+    with prepare(A, "cg", device="sim:0") as prepared:
+        out = prepared.solve(b)
+        assert out.code == 0 and isinstance(out.x, np.ndarray)
+    with pytest.raises(RuntimeError, match="closed"):
+        prepared.solve(b)
+
+
+def test_options_the_engine_cannot_run_are_refused():
+    A = poisson2d(3)
+    with pytest.raises(ValueError, match="'cg', 'bicgstab' or 'gmres'"):
+        prepare(A, "minres")
+    with pytest.raises(ValueError, match="M=None or M='jacobi'"):
+        BatchedEngine().prepare(A, Options(method="cg", M=lambda v: v), "cpu")
+    with pytest.raises(ValueError, match="callback"):
+        BatchedEngine().prepare(A, Options(method="cg", callback=print), "cpu")
+    with pytest.raises(TypeError, match="sparse matrix"):
+        BatchedEngine().prepare(A.toarray(), Options(method="cg"), "cpu")
+    with pytest.raises(ValueError, match="shape"):
+        prepare(A, "cg").solve(np.ones(4))
