@@ -23,9 +23,9 @@ from .devices import Device
 from .manager import DeviceManager, default_manager
 from .tensor import (
     ManagedTensor,
-    _account,
-    _is_sim,
+    account_placement,
     hold_reservation,
+    is_simulated_key,
     placement_of,
     raw_size_of,
     torch_device,
@@ -224,14 +224,14 @@ class ManagedModule(nn.Module):
             old.release()
         self.manage()
         nn.Module.to(self, torch_device(key), **kw)
-        sim = key if _is_sim(key) else None
+        sim = key if is_simulated_key(key) else None
         mgr = self._manager()
         for t in self._tensors():
             # nn.Module.to swaps .data in place, so the objects keep stale labels: reset them.
             old = t.__dict__.get("_ms_sim")
             t._ms_sim = sim
             if sim is not None and old != sim:
-                _account(t, sim, mgr)
+                account_placement(t, sim, mgr)
         return self
 
     def to(self, *args: Any, **kwargs: Any) -> ManagedModule:

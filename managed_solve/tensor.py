@@ -87,7 +87,7 @@ def torch_device(device: Device | str | Any) -> Any:
     return torch.device(name)
 
 
-def _is_sim(key: str | None) -> bool:
+def is_simulated_key(key: str | None) -> bool:
     return key is not None and key.startswith("sim")
 
 
@@ -140,7 +140,7 @@ def _pin_key(pin: str) -> Any:
     """
     key = _PIN_KEYS.get(pin)
     if key is None:
-        key = pin if _is_sim(pin) else torch.device(pin)
+        key = pin if is_simulated_key(pin) else torch.device(pin)
         _PIN_KEYS[pin] = key
     return key
 
@@ -272,7 +272,7 @@ def _label(ret: Any, sim: str | None, cls: type) -> Any:
     return ret
 
 
-def _account(t: Any, dev_key: str, mgr: DeviceManager) -> None:
+def account_placement(t: Any, dev_key: str, mgr: DeviceManager) -> None:
     """Simulated GPUs count the bytes of tensors explicitly placed on them, until freed.
 
     Real GPUs report their own free memory; a simulated one only knows what we
@@ -373,7 +373,7 @@ class ManagedTensor(torch.Tensor):
                 args = tuple(_move(a, target, tdev) for a in args)
                 if kwargs:
                     kwargs = {k: _move(v, target, tdev) for k, v in kwargs.items()}
-                sim_target = target if _is_sim(target) else None
+                sim_target = target if is_simulated_key(target) else None
             ret = func(*args, **kwargs)
             if type(ret) is _Tensor and sim_target is None:  # the common case, inlined
                 try:
@@ -469,7 +469,7 @@ class ManagedTensor(torch.Tensor):
                 kwargs = {**kwargs, "device": tdev}
             else:
                 args = (tdev, *args[1:])
-            if _is_sim(key):
+            if is_simulated_key(key):
                 if key == self.placement:
                     with _DisableSubclass():
                         out = _base_to(self, *args, **kwargs)
@@ -479,7 +479,7 @@ class ManagedTensor(torch.Tensor):
                     out = _base_to(self, *args, **kwargs)
                 out = _label(out, key, type(self))
                 out._ms_manager = self._ms_manager
-                _account(out, key, self._manager())
+                account_placement(out, key, self._manager())
                 return out
             # A real device named by a Device object: torch's own rules from here.
         parsed = torch._C._nn._parse_to(*args, **kwargs)
