@@ -84,14 +84,20 @@ class SolveResult:
     message: str = ""
     name: str | None = None
     info: dict = field(default_factory=dict)
+    column_status: tuple[Status, ...] | None = None
 
     @property
     def converged(self) -> bool:
         return self.status is Status.CONVERGED
 
     @property
-    def relative_residual(self) -> float:
-        """``||b - A x|| / ||b||`` (the norm itself when b is zero)."""
+    def relative_residual(self) -> Any:
+        """``||b - A x|| / ||b||`` (the norm itself when b is zero); per column for a 2-D b."""
+        if np.ndim(self.b_norm):
+            b = np.asarray(self.b_norm, dtype=np.float64)
+            r = np.asarray(self.residual_norm, dtype=np.float64)
+            usable = np.isfinite(b) & (b != 0)
+            return np.where(usable, r / np.where(usable, b, 1.0), r)
         if not np.isfinite(self.b_norm) or self.b_norm == 0:
             return self.residual_norm
         return self.residual_norm / self.b_norm
@@ -135,6 +141,13 @@ class SolveResult:
 
     def __repr__(self) -> str:
         n = None if self.x is None else getattr(self.x, "shape", (None,))[0]
+        if self.column_status is not None:  # a 2-D b: the worst column
+            k = len(self.column_status)
+            its = int(np.max(self.iterations))
+            rel = float(np.max(self.relative_residual))
+            return (f"SolveResult(status={self.status.name}, n={n}, columns={k}, "
+                    f"iterations<={its}, relative_residual<={rel:.3g}, device={self.device!r}, "
+                    f"seconds={self.seconds:.3g})")
         return (
             f"SolveResult(status={self.status.name}, n={n}, iterations={self.iterations}, "
             f"relative_residual={self.relative_residual:.3g}, device={self.device!r}, "

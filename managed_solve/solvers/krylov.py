@@ -100,9 +100,12 @@ class PreparedKrylov(Prepared):
         return _GENERIC[o.method](self.A, b, x0=x0, rtol=o.rtol, atol=o.atol, maxiter=limit,
                                   M=self.M, callback=o.callback)
 
-    def solve_limited(self, b: Any, x0: Any, maxiter: int) -> Outcome:
+    def solve_limited(self, b: Any, x0: Any, maxiter: int, *, transpose: bool = False) -> Outcome:
         """One right-hand side with an iteration limit of its own (restarts after drift)."""
         self._check_open()
+        if transpose and not self.options.symmetric:
+            self._solve_transpose_vector(b, None)  # makes the transposed set-up once
+            return self._transposed._solve_vector(b, x0, maxiter=maxiter)
         return self._solve_vector(b, x0, maxiter=maxiter)
 
     def _solve_transpose_vector(self, b: Any, x0: Any) -> Outcome:

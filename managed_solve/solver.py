@@ -1,0 +1,517 @@
+"""Solver: one matrix set up once on one device, then solved for any number of right-hand sides.
+
+The flow: validate once, choose the device (the caller's, the GPU the arrays
+already lie on, or the DeviceManager's choice, with the bytes reserved until
+:meth:`Solver.close`), choose the method (:mod:`managed_solve.system.method`),
+prepare its engine there (factors, preconditioner), then for each
+right-hand side solve, check the true residual, fall back where "auto"
+guessed wrong, and learn the measured time for the next placement.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import _backend
+from .devices import Device, parse_device_name
+from .result import SolveResult, Status
+from .solvers import batched
+from .solvers._common import norm, stop_threshold, true_residual_norm
+from .solvers.direct import SINGULAR, DirectEngine, Singular
+from .solvers.engine import BREAKDOWN, CONVERGED, MAXITER, Options, Outcome, Prepared
+from .solvers.krylov import KrylovEngine
+from .system import FALLBACK, LinearSystem
+from .system.inputs import as_operator, check_dtype, checked_finite
+from .system.method import choose_method, krylov_method, matrix_symmetry
+
+log = logging.getLogger("managed_solve")
+
+# Extra Krylov restarts from the current x when the recurrence residual met
+# the tolerance but the true residual did not (drift, mostly in float32).
+REFINEMENTS = 2
+
+
+def named_device(device: Any, mgr: Any) -> Device:
+    if isinstance(device, Device):
+        return device
+    kind, idx = parse_device_name(str(device), what="solve(device=...)")
+    try:
+        return mgr.get_device(device)
+    except ValueError:
+        pass
+    if kind == "cuda":
+        n, why = _backend.cuda_probe()
+        if idx >= n:
+            raise RuntimeError(
+                f"solve(device={device!r}): no such CUDA GPU here ({n} usable"
+                f"{'; ' + why if why else ''}). Use device='cpu' or device=None."
+            )
+        from .devices import discover_cuda
+
+        for d in discover_cuda()[0]:
+            if d.index == idx:
+                return d
+    if kind == "cpu":
+        from .devices import cpu_device
+
+        return cpu_device()
+    raise RuntimeError(f"solve(device={device!r}): the manager has no such device "
+                       f"({', '.join(str(d) for d in mgr.devices)}); pass manager=... or "
+                       "device=None.")
+
+
+def reserve_for(mgr: Any, nbytes: int, dev: Device | None, system: LinearSystem, method: str):
+    sig = (*system.signature[:3], method, system.kind)
+    if dev is None:
+        return mgr.reserve(nbytes, disperse=True, signature=sig, obj=system)
+    try:
+        return mgr.reserve(nbytes, dev, signature=sig)
+    except ValueError:  # a device this manager does not manage: run unreserved
+        return None
+    except MemoryError as exc:  # the caller asked for this device: obey, but say so
+        log.warning("managed_solve: solve(device=%s) runs beyond the ledger: %s", dev, exc)
+        return None
+
+
+def move_to(system: LinearSystem, dev: Device) -> LinearSystem:
+    if dev.kind == "cuda":
+        if system.device != str(dev):
+            system = system.to(str(dev))
+        return system
+    return system if system.device == "cpu" else system.to("cpu")
+
+
+def prepare(system: LinearSystem, method: str, device: Device, *, symmetric: bool | None = None,
+            callback: Any = None, first_check: int | None = None) -> Prepared:
+    """The engine for ``method`` prepared on ``system.A`` (already on ``device``).
+
+    ``"direct"`` factorises (:class:`~managed_solve.solvers.direct.DirectEngine`);
+    the Krylov methods build their preconditioner
+    (:class:`~managed_solve.solvers.krylov.KrylovEngine`).
+    """
+    options = Options(method, M=system.M, rtol=system.rtol, atol=system.atol,
+                      maxiter=system.maxiter, callback=callback, symmetric=symmetric,
+                      first_check=first_check)
+    if method == "direct":
+        if system.kind == "operator":
+            raise ValueError("solve(method='direct'): A is an operator without entries; use "
+                             "method='gmres' or pass A as a sparse matrix.")
+        return DirectEngine().prepare(system.A, options, device)
+    return KrylovEngine().prepare(system.A, options, device, kind=system.kind)
+
+
+def fallback_method(system: LinearSystem, method: str, out: Outcome,
+                    symmetric: bool | None) -> str | None:
+    """The method "auto" tries next after ``out``, or None (the verify-and-fall-back rule).
+
+    A Krylov method that broke down goes to :data:`FALLBACK` (CG to MINRES,
+    BiCGStab to GMRES); a factorisation that found A singular goes to the
+    Krylov method of the auto policy (CG or MINRES converge on a consistent
+    singular system).
+    """
+    if system.method != "auto":
+        return None
+    if method == "direct" and out.code == BREAKDOWN and system.kind != "operator":
+        return krylov_method(system.A, symmetric)
+    if out.code == BREAKDOWN and method in FALLBACK:
+        return FALLBACK[method]
+    return None
+
+
+def status_of(out: Outcome, method: str, residual: float, tol: float,
+            system: LinearSystem) -> tuple[Status, str]:
+    if out.code == BREAKDOWN:
+        return Status.BREAKDOWN, out.message or Status.BREAKDOWN.message
+    if out.code == MAXITER:
+        if method == "direct":
+            return Status.MAXITER, out.message
+        return Status.MAXITER, (f"{method}: {out.iterations} iterations did not reach the "
+                                f"tolerance (||b - A x|| = {residual:.3g} > {tol:.3g}); raise "
+                                "maxiter, loosen rtol, or add a preconditioner (M='jacobi').")
+    if not residual <= tol * (1 + 1e-6):
+        if method == "direct":
+            return Status.MAXITER, (
+                f"direct: the true residual ||b - A x|| = {residual:.3g} exceeds {tol:.3g}; "
+                f"A is too ill-conditioned for rtol={system.rtol:g} in {system.dtype}.")
+        return Status.MAXITER, (
+            f"{method}: the recurrence met the tolerance but the true residual "
+            f"||b - A x|| = {residual:.3g} exceeds {tol:.3g} after {REFINEMENTS} restarts; "
+            f"{system.dtype} may not resolve rtol={system.rtol:g} (use dtype='float64' or a "
+            "looser rtol).")
+    if method == "direct":
+        return Status.CONVERGED, f"solved by {out.info.get('factorisation', 'LU')}"
+    return Status.CONVERGED, f"{method}: converged in {out.iterations} iterations"
+
+
+class Solver:
+    """A matrix set up once on one device; solve it for any number of right-hand sides.
+
+    Parameters
+    ----------
+    A : matrix or operator
+        As :func:`managed_solve.solve` takes it (SciPy/cupyx sparse, torch
+        sparse, dense NumPy/CuPy/torch, an operator with ``matvec``).
+    method, M, rtol, atol, maxiter, callback, device, dtype, manager
+        As for :func:`managed_solve.solve`.
+    name : str, optional
+        Shown in results.
+
+    Notes
+    -----
+    Set-up (a factorisation, a preconditioner, the method choice, the
+    transfer of A to its device) happens here, once. ``solve`` then costs
+    only the solve; ``update`` replaces A's values on the same pattern and
+    redoes only the numeric set-up; ``solve_transpose`` solves ``A^T x = b``
+    on the same set-up. The manager's reservation and the device memory are
+    held until :meth:`close` (or the end of a ``with`` block).
+
+    Examples
+    --------
+    >>> import numpy as np, scipy.sparse as sp
+    >>> import managed_solve as ms
+    >>> A = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(100, 100)).tocsr()
+    >>> with ms.Solver(A, device="cpu") as solver:
+    ...     one = solver.solve(np.ones(100))
+    ...     many = solver.solve(np.ones((100, 3)))
+    >>> one.converged, many.x.shape, bool(many.converged)
+    (True, (100, 3), True)
+    """
+
+    def __init__(self, A: Any, *, method: str = "auto", M: Any = None, rtol: float = 1e-8,
+                 atol: float = 0.0, maxiter: int | None = None,
+                 callback: Callable[[Any], None] | None = None, device: Any = None,
+                 dtype: Any = None, manager: Any = None, name: str | None = None):
+        op, kind = as_operator(A, call="Solver(A)")
+        n = int(op.shape[0]) if len(op.shape) == 2 else 0
+        data = op.data if kind == "csr" else op
+        xp = _backend.array_module(data) if kind != "operator" else np
+        dt = check_dtype(getattr(op, "dtype", np.float64), call="Solver(A)", arg="A")
+        zeros = xp.zeros(max(n, 1), dtype=dt if dt.kind == "f" else np.float64)
+        # A LinearSystem with a zero b validates A and the options once.
+        system = LinearSystem(op, zeros[:n] if n else zeros, rtol=rtol, atol=atol,
+                              maxiter=maxiter, method=method, M=M, name=name, dtype=dtype,
+                              _call="Solver(A)")
+        self._open(system, device=device, manager=manager, callback=callback)
+
+    @classmethod
+    def from_system(cls, system: LinearSystem, *, device: Any = None, manager: Any = None,
+                    callback: Callable[[Any], None] | None = None) -> Solver:
+        """A Solver for a validated :class:`LinearSystem` (its b and x0 count in the reservation)."""
+        self = object.__new__(cls)
+        self._open(system, device=device, manager=manager, callback=callback)
+        return self
+
+    # ------------------------------------------------------------------ set-up
+    def _open(self, system: LinearSystem, *, device: Any, manager: Any, callback: Any) -> None:
+        from .manager import default_manager
+
+        mgr = manager if manager is not None else default_manager()
+        if device is not None:
+            dev = named_device(device, mgr)
+        elif system.device.startswith("cuda"):
+            dev = named_device(system.device, mgr)
+        else:
+            dev = None
+        # The method decides the workspace; "auto" on a device still unknown is
+        # resolved as for an accelerator (no direct), then again once placed.
+        symmetric = matrix_symmetry(system) if system.method in ("auto", "direct") else None
+        planned = choose_method(system, dev.kind if dev is not None else "cuda",
+                                symmetric=symmetric)
+        # Through the manager's size heuristic (managed_solve.USE_HEURISTIC), as
+        # every reservation of an object is.
+        nbytes = mgr.size_of(system.nbytes + system.workspace_bytes(planned))
+        self._reservation = reserve_for(mgr, nbytes, dev, system, planned)
+        self.closed = False
+        try:
+            if dev is None:
+                dev = self._reservation.device
+            self.system = move_to(system, dev)
+            self.device = dev
+            self.manager = mgr
+            self.symmetric = symmetric
+            self.callback = callback
+            self.method = choose_method(self.system, dev.kind, symmetric=symmetric)
+            self._engines: dict[str, Prepared | Outcome] = {}
+        except BaseException:
+            self.close()
+            raise
+
+    def _engine(self, method: str, first_check: int | None = None) -> Prepared | Outcome:
+        """The prepared engine of ``method`` (made once), or the Outcome of a failed set-up."""
+        got = self._engines.get(method)
+        if got is None:
+            try:
+                got = prepare(self.system, method, self.device, symmetric=self.symmetric,
+                              callback=self.callback, first_check=first_check)
+            except Singular as exc:
+                got = Outcome(None, BREAKDOWN, 0, float("nan"), f"{SINGULAR} ({exc})")
+            self._engines[method] = got
+        return got
+
+    @property
+    def n(self) -> int:
+        return self.system.n
+
+    # ------------------------------------------------------------------ solving
+    def solve(self, b: Any, x0: Any = None) -> SolveResult:
+        """Solve ``A x = b`` for b of shape (n,) or (n, k) (each column converging on its own).
+
+        For a 2-D b the result's ``x`` is (n, k); ``iterations``,
+        ``residual_norm`` and ``b_norm`` are arrays of k entries,
+        ``column_status`` holds each column's status and ``status`` is
+        CONVERGED only when every column converged.
+        """
+        return self._solve(b, x0, transpose=False)
+
+    def solve_transpose(self, b: Any, x0: Any = None) -> SolveResult:
+        """Solve ``A^T x = b`` on the same set-up (the adjoint solve of a gradient)."""
+        return self._solve(b, x0, transpose=True)
+
+    def update(self, A: Any) -> None:
+        """New values on the same sparsity pattern (a matrix, or its CSR data array).
+
+        Only the numeric set-up is redone (a new factorisation, a new
+        preconditioner); a matrix of another pattern raises ValueError.
+        """
+        self._check_open()
+        from .solvers.krylov import same_pattern
+
+        system = self.system
+        if system.kind == "csr":
+            if hasattr(A, "shape") and not hasattr(A, "indptr") and len(A.shape) == 2:
+                raise ValueError("Solver.update(A): give a sparse matrix of the prepared pattern "
+                                 "or its data array (A.data); prepare a new Solver otherwise.")
+            values = A
+            if hasattr(A, "indptr") or _backend.is_torch_tensor(A):
+                values, _kind = as_operator(A, call="Solver.update(A)")
+            if hasattr(values, "indptr") and _backend.array_module(values.data) is not \
+                    _backend.array_module(system.A.data):
+                values = values.get() if hasattr(values, "get") else \
+                    _backend.sparse_module(_backend.array_module(system.A.data)).csr_matrix(values)
+            new = same_pattern(system.A, values, "csr", call="Solver.update")
+            if not checked_finite(new.data, None):
+                raise ValueError("Solver.update(A): the new values have NaN or Inf entries.")
+        elif system.kind == "dense":
+            new = _backend.array_module(system.A).asarray(A).astype(system.dtype, copy=False)
+            if new.shape != system.A.shape:
+                raise ValueError(f"Solver.update(A): expected shape {system.A.shape}, got "
+                                 f"{tuple(new.shape)}; prepare a new Solver for a new shape.")
+        else:
+            raise ValueError("Solver.update(A): an operator has no values to update; prepare a "
+                             "new Solver.")
+        self.system = _with_matrix(system, new)
+        if system.method == "auto" or system.method == "direct":
+            self.symmetric = matrix_symmetry(self.system)
+        for method, prepared in list(self._engines.items()):
+            if isinstance(prepared, Prepared):
+                try:
+                    prepared.update(new.data if system.kind == "csr" else new)
+                except Singular:
+                    prepared.close()
+                    del self._engines[method]
+            else:
+                del self._engines[method]
+
+    def close(self) -> None:
+        """Release the engines' workspace and the manager's reservation (idempotent)."""
+        for prepared in getattr(self, "_engines", {}).values():
+            if isinstance(prepared, Prepared):
+                prepared.close()
+        self._engines = {}
+        if getattr(self, "_reservation", None) is not None:
+            self._reservation.release()
+            self._reservation = None
+        self.closed = True
+
+    def __enter__(self) -> Solver:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return (f"Solver(n={self.system.n}, method={self.method!r}, device="
+                f"{str(getattr(self, 'device', None))!r}, {state})")
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("Solver: this solver was closed; make a new one.")
+
+    def _rhs(self, v: Any, what: str) -> Any:
+        """b or x0 as an (n,) or (n, k) array of the solver's dtype on its device."""
+        system = self.system
+        n = system.n
+        if _backend.is_torch_tensor(v):
+            from .system.inputs import as_vector
+
+            if v.ndim == 1:
+                v = as_vector(v, n, call="Solver.solve", arg=what)
+            else:
+                v = _backend.cupy().from_dlpack(v.detach()) if v.device.type == "cuda" \
+                    else v.detach().numpy()
+        elif not (isinstance(v, np.ndarray) or _backend.is_cupy_array(v)):
+            v = np.asarray(v)
+        if v.ndim == 2 and v.shape[1] == 1:
+            v = v.reshape(-1)
+        if v.ndim not in (1, 2) or v.shape[0] != n:
+            raise ValueError(f"Solver.solve: {what} must have shape ({n},) or ({n}, k), got "
+                             f"shape {tuple(v.shape)}.")
+        check_dtype(v.dtype, call="Solver.solve", arg=what)
+        xp = _backend.array_module(system.b)
+        if _backend.array_module(v) is not xp:
+            v = xp.asarray(v) if xp is not np else _backend.to_host(v)
+        elif xp is not np and v.device.id != system.b.device.id:
+            with _backend.cupy().cuda.Device(system.b.device.id):
+                v = xp.asarray(v)
+        v = v.astype(system.dtype, copy=False)
+        if not checked_finite(v, None):
+            raise ValueError(f"Solver.solve: {what} has NaN or Inf entries")
+        return v
+
+    def _solve(self, b: Any, x0: Any, *, transpose: bool) -> SolveResult:
+        self._check_open()
+        B = self._rhs(b, "b")
+        X0 = self._rhs(x0, "x0") if x0 is not None else None
+        if X0 is not None and X0.ndim != B.ndim:
+            raise ValueError(f"Solver.solve: x0 has shape {tuple(X0.shape)}, b {tuple(B.shape)}; "
+                             "give one initial guess per right-hand side.")
+        if B.ndim == 1:
+            return self.solve_one(B, X0, transpose=transpose)
+        return self._solve_block(B, X0, transpose=transpose)
+
+    def solve_one(self, b: Any, x0: Any = None, *, transpose: bool = False,
+                  name: str | None = None) -> SolveResult:
+        """One right-hand side already of the solver's dtype on its device (no validation)."""
+        self._check_open()
+        system, dev, mgr = self.system, self.device, self.manager
+        method = self.method
+        A = system.A.T if transpose and system.kind != "operator" else system.A
+        xp = _backend.array_module(b)
+        b_norm = float(norm(xp, b))  # sync: once, for the result
+        tol = stop_threshold(system.rtol, system.atol, b_norm)
+        # Iterations the manager saw for this kind of system: the fused loop's first
+        # convergence read goes there, so a repeated solve syncs with the host once.
+        sig = (*system.signature[:3], method, system.kind, system.rtol)
+        first_check = mgr.predict(sig, device=dev).iterations if mgr is not None else None
+        t0 = time.perf_counter()
+        try:
+            dev.check_fault(system.nbytes)
+            with dev.context():
+                out = self._attempt(method, b, x0, tol, transpose, first_check)
+                fallback = fallback_method(system, method, out, self.symmetric)
+                if fallback is not None:
+                    # "auto" guessed from cheap tests (a positive diagonal does not
+                    # make a symmetric matrix definite; a factorisation may meet a
+                    # singular matrix): retry with the robust method.
+                    log.info("managed_solve: %s did not solve (%s); auto falls back to %s",
+                             method, out.message, fallback)
+                    spent, tried = out.iterations, method
+                    method = fallback
+                    out = self._attempt(method, b, x0, tol, transpose, None)
+                    out.iterations += spent
+                    out.info["fallback_from"] = tried
+                _backend.synchronize() if dev.kind == "cuda" else None
+        except MemoryError as exc:  # SimulatedOutOfMemory, cupy's OutOfMemoryError
+            seconds = time.perf_counter() - t0
+            return SolveResult(None, Status.DEVICE_ERROR, 0, float("nan"), b_norm, str(dev),
+                               seconds, method, f"out of memory on {dev}: {exc}. Free memory there "
+                               "or let the manager choose (device=None).", name or system.name)
+        seconds = time.perf_counter() - t0
+        x = out.x
+        if x is not None:
+            residual = true_residual_norm(A, b, x)
+            # That read waited for the solve's queued masked iterations: free what
+            # the fused GPU core kept alive for them (nothing on other paths).
+            batched.release_done()
+        else:
+            residual = out.residual_norm
+        status, message = status_of(out, method, residual, tol, system)
+        if mgr is not None:
+            cost = float(system.nbytes + system.workspace_bytes(method)) * max(out.iterations, 1)
+            mgr.record(sig, seconds, peak_bytes=system.nbytes + system.workspace_bytes(method),
+                       device=dev, cost=cost, iterations=out.iterations
+                       if status in (Status.CONVERGED, Status.MAXITER) else None)
+        info = dict(out.info)
+        info.setdefault("path", "generic" if method != "direct" else "direct")
+        info["host_syncs"] = out.host_syncs
+        return SolveResult(x, status, out.iterations, residual, b_norm, str(dev), seconds, method,
+                           message, name or system.name, info)
+
+    def _attempt(self, method: str, b: Any, x0: Any, tol: float, transpose: bool,
+                 first_check: int | None) -> Outcome:
+        """Solve with ``method``'s prepared engine (made on first use); Krylov restarts after drift."""
+        prepared = self._engine(method, first_check)
+        if isinstance(prepared, Outcome):  # the set-up itself failed (a singular factorisation)
+            return Outcome(None, prepared.code, 0, prepared.residual_norm, prepared.message)
+        out = prepared.solve_transpose(b, x0) if transpose else prepared.solve(b, x0)
+        if method == "direct":
+            if self.callback is not None and out.x is not None:
+                self.callback(out.x)
+            return out
+        A = self.system.A.T if transpose and self.system.kind != "operator" else self.system.A
+        return refine(A, b, prepared, out, tol, transpose)
+
+    def _solve_block(self, B: Any, X0: Any, *, transpose: bool) -> SolveResult:
+        """k right-hand sides: one result with (n, k) x and per-column figures."""
+        k = B.shape[1]
+        t0 = time.perf_counter()
+        cols = [self.solve_one(B[:, j], None if X0 is None else X0[:, j], transpose=transpose)
+                for j in range(k)]
+        seconds = time.perf_counter() - t0
+        xp = _backend.array_module(B)
+        if all(c.x is not None for c in cols):
+            X = xp.stack([c.x for c in cols], axis=1)
+        else:
+            X = None
+        statuses = tuple(c.status for c in cols)
+        bad = [j for j, s in enumerate(statuses) if s is not Status.CONVERGED]
+        status = Status.CONVERGED if not bad else statuses[bad[0]]
+        if bad:
+            message = (f"{len(bad)} of {k} columns did not converge (first: column {bad[0]}, "
+                       f"{cols[bad[0]].message})")
+        else:
+            message = f"{self.method}: all {k} columns converged"
+        methods = {c.method for c in cols}
+        info = {"columns": k, "host_syncs": sum(c.info.get("host_syncs", 0) for c in cols),
+                "path": cols[0].info.get("path")}
+        if X is None:
+            info["column_x"] = [c.x for c in cols]
+        return SolveResult(X, status, np.array([c.iterations for c in cols]),
+                           np.array([c.residual_norm for c in cols]),
+                           np.array([c.b_norm for c in cols]), str(self.device), seconds,
+                           methods.pop() if len(methods) == 1 else "mixed", message,
+                           self.system.name, info, column_status=statuses)
+
+
+def refine(A: Any, b: Any, prepared: Any, out: Outcome, tol: float, transpose: bool) -> Outcome:
+    """Restart from x while the recurrence converged but the true residual did not."""
+    total, syncs = out.iterations, out.host_syncs
+    maxiter = prepared.maxiter
+    for _ in range(REFINEMENTS):
+        if out.code != CONVERGED or out.x is None:
+            break
+        if true_residual_norm(A, b, out.x) <= tol:
+            break
+        left = maxiter - total
+        if left <= 0:
+            break
+        nxt = prepared.solve_limited(b, out.x, left, transpose=transpose)
+        total += nxt.iterations
+        syncs += nxt.host_syncs
+        out = nxt
+    out.iterations, out.host_syncs = total, syncs
+    return out
+
+
+def _with_matrix(system: LinearSystem, A: Any) -> LinearSystem:
+    """The same validated system with another matrix of the same shape, pattern and dtype."""
+    out = object.__new__(LinearSystem)
+    out.__dict__.update(system.__dict__)
+    out.A = A
+    return out
