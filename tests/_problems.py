@@ -64,3 +64,12 @@ def assert_matches_spsolve(x, A, b, dtype):
     x_direct = sla.spsolve(A.astype(np.float64).tocsc(), b.astype(np.float64))
     tol = 1e-6 if dtype == np.float64 else 1e-2
     assert np.linalg.norm(host(x) - x_direct) / np.linalg.norm(x_direct) < tol
+
+
+def poisson2d_skew(m, c=0.5):
+    """:func:`poisson2d` plus a skew-symmetric (convection) part: non-symmetric, positive definite.
+
+    ``x^T A x = x^T P x > 0``, so BiCGStab and GMRES converge on it.
+    """
+    U = sp.diags([c], [1], shape=(m * m, m * m))
+    return (poisson2d(m) + U - U.T).tocsr()

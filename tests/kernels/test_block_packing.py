@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import scipy.sparse as sp
-from managed_solve.kernels.packing import shift_blocks, shift_blocks_jacobi
 
 from managed_solve import LinearSystem
+from managed_solve.kernels.packing import shift_blocks, shift_blocks_jacobi
 from managed_solve.solvers.batch import default_maxiter, pack_host
 
 
