@@ -25,8 +25,8 @@ import pytest
 from bench_w2_many import RTOL, check_own_rtol, per_system, w2_pairs, w2_sizes
 
 from conftest import GPU_COUNT, sync
+from managed_solve import solve_many
 from managed_solve.manager import DeviceManager
-from managed_solve.scheduler import solve_many
 
 ray = pytest.importorskip("ray")
 cluster = pytest.importorskip("managed_solve.cluster")

@@ -22,9 +22,8 @@ import scipy.sparse as sp
 import scipy.sparse.linalg as spla
 
 from conftest import GPU_COUNT, sync
-from managed_solve import LinearSystem
+from managed_solve import LinearSystem, solve_many
 from managed_solve.manager import DeviceManager
-from managed_solve.scheduler import solve_many
 
 RTOL = 1e-8
 ROUNDS = 3

@@ -20,8 +20,8 @@ import scipy.sparse.linalg as spla
 from bench_w2_many import ROUNDS, RTOL, per_system, time_solver_loop, w2_sizes
 
 from conftest import sync
+from managed_solve import solve_many
 from managed_solve.manager import DeviceManager
-from managed_solve.scheduler import solve_many
 
 RESTART = 30
 SUBSET = 10  # the loops time every tenth system

@@ -2,8 +2,8 @@
 
 Times, on whatever machine runs it (no GPU needed):
 
-- ``_validate`` of W2-large's (A, b) pairs (``LinearSystem.__init__``), per pair;
-- ``scheduler.estimate`` of W2-large's systems (65 distinct matrices), per system;
+- ``as_system`` (validation) of W2-large's (A, b) pairs (``LinearSystem.__init__``), per pair;
+- ``estimate_system`` of W2-large's systems (65 distinct matrices), per system;
 - ``pack_host`` of batches of W2 systems and of one 1M-unknown system, ns per row;
 - the plan of W2-large (10,000 W2 systems + four of 1024^2 unknowns) on two
   H200-like GPUs: where the four large systems go and the predicted finish times.
@@ -23,10 +23,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 import numpy as np  # noqa: E402
 from bench_w2_many import poisson2d, w2_pairs, w2_sizes  # noqa: E402
 
-from managed_solve import scheduler as sched  # noqa: E402
 from managed_solve.devices import Device  # noqa: E402
 from managed_solve.manager import DeviceManager  # noqa: E402
-from managed_solve.packing import Slot  # noqa: E402
+from managed_solve.scheduling.estimate import estimate_system, packed_bytes  # noqa: E402
+from managed_solve.scheduling.plan import Slot, plan_work  # noqa: E402
+from managed_solve.scheduling.validate import as_system  # noqa: E402
 from managed_solve.solvers.batched import pack_host  # noqa: E402
 
 
@@ -54,15 +55,14 @@ def main() -> None:
 
     # 1. validation of (A, b) pairs
     def validate():
-        memo: dict = {}  # as solve_many keeps one per call (older versions take no memo)
-        kw = {"memo": memo} if "memo" in sched._validate.__code__.co_varnames else {}
-        return [sched._validate(p, i, method="auto", M=None, rtol=None, **kw)
+        memo: dict = {}  # as solve_many keeps one per call
+        return [as_system(p, i, method="auto", M=None, rtol=None, memo=memo)
                 for i, p in enumerate(pairs)]
 
     validate()
     t = best(validate, args.repeat)
     systems = validate()
-    print(f"_validate        {t * 1e3:8.1f} ms  {t / len(pairs) * 1e6:6.2f} us per pair")
+    print(f"as_system        {t * 1e3:8.1f} ms  {t / len(pairs) * 1e6:6.2f} us per pair")
 
     # 2. estimates, as solve_many makes them for two GPUs
     dm = DeviceManager(simulate="2x80GiB")
@@ -70,7 +70,7 @@ def main() -> None:
 
     def estimate(part=systems):
         cache: dict = {}
-        return [sched.estimate(s, i, host_only=False, manager=dm, reference=ref, cache=cache)
+        return [estimate_system(s, i, device_kind="cuda", manager=dm, reference=ref, cache=cache)
                 for i, s in enumerate(part)]
 
     ests = estimate()
@@ -97,7 +97,7 @@ def main() -> None:
     gpus = [Device("cuda", k, "H200 (planning only)", 141 << 30, bandwidth=4.0e12) for k in (0, 1)]
     slots = [Slot(str(d), int(0.9 * d.total_bytes), d.bandwidth, 0.0, "cuda") for d in gpus]
     t0 = time.perf_counter()
-    plan = sched.plan_work(ests, gpus, dm, batch_bytes=sched._packed_bytes(dm, systems), slots=slots)
+    plan = plan_work(ests, gpus, dm, batch_bytes=packed_bytes(dm, systems), slots=slots)
     t = time.perf_counter() - t0
     large = {len(systems) - k for k in range(1, 5)}
     finish = plan.finish_times()

@@ -1,6 +1,6 @@
 """Where ``solve_many``'s time goes on GPUs (W2, W2-large): a diagnostic, not a benchmark.
 
-Wraps the scheduler's steps with wall-clock timers (per thread), runs W2 on
+Wraps the steps of ``managed_solve.scheduling`` with wall-clock timers (per thread), runs W2 on
 one GPU and W2-large on one and two, and prints per-step totals and each
 worker's timeline. Run on a GPU machine:
 
@@ -25,12 +25,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 import numpy as np  # noqa: E402
 from bench_w2_many import RTOL, poisson2d, w2_pairs, w2_sizes  # noqa: E402
 
-from managed_solve import LinearSystem, _backend, config, packing, system  # noqa: E402
-from managed_solve import scheduler as sched  # noqa: E402
+from managed_solve import LinearSystem, _backend, config  # noqa: E402
 from managed_solve.manager import DeviceManager  # noqa: E402
+from managed_solve.scheduling import estimate as estimation  # noqa: E402
+from managed_solve.scheduling import many, routes, staging  # noqa: E402
+from managed_solve.scheduling.runner import Runner  # noqa: E402
+from managed_solve.scheduling.staging import Stager  # noqa: E402
 from managed_solve.solvers import batched  # noqa: E402
 from managed_solve.solvers.batched import gpu as batched_gpu  # noqa: E402
 from managed_solve.solvers.batched import packed  # noqa: E402
+from managed_solve.system import method  # noqa: E402
 
 EVENTS: list[tuple[str, str, float, float, str]] = []
 # Re-entrant: a garbage collection may start (and log itself) while a thread holds it.
@@ -85,12 +89,12 @@ def _rows(a, k):
 
 
 def install():
-    timed(sched, "_pack", note=_rows)
-    timed(sched, "_solve_packed", note=lambda a, k: _rows(a, k))
-    timed(sched, "plan_work")
-    timed(sched, "_validate", label="validate (per system)")
-    timed(sched, "estimate", label="estimate (per system)")
-    timed(sched, "_run_sharded")
+    timed(staging, "pack_batch", note=_rows)
+    timed(routes, "solve_packed", note=lambda a, k: _rows(a, k))
+    timed(many, "plan_work")
+    timed(many, "as_system", label="validate (per system)")
+    timed(estimation, "estimate_system", label="estimate (per system)")
+    timed(many, "run_sharded")
     timed(packed, "pack_host", note=_rows)
     timed(packed.PackedBatch, "unpack")
     timed(batched, "cg_batched", note=lambda a, k: f"{a[0].nsys} sys, {a[0].n:,} rows")
@@ -102,21 +106,21 @@ def install():
     timed(batched_gpu.FusedSolve, "_setup", label="solver setup")
     timed(batched_gpu.FusedSolve, "_capture", label="graph capture")
     timed(batched_gpu.FusedSolve, "_compact", label="compaction")
-    timed(sched._Runner, "_deliver", label="deliver (per result)")
-    timed(sched._Runner, "_deliver_many", label="deliver (per batch)")
-    timed(sched, "_prefetch_methods")
-    timed(sched, "_head_start")
-    timed(sched._Runner, "extend", label="plan extended")
-    timed(sched._Runner, "_deliver_batch", label="deliver batch")
-    timed(sched._Runner, "join", label="runner join")
-    timed(sched._Stager, "close", label="stager close")
-    timed(sched, "_solve_many_local")
-    timed(sched, "_results", note=lambda a, k: f"{len(a[0])} sys")
-    timed(sched, "_run_packed")
-    timed(sched, "_select_devices")
-    timed(sched, "_packed_bytes")
-    timed(sched, "is_symmetric", label="is_symmetric (per call)")
-    timed(sys.modules["managed_solve.solve"], "positive_diagonal", label="positive_diagonal (per call)")
+    timed(Runner, "deliver", label="deliver (per result)")
+    timed(Runner, "deliver_many", label="deliver (per batch)")
+    timed(estimation, "prefetch_methods")
+    timed(many, "head_start")
+    timed(Runner, "extend", label="plan extended")
+    timed(Runner, "complete", label="results (finisher)")
+    timed(Runner, "join", label="runner join")
+    timed(Stager, "close", label="stager close")
+    timed(many, "solve_many")
+    timed(routes, "packed_results", note=lambda a, k: f"{len(a[0])} sys")
+    timed(routes, "run_packed")
+    timed(many, "select_devices")
+    timed(estimation, "packed_bytes")
+    timed(method, "is_symmetric", label="is_symmetric (per call)")
+    timed(method, "positive_diagonal", label="positive_diagonal (per call)")
     gc.callbacks.append(_gc_event)
 
 
@@ -163,12 +167,12 @@ def summarize(t_start: float, wall: float) -> None:
 def run(title, systems, devices, dm, rounds, **kw):
     print(f"== {title}: {len(systems)} systems on {devices}")
     kw = kw or {"devices": devices}
-    sched.solve_many(systems, manager=dm, **kw)  # warm-up, compiles, learns
+    many.solve_many(systems, manager=dm, **kw)  # warm-up, compiles, learns
     walls = []
     for r in range(rounds):
         EVENTS.clear()
         t0 = time.perf_counter()
-        out = sched.solve_many(systems, manager=dm, **kw)
+        out = many.solve_many(systems, manager=dm, **kw)
         t_ret = time.perf_counter()
         for d in devices:
             if d.startswith("cuda"):
@@ -186,56 +190,33 @@ def run(title, systems, devices, dm, rounds, **kw):
     return float(np.median(walls))
 
 
-_SYM_WORKERS = system.SYMMETRY_WORKERS
-_PREFETCH_ALL_CORES = sched.PREFETCH_ALL_CORES
-_HEAD_START_SYSTEMS = sched.HEAD_START_SYSTEMS
-_HEAD_SWITCH_INTERVAL = sched.HEAD_SWITCH_INTERVAL
-
+# W2-large experiments: settings of ms.config (the library's defaults under "default").
 CONFIGS = {
     "default": {},
-    "no-graph-batches": {"graph_batches": False},
-    "switch-5ms": {"switch": 5e-3},  # scheduler.SWITCH_INTERVAL: the interpreter's default
-    "gc-on": {"gc": True},  # scheduler.PAUSE_GC off: collections may run during the call
-    "workspace-on-worker": {"prepare": False},  # scheduler.PREPARE_WORKSPACE off
-    "batches-per-gpu-2": {"bpd": 2},  # packing.BATCHES_PER_DEVICE (default 4)
-    "batches-per-gpu-3": {"bpd": 3},
-    "batches-per-gpu-6": {"bpd": 6},
-    "batches-per-gpu-8": {"bpd": 8},
-    "eager-x": {"lazy_x": False},  # scheduler.LAZY_X off: every x view made on the worker
-    "serial-symmetry": {"sym_workers": 1},  # system.SYMMETRY_WORKERS = 1: one-thread symmetry test
-    # scheduler.PREFETCH_ALL_CORES out of reach: only the 1M-entry matrices' methods beside the loop
+    # batches launched kernel by kernel instead of replayed as CUDA graphs
+    "no-graph-batches": {"batched_graph_batches": False},
+    # process-wide changes the caller may opt in to (by default solve_many makes none)
+    "pause-gc": {"pause_gc": True},
+    "switch-0.5ms": {"switch_interval": 5e-4, "head_switch_interval": 1e-4},
+    "head-switch-0.5ms": {"switch_interval": 5e-4, "head_switch_interval": 5e-4},
+    "process-opt-in": {"pause_gc": True, "switch_interval": 5e-4, "head_switch_interval": 1e-4},
+    "batches-per-gpu-2": {"batches_per_device": 2},  # default 4
+    "batches-per-gpu-3": {"batches_per_device": 3},
+    "batches-per-gpu-6": {"batches_per_device": 6},
+    "batches-per-gpu-8": {"batches_per_device": 8},
+    "serial-symmetry": {"symmetry_workers": 1},  # one-thread symmetry test
+    # only the 1M-entry matrices' methods beside the estimate loop
     "large-prefetch-only": {"prefetch_all_cores": 1 << 30},
-    # scheduler.HEAD_START_SYSTEMS out of reach: every system estimated and planned before any starts
-    "no-head-start": {"head_start": 1 << 62},
-    # scheduler.HEAD_SWITCH_INTERVAL as the call's own (0.5 ms) instead of 0.1 ms
-    "head-switch-0.5ms": {"head_switch": 5e-4},
-    # scheduler.FINISH_BESIDE off: each batch's results built on its worker before the next batch
-    "finish-on-worker": {"finish_beside": False},
-    # scheduler.HEAD_DEFER_METHOD off: a large system waits for its method test before its copy
-    "no-defer": {"defer": False},
+    # every system estimated and planned before any starts
+    "no-head-start": {"head_start_systems": 1 << 62},
 }
 
 
-_SETTINGS = contextlib.ExitStack()  # the library settings of the experiment running
-
-
+@contextlib.contextmanager
 def configure(name):
-    """Apply one experiment's settings (module flags of the library)."""
-    cfg = CONFIGS[name]
-    _SETTINGS.close()  # the previous experiment's
-    _SETTINGS.enter_context(config.override(batched_graph_batches=cfg.get("graph_batches", True)))
-    sched.SWITCH_INTERVAL = cfg.get("switch", 5e-4)
-    sched.PAUSE_GC = not cfg.get("gc", False)
-    sched.PREPARE_WORKSPACE = cfg.get("prepare", True)
-    sched.LAZY_X = cfg.get("lazy_x", True)
-    system.SYMMETRY_WORKERS = cfg.get("sym_workers", _SYM_WORKERS)
-    sched.PREFETCH_ALL_CORES = cfg.get("prefetch_all_cores", _PREFETCH_ALL_CORES)
-    sched.HEAD_START_SYSTEMS = cfg.get("head_start", _HEAD_START_SYSTEMS)
-    sched.HEAD_SWITCH_INTERVAL = cfg.get("head_switch", _HEAD_SWITCH_INTERVAL)
-    sched.FINISH_BESIDE = cfg.get("finish_beside", True)
-    sched.HEAD_DEFER_METHOD = cfg.get("defer", True)
-    sched.target_rows = functools.partial(packing.target_rows,
-                                          batches_per_device=cfg.get("bpd", packing.BATCHES_PER_DEVICE))
+    """One experiment's settings for the duration of a block."""
+    with config.override(**CONFIGS[name]):
+        yield
 
 
 def main():
@@ -273,12 +254,11 @@ def main():
         large += [LinearSystem(big, np.ones(m * m), rtol=RTOL) for _ in range(4)]
         summary = []
         for name in args.configs.split(","):
-            configure(name)
-            one = run(f"W2-large 1 GPU [{name}]", large, first, dm, args.rounds)
-            two = run(f"W2-large 2 GPUs [{name}]", large, ["cuda:0", "cuda:1"], dm,
-                      args.rounds) if ngpu > 1 else float("nan")
+            with configure(name):
+                one = run(f"W2-large 1 GPU [{name}]", large, first, dm, args.rounds)
+                two = run(f"W2-large 2 GPUs [{name}]", large, ["cuda:0", "cuda:1"], dm,
+                          args.rounds) if ngpu > 1 else float("nan")
             summary.append((name, one, two))
-        configure("default")
         print("== W2-large summary (median wall of the rounds)")
         print(f"  {'config':20s} {'1 GPU ms':>9s} {'2 GPUs ms':>9s} {'speed-up':>8s}")
         for name, one, two in summary:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from . import config as config
 from ._solve import solve as solve
+from ._solve_many import solve_many as solve_many
 from .devices import Device as Device
 from .devices import discover as discover
 from .manager import DeviceManager as DeviceManager
@@ -15,7 +16,7 @@ from .manager import default_heuristic as _default_heuristic
 from .result import SolveError as SolveError
 from .result import SolveResult as SolveResult
 from .result import Status as Status
-from .scheduler import solve_many as solve_many
+from .solver import Solver as Solver
 from .system import LinearSystem as LinearSystem
 
 __version__ = "0.1.0"

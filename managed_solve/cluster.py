@@ -32,6 +32,9 @@ import numpy as np
 
 from . import _backend
 from .result import SolveResult, Status
+from .scheduling import SolveManyError
+from .scheduling import solve_many as solve_many_local
+from .scheduling.validate import as_system, check_arguments, invalid_result
 from .system import LinearSystem
 
 log = logging.getLogger("managed_solve")
@@ -126,13 +129,9 @@ class _NodeSolver:
                 "devices": [str(d) for d in self.manager.devices]}
 
     def solve_chunk(self, payloads: list[dict]) -> tuple:
-        # Function-level import: scheduler.solve_many imports this module for
-        # backend="ray", and the node side must run that same local scheduler.
-        from .scheduler import solve_many
-
         t0 = time.perf_counter()
         systems = [_from_payload(p) for p in payloads]
-        res = solve_many(systems, method="auto", M=None, rtol=None, progress=False,
+        res = solve_many_local(systems, method="auto", M=None, rtol=None, progress=False,
                          return_on="host", on_error="return", manager=self.manager,
                          **self.node_kwargs)
         seconds = time.perf_counter() - t0
@@ -328,10 +327,6 @@ def solve_many_ray(systems: Iterable[Any], *, address: str | None = None, return
     >>> bool(np.allclose(A @ res[0].x, 1.0))  # doctest: +SKIP
     True
     """
-    # Function-level import: scheduler sits above this module (it calls
-    # solve_many_ray for backend="ray"); validation rules stay in one place.
-    from . import scheduler
-
     call = "solve_many(backend='ray')"
     unknown = set(local_kwargs) - set(_NODE_KWARGS) - set(_DRIVER_KWARGS)
     if "manager" in unknown:
@@ -352,7 +347,7 @@ def solve_many_ray(systems: Iterable[Any], *, address: str | None = None, return
     rtol = local_kwargs.get("rtol")
     progress = local_kwargs.get("progress", False)
     on_error = local_kwargs.get("on_error", "return")
-    scheduler._check_arguments(method, M, rtol, "host", on_error, progress)
+    check_arguments(method, M, rtol, "host", on_error, progress)
     node_kwargs = {k: local_kwargs[k] for k in _NODE_KWARGS if k in local_kwargs}
 
     ray = _backend.require("ray", call)
@@ -364,9 +359,9 @@ def solve_many_ray(systems: Iterable[Any], *, address: str | None = None, return
     memo: dict = {}  # arrays found finite, for this call
     for i, item in enumerate(items):
         try:
-            valid[i] = scheduler._validate(item, i, method=method, M=M, rtol=rtol, memo=memo)
+            valid[i] = as_system(item, i, method=method, M=M, rtol=rtol, memo=memo)
         except (TypeError, ValueError) as exc:
-            results[i] = scheduler._invalid(exc, i, item)
+            results[i] = invalid_result(exc, i, item)
     for i, s in list(valid.items()):
         for what, obj in (("A", s.A if s.kind == "operator" else None),
                           ("M", s.M if not isinstance(s.M, str) else None)):
@@ -376,7 +371,7 @@ def solve_many_ray(systems: Iterable[Any], *, address: str | None = None, return
                 ray.cloudpickle.dumps(obj)
             except Exception as exc:
                 del valid[i]
-                results[i] = scheduler._invalid(TypeError(
+                results[i] = invalid_result(TypeError(
                     f"{call}: systems[{i}].{what} is an operator that cannot be pickled for "
                     f"another node ({type(exc).__name__}: {exc}); pass a sparse matrix or use "
                     "backend='local'"), i, s)
@@ -429,7 +424,7 @@ def solve_many_ray(systems: Iterable[Any], *, address: str | None = None, return
         if failed:
             lines = [f"systems[{i}] ({out[i].name or 'unnamed'}): {out[i].status.name}: "
                      f"{out[i].message or out[i].status.message}" for i in failed[:20]]
-            raise scheduler.SolveManyError(
+            raise SolveManyError(
                 f"{call}: {len(failed)} of {len(out)} systems did not converge:\n"
                 + "\n".join(lines) + "\nPass on_error='return' to get them back with their "
                 "status instead.", out, failed)

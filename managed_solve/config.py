@@ -45,9 +45,37 @@ class Settings:
         (its pauses stall the threads that feed the GPUs). Process-wide, so
         off unless the caller opts in.
     switch_interval : float or None
-        Seconds for ``sys.setswitchinterval`` while ``solve_many`` runs (a
-        shorter interval hands the GIL to the GPU-feeding threads sooner).
-        Process-wide, so None (unchanged) unless the caller opts in.
+        Seconds for ``sys.setswitchinterval`` while ``solve_many`` feeds two or
+        more GPUs (a shorter interval, e.g. 5e-4, hands the GIL to the
+        GPU-feeding threads sooner). Process-wide, so None (unchanged) unless
+        the caller opts in.
+    head_switch_interval : float or None
+        Seconds for ``sys.setswitchinterval`` while ``solve_many`` estimates
+        and plans beside workers it already started (see
+        ``head_start_systems``; e.g. 1e-4: the started workers' many CUDA calls
+        each wait for the GIL). None (unchanged) unless the caller opts in.
+    head_start_systems : int
+        A ``solve_many`` call with more systems than this (on accelerators)
+        starts the systems that run alone before the others are estimated
+        and planned.
+    batches_per_device : int
+        Batches each device should get at least, so longest-first dispersal
+        has small pieces left to even out the finish times.
+    batch_rows : int or None
+        Rows per batch, replacing the rule of ``batches_per_device`` and the
+        device kind's target (None: that rule).
+    prefetch_min_nnz : int
+        Host matrices with at least this many stored entries have their
+        "auto" method tested on helper threads while ``solve_many`` estimates
+        the other systems.
+    prefetch_small_nnz : int
+        On hosts of at least ``prefetch_all_cores`` cores, every distinct
+        host matrix with at least this many entries is tested there (after
+        the large ones).
+    prefetch_all_cores : int
+        Cores from which the small matrices' tests go to helper threads too.
+    prefetch_workers : int or None
+        Helper threads for those tests (None: half the cores, 2 to 8).
     symmetry_parallel_nnz : int
         Host CSR matrices with at least this many stored entries have their
         symmetry and diagonal tested in row chunks on helper threads.
@@ -94,6 +122,15 @@ class Settings:
     work_stealing: bool = True
     pause_gc: bool = False
     switch_interval: float | None = None
+    # -- solve_many (scheduling/)
+    head_switch_interval: float | None = None
+    head_start_systems: int = 256
+    batches_per_device: int = 4
+    batch_rows: int | None = None
+    prefetch_min_nnz: int = 1 << 20
+    prefetch_small_nnz: int = 1 << 12
+    prefetch_all_cores: int = 4
+    prefetch_workers: int | None = None
     # -- matrix properties (system/properties.py)
     symmetry_parallel_nnz: int = 1 << 20
     symmetry_workers: int | None = None

@@ -108,8 +108,8 @@ def _picture(mesh, x, path: str) -> bool:
 
 
 def main(args: argparse.Namespace) -> int:
+    from ._solve_many import solve_many
     from .manager import DeviceManager
-    from .scheduler import solve_many
 
     n_systems = args.systems if args.systems is not None else (12 if args.small else 60)
     if n_systems < 1:

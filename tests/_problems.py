@@ -98,13 +98,18 @@ def upwind(m, peclet=0.6):
     return (sp.kron(sp.eye(m), t) + sp.kron(t, sp.eye(m))).tocsr()
 
 
-def skew_convection(m, wind=0.5):
-    """The 5-point Laplacian plus a skew part: eigenvalues near zero almost imaginary (hard for BiCGStab)."""
-    U = sp.diags([wind], [1], shape=(m * m, m * m))
-    return (poisson2d(m) + U - U.T).tocsr()
-
-
 def random_gram_spd(n, rng, density=0.2):
     """A random sparse SPD matrix: R R^T shifted by ``1 + n * density``."""
     R = sp.random(n, n, density=density, random_state=rng, format="csr")
     return (R @ R.T + sp.eye(n) * (1.0 + n * density)).tocsr()
+
+
+def poisson2d_skew(m, c=0.5):
+    """:func:`poisson2d` plus a skew-symmetric (convection) part: non-symmetric, positive definite.
+
+    Its eigenvalues near zero are almost imaginary (hard for BiCGStab).
+
+    ``x^T A x = x^T P x > 0``, so BiCGStab and GMRES converge on it.
+    """
+    U = sp.diags([c], [1], shape=(m * m, m * m))
+    return (poisson2d(m) + U - U.T).tocsr()

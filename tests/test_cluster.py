@@ -15,11 +15,11 @@ import pytest
 import scipy.sparse as sp
 import scipy.sparse.linalg as spla
 
-from managed_solve import LinearSystem, Status
+from managed_solve import LinearSystem, Status, solve_many
 from managed_solve import cluster as cl
 from managed_solve.cluster import NodeSpec, solve_many_ray
 from managed_solve.manager import DeviceManager
-from managed_solve.scheduler import SolveManyError, solve_many
+from managed_solve.scheduling import SolveManyError
 
 ray = pytest.importorskip("ray")
 
@@ -78,7 +78,7 @@ def test_backend_ray_through_solve_many_without_ray(monkeypatch):
     import inspect
 
     if "backend" not in inspect.signature(solve_many).parameters:
-        pytest.skip("scheduler.solve_many has no backend= yet (the lead wires it to solve_many_ray)")
+        pytest.skip("solve_many has no backend= yet (the lead wires it to solve_many_ray)")
     monkeypatch.setitem(sys.modules, "ray", None)
     with pytest.raises(ModuleNotFoundError, match=r"managed-solve\[ray\]"):
         solve_many([(poisson2d(3), np.ones(9))], backend="ray")
@@ -312,7 +312,7 @@ def test_backend_ray_through_solve_many_equals_local(cluster):
     import inspect
 
     if "backend" not in inspect.signature(solve_many).parameters:
-        pytest.skip("scheduler.solve_many has no backend= yet (the lead wires it to solve_many_ray)")
+        pytest.skip("solve_many has no backend= yet (the lead wires it to solve_many_ray)")
     pairs = mix(6, seed=11)
     local = solve_many(pairs, return_on="host", manager=DeviceManager(["cpu"]))
     remote = solve_many(pairs, backend="ray", devices="cpu")  # the same device on the nodes

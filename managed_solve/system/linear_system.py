@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from .. import _backend
+from .cost import workspace_bytes
 from .inputs import (
     FLOAT_DTYPES,
     as_operator,
@@ -167,13 +168,9 @@ class LinearSystem:
         return int(a + self.b.nbytes + (self.x0.nbytes if self.x0 is not None else 0))
 
     def workspace_bytes(self, method: str | None = None) -> int:
-        """Extra bytes a Krylov solve needs: x plus the method's work vectors."""
-        method = method or self.method
-        vectors = {"cg": 4, "bicgstab": 7, "gmres": 30 + 3, "minres": 8, "direct": 0}.get(method, 7)
-        extra = 1 if self.M is not None else 0
-        if method == "direct":  # fill-in of a sparse LU: a rough bound of 20 x nnz
-            return int(20 * self.nnz * (self.dtype.itemsize + 4))
-        return int((vectors + extra) * self.n * self.dtype.itemsize)
+        """Extra bytes a solve needs: x plus the method's work vectors (see :mod:`.cost`)."""
+        return workspace_bytes(method or self.method, self.n, self.nnz,
+                               itemsize=self.dtype.itemsize, preconditioned=self.M is not None)
 
     @property
     def device(self) -> str:

@@ -16,7 +16,7 @@ from managed_solve.solvers.batched import (
     gmres_batched,
 )
 from managed_solve.solvers.batched.gmres import GMRES_CHECK_EVERY, BatchedGmres
-from tests._problems import skew_convection, upwind
+from tests._problems import poisson2d_skew, upwind
 
 
 @pytest.fixture(params=["cpu", "cpu-vectorised", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -53,8 +53,8 @@ def residual(A, x, b):
 
 def test_matches_scipy_on_a_mixed_nonsymmetric_batch(device):
     rng = np.random.default_rng(1)
-    mats = [sp.csr_matrix(np.array([[3.0]])), skew_blocks(), upwind(5), skew_convection(9),
-            upwind(12, 0.9), skew_convection(16, 0.3), sp.random(30, 30, 0.2, random_state=rng) + 6 * sp.eye(30)]
+    mats = [sp.csr_matrix(np.array([[3.0]])), skew_blocks(), upwind(5), poisson2d_skew(9),
+            upwind(12, 0.9), poisson2d_skew(16, 0.3), sp.random(30, 30, 0.2, random_state=rng) + 6 * sp.eye(30)]
     mats = [sp.csr_matrix(A) for A in mats]
     bs = [rng.standard_normal(A.shape[0]) for A in mats]
     rtols = [1e-10, 1e-10, 1e-8, 1e-10, 1e-6, 1e-9, 1e-10]
@@ -87,7 +87,7 @@ def test_converges_where_bicgstab_breaks_down(device):
 
 
 def test_short_restarts_still_converge_and_take_more_iterations(device):
-    A, b = skew_convection(12), np.random.default_rng(2).standard_normal(144)
+    A, b = poisson2d_skew(12), np.random.default_rng(2).standard_normal(144)
     batch = PackedBatch.pack([LinearSystem(A, b, rtol=1e-9)], device=device)
     long, short = gmres_batched(batch, restart=40), gmres_batched(batch, restart=5)
     assert long.status[0] == 0 and short.status[0] == 0
@@ -100,7 +100,7 @@ def test_short_restarts_still_converge_and_take_more_iterations(device):
 
 def test_per_system_maxiter_x0_and_zero_rhs(device):
     rng = np.random.default_rng(3)
-    A = skew_convection(10)
+    A = poisson2d_skew(10)
     b = rng.standard_normal(100)
     x_exact = spla.spsolve(A.tocsc(), b)
     systems = [LinearSystem(A, b, rtol=1e-10, maxiter=7),  # stops at 7 inner iterations
@@ -157,7 +157,7 @@ def test_a_non_finite_system_breaks_down_alone(device):
 
 def test_checkpoint_spacing_does_not_change_the_answer(device):
     rng = np.random.default_rng(6)
-    mats = [skew_convection(m) for m in (5, 8, 11)]
+    mats = [poisson2d_skew(m) for m in (5, 8, 11)]
     systems = [LinearSystem(A, rng.standard_normal(A.shape[0]), rtol=1e-9) for A in mats]
     batch = PackedBatch.pack(systems, device=device)
     a, c = gmres_batched(batch, check_every=1), gmres_batched(batch, check_every=30)
@@ -170,7 +170,7 @@ def test_checkpoint_spacing_does_not_change_the_answer(device):
 def test_cpu_kernel_and_device_algorithm_are_twins():
     """The per-system Numba GMRES and the whole-batch array algorithm take the same steps."""
     rng = np.random.default_rng(7)
-    mats = [skew_convection(m, 0.4) for m in (6, 9, 13)] + [upwind(11), skew_blocks(2)]
+    mats = [poisson2d_skew(m, 0.4) for m in (6, 9, 13)] + [upwind(11), skew_blocks(2)]
     systems = [LinearSystem(A, rng.standard_normal(A.shape[0]), rtol=1e-9, maxiter=150)
                for A in mats]
     systems.append(LinearSystem(mats[2], rng.standard_normal(169), rtol=1e-12, maxiter=20))
@@ -202,7 +202,7 @@ def test_memory_prediction_counts_the_device_workspace():
 
     assert WORK_VECTORS["gmres"] == GMRES_RESTART + 2
     rng = np.random.default_rng(9)
-    systems = [LinearSystem(skew_convection(m), rng.standard_normal(m * m)) for m in (30, 40, 50)]
+    systems = [LinearSystem(poisson2d_skew(m), rng.standard_normal(m * m)) for m in (30, 40, 50)]
     batch = PackedBatch.pack(systems)
     work = BatchedGmres(batch, GMRES_RESTART, GMRES_CHECK_EVERY)
     held = work.nbytes + batch.b.nbytes  # + x
@@ -217,7 +217,7 @@ def test_gpu_memory_prediction_bounds_the_workspace():
     import cupy as cp
 
     rng = np.random.default_rng(10)
-    systems = [LinearSystem(skew_convection(m), rng.standard_normal(m * m), rtol=1e-10) for m in (60, 80, 100)]
+    systems = [LinearSystem(poisson2d_skew(m), rng.standard_normal(m * m), rtol=1e-10) for m in (60, 80, 100)]
     batch = PackedBatch.pack(systems, device="cuda:0")
     pool = cp.get_default_memory_pool()
     gmres_batched(batch)  # kernels and cuSPARSE set up
@@ -238,7 +238,7 @@ def test_gpu_compaction_at_restart_keeps_the_answers():
     """Once the running systems hold at most half the rows, the kernels walk only theirs."""
     rng = np.random.default_rng(11)
     easy = [(upwind(40, 0.3) + 4 * sp.identity(1600)).tocsr() for _ in range(30)]  # a few steps
-    hard = [skew_convection(100, 0.5)]  # hundreds of steps, over several restarts
+    hard = [poisson2d_skew(100, 0.5)]  # hundreds of steps, over several restarts
     systems = [LinearSystem(A, rng.standard_normal(A.shape[0]), rtol=1e-9) for A in easy + hard]
     batch = PackedBatch.pack(systems, device="cuda:0")
     packed = gmres_batched(batch)
@@ -257,7 +257,7 @@ def test_gpu_compaction_at_restart_keeps_the_answers():
 def test_gpu_graph_replay_keeps_the_answers(every):
     """Chunks replayed as CUDA graphs (from the second restart cycle on) compute what direct launches do."""
     rng = np.random.default_rng(12)
-    systems = [LinearSystem(skew_convection(m, 0.5), rng.standard_normal(m * m), rtol=1e-10)
+    systems = [LinearSystem(poisson2d_skew(m, 0.5), rng.standard_normal(m * m), rtol=1e-10)
                for m in (20, 33, 47)]
     systems.append(LinearSystem(upwind(30), rng.standard_normal(900), rtol=1e-10, M="jacobi"))
     batch = PackedBatch.pack(systems, device="cuda:0", jacobi=True)

@@ -1,108 +1,55 @@
-"""Planning for ``solve_many``: predict each system, pack batches, disperse them over devices.
+"""Step 3 of ``solve_many``: pack batches and disperse them over the devices (nothing runs).
 
 Pure functions over plain numbers and a device inventory (:class:`Slot`): no
 arrays are touched, no device is asked anything, so the plan is tested with
-simulated devices on any machine, and ``solve_many`` only executes it.
-
-Cost model (``benchmarks`` W1): one unpreconditioned CG iteration streams at
-least ``nnz*(w+i) + 4n + 11*n*w`` bytes (w value width, i index width). CG on
-a 2D Poisson-like matrix needs about ``0.1 * ln(2/rtol) * sqrt(n)``
-iterations (measured with SciPy's cg on 16..128 squared grids at rtol 1e-8:
-1.75..1.87 sqrt(n)); BiCGStab about 0.7 times as many, with two products each.
-The product (bytes per iteration x iterations) is the predicted cost in bytes
-streamed, which the DeviceManager turns into seconds with each device's
-learned speed.
+simulated devices on any machine. The cost of each system comes from
+:mod:`managed_solve.system.cost` (bytes streamed), which the DeviceManager
+turns into seconds with each device's learned speed.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from .. import config
+from ..devices import Device
+from ..manager import DeviceManager
+from ..sharded import choose_shard_count
+from ..system.cost import predict_iterations
+
+log = logging.getLogger("managed_solve")
+
 # Routes a system can take through solve_many.
-BATCH = "batch"  # batched Krylov core (CG or BiCGStab), many systems in one block-diagonal CSR
-SINGLE = "single"  # solve() on one device, one system (gmres, minres, direct, dense, operators)
+BATCH = "batch"  # batched Krylov core (CG, BiCGStab, GMRES), many systems in one block-diagonal CSR
+SINGLE = "single"  # solve() on one device, one system (minres, direct, dense, operators, other M)
 DIRECT = "direct"  # sparse LU on the host, many systems over a thread pool (CPU only)
 
-# Rows per batch that keep a device busy. On a GPU a 2D 5-point SpMV of 1M
-# rows streams about 150 MB, some 40 us on an H200: long enough that launch
-# latency (about 5 us a kernel) stops dominating. Host and simulated devices
-# run NumPy/Numba on a few cores, where smaller batches balance better and
-# cost nothing in efficiency. Measured on an H200, W2 (1.87M rows): two batches
-# of ~0.94M rows 100 ms per solve_many, one batch of 1.87M rows 106-110 ms (the
-# second batch's copy overlaps the first one's compute).
+# The group method of a batch whose "auto" method is still being found (a
+# head-start system: see the setting ``head_start_systems``); the runner
+# resolves it when the batch is staged, after its copy to the device started.
+DEFERRED = "auto"
+
+# Rows per batch that keep a device busy. On a GPU a 2D 5-point product of 1M
+# rows is long enough that kernel launch latency stops dominating; host and
+# simulated devices run NumPy/Numba on a few cores, where smaller batches
+# balance better and cost nothing in efficiency (docs/performance.md).
 TARGET_ROWS = {"cuda": 1 << 20, "sim": 1 << 15, "cpu": 1 << 15}
-# Batches each device should get at least, so longest-first dispersal has
-# small pieces left to even out the finish times.
-BATCHES_PER_DEVICE = 4
 # A system of at least this many rows, or a quarter of the target batch rows,
 # is a batch of its own: a batch cannot be split between devices, so one
-# large system must be free to go to any of them. On a 2xH200 host, W2-large's
-# four 1024^2 systems (about 1,900 CG iterations each, the small ones 60-180)
-# went into one 5.4M-row batch with 133 small systems: one GPU ran 551 ms of it
-# while the other ran everything else (1.38x from two GPUs, not 1.8x).
+# large system must be free to go to any of them (lumped with many small
+# ones, it left one GPU running that batch while the other ran the rest).
 ALONE_ROWS = 1_000_000
 # Systems share a batch only within a factor of this in predicted iterations:
 # the batch runs until its slowest system converges, and one long system
-# among many short ones makes a batch both long and hard to balance. W2's
-# systems (32^2..96^2 unknowns, 60-180 iterations) stay together.
+# among many short ones makes a batch both long and hard to balance. 2D
+# Poisson systems of 32^2..96^2 unknowns (60-180 iterations) stay together.
 ITERATION_SPREAD = 4.0
-
-
-def predict_iterations(n: int, *, rtol: float = 1e-8, method: str = "cg",
-                       maxiter: int | None = None) -> float:
-    """Expected Krylov iterations for an ``n``-unknown Poisson-like system.
-
-    Examples
-    --------
-    >>> round(predict_iterations(96 * 96, rtol=1e-8))
-    183
-    """
-    rtol = min(max(float(rtol), 1e-16), 0.5)
-    its = 0.1 * math.log(2.0 / rtol) * math.sqrt(max(int(n), 1))
-    if method == "bicgstab":
-        its *= 0.7
-    its = max(its, 1.0)
-    if maxiter is not None:
-        its = min(its, float(maxiter))
-    return its
-
-
-def bytes_per_iteration(n: int, nnz: int, *, itemsize: int = 8, index_itemsize: int = 4,
-                        method: str = "cg", jacobi: bool = False) -> float:
-    """Fewest bytes one iteration streams (CSR product plus vector updates).
-
-    Examples
-    --------
-    >>> bytes_per_iteration(100, 460)  # 5-point stencil: about 150 bytes a row
-    14720.0
-    """
-    spmv = nnz * (itemsize + index_itemsize) + 4 * n
-    if method == "bicgstab":
-        return float(2 * spmv + (20 + 2 * jacobi) * n * itemsize)
-    if method == "gmres":
-        # Classical Gram-Schmidt twice against 15 basis vectors on average
-        # (restart 30): each pass reads them twice (dot products, then the
-        # update), plus w's reads and writes and the new vector.
-        return float(spmv + (4 * 15 + 10 + 2 * jacobi) * n * itemsize)
-    return float(spmv + (11 + 2 * jacobi) * n * itemsize)
-
-
-def solve_bytes(n: int, nnz: int, *, itemsize: int = 8, index_itemsize: int = 4,
-                method: str = "cg", nsys: int = 1, jacobi: bool = False) -> int:
-    """Device bytes to hold a (packed) system and solve it: CSR, b, x, work vectors.
-
-    Used until the batched core's own ``PackedBatch.predict_bytes`` is given
-    (``solve_many`` passes that one). Vectors: b, x, the method's workspace,
-    the inverse diagonal with Jacobi, a row-to-system map and per-system scalars.
-    """
-    vectors = {"cg": 4, "bicgstab": 7, "gmres": 33}.get(method, 7) + 2 + (1 if jacobi else 0)
-    csr = nnz * (itemsize + index_itemsize) + (n + 1) * index_itemsize
-    per_system = 64 + (7_700 if method == "gmres" else 0)  # GMRES: its Hessenberg columns
-    return int(csr + vectors * n * itemsize + 4 * n + per_system * nsys)
 
 
 @dataclass(slots=True)
@@ -150,13 +97,17 @@ class Slot:
     kind: str = "sim"
 
 
-def _sum_bytes(members: Sequence[Estimate]) -> int:
+def sum_bytes(members: Sequence[Estimate]) -> int:
     return int(sum(e.nbytes for e in members))
 
 
 def target_rows(total_rows: int, ndevices: int, kind: str = "cuda", *,
-                batches_per_device: int = BATCHES_PER_DEVICE) -> int:
+                batches_per_device: int | None = None) -> int:
     """Rows per batch: enough to fill a device, small enough for several per device.
+
+    ``batches_per_device`` defaults to the setting of that name
+    (:class:`managed_solve.config.Settings`); the setting ``batch_rows``, when
+    given, replaces the whole rule.
 
     Examples
     --------
@@ -165,6 +116,11 @@ def target_rows(total_rows: int, ndevices: int, kind: str = "cuda", *,
     >>> target_rows(200_000, 2, "cpu")
     25000
     """
+    settings = config.current()
+    if settings.batch_rows is not None:
+        return max(1, int(settings.batch_rows))
+    if batches_per_device is None:
+        batches_per_device = settings.batches_per_device
     floor = TARGET_ROWS.get(kind, TARGET_ROWS["cuda"])
     share = total_rows // max(1, ndevices * batches_per_device)
     if kind == "cuda":
@@ -202,7 +158,7 @@ def pack(estimates: Iterable[Estimate], *, rows: int, max_bytes: int,
     >>> [b.nsys for b in pack(es, rows=450, max_bytes=1 << 30)[0]]
     [1, 3, 4, 3]
     """
-    batch_bytes = batch_bytes or _sum_bytes
+    batch_bytes = batch_bytes or sum_bytes
     rows = max(1, int(rows))
     alone = int(alone_rows) if alone_rows is not None else min(ALONE_ROWS, max(1, rows // 4))
     out: list[Batch] = []
@@ -250,13 +206,13 @@ def pack(estimates: Iterable[Estimate], *, rows: int, max_bytes: int,
         while start < len(rest):
             stop = int(np.searchsorted(reach, -its[rest[start]], side="right"))
             band = rest[start:stop]
-            _pack_band([members[j] for j in band.tolist()], rows, max_bytes, batch_bytes,
+            pack_band([members[j] for j in band.tolist()], rows, max_bytes, batch_bytes,
                        lambda m, sums=None, r=route, g=group: emit(m, r, g, sums), n[band])
             start = stop
     return out, too_big
 
 
-def _pack_band(members: list[Estimate], rows: int, max_bytes: int,
+def pack_band(members: list[Estimate], rows: int, max_bytes: int,
                batch_bytes: Callable[[Sequence[Estimate]], int],
                emit: Callable[..., None], n: np.ndarray | None = None) -> None:
     """Systems of similar iteration counts, in order, spread evenly over the batches they need.
@@ -312,7 +268,7 @@ def split(batch: Batch, estimates: dict[int, Estimate], *, next_id: int,
     """
     if batch.nsys < 2:
         return [batch]
-    batch_bytes = batch_bytes or _sum_bytes
+    batch_bytes = batch_bytes or sum_bytes
     members = [estimates[i] for i in batch.indices]
     total = sum(e.n for e in members)
     acc, cut = 0, 1
@@ -381,3 +337,157 @@ def imbalance(slots: Sequence[Slot]) -> float:
     busy = [s.busy for s in slots]
     mean = sum(busy) / max(1, len(busy))
     return max(busy) / mean - 1.0 if mean > 0 else 0.0
+
+
+# --------------------------------------------------------------------------- the plan
+@dataclass
+class Plan:
+    """Batches per device in run order, plus what the planner predicted."""
+
+    queues: dict[str, list[Batch]]
+    slots: list[Slot]
+    estimates: dict[int, Estimate]
+    next_id: int
+    rows: int
+    oversized: list[int]  # input positions too large for any one device's room
+    sharded: list[int] = field(default_factory=list)  # of those, solved over several GPUs
+
+    def finish_times(self) -> dict[str, float]:
+        return {s.name: s.busy for s in self.slots}
+
+
+def make_slots(devices: Sequence[Device], manager: DeviceManager,
+               busy: dict[str, float] | None = None) -> list[Slot]:
+    """The planner's view of devices: room for one batch, learned speed, work already reserved.
+
+    ``busy`` (predicted seconds queued per device name) replaces the
+    manager's prediction where given: a runner re-placing a failed batch
+    knows its own queues.
+    """
+    return [Slot(str(d), manager.available_bytes(d), manager.speed(d),
+                 busy.get(str(d), 0.0) if busy is not None else manager.predicted_finish(d), d.kind)
+            for d in devices]
+
+
+def plan_work(estimates: Iterable[Estimate], devices: Sequence[Device], manager: DeviceManager, *,
+              batch_bytes: Callable[[Sequence[Estimate]], int] | None = None,
+              slots: list[Slot] | None = None, packed_rows: int | None = None,
+              first_id: int = 0) -> Plan:
+    """Pack estimates into batches and disperse them over ``devices`` (nothing runs).
+
+    A Krylov system too large for every device's room is sharded over the
+    accelerators when two or more of them can hold it together
+    (``Plan.sharded``; solved by the sharded solver once the batches are
+    done); otherwise it goes to the CPU.
+
+    A call planned in parts (see :func:`head_start`) passes the rows that all
+    its batched systems hold (``packed_rows``, which sets the batch size), the
+    slots of the part before (whose ``busy`` holds that part's work) and the
+    first free batch id.
+
+    Examples
+    --------
+    >>> from managed_solve.manager import DeviceManager
+    >>> dm = DeviceManager(simulate="2x1GiB")
+    >>> es = [Estimate(i, 1000, 5000, 100_000, 1e6) for i in range(40)]
+    >>> p = plan_work(es, dm.accelerators, dm)
+    >>> sorted(p.queues), sum(b.nsys for q in p.queues.values() for b in q)
+    (['sim:0', 'sim:1'], 40)
+    """
+    ests = {e.index: e for e in estimates}
+    slots = slots if slots is not None else make_slots(devices, manager)
+    kind = devices[0].kind if devices else "cpu"
+    if packed_rows is None:
+        packed_rows = sum(e.n for e in ests.values() if e.route != SINGLE)
+    rows = target_rows(packed_rows, len(devices), kind)
+    if any(e.route == DIRECT for e in ests.values()):
+        # Host LU batches run one per core: several per core balance the tail.
+        rows = target_rows(packed_rows, os.cpu_count() or 1, "cpu")
+    max_bytes = max((s.room for s in slots), default=0)
+    batches, too_big = pack(ests.values(), rows=rows, max_bytes=max_bytes, batch_bytes=batch_bytes,
+                            first_id=first_id)
+    queues, unplaced = disperse(batches, slots)
+    next_id = max((b.id for b in batches), default=first_id - 1) + 1
+    cpu = str(manager.cpu)
+    extra: list[Batch] = []
+    sharded: list[int] = []
+    rooms = [s.room for s in slots if s.kind != "cpu"]
+    for e in too_big:
+        # The sharded solver runs CG and BiCGStab ("auto" resolves to one of them).
+        shardable = e.route == BATCH and e.group[0] in ("cg", "bicgstab", DEFERRED)
+        if shardable and len(rooms) >= 2 and choose_shard_count(e.nbytes, rooms) >= 2:
+            sharded.append(e.index)
+            continue
+        extra.append(place_oversized(e, next_id, batch_bytes))
+        next_id += 1
+    extra += unplaced
+    if extra:
+        queues.setdefault(cpu, [])
+        for b in extra:
+            queues[cpu].append(b)
+            for s in slots:
+                if s.name == cpu:
+                    s.busy += b.cost / s.speed
+    return Plan(queues, slots, ests, next_id, rows, [e.index for e in too_big], sharded)
+
+
+def place_oversized(e: Estimate, batch_id: int, batch_bytes: Callable | None) -> Batch:
+    """A system larger than any one device's room that cannot be sharded: alone on the CPU."""
+    log.info("managed_solve: systems[%d] (%d unknowns) fits on no device, nor sharded over the "
+             "accelerators; solving on the CPU", e.index, e.n)
+    nbytes = int(batch_bytes([e])) if batch_bytes is not None else e.nbytes
+    return Batch(batch_id, [e.index], e.route, e.group, e.n, e.nnz, nbytes, e.cost)
+
+
+def head_start(ns: Sequence[int], devices: Sequence[Device],
+               host_only: bool) -> tuple[list[int], list[int], int]:
+    """(positions started first, the others, a bound on the rows batches will hold).
+
+    ``ns``: the rows of each valid system, by position (0 for those that are
+    not CSR). A call holding many systems (the setting
+    ``head_start_systems``) and a few large ones estimates, plans and starts
+    the large ones first; the others are estimated and planned while the
+    devices compute those, and their batches join the queues (planned
+    against the same slots, so the dispersal is the one a single plan makes
+    when the large batches are the longest). A system is started first when
+    it has at least the rows that make a system run alone under the largest
+    batch size the call can plan (from the rows of every CSR system, a bound
+    on those the batches will hold), so it runs alone in the full plan too.
+    Accelerators (simulated ones too) only.
+    """
+    positions = [i for i, n in enumerate(ns) if n is not None]
+    least = config.current().head_start_systems
+    if host_only or len(positions) <= least:
+        return [], positions, 0
+    n = np.fromiter((ns[i] for i in positions), np.int64, len(positions))
+    bound = int(n.sum())
+    alone = min(ALONE_ROWS, max(1, target_rows(bound, len(devices), devices[0].kind) // 4))
+    big = n >= alone
+    if not big.any() or len(positions) - int(big.sum()) < least:
+        return [], positions, 0
+    pos = np.asarray(positions, dtype=np.int64)
+    return pos[big].tolist(), pos[~big].tolist(), bound
+
+
+def select_devices(manager: DeviceManager, devices: object, disperse: bool,
+                   held_bytes: dict[str, int]) -> list[Device]:
+    """The devices a call uses: those named (or every accelerator, else the CPU).
+
+    Without ``disperse``, one of them: the one already holding most of the
+    input bytes (``held_bytes``, by device name), else the one with most room.
+    """
+    if devices is not None:
+        names = devices.split(",") if isinstance(devices, str) else list(devices)  # type: ignore[call-overload]
+        devs: list[Device] = []
+        for d in names:
+            dev = manager.get_device(d.strip() if isinstance(d, str) else d)
+            if dev not in devs:
+                devs.append(dev)
+        if not devs:
+            raise ValueError(f"solve_many(devices={devices!r}): selects no device; e.g. 'cuda:0,cuda:1'")
+    else:
+        devs = manager.accelerators or [manager.cpu]
+    if disperse or len(devs) == 1:
+        return devs
+    best = max(devs, key=lambda d: (held_bytes.get(str(d), 0), manager.available_bytes(d)))
+    return [best]

@@ -1,63 +1,34 @@
-"""Planning for solve_many: cost model against SciPy, packing, longest-first dispersal, split."""
+"""Planning for solve_many: packing, longest-first dispersal, split, the plan of a call, its balance."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-import scipy.sparse as sp
-import scipy.sparse.linalg as spla
 
-from managed_solve.packing import (
+from managed_solve.devices import Device
+from managed_solve.manager import DeviceManager
+from managed_solve.scheduling.plan import (
     BATCH,
     SINGLE,
     Batch,
     Estimate,
     Slot,
-    bytes_per_iteration,
     choose_slot,
     disperse,
     imbalance,
     pack,
-    predict_iterations,
-    solve_bytes,
+    pack_band,
+    plan_work,
     split,
     target_rows,
 )
-
-
-def poisson2d(m: int) -> sp.csr_matrix:
-    T = sp.diags([-1.0, 4.0, -1.0], [-1, 0, 1], shape=(m, m))
-    S = sp.diags([-1.0, -1.0], [-1, 1], shape=(m, m))
-    return (sp.kron(sp.identity(m), T) + sp.kron(S, sp.identity(m))).tocsr()
+from managed_solve.system.cost import bytes_per_iteration, predict_iterations, solve_bytes
 
 
 def krylov_estimate(i: int, m: int, method: str = "cg", group=("cg", "float64", False)) -> Estimate:
     n, nnz = m * m, 5 * m * m - 4 * m
     cost = bytes_per_iteration(n, nnz, method=method) * predict_iterations(n, method=method)
     return Estimate(i, n, nnz, solve_bytes(n, nnz, method=method), cost, BATCH, group)
-
-
-@pytest.mark.parametrize("m", [24, 48])
-def test_predicted_iterations_match_scipy_cg(m):
-    A, b = poisson2d(m), np.ones(m * m)
-    count = [0]
-    spla.cg(A, b, rtol=1e-8, callback=lambda _x: count.__setitem__(0, count[0] + 1))
-    assert 0.8 < predict_iterations(m * m, rtol=1e-8) / count[0] < 1.25
-
-
-def test_bytes_per_iteration_is_the_benchmark_floor():
-    # BENCHMARKS.md: nnz*(w+4) + 4n + 11*n*w, about 152 bytes a row for the 5-point stencil.
-    m = 512
-    A = poisson2d(m)
-    per_row = bytes_per_iteration(A.shape[0], A.nnz) / A.shape[0]
-    assert 150 < per_row <= 152
-
-
-def test_solve_bytes_cover_the_arrays():
-    A = poisson2d(20)
-    stored = A.data.nbytes + A.indices.astype(np.int32).nbytes + A.indptr.astype(np.int32).nbytes
-    vectors = 6 * A.shape[0] * 8  # b, x and CG's four work vectors
-    assert solve_bytes(A.shape[0], A.nnz, method="cg") >= stored + vectors
 
 
 def test_pack_keeps_every_system_once_groups_apart_and_large_alone():
@@ -179,9 +150,7 @@ def test_split_halves_partition_by_rows_and_remember_failures():
 
 @pytest.mark.parametrize("seed", range(6))
 def test_band_cuts_by_numpy_equal_the_system_by_system_loop(seed):
-    """The array path of _pack_band (no batch near max_bytes) cuts where the plain loop does."""
-    from managed_solve.packing import _pack_band
-
+    """The array path of pack_band (no batch near max_bytes) cuts where the plain loop does."""
     rng = np.random.default_rng(seed)
     count = int(rng.integers(1, 400))
     members = [Estimate(int(i), int(n), 5 * int(n), int(rng.integers(1, 1000)), float(rng.random()))
@@ -190,9 +159,9 @@ def test_band_cuts_by_numpy_equal_the_system_by_system_loop(seed):
     # max_bytes: every batch far below it (the array path), or near it (the loop throughout).
     for max_bytes in (1 << 40, 3000):
         loop, arrays = [], []
-        _pack_band(members, rows, max_bytes, lambda m: sum(e.nbytes for e in m),
+        pack_band(members, rows, max_bytes, lambda m: sum(e.nbytes for e in m),
                    lambda m, sums=None, out=loop: out.append([e.index for e in m]))
-        _pack_band(members, rows, max_bytes, lambda m: sum(e.nbytes for e in m),
+        pack_band(members, rows, max_bytes, lambda m: sum(e.nbytes for e in m),
                    lambda m, sums=None, out=arrays: out.append(([e.index for e in m], sums)),
                    np.array([e.n for e in members]))
         assert [ix for ix, _ in arrays] == loop
@@ -202,3 +171,114 @@ def test_band_cuts_by_numpy_equal_the_system_by_system_loop(seed):
                 assert sums == (ix, sum(e.n for e in mine), sum(e.nnz for e in mine),
                                 sum(e.cost for e in mine))
         assert sorted(i for ix in loop for i in ix) == sorted(e.index for e in members)
+
+
+# ----------------------------------------------------------------------------- W2-large balance
+def w2_large_estimates(n_small: int) -> list[Estimate]:
+    """W2-large as the planner sees it: small 2D Poisson systems (32^2..96^2) + four of 1024^2."""
+    rng = np.random.default_rng(1)
+    sizes = [int(m) for m in rng.integers(32, 97, size=n_small)] + [1024] * 4
+    out = []
+    for i, m in enumerate(sizes):
+        n, nnz = m * m, 5 * m * m - 4 * m
+        its = predict_iterations(n, rtol=1e-8)
+        out.append(Estimate(i, n, nnz, solve_bytes(n, nnz), bytes_per_iteration(n, nnz) * its,
+                            BATCH, ("cg", "float64", False), None, its))
+    return out
+
+
+def check_w2_large_plan(plan, es) -> None:
+    large = {e.index for e in es if e.n >= 1 << 20}
+    where = {name: [i for b in q for i in b.indices if i in large] for name, q in plan.queues.items()}
+    assert sorted(len(v) for v in where.values() if v) == [2, 2], where
+    for q in plan.queues.values():
+        for b in q:
+            assert b.nsys == 1 or not large & set(b.indices), "a large system shares its batch"
+    finish = [t for t in plan.finish_times().values() if t > 0]
+    assert len(finish) == 2 and max(finish) <= 1.15 * min(finish), plan.finish_times()
+    placed = sorted(i for q in plan.queues.values() for b in q for i in b.indices)
+    assert placed == [e.index for e in es]
+
+
+@pytest.mark.parametrize("n_small", [2_000, 10_000])
+def test_w2_large_on_two_gpus_splits_the_large_systems_and_balances(n_small):
+    """The planner with GPU-sized batches (kind "cuda"): the 2xH200 W2-large case.
+
+    Nothing runs: the devices are CUDA-kind descriptions with hand-made slots
+    (room, and the learned speed of two simulated 80 GiB GPUs).
+    """
+    dm = DeviceManager(simulate="2x80GiB")
+    gpus = [Device("cuda", d.index, "GPU (planning only)", d.total_bytes, bandwidth=d.bandwidth)
+            for d in dm.accelerators]
+    slots = [Slot(str(g), dm.available_bytes(d), dm.speed(d), 0.0, "cuda")
+             for g, d in zip(gpus, dm.accelerators, strict=True)]
+    es = w2_large_estimates(n_small)
+    plan = plan_work(es, gpus, dm, slots=slots)
+    assert plan.rows >= 1 << 20  # GPU-sized batches: the case where the large ones were lumped
+    check_w2_large_plan(plan, es)
+
+
+def test_w2_large_on_two_simulated_gpus_splits_the_large_systems_and_balances():
+    dm = DeviceManager(simulate="2x80GiB")
+    es = w2_large_estimates(2_000)
+    check_w2_large_plan(plan_work(es, dm.accelerators, dm), es)
+
+
+def test_a_long_system_is_not_lumped_with_many_short_ones():
+    """Below the alone threshold, a system of many more iterations gets a batch of its own band."""
+    es = [Estimate(i, 1024, 5000, 100_000, 1e6, BATCH, ("cg", "float64", False), None, 60.0)
+          for i in range(200)]
+    es.append(Estimate(200, 40_000, 200_000, 4_000_000, 1e9, BATCH, ("cg", "float64", False),
+                       None, 900.0))
+    batches, _ = pack(es, rows=400_000, max_bytes=1 << 40)  # alone only from 100,000 rows
+    long = next(b for b in batches if 200 in b.indices)
+    assert long.indices == [200]
+    assert sum(b.nsys for b in batches) == 201
+
+
+def skewed_estimates(n_large=10, n_tiny=2000):
+    rng = np.random.default_rng(13)
+    sizes = [200] * n_large + [int(m) for m in rng.integers(16, 65, size=n_tiny)]
+    out = []
+    for i, m in enumerate(sizes):
+        n, nnz = m * m, 5 * m * m - 4 * m
+        cost = bytes_per_iteration(n, nnz) * predict_iterations(n)
+        out.append(Estimate(i, n, nnz, solve_bytes(n, nnz), cost, "batch", ("cg", "float64", False)))
+    return out
+
+
+def test_plan_of_a_skewed_mix_is_balanced_over_four_devices():
+    dm = DeviceManager(simulate="4x8GiB")
+    es = skewed_estimates()
+    plan = plan_work(es, dm.accelerators, dm)
+    ideal = sum(e.cost for e in es) / sum(dm.speed(d) for d in dm.accelerators)
+    for name, t in plan.finish_times().items():
+        assert abs(t - ideal) <= 0.10 * ideal, (name, t, ideal)
+    assert sorted(i for q in plan.queues.values() for b in q for i in b.indices) == list(range(len(es)))
+
+
+def true_finish(plan, true_speed):
+    return {name: sum(b.cost for b in q) / true_speed[name] for name, q in plan.queues.items()}
+
+
+def test_learned_speeds_balance_the_second_call_better():
+    """sim:1 is 2x slower than predicted; after one call's records the plan shifts work off it."""
+    dm = DeviceManager(simulate="2x8GiB")
+    true_speed = {"sim:0": dm.speed(dm.accelerators[0]), "sim:1": dm.speed(dm.accelerators[1]) / 2}
+    es = skewed_estimates(4, 400)
+
+    def run(plan):
+        # What the workers do after each batch: record its measured time, here
+        # the time the batch takes at the device's true speed.
+        for name, q in plan.queues.items():
+            for b in q:
+                dm.record(("solve_many", b.route, b.group), b.cost / true_speed[name], b.nbytes,
+                          device=name, cost=b.cost)
+        t = true_finish(plan, true_speed)
+        return max(t.values()) / (sum(t.values()) / len(t)) - 1.0
+
+    first = run(plan_work(es, dm.accelerators, dm))
+    second = run(plan_work(es, dm.accelerators, dm))
+    assert first > 0.25  # the naive plan gives both devices the same work
+    assert second < 0.05 < first
+    assert dm.speed(dm.accelerators[1]) == pytest.approx(true_speed["sim:1"], rel=0.01)

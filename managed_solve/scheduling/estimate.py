@@ -1,0 +1,280 @@
+"""Step 2 of ``solve_many``: the route, device bytes and cost of each system.
+
+The method comes from the one auto policy (:func:`managed_solve.system.method.choose_method`,
+the one ``solve()`` uses), the bytes and cost from the one cost model
+(:mod:`managed_solve.system.cost`). The route follows from the method:
+
+- ``BATCH``: CG, BiCGStab or GMRES on a CSR matrix with no or a Jacobi
+  preconditioner, packed with other systems into the batched core;
+- ``DIRECT``: "auto" systems the policy factorises on the CPU, many at once
+  over the host's cores;
+- ``SINGLE``: everything else (MINRES, dense matrices, operators, other
+  preconditioners, ``method="direct"`` given by the caller) through
+  ``solve()``, one system each.
+
+The auto method's tests (symmetry, diagonal) of large host matrices start on
+helper threads before the estimate loop reaches them (:func:`prefetch_methods`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+
+from .. import _backend, config
+from ..devices import Device
+from ..manager import DeviceManager
+from ..system import LinearSystem, is_symmetric
+from ..system.cost import bytes_per_iteration, predict_iterations, solve_bytes
+from ..system.method import choose_method
+from .plan import BATCH, DEFERRED, DIRECT, SINGLE, Estimate
+
+#: Methods the batched core runs (an "auto" system whose method is another runs alone).
+BATCHED_METHODS = ("cg", "bicgstab", "gmres")
+
+_DTYPE_NAMES: dict[np.dtype, str] = {}
+
+
+def resolve_method(s: LinearSystem, device_kind: str, cache: dict | None) -> str:
+    """The method that solves ``s`` on devices of ``device_kind``: the auto policy's choice.
+
+    The same as ``solve()`` makes for that system on such a device (the
+    policy is :func:`managed_solve.system.method.choose_method`); ``cache``
+    (one dict per call) keeps the symmetry and diagonal tests by matrix.
+    """
+    return choose_method(s, device_kind, cache=cache)
+
+
+def is_jacobi(M: Any) -> bool:
+    """Whether ``M`` is the Jacobi preconditioner named by string."""
+    return isinstance(M, str) and M == "jacobi"
+
+
+def batched_preconditioner(s: LinearSystem) -> bool:
+    """Whether the batched core takes the system's preconditioner (none, or Jacobi)."""
+    return s.M is None or is_jacobi(s.M)
+
+
+def dtype_name(dt: np.dtype) -> str:
+    """``str(dt)``, cached: numpy builds the name on each call, 10,000 times a call otherwise."""
+    name = _DTYPE_NAMES.get(dt)
+    if name is None:
+        name = _DTYPE_NAMES[dt] = str(dt)
+    return name
+
+
+def route(s: LinearSystem, device_kind: str, cache: dict | None = None) -> tuple[str, tuple]:
+    """(route, group) of a system; batches mix systems of one group only."""
+    dt = dtype_name(s.dtype)
+    if s.kind != "csr" or s.method in ("minres", "direct") or not batched_preconditioner(s):
+        return SINGLE, (s.method, dt)
+    method = resolve_method(s, device_kind, cache)
+    if method == "direct":  # "auto" on the host: a sparse LU, many of them over the cores
+        return DIRECT, ("direct", dt, is_symmetric(s.A, cache))
+    if method not in BATCHED_METHODS:  # MINRES: the batched core has none
+        return SINGLE, (s.method, dt)
+    return BATCH, (method, dt, is_jacobi(s.M))
+
+
+def home(s: LinearSystem) -> str | None:
+    """The GPU a system's arrays already lie on, None on the host."""
+    dev = s.device
+    return dev if dev != "cpu" else None
+
+
+def estimate_system(s: LinearSystem, i: int, *, device_kind: str,
+                    manager: DeviceManager | None = None, reference: Device | None = None,
+                    cache: dict | None = None) -> Estimate:
+    """Route, device bytes and cost (bytes streamed) of one system.
+
+    ``device_kind`` is the kind of device the call runs on (``"cpu"`` for a
+    CPU-only call: the auto policy then factorises small 2D-like systems).
+    A signature measured before (``manager.record``) refines the cost of
+    systems that run alone: its time on the ``reference`` device, times that
+    device's learned speed.
+
+    ``cache`` (one dict per call, shared with the symmetry tests) also keeps
+    each batched or host-LU estimate by matrix object and options: systems
+    sharing a matrix cost a dict look-up each, not a route and a cost model.
+
+    Examples
+    --------
+    >>> import numpy as np, scipy.sparse as sp
+    >>> from managed_solve import LinearSystem
+    >>> e = estimate_system(LinearSystem(sp.identity(100, format="csr"), np.ones(100)), 0,
+    ...                     device_kind="cuda")
+    >>> e.route, e.n, e.nnz, round(e.iterations)
+    ('batch', 100, 100, 19)
+    """
+    if cache is None or s.kind != "csr" or not batched_preconditioner(s):
+        return _estimate(s, i, device_kind, manager, reference, cache)
+    # What a batched or host-LU estimate depends on besides the matrix (x0 counts in
+    # a host LU's bytes); other routes are not kept (they ask the manager's hints).
+    x0 = s.x0
+    key = ("estimate", id(s.A), s.method, s.M, s.dtype, s.rtol, s.maxiter, device_kind == "cpu",
+           None if x0 is None else x0.nbytes)
+    hit = cache.get(key)
+    if hit is not None and hit[0] is s.A:
+        e = hit[1]
+        where = None if type(s.b) is np.ndarray else home(s)
+        return Estimate(i, e.n, e.nnz, e.nbytes, e.cost, e.route, e.group, where, e.iterations)
+    e = _estimate(s, i, device_kind, manager, reference, cache)
+    if e.route != SINGLE:
+        cache[key] = (s.A, e)
+    return e
+
+
+def deferred_estimate(s: LinearSystem, i: int) -> Estimate:
+    """A batched system's estimate before its method is known (the costlier bytes reserved)."""
+    n, nnz = s.n, s.nnz
+    w, iw = s.dtype.itemsize, s.index_dtype.itemsize
+    jac = is_jacobi(s.M)
+    its = predict_iterations(n, rtol=s.rtol, method="cg", maxiter=s.maxiter)
+    cost = bytes_per_iteration(n, nnz, itemsize=w, index_itemsize=iw, method="cg", jacobi=jac) * its
+    nbytes = solve_bytes(n, nnz, itemsize=w, index_itemsize=iw, method="bicgstab", jacobi=jac)
+    return Estimate(i, n, nnz, nbytes, cost, BATCH, (DEFERRED, dtype_name(s.dtype), jac),
+                    home(s), its)
+
+
+def _estimate(s: LinearSystem, i: int, device_kind: str, manager: DeviceManager | None,
+              reference: Device | None, cache: dict | None) -> Estimate:
+    """:func:`estimate_system` without its per-call memo."""
+    how, group = route(s, device_kind, cache)
+    n, nnz = s.n, s.nnz
+    w = s.dtype.itemsize
+    iw = s.index_dtype.itemsize if s.kind == "csr" else 8
+    where = home(s)
+    if how == BATCH:
+        method, _dt, jac = group
+        its = predict_iterations(n, rtol=s.rtol, method=method, maxiter=s.maxiter)
+        cost = bytes_per_iteration(n, nnz, itemsize=w, index_itemsize=iw, method=method,
+                                   jacobi=jac) * its
+        nbytes = solve_bytes(n, nnz, itemsize=w, index_itemsize=iw, method=method, jacobi=jac)
+        return Estimate(i, n, nnz, nbytes, cost, BATCH, group, where, its)
+    if how == DIRECT:
+        fill = s.workspace_bytes("direct")
+        # An LU streams its factors a few times; the fill bound stands in for that.
+        return Estimate(i, n, nnz, s.nbytes + fill, float(fill), DIRECT, group, where)
+    method = s.method if s.method != "auto" else "gmres"
+    its = predict_iterations(n, rtol=s.rtol, method="bicgstab", maxiter=s.maxiter)
+    cost = bytes_per_iteration(n, max(nnz, n), itemsize=w, index_itemsize=iw,
+                               method="bicgstab") * its
+    nbytes = s.nbytes + s.workspace_bytes(method)
+    if manager is not None:
+        ref = reference or (manager.accelerators or [manager.cpu])[0]
+        p = manager.predict(s.signature, nbytes=nbytes, cost=cost, device=ref)
+        if p.source == "measured":
+            cost, nbytes = p.seconds * manager.speed(ref), p.nbytes
+    return Estimate(i, n, nnz, nbytes, cost, SINGLE, group, where, its)
+
+
+# --------------------------------------------------------------------------- prefetch
+def prefetch_methods(systems: Sequence[LinearSystem | None], device_kind: str,
+                     cache: dict) -> dict[int, Future]:
+    """Start the method choice of host matrices on helper threads, by matrix id.
+
+    The tests release the GIL, so they run beside the estimate loop. On a
+    host of ``prefetch_all_cores`` cores or more (settings) every distinct
+    matrix of at least ``prefetch_small_nnz`` stored entries goes there,
+    largest first; on fewer cores only those of ``prefetch_min_nnz`` or more
+    (two cores gain nothing from running the small tests beside the loop).
+    """
+    settings = config.current()
+    cores = os.cpu_count() or 1
+    least = settings.prefetch_small_nnz if cores >= settings.prefetch_all_cores \
+        else settings.prefetch_min_nnz
+    least = min(least, settings.prefetch_min_nnz)
+    found: dict[int, LinearSystem] = {}
+    seen: set[int] = set()
+    for s in systems:
+        # Cheap tests first, each matrix once: 10,000 systems cost milliseconds otherwise.
+        if s is None or s.kind != "csr" or s.method != "auto":
+            continue
+        key = id(s.A)
+        if key in seen:
+            continue
+        seen.add(key)
+        if isinstance(s.b, np.ndarray) and s.nnz >= least:  # host matrices only
+            found[key] = s
+    if not found:
+        return {}
+    workers = settings.prefetch_workers or max(2, min(8, cores // 2))
+    pool = _backend.thread_pool("prefetch", workers)
+    large = [(key, s) for key, s in found.items() if s.nnz >= settings.prefetch_min_nnz]
+    small = [(key, s) for key, s in found.items() if s.nnz < settings.prefetch_min_nnz]
+    out = {key: pool.submit(resolve_method, s, device_kind, cache) for key, s in large}
+    if not small:
+        return out
+    if not large:
+        out.update((key, pool.submit(resolve_method, s, device_kind, cache)) for key, s in small)
+        return out
+    # The large tests run alone first (each spreads over the symmetry threads,
+    # and their result gates the first batches: see plan.head_start); the
+    # small ones start when the last large one is done. Each small matrix
+    # gets its future now, fulfilled from the test's own when it runs.
+    later = {key: Future() for key, _s in small}
+    left = [len(large)]
+    lock = threading.Lock()
+
+    def start_small(_done: Future) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        for key, s in small:
+            pool.submit(resolve_method, s, device_kind, cache).add_done_callback(
+                functools.partial(_fulfil, later[key]))
+
+    for f in list(out.values()):
+        f.add_done_callback(start_small)
+    out.update(later)
+    return out
+
+
+def _fulfil(target: Future, done: Future) -> None:
+    """Hand a finished future's result (or exception) to another future."""
+    exc = done.exception()
+    if exc is not None:
+        target.set_exception(exc)
+    else:
+        target.set_result(done.result())
+
+
+def packed_bytes(manager: DeviceManager,
+                 systems: Sequence[LinearSystem | None]) -> Callable[[Sequence[Estimate]], int]:
+    """Bytes to reserve for a batch: the batched engine's own prediction, through the heuristic.
+
+    Returns the function the planner calls with a batch's estimates
+    (``plan_work(..., batch_bytes=...)``); routes other than ``BATCH`` sum
+    their systems' estimates.
+    """
+    try:
+        from ..solvers.batched import PackedBatch
+    except ImportError:  # the core is not installed: the planner's own model
+        PackedBatch = None
+
+    def nbytes(members: Sequence[Estimate]) -> int:
+        e0 = members[0]
+        if e0.route != BATCH:
+            return manager.size_of(int(sum(e.nbytes for e in members)))
+        method, dt, jacobi = e0.group
+        method = "bicgstab" if method == DEFERRED else method  # the larger workspace of the two
+        n = sum(e.n for e in members)
+        nnz = sum(e.nnz for e in members)
+        idx = np.int32 if max(n, nnz) < 2**31 - 1 else np.int64
+        if PackedBatch is not None:
+            x0 = any(systems[e.index].x0 is not None for e in members)
+            raw = PackedBatch.predict_bytes(n, nnz, len(members), np.dtype(dt), np.dtype(idx), method,
+                                            jacobi=bool(jacobi), x0=x0)
+            raw += 8 * n  # the true-residual check's product A @ x
+        else:
+            raw = sum(e.nbytes for e in members)
+        return manager.size_of(int(raw))
+
+    return nbytes

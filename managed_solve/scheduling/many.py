@@ -1,0 +1,179 @@
+"""``solve_many`` on this machine: validate -> estimate -> plan -> run -> gather.
+
+1. :mod:`.validate` turns each input into a :class:`LinearSystem` (a bad one
+   becomes an ``INVALID_INPUT`` result, the rest go on);
+2. :mod:`.estimate` picks each system's route and predicts its bytes and cost;
+3. :mod:`.plan` packs batches and disperses them longest-first over the devices;
+4. :mod:`.runner` runs one worker per device, staging copies beside compute
+   (:mod:`.staging`), running each route (:mod:`.routes`), splitting and
+   retrying what fails;
+5. results come back in input order.
+
+With many systems and a few large ones (setting ``head_start_systems``), the
+large ones start computing before the others are estimated and planned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from .. import _backend, config
+from ..manager import DeviceManager, default_manager
+from ..result import SolveResult
+from ..system import LinearSystem
+from . import estimate as estimation
+from . import process
+from .errors import raise_for_failures
+from .plan import SINGLE, Estimate, head_start, plan_work, select_devices
+from .routes import run_sharded
+from .runner import Runner
+from .validate import as_system, check_arguments, invalid_result
+
+
+def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = None,
+               method: str = "auto", M: Any = None, rtol: float | None = None,
+               progress: bool = False, return_on: str = "device", on_error: str = "return",
+               manager: DeviceManager | None = None) -> list[SolveResult]:
+    """Solve many independent linear systems on this machine's devices.
+
+    :func:`managed_solve.solve_many` with ``backend="local"``: the parameters,
+    returns and errors are documented there.
+
+    Examples
+    --------
+    >>> import numpy as np, scipy.sparse as sp
+    >>> import managed_solve as ms
+    >>> A = sp.diags([-1.0, 2.5, -1.0], [-1, 0, 1], shape=(50, 50), format="csr")
+    >>> dm = ms.DeviceManager(["cpu"])
+    >>> res = solve_many([(A, np.ones(50)), (2 * A, np.ones(50))], manager=dm)
+    >>> [r.converged for r in res]
+    [True, True]
+    >>> bool(np.allclose(2 * A @ res[1].x, 1.0))
+    True
+    """
+    check_arguments(method, M, rtol, return_on, on_error, progress)
+    settings = config.current()
+    with process.COLLECTION.held(False, active=settings.pause_gc):
+        out = _solve(systems, disperse=disperse, devices=devices, method=method, M=M, rtol=rtol,
+                     progress=progress, manager=manager)
+    if return_on == "host":
+        for r in out:
+            if r.x is not None:
+                r.x = np.asarray(_backend.to_host(r.x))  # sync: copies each x to the host
+    if on_error == "raise":
+        raise_for_failures(out)
+    return out
+
+
+def _solve(systems: Iterable[Any], *, disperse: bool, devices: Any, method: str, M: Any,
+           rtol: float | None, progress: bool, manager: DeviceManager | None) -> list[SolveResult]:
+    """Validate, estimate, plan and run (arguments checked); the results in input order."""
+    items = list(systems)
+    mgr = manager if manager is not None else default_manager()
+    results: list[SolveResult | None] = [None] * len(items)
+    valid: list[LinearSystem | None] = [None] * len(items)
+    memo: dict = {}  # arrays found finite, for this call
+    for i, item in enumerate(items):
+        try:
+            valid[i] = as_system(item, i, method=method, M=M, rtol=rtol, memo=memo)
+        except (TypeError, ValueError) as exc:
+            results[i] = invalid_result(exc, i, item)
+    del memo
+
+    held: dict[str, int] = {}
+    for s in valid:
+        if s is not None:
+            held[s.device] = held.get(s.device, 0) + s.nbytes
+    devs = select_devices(mgr, devices, disperse, held)
+    host_only = all(d.kind == "cpu" for d in devs)
+    kind = "cpu" if host_only else next(d.kind for d in devs if d.kind != "cpu")
+    ref = devs[0]
+    cache: dict = {}  # symmetry per matrix object, for this call
+    early = estimation.prefetch_methods(valid, kind, cache)
+
+    def method_of(s: LinearSystem) -> str:
+        """A deferred system's method (its test may still run on a helper thread)."""
+        pending = early.get(id(s.A))
+        if pending is not None:
+            pending.result()
+        return estimation.resolve_method(s, kind, cache)
+
+    def estimates(indices: Iterable[int], defer: bool = False) -> list[Estimate]:
+        out = []
+        for i in indices:
+            s = valid[i]
+            try:
+                if early and s.kind == "csr":
+                    pending = early.get(id(s.A))
+                    if pending is not None and defer and not pending.done() and s.method == "auto" \
+                            and estimation.batched_preconditioner(s):
+                        out.append(estimation.deferred_estimate(s, i))  # found while it is copied
+                        continue
+                    if pending is not None:
+                        pending.result()  # the large matrix's method, found beside this loop
+                out.append(estimation.estimate_system(s, i, device_kind=kind, manager=mgr,
+                                                      reference=ref, cache=cache))
+            except (TypeError, ValueError) as exc:
+                valid[i] = None
+                results[i] = invalid_result(exc, i, s)
+        return out
+
+    bar = None
+    if progress:
+        tqdm = _backend.require("tqdm", "solve_many(progress=True)")
+        bar = tqdm.tqdm(total=len(items), unit="system", desc="solve_many", smoothing=0.1)
+        bar.update(sum(r is not None for r in results))
+    settings = config.current()
+    try:
+        batch_bytes = estimation.packed_bytes(mgr, valid)
+        rows = [None if s is None else (s.n if s.kind == "csr" else 0) for s in valid]
+        head, rest, rows_bound = head_start(rows, devs, host_only)
+        gpus = sum(d.is_gpu for d in devs)  # simulated GPUs too: the same threads
+        switch = settings.switch_interval
+        with process.SWITCH_INTERVAL.held(switch, active=switch is not None and gpus >= 2):
+            if head:
+                # The systems that run alone start now; the others are
+                # estimated and planned while they compute.
+                ests = estimates(head, defer=True)
+                first = plan_work(ests, devs, mgr, batch_bytes=batch_bytes, packed_rows=rows_bound)
+                runner = Runner(valid, first, devs, mgr, results, bar=bar, batch_bytes=batch_bytes,
+                                more=True, method_of=method_of)
+                runner.start()
+                try:
+                    # The loop below is Python beside the workers' first copies and
+                    # graph captures, which take the GIL back after each of their
+                    # many CUDA calls (see the setting head_switch_interval).
+                    beside = settings.head_switch_interval
+                    with process.SWITCH_INTERVAL.held(beside, active=beside is not None):
+                        ests_rest = estimates(rest)
+                    packed = sum(e.n for e in ests + ests_rest if e.route != SINGLE)
+                    runner.extend(plan_work(ests_rest, devs, mgr, batch_bytes=batch_bytes,
+                                            slots=first.slots, packed_rows=packed,
+                                            first_id=first.next_id))
+                except BaseException:
+                    if runner.more:
+                        runner.extend(None)  # the workers finish what they have, then stop
+                    runner.join()
+                    raise
+                plan = runner.plan
+            else:
+                plan = plan_work(estimates(rest), devs, mgr, batch_bytes=batch_bytes)
+                runner = Runner(valid, plan, devs, mgr, results, bar=bar, batch_bytes=batch_bytes)
+                runner.start()
+            runner.join()
+        # Sharded systems use every accelerator at once: after the batches.
+        for i in plan.sharded:
+            results[i] = run_sharded(valid[i], devs, mgr)
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+
+    missing = [i for i, r in enumerate(results) if r is None]
+    if missing:  # every path above delivers; this guards the promise "nothing lost"
+        raise RuntimeError(f"solve_many: internal error, no result for systems {missing[:10]}")
+    return results  # type: ignore[return-value]

@@ -1,0 +1,256 @@
+"""How each route of ``solve_many`` runs its systems on one device.
+
+- ``BATCH``: one packed batch through the batched Krylov core
+  (:func:`run_packed` on the device, then :func:`packed_results` builds each
+  system's result, checking its true residual);
+- ``DIRECT``: a sparse LU on the host (:func:`host_lu`), one system per core;
+- ``SINGLE``: ``solve()`` on the device (:func:`run_single`);
+- sharded: one system too large for any device, over every accelerator
+  (:func:`run_sharded`).
+
+Every route applies the one verify-and-fall-back rule of :mod:`.verify`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import numpy as np
+
+from .. import _backend, _solve
+from ..devices import Device
+from ..manager import DeviceManager
+from ..result import SolveResult, Status, _SlicedResult
+from ..solvers.direct import direct
+from ..system import FALLBACK, LinearSystem
+from .errors import is_device_error
+from .estimate import BATCHED_METHODS
+from .validate import with_x0
+from .verify import FALL_BACK, RESTART, STATUS, tolerance, verdict
+
+log = logging.getLogger("managed_solve")
+
+# Numba's default (workqueue) threading layer aborts when two threads launch
+# parallel kernels at once, so host-side Krylov work (CPU and simulated
+# devices, which compute with NumPy/Numba on the host) runs one batch at a time.
+_HOST_KERNEL_LOCK = threading.Lock()
+
+
+def host_kernels(dev: Device) -> Any:
+    """The host-kernel lock for work on a host or simulated device; nothing on a GPU."""
+    return _HOST_KERNEL_LOCK if dev.kind != "cuda" else nullcontext()
+
+
+# --------------------------------------------------------------------------- BATCH
+def batched_solver(method: str) -> Callable[..., Any]:
+    """The batched core's solver of ``method`` ("cg", "bicgstab" or "gmres")."""
+    from ..solvers.batched import bicgstab_batched, cg_batched, gmres_batched
+
+    return {"cg": cg_batched, "bicgstab": bicgstab_batched, "gmres": gmres_batched}[method]
+
+
+def run_packed(packed: Any, method: str) -> tuple:
+    """The device part of a batch: the batched core, then each system's true residual norm.
+
+    Returns ``(outcome, residual norms, b norms, seconds)``, the norms on the host.
+    """
+    core = batched_solver(method)
+    t0 = time.perf_counter()
+    out = core(packed)
+    seconds = time.perf_counter() - t0
+    xp = packed.xp
+    if xp is np:
+        N = int(packed.n)
+        A = _backend.sparse_module(xp).csr_matrix((packed.data, packed.indices, packed.indptr),
+                                                  shape=(N, N))
+        r = packed.b - A @ out.x
+        seg = packed.row_sys
+        rn = np.sqrt(np.bincount(seg, weights=r * r, minlength=packed.nsys))
+        bn = np.sqrt(np.bincount(seg, weights=packed.b * packed.b, minlength=packed.nsys))
+    else:
+        from ..solvers.batched import residual_norms
+
+        rn, bn = residual_norms(packed, out.x)  # sync: one host read of per-system norms
+    return out, rn, bn, seconds
+
+
+def solve_packed(systems: list[LinearSystem], packed: Any, method: str, device: Device,
+                 manager: DeviceManager, *, restart: bool = True,
+                 info: dict | None = None) -> list[SolveResult]:
+    """One packed batch through the batched core, each system's true residual checked.
+
+    ``info`` entries go into every result's ``info``. See :func:`packed_results`.
+    """
+    return packed_results(systems, packed, method, device, manager, run_packed(packed, method),
+                          restart=restart, info=info)
+
+
+def packed_results(systems: list[LinearSystem], packed: Any, method: str, device: Device,
+                   manager: DeviceManager, solved: tuple, *, restart: bool = True,
+                   info: dict | None = None, guard: Any = None) -> list[SolveResult]:
+    """The host part of a batch: each system's result, by the verify-and-fall-back rule.
+
+    Systems that drifted (the recurrence converged, the true residual
+    misses) run again as one warm-started batch (``restart``); any still
+    missing it finish alone through ``solve()``. "auto" systems whose method
+    broke down go to the fallback method: as one more batch where the
+    batched core has it (BiCGStab -> GMRES), else alone (CG -> MINRES).
+
+    ``guard`` (a lock) is held around the solves made here (restarts,
+    fallbacks), for a caller that does not hold it already: host kernels run
+    one batch at a time (:func:`host_kernels`).
+    """
+    from ..solvers.batched import PackedBatch
+
+    guard = guard if guard is not None else nullcontext()
+    out, rn, bn, seconds = solved
+    offsets = packed.offsets.tolist()
+    results: list[SolveResult] = []
+    drifted: list[int] = []
+    broken: list[int] = []  # "auto" systems to solve again as a batch of the fallback method
+    # Python work per system (thousands a batch, while the GPU waits for the
+    # next batch): plain lists read once, one shared message, info dicts copied.
+    common = {"host_syncs": int(out.host_syncs), "checkpoints": int(out.checkpoints),
+              "compactions": int(out.compactions), "gpu_seconds": out.gpu_seconds,
+              **(info or {})}
+    converged_msg = Status.CONVERGED.message
+    dname = str(device)
+    for k, (s, code, its, r, bnorm) in enumerate(zip(
+            systems, out.status.tolist(), out.iterations.tolist(), np.asarray(rn).tolist(),
+            np.asarray(bn).tolist(), strict=True)):
+        # x is sliced from the batch's solution when first read.
+        res = _SlicedResult.cut_from(out.x, offsets[k], offsets[k + 1], STATUS[code], its, r, bnorm,
+                                     dname, seconds, method, "", s.name, common.copy())
+        action = verdict(s, method, code, r, bnorm)
+        if action == RESTART:
+            drifted.append(k)
+        elif action == FALL_BACK and FALLBACK[method] in BATCHED_METHODS:
+            broken.append(k)
+        elif action == FALL_BACK:
+            # "auto" chose CG from symmetry and a positive diagonal, but the matrix is
+            # indefinite: MINRES alone, as solve() would after its own attempt (not
+            # repeated here).
+            with guard:
+                res = solve_alone(s, None, FALLBACK[method], device, manager)
+            res.iterations += its
+            res.info["fallback_from"] = method
+        elif code == 0:
+            res.message = converged_msg
+        results.append(res)
+
+    def again(ks: list[int], subset: list[LinearSystem], how: str, restart: bool, note: tuple) -> None:
+        """Solve ``subset`` (systems ks, changed) as one more batch; their results replace the first."""
+        sub = PackedBatch.pack(subset, device=str(device), jacobi=packed.dinv is not None)
+        with guard:
+            redo = solve_packed(subset, sub, how, device, manager, restart=restart, info=info)
+        for k, res in zip(ks, redo, strict=True):
+            res.iterations += results[k].iterations
+            res.info[note[0]] = note[1]
+            results[k] = res
+
+    if drifted and restart:
+        again(drifted, [with_x0(systems[k], results[k].x) for k in drifted], method, False,
+              ("restarted", True))
+    elif drifted:
+        for k in drifted:
+            with guard:
+                results[k] = solve_alone(systems[k], results[k].x, method, device, manager)
+    if broken:
+        # BiCGStab breaks down on spectra it cannot handle (eigenvalues near the
+        # imaginary axis); GMRES cannot break down this way. One batch, from their own x0.
+        again(broken, [systems[k] for k in broken], FALLBACK[method], restart,
+              ("fallback_from", method))
+    return results
+
+
+def solve_alone(s: LinearSystem, x0: Any, method: str, device: Device,
+                manager: DeviceManager) -> SolveResult:
+    """``s`` through ``solve()`` with ``method``, from ``x0`` (None: its own); ``info["polished"]``."""
+    t = with_x0(s, x0 if x0 is not None else s.x0)
+    t.method = method
+    res = _solve.solve(t, device=device, manager=manager)
+    res.info["polished"] = True
+    return res
+
+
+def device_seconds(results: Sequence[SolveResult]) -> float | None:
+    """The GPU time of a batch's solve (CUDA events), from a result the batch itself gave."""
+    for r in results:
+        info = r.info
+        gpu = info.get("gpu_seconds")
+        if gpu and not info.get("restarted") and not info.get("polished"):
+            return float(gpu)
+    return None
+
+
+# --------------------------------------------------------------------------- DIRECT
+def host_lu(s: LinearSystem, symmetric: bool) -> SolveResult:
+    """Sparse LU on the host (the package's one, :func:`~managed_solve.solvers.direct.direct`).
+
+    A solution whose residual misses the tolerance gets one refinement step
+    (the verify rule's restart), then is reported as a breakdown.
+    """
+    t0 = time.perf_counter()
+    A = _backend.to_host(s.A)
+    b = np.asarray(_backend.to_host(s.b))
+    bn = float(np.linalg.norm(b))
+    tol = tolerance(s, bn)
+    out = direct(A, b, symmetric=symmetric)
+    if out.x is None:  # singular: the message names the fix
+        return SolveResult(None, Status.BREAKDOWN, 0, out.residual_norm, bn,
+                           seconds=time.perf_counter() - t0, method="direct", name=s.name,
+                           message=out.message, info=dict(out.info))
+    x, rn, steps = out.x, out.residual_norm, 1
+    if verdict(s, "direct", out.code, rn, bn) == RESTART:
+        step = direct(A, b - A @ x, symmetric=symmetric)
+        if step.x is not None:
+            x = x + step.x
+            rn = float(np.linalg.norm(b - A @ x))
+        steps = 2
+    ok = rn <= tol
+    return SolveResult(x, Status.CONVERGED if ok else Status.BREAKDOWN, steps, rn, bn,
+                       seconds=time.perf_counter() - t0, method="direct", name=s.name,
+                       message=Status.CONVERGED.message if ok else
+                       f"the LU solution's residual {rn:.3g} misses the tolerance {tol:.3g} "
+                       "after one refinement step (ill-conditioned matrix); try method='gmres' "
+                       "with M='jacobi'.", info=dict(out.info))
+
+
+# --------------------------------------------------------------------------- SINGLE
+def run_single(s: LinearSystem, dev: Device, manager: DeviceManager) -> SolveResult:
+    """One system through ``solve()`` on ``dev`` (its method chosen there, by the same policy)."""
+    with host_kernels(dev):
+        return _solve.solve(s, device=dev, manager=manager)
+
+
+def run_sharded(s: LinearSystem, devs: Sequence[Device], mgr: DeviceManager) -> SolveResult:
+    """One system over every accelerator; a device failure falls back to the CPU.
+
+    Any other failure becomes this system's DEVICE_ERROR result (as for a
+    batch), so it never sinks the other systems' results.
+    """
+    gpus = [str(d) for d in devs if d.kind != "cpu"]
+    where = ", ".join(gpus)
+    try:
+        try:
+            res = _solve.solve(s, devices=gpus, manager=mgr)
+        except Exception as exc:
+            if not is_device_error(exc):
+                raise
+            log.warning("managed_solve: sharded solve over %s failed (%s); solving on the CPU",
+                        where, exc)
+            where = str(mgr.cpu)
+            res = _solve.solve(s, device=mgr.cpu, manager=mgr)
+            res.info["sharded_failure"] = f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # noqa: BLE001 - every failure must end in results
+        log.error("solve_many: sharded solve of %s on %s failed: %r", s.name, where, exc)
+        return SolveResult(None, Status.DEVICE_ERROR, device=where, name=s.name,
+                           message=f"solve_many: the sharded solve on {where} raised "
+                                   f"{type(exc).__name__}: {exc} (not a device error, so not retried)")
+    res.name = s.name
+    return res

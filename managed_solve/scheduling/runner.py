@@ -1,0 +1,470 @@
+"""Step 4 of ``solve_many``: run a plan, one worker per device, and recover from failures.
+
+Each device's worker takes batches from its queue (an idle accelerator takes
+queued batches of a busier one of the same kind: work stealing), reserves
+each batch's bytes in the DeviceManager's ledger while it runs, stages the
+next batch while the current one computes (:mod:`.staging`), and runs each
+batch by its route (:mod:`.routes`). A batch that hits an out-of-memory or
+device error is split and its halves retried elsewhere, finally on the CPU;
+measured times are recorded so the next call balances better. Every system
+is delivered exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from .. import config
+from ..devices import Device
+from ..manager import DeviceManager
+from ..result import SolveResult, Status
+from ..system import LinearSystem
+from . import routes, staging
+from .errors import InvalidInput, is_device_error
+from .estimate import BATCHED_METHODS
+from .plan import BATCH, DEFERRED, DIRECT, SINGLE, Batch, Plan, choose_slot, make_slots, split
+from .staging import Staged, Stager, done_future
+from .validate import invalid_result
+
+log = logging.getLogger("managed_solve")
+
+_AHEAD = object()  # Runner._pop: a batch was staged for this worker; take it
+
+
+class Runner:
+    """Executes a plan: one worker per device, recovery, results in input order.
+
+    ``method_of`` resolves the method of a batch planned before it was known
+    (``DEFERRED``: a head-start system); ``more`` says a further part of the
+    plan will come through :meth:`extend`.
+    """
+
+    def __init__(self, systems: list[LinearSystem | None], plan: Plan, devices: Sequence[Device],
+                 manager: DeviceManager, results: list[SolveResult | None], *, bar: Any,
+                 batch_bytes: Callable | None, more: bool = False,
+                 method_of: Callable[[LinearSystem], str] | None = None):
+        self.systems = systems
+        self.plan = plan
+        self.manager = manager
+        self.results = results
+        self.bar = bar
+        self.batch_bytes = batch_bytes
+        self.devices = list(devices)
+        cpu = manager.cpu
+        self.all_devices = self.devices + ([cpu] if cpu not in self.devices else [])
+        self.by_name = {str(d): d for d in self.all_devices}
+        self.cond = threading.Condition()
+        self.queues: dict[str, deque[Batch]] = {str(d): deque(plan.queues.get(str(d), []))
+                                                for d in self.all_devices}
+        self.queued_seconds = {s.name: s.busy for s in plan.slots}
+        # ``more``: a further part of the plan will come (:meth:`extend`); it
+        # counts as one outstanding batch, so no worker stops before it came.
+        self.outstanding = sum(len(q) for q in self.queues.values()) + int(more)
+        self.more = more
+        self.method_of = method_of  # resolves DEFERRED methods (see _batch_method)
+        self.next_id = plan.next_id
+        self.threads: list[threading.Thread] = []
+        # Per accelerator: its stager while its worker runs, and the batch staged
+        # next (its copy under way beside the current batch's compute).
+        self.stage_lock = threading.Lock()
+        self.stagers: dict[str, Stager] = {}
+        self.ahead: dict[str, Staged | None] = {}
+        # Per accelerator, while its worker runs: the thread that builds its
+        # batches' results (see _finish_split).
+        self.finishers: dict[str, ThreadPoolExecutor] = {}
+        self.delivered = 0
+        self.batches_run: list[tuple[str, int, int]] = []  # (device, batch id, nsys), for tests
+        self.stolen: list[tuple[str, str, int]] = []  # (thief, victim, batch id)
+
+    # ---------------------------------------------------------------- queue
+    def _pop(self, name: str) -> Batch | None | object:
+        """The device's next batch, None when all is done, ``_AHEAD`` when one was staged for it."""
+        with self.cond:
+            while True:
+                if self.ahead.get(name) is not None:
+                    return _AHEAD
+                if self.queues[name]:
+                    return self.queues[name].popleft()
+                stolen = self._steal(name)
+                if stolen is not None:
+                    return stolen
+                if self.outstanding <= 0:
+                    return None
+                self.cond.wait()
+
+    def _steal(self, name: str) -> Batch | None:
+        """A batch queued on another device of the same kind, for an idle one (lock held).
+
+        The plan balances predicted times; measured times differ (a learned
+        hint off, a device shared with other work), so a device whose queue
+        runs dry takes the last (shortest) batch of the device with the most
+        predicted work left, if it fits here and did not fail here. Batches
+        whose systems already lie on their device stay there.
+        """
+        dev = self.by_name[name]
+        if dev.kind == "cpu" or not config.current().work_stealing:
+            return None
+
+        def left(q: str) -> float:  # predicted seconds of the batches still queued there
+            return sum(b.cost for b in self.queues[q]) / self.manager.speed(self.by_name[q])
+
+        victims = sorted((q for q in self.queues if q != name and self.queues[q]
+                          and self.by_name[q].kind == dev.kind), key=lambda q: -left(q))
+        for victim in victims:
+            b = self.queues[victim][-1]
+            if name in b.tried or b.route == DIRECT:
+                continue
+            if any(self.plan.estimates[i].home == victim for i in b.indices
+                   if i in self.plan.estimates):
+                continue
+            if self.manager.available_bytes(dev) < b.nbytes:
+                continue
+            self.queues[victim].pop()
+            speed_v = self.manager.speed(self.by_name[victim])
+            speed_me = self.manager.speed(dev)
+            self.queued_seconds[victim] = max(0.0, self.queued_seconds.get(victim, 0.0) - b.cost / speed_v)
+            self.queued_seconds[name] = self.queued_seconds.get(name, 0.0) + b.cost / speed_me
+            self.stolen.append((name, victim, b.id))
+            return b
+        return None
+
+    def _batch_method(self, b: Batch) -> str:
+        """The batch's Krylov method, found now if it was deferred (then kept in its group)."""
+        group = b.group
+        if group[0] != DEFERRED:
+            return group[0]
+        if self.method_of is None:
+            raise RuntimeError("solve_many: internal error, a deferred method without a resolver")
+        try:
+            methods = {self.method_of(self.systems[i]) for i in b.indices}
+        except (TypeError, ValueError) as exc:  # as the estimate loop would have: bad input
+            raise InvalidInput(exc) from exc
+        if len(methods) != 1:  # head-start batches hold one system each
+            raise RuntimeError(f"solve_many: internal error, batch {b.id} mixes methods {methods}")
+        method = methods.pop()
+        with self.cond:
+            b.group = (method, *group[1:])
+            for i in b.indices:
+                e = self.plan.estimates.get(i)
+                if e is not None:
+                    e.group = b.group
+        return method
+
+    def _done(self, new: Sequence[tuple[str, Batch]] = ()) -> None:
+        with self.cond:
+            for name, b in new:
+                self.queues[name].append(b)
+                self.outstanding += 1
+            self.outstanding -= 1
+            self.cond.notify_all()
+
+    def deliver_many(self, indices: Sequence[int], out: Sequence[SolveResult]) -> None:
+        """:meth:`deliver` for a whole batch, under one lock."""
+        if len(indices) != len(out):
+            raise RuntimeError(f"solve_many: internal error, {len(out)} results for a batch of "
+                               f"{len(indices)} systems")
+        results = self.results
+        with self.cond:
+            twice = [i for i in indices if results[i] is not None]
+            if twice:
+                raise RuntimeError(f"solve_many: internal error, systems {twice[:10]} were solved twice")
+            for i, res in zip(indices, out, strict=True):
+                results[i] = res
+            self.delivered += len(indices)
+        if self.bar is not None:
+            self.bar.update(len(indices))
+
+    def deliver(self, i: int, res: SolveResult) -> None:
+        with self.cond:
+            if self.results[i] is not None:
+                raise RuntimeError(f"solve_many: internal error, systems[{i}] was solved twice")
+            self.results[i] = res
+            self.delivered += 1
+        if self.bar is not None:
+            self.bar.update(1)
+
+    # ---------------------------------------------------------------- workers
+    def run(self) -> None:
+        self.start()
+        self.join()
+
+    def start(self) -> None:
+        """Start one worker per device (the host's LU batches: one per core)."""
+        direct = any(b.route == DIRECT for q in self.queues.values() for b in q)
+        for d in self.all_devices:
+            count = (os.cpu_count() or 1) if d.kind == "cpu" and direct else 1
+            for k in range(count):
+                t = threading.Thread(target=self._worker, args=(d,), daemon=True,
+                                     name=f"solve_many-{d}-{k}")
+                self.threads.append(t)
+                t.start()
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join()
+
+    def extend(self, plan: Plan | None) -> None:
+        """Add the rest of the plan (None: nothing more comes) while the workers run.
+
+        A worker computing a batch with nothing staged behind it gets its next
+        batch staged at once, so its copy overlaps that compute.
+        """
+        with self.cond:
+            if not self.more:
+                raise RuntimeError("solve_many: internal error, a plan extended twice")
+            self.more = False
+            if plan is not None:
+                self.plan.estimates.update(plan.estimates)
+                self.plan.sharded.extend(plan.sharded)
+                self.plan.oversized.extend(plan.oversized)
+                self.next_id = max(self.next_id, plan.next_id)
+                for name, q in plan.queues.items():
+                    self.plan.queues.setdefault(name, []).extend(q)
+                    self.queues.setdefault(name, deque()).extend(q)
+                    self.outstanding += len(q)
+                for s in plan.slots:
+                    self.queued_seconds[s.name] = s.busy
+            self.outstanding -= 1  # the part that was to come
+            self.cond.notify_all()
+        for name in list(self.stagers):
+            self._stage_next(name)
+
+    def _pop_nowait(self, name: str) -> Batch | None:
+        with self.cond:
+            return self.queues[name].popleft() if self.queues[name] else self._steal(name)
+
+    def _stage_next(self, name: str) -> None:
+        """Stage the device's next batch unless one is staged already (or none is queued)."""
+        with self.stage_lock:
+            stager = self.stagers.get(name)
+            if stager is None or self.ahead.get(name) is not None:
+                return
+            nb = self._pop_nowait(name)
+            if nb is None:
+                return
+            self.ahead[name] = self._start(nb, self.by_name[name], stager)
+        with self.cond:  # its worker may be waiting for work: this is work
+            self.cond.notify_all()
+
+    def _take_ahead(self, name: str) -> Staged | None:
+        with self.stage_lock:
+            st = self.ahead.get(name)
+            self.ahead[name] = None
+            return st
+
+    def _worker(self, dev: Device) -> None:
+        """Run a device's queue; on accelerators, stage the next batch while this one computes."""
+        name = str(dev)
+        stager = Stager(dev) if dev.kind != "cpu" else None
+        if stager is not None:
+            with self.stage_lock:
+                self.stagers[name] = stager
+            self.finishers[name] = ThreadPoolExecutor(1, thread_name_prefix=f"finish-{dev}")
+        try:
+            while True:
+                cur = self._take_ahead(name) if stager is not None else None
+                if cur is None:
+                    b = self._pop(name)
+                    if b is None:
+                        return
+                    if b is _AHEAD:
+                        continue
+                    cur = self._start(b, dev, stager)
+                    if cur is None:
+                        continue
+                if stager is not None:
+                    self._stage_next(name)
+                self.finish(cur, dev)
+        finally:
+            if stager is not None:
+                with self.stage_lock:
+                    del self.stagers[name]
+                stager.close()
+            finisher = self.finishers.pop(name, None)
+            if finisher is not None:
+                finisher.shutdown(wait=True)
+
+    def _start(self, b: Batch, dev: Device, stager: Stager | None) -> Staged | None:
+        """Reserve the batch's bytes, ask the fault hook, start its host->device copy."""
+        res = None
+        try:
+            # solve() reserves its own bytes on this manager for a SINGLE system;
+            # the batch then holds only its predicted time here (no double count).
+            nbytes = 0 if b.route == SINGLE else b.nbytes
+            res = self.manager.reserve(nbytes, device=dev, cost=b.cost,
+                                       signature=("solve_many", b.route, b.group))
+            dev.check_fault(b.nbytes)
+            fut = None
+            if b.route == BATCH:
+                systems = [self.systems[i] for i in b.indices]
+                _method, _dt, jacobi = b.group
+                target = str(dev)  # PackedBatch puts "sim:k" batches on the host
+
+                def stage(systems=systems, jacobi=jacobi, target=target, dev=dev, b=b):
+                    packed = staging.pack_batch(systems, jacobi, target)
+                    if dev.kind == "cuda":
+                        # The solver's workspace too (its bytes are in the batch's
+                        # reservation): off the worker's path between two batches.
+                        # A deferred method is waited for here, after the copy.
+                        from ..solvers.batched import prepare
+
+                        method = self._batch_method(b)
+                        if method in ("cg", "bicgstab"):  # the fused core's; GMRES has none
+                            prepare(packed, method)
+                    return packed
+
+                fut = stager.submit(stage) if stager is not None else done_future(stage)
+            return Staged(b, res, fut)
+        except BaseException as exc:  # noqa: BLE001 - every failure must end in results
+            if res is not None:
+                res.release()
+            self._done(self._recover(b, dev, exc))
+            return None
+
+    def finish(self, st: Staged, dev: Device) -> None:
+        """Compute a staged batch, deliver its results, release its bytes, learn its time."""
+        b = st.batch
+        batch_info = {"batch": b.id, "batch_size": b.nsys, "reserved_bytes": b.nbytes}
+        if b.route == BATCH and b.group[0] == DEFERRED:
+            try:
+                method = self._batch_method(b)
+            except BaseException as exc:  # noqa: BLE001 - every failure must end in results
+                self._failed(st, dev, exc)
+                return
+            if method not in BATCHED_METHODS:  # MINRES: the batched core has none
+                b.route = SINGLE
+        finisher = self.finishers.get(str(dev)) if b.route == BATCH else None
+        if finisher is not None:
+            self._finish_split(st, dev, finisher, batch_info)
+            return
+        try:
+            t0 = time.perf_counter()
+            with st.reservation, dev.context():
+                if b.route == BATCH:
+                    packed = st.packed.result()
+                    method = self._batch_method(b)
+                    systems = [self.systems[i] for i in b.indices]
+                    with routes.host_kernels(dev):
+                        out = routes.solve_packed(systems, packed, method, dev, self.manager,
+                                                  info=batch_info)
+                elif b.route == DIRECT:
+                    symmetric = bool(b.group[2])
+                    out = [routes.host_lu(self.systems[i], symmetric) for i in b.indices]
+                else:
+                    out = [routes.run_single(self.systems[i], dev, self.manager)
+                           for i in b.indices]
+            seconds = time.perf_counter() - t0
+        except BaseException as exc:  # noqa: BLE001 - every failure must end in results
+            self._failed(st, dev, exc)
+            return
+        self._deliver_batch(b, dev, out, seconds, batch_info)
+
+    def _finish_split(self, st: Staged, dev: Device, finisher: ThreadPoolExecutor,
+                      batch_info: dict) -> None:
+        """:meth:`finish` of a batch on an accelerator: the device part here, its results beside.
+
+        The worker computes the batch and its true residuals, then goes on to
+        its next batch while the device's finisher thread builds this one's
+        results (Python per system, time in which the GPU would otherwise
+        have no work queued), delivers them and releases the batch's bytes.
+        """
+        b = st.batch
+        try:
+            t0 = time.perf_counter()
+            with dev.context():
+                packed = st.packed.result()
+                method = self._batch_method(b)
+                with routes.host_kernels(dev):
+                    solved = routes.run_packed(packed, method)
+        except BaseException as exc:  # noqa: BLE001 - every failure must end in results
+            self._failed(st, dev, exc)
+            return
+        finisher.submit(self.complete, st, dev, packed, method, solved, batch_info, t0)
+
+    def complete(self, st: Staged, dev: Device, packed: Any, method: str, solved: tuple,
+                 batch_info: dict, t0: float) -> None:
+        """The results of a batch computed by :meth:`_finish_split` (on the finisher thread)."""
+        b = st.batch
+        try:
+            systems = [self.systems[i] for i in b.indices]
+            # On the host, restarts and polishes hold the host-kernel lock (not the
+            # building of results, so the worker's next batch computes meanwhile).
+            with st.reservation, dev.context():
+                out = routes.packed_results(systems, packed, method, dev, self.manager, solved,
+                                            info=batch_info, guard=routes.host_kernels(dev))
+            seconds = time.perf_counter() - t0
+        except BaseException as exc:  # noqa: BLE001 - every failure must end in results
+            self._failed(st, dev, exc)
+            return
+        self._deliver_batch(b, dev, out, seconds, batch_info)
+
+    def _failed(self, st: Staged, dev: Device, exc: BaseException) -> None:
+        """A staged batch that failed: its bytes released, its systems split and retried."""
+        st.reservation.release()
+        self._done(self._recover(st.batch, dev, exc))
+
+    def _deliver_batch(self, b: Batch, dev: Device, out: list[SolveResult], seconds: float,
+                       batch_info: dict) -> None:
+        """Learn a finished batch's time, hand out its results, let the queue go on."""
+        self.manager.record(("solve_many", b.route, b.group), seconds, b.nbytes, device=dev,
+                            cost=b.cost, device_seconds=routes.device_seconds(out))
+        with self.cond:
+            self.batches_run.append((str(dev), b.id, b.nsys))
+        dname = str(dev)
+        for res in out:
+            res.device = dname
+            if not res.seconds:
+                res.seconds = seconds
+            if "batch" not in res.info:  # results not made by the batched core
+                for key, value in batch_info.items():
+                    res.info.setdefault(key, value)
+        self.deliver_many(b.indices, out)
+        self._done()
+
+    def _recover(self, b: Batch, dev: Device, exc: BaseException) -> list[tuple[str, Batch]]:
+        """Split a failed batch and send the halves elsewhere, finally to the CPU."""
+        if isinstance(exc, InvalidInput):
+            for i in b.indices:
+                self.deliver(i, invalid_result(exc.error, i, self.systems[i]))
+            return []
+        if not is_device_error(exc):
+            log.error("solve_many: batch %d on %s failed: %r", b.id, dev, exc)
+            msg = (f"solve_many: solving on {dev} raised {type(exc).__name__}: {exc} "
+                   "(not a device error, so not retried)")
+            for i in b.indices:
+                self._fail(i, dev, msg)
+            return []
+        log.info("solve_many: batch %d (%d systems) hit %s on %s; splitting and retrying elsewhere",
+                 b.id, b.nsys, type(exc).__name__, dev)
+        b.tried = b.tried | {str(dev)}
+        with self.cond:
+            halves = split(b, self.plan.estimates, next_id=self.next_id, batch_bytes=self.batch_bytes)
+            self.next_id += len(halves)
+        out = []
+        for h in halves:
+            slots = make_slots(self.devices, self.manager, busy=self.queued_seconds)
+            target = choose_slot(h, slots)
+            name = target.name if target is not None else str(self.manager.cpu)
+            if name in h.tried:
+                msg = (f"solve_many: {type(exc).__name__} on every device tried "
+                       f"({', '.join(sorted(h.tried))}): {exc}")
+                for i in h.indices:
+                    self._fail(i, dev, msg)
+                continue
+            with self.cond:
+                speed = self.manager.speed(self.by_name[name])
+                self.queued_seconds[name] = self.queued_seconds.get(name, 0.0) + h.cost / speed
+            out.append((name, h))
+        return out
+
+    def _fail(self, i: int, dev: Device, msg: str) -> None:
+        s = self.systems[i]
+        self.deliver(i, SolveResult(None, Status.DEVICE_ERROR, device=str(dev), message=msg,
+                                     name=s.name if s is not None else None))

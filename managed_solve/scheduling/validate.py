@@ -1,0 +1,103 @@
+"""Step 1 of ``solve_many``: the call's arguments, then each input as a :class:`LinearSystem`.
+
+A bad input becomes an ``INVALID_INPUT`` result (:func:`invalid_result`) and
+the other systems go on; a bad argument of the call raises at once. The Ray
+backend validates on its driver with the same functions.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..result import SolveResult, Status
+from ..system import METHODS, PRECONDITIONERS, LinearSystem
+
+RETURN_ON = ("device", "host")
+ON_ERROR = ("return", "raise")
+
+
+def check_arguments(method: str, M: Any, rtol: float | None, return_on: str, on_error: str,
+                    progress: bool) -> None:
+    """Raise on a bad argument of the call (``ValueError``/``TypeError`` naming it).
+
+    Examples
+    --------
+    >>> check_arguments("auto", None, 1e-8, "device", "return", False)
+    >>> check_arguments("lu", None, None, "device", "return", False)
+    Traceback (most recent call last):
+    ...
+    ValueError: solve_many(method='lu'): expected one of auto, cg, bicgstab, gmres, minres, direct
+    """
+    call = "solve_many"
+    if method not in METHODS:
+        raise ValueError(f"{call}(method={method!r}): expected one of {', '.join(METHODS)}")
+    if isinstance(M, str) and M not in PRECONDITIONERS:
+        raise ValueError(f"{call}(M={M!r}): expected one of {', '.join(PRECONDITIONERS)}, "
+                         "an operator, or None")
+    if rtol is not None and not (isinstance(rtol, (int, float)) and math.isfinite(rtol) and rtol >= 0):
+        raise ValueError(f"{call}(rtol={rtol!r}): expected a finite number >= 0, e.g. 1e-8, or None "
+                         "to keep each system's own")
+    if return_on not in RETURN_ON:
+        raise ValueError(f"{call}(return_on={return_on!r}): expected 'device' (x stays where it "
+                         "was solved) or 'host' (NumPy arrays)")
+    if on_error not in ON_ERROR:
+        raise ValueError(f"{call}(on_error={on_error!r}): expected 'return' (failed systems come "
+                         "back with their status) or 'raise'")
+    if not isinstance(progress, bool):
+        raise TypeError(f"{call}(progress={progress!r}): expected True or False")
+
+
+def as_system(item: Any, i: int, *, method: str, M: Any, rtol: float | None,
+              memo: dict | None = None) -> LinearSystem:
+    """One input as a LinearSystem with solve_many's overrides applied; raises on bad input.
+
+    ``memo`` (one dict per call) remembers the arrays already found finite, so
+    a matrix shared by many ``(A, b)`` pairs is scanned for NaN and Inf once.
+
+    Raises
+    ------
+    TypeError, ValueError
+        The input is not a system, or not a valid one (the message names it).
+    """
+    if isinstance(item, LinearSystem):
+        if method == "auto" and M is None and rtol is None:
+            return item
+        s = object.__new__(LinearSystem)
+        s.__dict__.update(item.__dict__)
+        if method != "auto":
+            if s.kind == "operator" and method == "direct":
+                raise ValueError(f"solve_many(systems[{i}]): method='direct' needs the matrix "
+                                 "entries; this system's A is an operator")
+            s.method = method
+        if M is not None:
+            s.M = M
+        if rtol is not None:
+            if rtol == 0 and s.atol == 0:
+                raise ValueError(f"solve_many(rtol=0): systems[{i}] has atol=0 too, so nothing "
+                                 "can converge; give a positive rtol")
+            s.rtol = float(rtol)
+        return s
+    if isinstance(item, (tuple, list)) and len(item) == 2:
+        A, b = item
+        return LinearSystem(A, b, rtol=1e-8 if rtol is None else rtol, method=method, M=M,
+                            name=f"systems[{i}]", _finite_memo=memo)
+    raise TypeError(
+        f"solve_many(systems[{i}]): expected a LinearSystem or an (A, b) pair, got "
+        f"{type(item).__name__}. Build one with managed_solve.LinearSystem(A, b)."
+    )
+
+
+def invalid_result(exc: Exception, i: int, item: Any) -> SolveResult:
+    """The ``INVALID_INPUT`` result of input ``i``, with the error's message."""
+    name = getattr(item, "name", None) or f"systems[{i}]"
+    return SolveResult(None, Status.INVALID_INPUT, name=name, method="",
+                       message=f"{type(exc).__name__}: {exc}")
+
+
+def with_x0(s: LinearSystem, x0: Any) -> LinearSystem:
+    """A shallow copy of ``s`` starting from ``x0`` (the arrays are shared, not copied)."""
+    t = object.__new__(LinearSystem)
+    t.__dict__.update(s.__dict__)
+    t.x0 = x0
+    return t

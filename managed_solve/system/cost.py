@@ -1,0 +1,93 @@
+"""The cost and byte model of one system: iterations, bytes streamed, bytes held.
+
+The one home of the per-system estimates that placement and planning use
+(``solve``'s reservation, ``solve_many``'s estimates and batches). The
+batched engine's own workspace model (a packed batch's allocations) stays
+beside those allocations in the batched engine.
+
+Cost model: one unpreconditioned CG iteration streams at least
+``nnz*(w+i) + 4n + 11*n*w`` bytes (w value width, i index width). CG on a
+2D Poisson-like matrix needs about ``0.1 * ln(2/rtol) * sqrt(n)`` iterations
+(SciPy's cg on 16..128 squared grids at rtol 1e-8 needs 1.75..1.87 sqrt(n));
+BiCGStab about 0.7 times as many, with two products each. The product (bytes
+per iteration x iterations) is the predicted cost in bytes streamed, which
+the DeviceManager turns into seconds with each device's learned speed.
+"""
+
+from __future__ import annotations
+
+import math
+
+# Work vectors of each method besides A and b (x included); GMRES(30) keeps
+# its basis of 30 vectors plus three.
+_WORK_VECTORS = {"cg": 4, "bicgstab": 7, "gmres": 30 + 3, "minres": 8, "direct": 0}
+
+
+def predict_iterations(n: int, *, rtol: float = 1e-8, method: str = "cg",
+                       maxiter: int | None = None) -> float:
+    """Expected Krylov iterations for an ``n``-unknown Poisson-like system.
+
+    Examples
+    --------
+    >>> round(predict_iterations(96 * 96, rtol=1e-8))
+    183
+    """
+    rtol = min(max(float(rtol), 1e-16), 0.5)
+    its = 0.1 * math.log(2.0 / rtol) * math.sqrt(max(int(n), 1))
+    if method == "bicgstab":
+        its *= 0.7
+    its = max(its, 1.0)
+    if maxiter is not None:
+        its = min(its, float(maxiter))
+    return its
+
+
+def bytes_per_iteration(n: int, nnz: int, *, itemsize: int = 8, index_itemsize: int = 4,
+                        method: str = "cg", jacobi: bool = False) -> float:
+    """Fewest bytes one iteration streams (CSR product plus vector updates).
+
+    Examples
+    --------
+    >>> bytes_per_iteration(100, 460)  # 5-point stencil: about 150 bytes a row
+    14720.0
+    """
+    spmv = nnz * (itemsize + index_itemsize) + 4 * n
+    if method == "bicgstab":
+        return float(2 * spmv + (20 + 2 * jacobi) * n * itemsize)
+    if method == "gmres":
+        # Classical Gram-Schmidt twice against 15 basis vectors on average
+        # (restart 30): each pass reads them twice (dot products, then the
+        # update), plus w's reads and writes and the new vector.
+        return float(spmv + (4 * 15 + 10 + 2 * jacobi) * n * itemsize)
+    return float(spmv + (11 + 2 * jacobi) * n * itemsize)
+
+
+def solve_bytes(n: int, nnz: int, *, itemsize: int = 8, index_itemsize: int = 4,
+                method: str = "cg", nsys: int = 1, jacobi: bool = False) -> int:
+    """Device bytes to hold a (packed) system and solve it: CSR, b, x, work vectors.
+
+    The planner's model, used until the batched engine's own prediction of
+    a batch is given. Vectors: b, x, the method's workspace, the inverse
+    diagonal with Jacobi, a row-to-system map and per-system scalars.
+    """
+    vectors = {"cg": 4, "bicgstab": 7, "gmres": 33}.get(method, 7) + 2 + (1 if jacobi else 0)
+    csr = nnz * (itemsize + index_itemsize) + (n + 1) * index_itemsize
+    per_system = 64 + (7_700 if method == "gmres" else 0)  # GMRES: its Hessenberg columns
+    return int(csr + vectors * n * itemsize + 4 * n + per_system * nsys)
+
+
+def workspace_bytes(method: str, n: int, nnz: int, *, itemsize: int = 8,
+                    preconditioned: bool = False) -> int:
+    """Extra bytes one solve needs besides the system: x plus the method's work vectors.
+
+    For ``"direct"``, the fill-in of a sparse LU, bounded roughly by 20 x nnz.
+
+    Examples
+    --------
+    >>> workspace_bytes("cg", 10, 28)
+    320
+    """
+    if method == "direct":
+        return int(20 * nnz * (itemsize + 4))
+    vectors = _WORK_VECTORS.get(method, 7) + (1 if preconditioned else 0)
+    return int(vectors * n * itemsize)

@@ -1,0 +1,136 @@
+"""Routes: the batched core's true-residual check and restarts, the host LU, the sharded route."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import scipy.sparse.linalg as spla
+
+from managed_solve import DeviceManager, LinearSystem, Status
+from managed_solve.scheduling import routes, solve_many
+from managed_solve.solvers.direct import direct
+from tests._problems import poisson2d
+from tests.scheduling._helpers import assert_solves
+
+
+@pytest.mark.parametrize("where", ["sim", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_true_residual_check_restarts_drifted_systems(monkeypatch, where):
+    """A batch whose recurrence says converged but whose true residual misses rtol runs again.
+
+    On a GPU the restart packs host systems with their x0 on the GPU.
+    """
+    real_solver = routes.batched_solver
+    cg_batched = real_solver("cg")
+    calls = []
+
+    def drifting_cg(batch, **kw):
+        out = cg_batched(batch, **kw)
+        calls.append(batch.nsys)
+        if len(calls) == 1:  # first batch: spoil every other system's answer, claim convergence
+            for name, v in zip(batch.names, batch.unpack(out.x), strict=True):
+                if int(name[1:]) % 2:  # odd grid sizes
+                    v *= 1.01
+        return out
+
+    monkeypatch.setattr(routes, "batched_solver", lambda m: drifting_cg if m == "cg" else real_solver(m))
+    systems = [LinearSystem(poisson2d(m), np.ones(m * m), name=f"p{m}") for m in range(4, 12)]
+    dm = DeviceManager(simulate="1x64MiB") if where == "sim" else DeviceManager(["cuda:0"])
+    results = solve_many(systems, manager=dm)
+    assert_solves(systems, results)
+    assert calls[:2] == [8, 4]  # one batch, then the 4 spoiled systems together
+    assert [bool(r.info.get("restarted")) for r in results] == [m % 2 == 1 for m in range(4, 12)]
+
+
+def test_device_time_of_a_batch_comes_from_its_own_results():
+    from managed_solve.result import SolveResult
+
+    def res(**info):
+        return SolveResult(None, Status.CONVERGED, info=info)
+
+    assert routes.device_seconds([res(), res(gpu_seconds=None)]) is None  # host batches: none
+    # A restarted or polished result carries another solve's time; the batch's own counts.
+    out = [res(gpu_seconds=0.001, restarted=True), res(gpu_seconds=0.5, polished=True),
+           res(gpu_seconds=0.04), res(gpu_seconds=0.04)]
+    assert routes.device_seconds(out) == 0.04
+
+
+def test_host_lu_matches_the_packages_sparse_lu_and_meets_the_tolerance():
+    """The DIRECT route is solvers.direct (the one sparse LU), checked by the verify rule."""
+    A = poisson2d(12)
+    b = np.linspace(1.0, 2.0, 144)
+    s = LinearSystem(A, b, rtol=1e-10, name="lu")
+    res = routes.host_lu(s, symmetric=True)
+    assert res.status is Status.CONVERGED and res.method == "direct" and res.iterations == 1
+    np.testing.assert_array_equal(res.x, direct(A, b, symmetric=True).x)
+    assert np.linalg.norm(b - A @ res.x) <= 1e-10 * np.linalg.norm(b)
+
+
+def test_host_lu_of_a_singular_matrix_is_a_breakdown_naming_the_fix():
+    A = sp.csr_matrix(np.array([[1.0, 1.0], [1.0, 1.0]]))
+    res = routes.host_lu(LinearSystem(A, np.ones(2), name="singular"), symmetric=True)
+    assert res.status is Status.BREAKDOWN and res.x is None and "singular" in res.message
+
+
+# ----------------------------------------------------------------------------- sharded
+@pytest.fixture
+def mix():
+    big = poisson2d(100)  # 10,000 unknowns: about 1.3 MB with its CG workspace
+    small = [poisson2d(n) for n in (8, 12, 16)]
+    rng = np.random.default_rng(3)
+    return [LinearSystem(A, rng.standard_normal(A.shape[0]), name=f"s{k}")
+            for k, A in enumerate([small[0], big, small[1], small[2]])]
+
+
+def test_oversized_system_is_sharded_over_two_devices(mix):
+    dm = DeviceManager(simulate="2x1MiB", reserved=0.0)
+    res = solve_many(mix, manager=dm, rtol=1e-10)
+    big = res[1]
+    assert big.converged and big.info.get("shards") == 2 and big.name == "s1"
+    assert big.info["devices"] == ["sim:0", "sim:1"]
+    for s, r in zip(mix, res, strict=True):
+        assert r.converged and r.name == s.name
+        np.testing.assert_allclose(r.to_numpy(), spla.spsolve(s.A.tocsc(), s.b), rtol=1e-6, atol=1e-8)
+
+
+def test_oversized_system_with_one_device_goes_to_the_cpu(mix):
+    dm = DeviceManager(simulate="1x1MiB", reserved=0.0)
+    res = solve_many(mix, manager=dm, rtol=1e-10)
+    assert res[1].converged and res[1].device == "cpu" and "shards" not in res[1].info
+
+
+def test_a_failing_sharded_solve_loses_nothing_else(mix, monkeypatch):
+    """A sharded solve that raises (not a device error) gives that system a failed result only."""
+    import sys
+
+    solve_module = sys.modules["managed_solve._solve"]
+    real = solve_module.solve
+
+    def broken(system, *args, devices=None, **kwargs):
+        if devices is not None:
+            raise RuntimeError("halo exchange went wrong")
+        return real(system, *args, **kwargs)
+
+    monkeypatch.setattr(solve_module, "solve", broken)
+    dm = DeviceManager(simulate="2x1MiB", reserved=0.0)
+    res = solve_many(mix, manager=dm, rtol=1e-10)
+    assert not res[1].converged and res[1].status.name == "DEVICE_ERROR" and res[1].name == "s1"
+    assert "RuntimeError: halo exchange went wrong" in res[1].message
+    for k in (0, 2, 3):
+        assert res[k].converged and res[k].name == mix[k].name
+    with pytest.raises(Exception, match="s1"):
+        solve_many(mix, manager=dm, rtol=1e-10, on_error="raise")
+
+
+def test_an_oversized_gmres_system_goes_to_the_cpu_not_to_the_sharded_solver(mix):
+    """The sharded solver runs CG and BiCGStab only: a GMRES system too large for one device runs on the CPU."""
+    # GMRES's 33 vectors a row: the big system (about 3.4 MB) fits no device, but
+    # would fit two as shards.
+    dm = DeviceManager(simulate="2x2MiB", reserved=0.0)
+    res = solve_many(mix, manager=dm, rtol=1e-10, method="gmres")
+    assert all(r.converged and r.method == "gmres" for r in res), [r.message for r in res]
+    assert res[1].device == "cpu" and "shards" not in res[1].info
+    assert {r.device for r in res[::2]} <= {"sim:0", "sim:1"}
+    for s, r in zip(mix, res, strict=True):
+        ref = spla.spsolve(s.A.tocsc(), s.b)
+        np.testing.assert_allclose(r.to_numpy(), ref, rtol=0, atol=1e-6 * np.abs(ref).max())

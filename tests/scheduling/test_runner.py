@@ -1,0 +1,194 @@
+"""The runner: admission by the ledger, split-and-retry recovery, work stealing, results beside compute."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from managed_solve import LinearSystem, Status
+from managed_solve.devices import SimulatedOutOfMemory
+from managed_solve.manager import DeviceManager
+from managed_solve.scheduling import routes, solve_many
+from managed_solve.scheduling.runner import Runner
+from tests._problems import poisson2d
+from tests.scheduling._helpers import (
+    LedgerWatch,
+    assert_solves,
+    fail_every_second,
+    mixed_systems,
+    runners_started,
+)
+
+
+def test_admission_never_over_budget_and_oversized_systems_spill_to_the_cpu():
+    dm = LedgerWatch(simulate="2x1MiB")  # room for a few thousand unknowns per batch
+    systems = mixed_systems(40, seed=7, lo=3, hi=20)
+    # about 3.4 MB: fits no sim, nor both together (so it is not sharded either)
+    big = LinearSystem(poisson2d(150), np.ones(22_500), name="big")
+    systems.insert(5, big)
+    results = solve_many(systems, manager=dm)
+    assert_solves(systems, results)
+    for d in dm.accelerators:
+        assert 0 < dm.high[str(d)] <= dm.capacity(d)
+    assert results[5].device == "cpu"
+    assert max(r.info["batch_size"] for r in results if r.device != "cpu") > 1
+
+
+@pytest.mark.parametrize("spec", ["2x64MiB", "1x64MiB"])
+def test_out_of_memory_every_second_batch_loses_and_duplicates_nothing(spec, monkeypatch):
+    dm = DeviceManager(simulate=spec)
+    counter = [0]
+    dm.accelerators[0].fault = fail_every_second(counter)
+    delivered: list[int] = []
+    real, real_many = Runner.deliver, Runner.deliver_many
+
+    def spy(self, i, res):
+        delivered.append(i)
+        return real(self, i, res)
+
+    def spy_many(self, indices, out):
+        delivered.extend(indices)
+        return real_many(self, indices, out)
+
+    monkeypatch.setattr(Runner, "deliver", spy)
+    monkeypatch.setattr(Runner, "deliver_many", spy_many)
+    systems = mixed_systems(80, seed=8, lo=3, hi=12)
+    results = solve_many(systems, manager=dm)
+    assert counter[0] >= 2  # the fault fired
+    assert sorted(delivered) == list(range(len(systems)))  # each exactly once
+    assert_solves(systems, results)
+    assert dm.reserved_bytes("sim:0") == 0
+
+
+def test_a_device_that_always_fails_ends_on_the_cpu():
+    dm = DeviceManager(simulate="1x64MiB")
+
+    def fault(dev, nbytes):
+        raise MemoryError("always")
+
+    dm.accelerators[0].fault = fault
+    systems = mixed_systems(10, seed=9)
+    results = solve_many(systems, manager=dm)
+    assert_solves(systems, results)
+    assert {r.device for r in results} == {"cpu"}
+
+
+# The device part of a batch (the core, true residuals) and its results: on an
+# accelerator the results are built on the finisher thread; on the CPU in one piece.
+@pytest.mark.parametrize("where, beside", [("run_packed", True), ("packed_results", True),
+                                           ("run_packed", False), ("packed_results", False),
+                                           ("solve_packed", False)])
+def test_a_non_device_error_is_a_device_error_result_not_a_crash(where, beside, monkeypatch):
+    # On the CPU (method given: "auto" would take the host LU) batches finish on their worker.
+    dm = DeviceManager(simulate="1x64MiB") if beside else DeviceManager(["cpu"])
+    method = "auto" if beside else "cg"
+
+    def broken(*a, **k):
+        raise ZeroDivisionError("bug in a solver")
+
+    monkeypatch.setattr(routes, where, broken)
+    systems = mixed_systems(5, seed=10)
+    results = solve_many(systems, manager=dm, method=method)
+    assert all(r.status is Status.DEVICE_ERROR for r in results)
+    assert all("ZeroDivisionError" in r.message for r in results)
+
+
+def test_a_device_error_while_building_results_retries_the_batch_and_loses_nothing(monkeypatch):
+    """A failure while building results goes through the same split-and-retry as the solve's."""
+    dm = DeviceManager(simulate="2x64MiB")
+    real = routes.packed_results
+    calls = [0]
+
+    def flaky(*a, **k):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise SimulatedOutOfMemory("injected while building results")
+        return real(*a, **k)
+
+    monkeypatch.setattr(routes, "packed_results", flaky)
+    systems = mixed_systems(40, seed=13, lo=3, hi=12)
+    finishers = []
+    real_submit = concurrent.futures.ThreadPoolExecutor.submit
+
+    def submit(self, fn, *a, **k):  # the results are built on the finisher threads
+        if getattr(fn, "__name__", "") == "complete":
+            finishers.append(threading.current_thread().name)
+        return real_submit(self, fn, *a, **k)
+
+    monkeypatch.setattr(concurrent.futures.ThreadPoolExecutor, "submit", submit)
+    results = solve_many(systems, manager=dm)
+    assert finishers and all(t.startswith("solve_many-sim:") for t in finishers)
+    assert calls[0] >= 2
+    assert_solves(systems, results)
+    assert all(dm.reserved_bytes(d) == 0 for d in ("sim:0", "sim:1"))
+
+
+def test_an_idle_device_takes_queued_batches_from_a_slow_one(monkeypatch):
+    """Work stealing: the plan splits the batches evenly, one device is slow, the other drains it."""
+    dm = DeviceManager(simulate="2x1GiB")
+    slow = dm.accelerators[0]
+    runners = runners_started(monkeypatch)
+
+    def stalled_until_stolen_from(dev, nbytes):
+        # The slow device holds its first batch until the other device has
+        # taken one of its queued batches: the outcome depends on no timing.
+        deadline = time.monotonic() + 60
+        while not (runners and runners[0].stolen) and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    monkeypatch.setattr(slow, "fault", stalled_until_stolen_from)
+    systems = [LinearSystem(poisson2d(m), np.ones(m * m), rtol=1e-8, method="cg", name=f"s{k}")
+               for k, m in enumerate([24] * 48)]
+    results = solve_many(systems, manager=dm)
+    assert_solves(systems, results)
+    (runner,) = runners
+    planned = {name: len(q) for name, q in runner.plan.queues.items() if q}
+    assert planned.get(str(slow), 0) >= 3  # the plan gave the slow device its share
+    ran = {}
+    for dev, _bid, _n in runner.batches_run:
+        ran[dev] = ran.get(dev, 0) + 1
+    assert runner.stolen and all(thief != str(slow) for thief, _v, _b in runner.stolen)
+    assert ran[str(slow)] < planned[str(slow)]
+    assert sum(ran.values()) == sum(planned.values())  # nothing run twice or lost
+
+
+def test_a_batch_computes_while_the_results_of_the_one_before_are_built(monkeypatch, settings):
+    """On an accelerator the worker does not wait for a batch's results to start the next one."""
+    dm = DeviceManager(simulate="1x1GiB")
+    settings(batch_rows=200)  # several batches
+    release = threading.Event()
+    ran_while_blocked = []
+    real_results, real_run = routes.packed_results, routes.run_packed
+    blocked = threading.Event()
+
+    def results(*a, **k):
+        if not blocked.is_set():  # the first batch's results wait for the second batch
+            blocked.set()
+            ran_while_blocked.append(release.wait(10))
+        return real_results(*a, **k)
+
+    def run(*a, **k):
+        if blocked.is_set():
+            release.set()
+        return real_run(*a, **k)
+
+    monkeypatch.setattr(routes, "packed_results", results)
+    monkeypatch.setattr(routes, "run_packed", run)
+    systems = mixed_systems(30, seed=17, lo=6, hi=10)
+    out = solve_many(systems, manager=dm)
+    assert ran_while_blocked == [True]
+    assert_solves(systems, out)
+    assert len({r.info["batch"] for r in out}) >= 3
+
+
+def test_a_real_call_records_measured_speed():
+    dm = DeviceManager(simulate="1x64MiB")
+    before = dm.speed(dm.accelerators[0])
+    solve_many(mixed_systems(10, seed=14), manager=dm)
+    # NumPy on this host streams far less than the 2 TB/s a simulated GPU assumes.
+    assert dm.speed(dm.accelerators[0]) < before
+    assert any(k.startswith("('solve_many'") for k in dm.hints())
