@@ -46,7 +46,7 @@ def require(name: str, what: str = "this call") -> ModuleType:
         ) from exc
 
 
-def _maybe(name: str) -> ModuleType | None:
+def optional_module(name: str) -> ModuleType | None:
     try:
         return importlib.import_module(name)
     except Exception:  # ImportError, or a broken CUDA library raising at import
@@ -61,7 +61,7 @@ def cuda_probe() -> tuple[int, str]:
     ``getDeviceCount`` raises ``CUDARuntimeError`` and
     ``import cupyx.scipy.sparse.linalg`` raises ImportError. Both mean "no GPU".
     """
-    cp = _maybe("cupy")
+    cp = optional_module("cupy")
     if cp is None:
         return 0, "CuPy is not installed"
     try:

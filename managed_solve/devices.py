@@ -202,7 +202,7 @@ def cpu_device() -> Device:
 
 def _nvml():
     """pynvml initialised, or None (no package, no driver)."""
-    mod = _backend._maybe("pynvml")
+    mod = _backend.optional_module("pynvml")
     if mod is None:
         return None
     try:

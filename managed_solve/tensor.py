@@ -35,7 +35,7 @@ from .manager import DeviceManager, default_manager
 
 # Stored bytes of one tensor (sparse: values + indices). raw_size_of dispatches on the
 # type's module name, which misses tensor subclasses, so the tensor sizer is used directly.
-from .manager import _tensor_bytes as raw_size_of
+from .manager import tensor_bytes as raw_size_of
 
 torch = _backend.torch_module()
 

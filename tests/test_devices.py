@@ -127,7 +127,7 @@ def test_device_equality_and_hash():
 
 # -------------------------------------------------------------- never-crashing discovery
 def _reprobe(monkeypatch, fake_maybe):
-    monkeypatch.setattr(_backend, "_maybe", fake_maybe)
+    monkeypatch.setattr(_backend, "optional_module", fake_maybe)
     _backend.cuda_probe.cache_clear()
 
 

@@ -25,7 +25,7 @@ import numpy as np
 from .. import _backend, _solve
 from ..devices import Device
 from ..manager import DeviceManager
-from ..result import SolveResult, Status, _SlicedResult
+from ..result import SlicedResult, SolveResult, Status
 from ..solvers.direct import direct
 from ..system import FALLBACK, LinearSystem
 from .errors import is_device_error
@@ -124,7 +124,7 @@ def packed_results(systems: list[LinearSystem], packed: Any, method: str, device
             systems, out.status.tolist(), out.iterations.tolist(), np.asarray(rn).tolist(),
             np.asarray(bn).tolist(), strict=True)):
         # x is sliced from the batch's solution when first read.
-        res = _SlicedResult.cut_from(out.x, offsets[k], offsets[k + 1], STATUS[code], its, r, bnorm,
+        res = SlicedResult.cut_from(out.x, offsets[k], offsets[k + 1], STATUS[code], its, r, bnorm,
                                      dname, seconds, method, "", s.name, common.copy())
         action = verdict(s, method, code, r, bnorm)
         if action == RESTART:

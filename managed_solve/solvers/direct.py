@@ -242,7 +242,7 @@ def _dense_lu(A: Any, b: Any) -> Any:
 
 
 def _gpu_sparse(A: Any, b: Any, symmetric: bool | None) -> tuple[Any, str, dict]:
-    nvmath = _backend._maybe("nvmath.sparse.advanced")
+    nvmath = _backend.optional_module("nvmath.sparse.advanced")
     if nvmath is not None:
         from . import _cudss
 

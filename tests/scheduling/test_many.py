@@ -277,11 +277,11 @@ def test_results_cut_x_from_the_batch_when_first_read():
     import copy
     import pickle
 
-    from managed_solve.result import SolveResult, _SlicedResult
+    from managed_solve.result import SlicedResult, SolveResult
 
     systems = [(poisson2d(m), np.ones(m * m)) for m in (3, 4, 5)]
     out = solve_many(systems, devices=["cpu"], method="cg")
-    sliced = [r for r in out if isinstance(r, _SlicedResult)]
+    sliced = [r for r in out if isinstance(r, SlicedResult)]
     assert sliced, "the batched path made no results"
     r = sliced[0]
     assert "_src" in r.__dict__ and "_x" not in r.__dict__  # nothing cut yet

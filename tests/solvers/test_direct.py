@@ -150,8 +150,8 @@ def fake_cudss(monkeypatch):
     from managed_solve.solvers import _cudss
 
     fake = _FakeNvmath()
-    real = _backend._maybe
-    monkeypatch.setattr(_backend, "_maybe", lambda name: fake if name == "nvmath.sparse.advanced" else real(name))
+    real = _backend.optional_module
+    monkeypatch.setattr(_backend, "optional_module", lambda name: fake if name == "nvmath.sparse.advanced" else real(name))
     monkeypatch.setattr(_cudss, "_devices", {})
     monkeypatch.setattr(_cudss, "_make_handle", lambda device: 1234)
     monkeypatch.setattr(_cudss, "_THREADING_LIB", [None])
