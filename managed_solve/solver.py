@@ -25,9 +25,10 @@ from .solvers._common import norm, stop_threshold, true_residual_norm
 from .solvers.direct import SINGULAR, DirectEngine, Singular
 from .solvers.engine import BREAKDOWN, CONVERGED, MAXITER, Options, Outcome, Prepared
 from .solvers.krylov import KrylovEngine
-from .system import FALLBACK, LinearSystem
+from .solvers.verify import fall_back
+from .system import LinearSystem
 from .system.inputs import as_operator, check_dtype, checked_finite
-from .system.method import choose_method, krylov_method, matrix_symmetry
+from .system.method import choose_method, matrix_symmetry
 
 log = logging.getLogger("managed_solve")
 
@@ -107,20 +108,8 @@ def prepare(system: LinearSystem, method: str, device: Device, *, symmetric: boo
 
 def fallback_method(system: LinearSystem, method: str, out: Outcome,
                     symmetric: bool | None) -> str | None:
-    """The method "auto" tries next after ``out``, or None (the verify-and-fall-back rule).
-
-    A Krylov method that broke down goes to :data:`FALLBACK` (CG to MINRES,
-    BiCGStab to GMRES); a factorisation that found A singular goes to the
-    Krylov method of the auto policy (CG or MINRES converge on a consistent
-    singular system).
-    """
-    if system.method != "auto":
-        return None
-    if method == "direct" and out.code == BREAKDOWN and system.kind != "operator":
-        return krylov_method(system.A, symmetric)
-    if out.code == BREAKDOWN and method in FALLBACK:
-        return FALLBACK[method]
-    return None
+    """The method "auto" tries next after ``out``, or None (:mod:`managed_solve.solvers.verify`)."""
+    return fall_back(system, method, out.code, symmetric)
 
 
 def status_of(out: Outcome, method: str, residual: float, tol: float,

@@ -356,7 +356,7 @@ class Runner:
                                                   info=batch_info)
                 elif b.route == DIRECT:
                     symmetric = bool(b.group[2])
-                    out = [routes.host_lu(self.systems[i], symmetric) for i in b.indices]
+                    out = [routes.host_lu(self.systems[i], symmetric, self.manager) for i in b.indices]
                 else:
                     out = [routes.run_single(self.systems[i], dev, self.manager)
                            for i in b.indices]

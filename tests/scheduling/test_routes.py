@@ -68,8 +68,18 @@ def test_host_lu_matches_the_packages_sparse_lu_and_meets_the_tolerance():
 
 def test_host_lu_of_a_singular_matrix_is_a_breakdown_naming_the_fix():
     A = sp.csr_matrix(np.array([[1.0, 1.0], [1.0, 1.0]]))
-    res = routes.host_lu(LinearSystem(A, np.ones(2), name="singular"), symmetric=True)
+    given = LinearSystem(A, np.ones(2), method="direct", name="singular")
+    res = routes.host_lu(given, symmetric=True)
     assert res.status is Status.BREAKDOWN and res.x is None and "singular" in res.message
+
+
+def test_host_lu_of_a_consistent_singular_system_falls_back_to_krylov_under_auto():
+    """b lies in A's range: CG converges where the LU meets a zero pivot."""
+    A = sp.csr_matrix(np.array([[1.0, 1.0], [1.0, 1.0]]))
+    res = routes.host_lu(LinearSystem(A, np.ones(2), name="singular"), symmetric=True)
+    assert res.status is Status.CONVERGED and res.info["fallback_from"] == "direct"
+    assert res.method == "cg"
+    np.testing.assert_allclose(A @ res.x, np.ones(2), atol=1e-12)
 
 
 # ----------------------------------------------------------------------------- sharded
