@@ -41,6 +41,7 @@ bench: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 docs: $(VENV)/.installed
 	$(BIN)/python -m pip install -q -e ".[docs]"
