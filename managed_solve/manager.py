@@ -186,9 +186,11 @@ class DeviceManager:
 
     Parameters
     ----------
-    devices : list of Device or str, optional
+    devices : list of Device, str or torch.device, optional
         Inventory to manage; default: :func:`managed_solve.devices.discover`
         (environment variables ``MANAGED_SOLVE_DEVICES``, ``MANAGED_SOLVE_SIMULATE``).
+        Items other than :class:`Device` are found by name, so
+        ``[torch.device("cuda:0"), "cpu"]`` works.
         The CPU is always kept as the spill target.
     reserved : float
         Fraction of each device's memory never promised to work (head room for
@@ -219,13 +221,16 @@ class DeviceManager:
             raise ValueError(f"DeviceManager(reserved={reserved}): expected a fraction in [0, 1), e.g. 0.1")
         if wait_timeout < 0:
             raise ValueError(f"DeviceManager(wait_timeout={wait_timeout}): expected seconds >= 0")
-        if devices is None or isinstance(devices, str) or any(isinstance(d, str) for d in devices):
-            names = devices if devices is None or isinstance(devices, str) else [str(d) for d in devices]
-            inv = discover(names, simulate=simulate)
+        if devices is None or isinstance(devices, str):
+            inv = discover(devices, simulate=simulate)
         else:
-            inv = list(devices)
-            if not inv:
+            given = _device_list(devices)
+            if not given:
                 raise ValueError("DeviceManager(devices=[]): give at least one device, or None to discover")
+            if all(isinstance(d, Device) for d in given):
+                inv = given
+            else:  # names, torch.device objects, or a mix with Devices: found by name
+                inv = discover([str(d) for d in given], simulate=simulate)
         if not any(d.kind == "cpu" for d in inv):
             from .devices import cpu_device
 
@@ -631,6 +636,27 @@ class DeviceManager:
 
     def __repr__(self) -> str:
         return f"DeviceManager(devices={[str(d) for d in self.devices]}, reserved={self.reserved})"
+
+
+def _device_list(devices: Any) -> list:
+    """``devices=`` as a list of Devices and device names; anything whose str() is a name counts.
+
+    A ``torch.device("cuda:1")`` prints as ``cuda:1``, so it is accepted by its
+    name, as is a single device given without a list.
+    """
+    items = list(devices) if isinstance(devices, Iterable) else [devices]
+    for i, d in enumerate(items):
+        if isinstance(d, (Device, str)):
+            continue
+        try:
+            parse_device_name(str(d), what="device")
+        except ValueError:
+            raise TypeError(
+                f"DeviceManager(devices=...): item {i}, {d!r} ({type(d).__name__}), names no device "
+                "managed_solve can use; pass Device objects (managed_solve.devices.discover()), names such as 'cuda:0' or "
+                "'cpu', or torch.device objects."
+            ) from None
+    return items
 
 
 def _sig_key(signature: Any) -> str:

@@ -343,6 +343,23 @@ def test_explicit_device_list():
     assert dm.accelerators == devs and str(dm.cpu) == "cpu"
 
 
+def test_torch_devices_are_accepted_by_name():
+    torch = pytest.importorskip("torch")
+    dm = DeviceManager(devices=[torch.device("cpu")])
+    assert [str(d) for d in dm.devices] == ["cpu"] and dm.cpu is dm.devices[0]
+    assert [str(d) for d in DeviceManager(devices=torch.device("cpu")).devices] == ["cpu"]
+    assert str(dm.get_device(torch.device("cpu"))) == "cpu"
+    mixed = DeviceManager(devices=[torch.device("cpu"), "sim:1"], simulate="2x1GiB")
+    assert [str(d) for d in mixed.devices] == ["cpu", "sim:1"]
+
+
+@pytest.mark.parametrize("item", [object(), 3.5, None])
+def test_devices_that_are_not_devices_name_the_argument_and_the_fix(item):
+    with pytest.raises(TypeError, match=r"DeviceManager\(devices=\.\.\.\): item 1, .* names no device.*"
+                                        r"'cuda:0'.*torch\.device"):
+        DeviceManager(devices=["cpu", item])
+
+
 # -------------------------------------------------------------- real GPUs
 @pytest.mark.multi_gpu
 def test_dispersal_over_real_gpus():
