@@ -12,9 +12,10 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
@@ -321,6 +322,32 @@ def parse_device_name(name: str, *, what: str = "device") -> tuple[str, int]:
         )
     kind = "cuda" if m.group(1) == "gpu" else m.group(1)
     return kind, int(m.group(2))
+
+
+def device_list(devices: Any, *, what: str = "devices") -> list:
+    """``devices=`` as a list of Devices and device names; anything whose str() is a name counts.
+
+    A ``torch.device("cuda:1")`` prints as ``cuda:1``, so it is accepted by its
+    name, as is a single device given without a list.
+
+    Raises
+    ------
+    TypeError
+        An item whose str() is no device name; the message names ``what``.
+    """
+    items = list(devices) if isinstance(devices, Iterable) and not isinstance(devices, str) else [devices]
+    for i, d in enumerate(items):
+        if isinstance(d, (Device, str)):
+            continue
+        try:
+            parse_device_name(str(d), what="device")
+        except ValueError:
+            raise TypeError(
+                f"{what}: item {i}, {d!r} ({type(d).__name__}), names no device "
+                "managed_solve can use; pass Device objects (managed_solve.devices.discover()), "
+                "names such as 'cuda:0' or 'cpu', or torch.device objects."
+            ) from None
+    return items
 
 
 def discover(devices: str | Sequence[str] | None = None, simulate: str | None = None) -> list[Device]:
