@@ -87,7 +87,8 @@ def raw_size_of(obj: Any) -> int:
     )
 
 
-def _tensor_bytes(t: Any) -> int:
+def tensor_bytes(t: Any) -> int:
+    """Bytes a torch tensor stores: values and indices for sparse layouts, elements for dense."""
     layout = str(getattr(t, "layout", "torch.strided"))
     if layout == "torch.sparse_coo":
         t = t.coalesce() if not t.is_coalesced() else t
@@ -103,12 +104,15 @@ def _tensor_bytes(t: Any) -> int:
     return int(t.numel() * t.element_size())
 
 
+_tensor_bytes = tensor_bytes  # until managed_solve.tensor imports tensor_bytes
+
+
 def _torch_size(obj: Any) -> int:
     if hasattr(obj, "parameters") and hasattr(obj, "buffers"):
-        params = sum(_tensor_bytes(p) for p in obj.parameters())
-        grads = sum(_tensor_bytes(p) for p in obj.parameters() if p.requires_grad)
-        return params + grads + sum(_tensor_bytes(b) for b in obj.buffers())
-    return _tensor_bytes(obj)
+        params = sum(tensor_bytes(p) for p in obj.parameters())
+        grads = sum(tensor_bytes(p) for p in obj.parameters() if p.requires_grad)
+        return params + grads + sum(tensor_bytes(b) for b in obj.buffers())
+    return tensor_bytes(obj)
 
 
 @dataclass
