@@ -12,9 +12,10 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
@@ -47,7 +48,7 @@ _DEFAULT_GPU_BANDWIDTH = 2.0e12
 
 
 def parse_bytes(text: str, *, what: str = "size") -> int:
-    """``"2GiB"`` -> 2147483648. Binary (KiB, MiB, GiB) and decimal (KB, MB, GB) units."""
+    """``"2GiB"`` -> 2147483648. Binary (KiB, MiB, GiB) and decimal (KB, MB, GB) units; a bare number is bytes."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
     if not m or m.group(2).upper() not in _UNITS:
         raise ValueError(
@@ -267,7 +268,11 @@ def discover_cuda() -> tuple[list[Device], str]:
 
 
 def parse_simulate(spec: str, *, var: str = ENV_SIMULATE) -> list[Device]:
-    """``"4x2GiB"`` -> four simulated GPUs of 2 GiB; ``"2GiB,1GiB"`` -> two of those sizes."""
+    """``"4x2GiB"`` -> four simulated GPUs of 2 GiB; ``"2GiB,1GiB"`` -> two of those sizes.
+
+    Every size needs its unit (``"4x512B"`` for bytes): ``"4x2"`` is refused
+    rather than read as four GPUs of 2 bytes.
+    """
     spec = spec.strip()
     example = "for example '4x2GiB' (four GPUs of 2 GiB) or '2GiB,1GiB'"
     if not spec:
@@ -276,6 +281,14 @@ def parse_simulate(spec: str, *, var: str = ENV_SIMULATE) -> list[Device]:
     for part in spec.split(","):
         part = part.strip()
         m = re.fullmatch(r"(\d+)\s*[xX*]\s*(.+)", part)
+        size_text = m.group(2) if m else part
+        if re.fullmatch(r"[0-9]*\.?[0-9]+", size_text.strip()):
+            # "4x2" reads naturally as four GPUs of 2 GiB; as bytes it would
+            # simulate GPUs nothing fits on. Ask for the unit instead of guessing.
+            raise ValueError(
+                f"{var}={spec!r}: the size {size_text.strip()!r} has no unit; write one, e.g. "
+                f"{var}=4x2GiB (four GPUs of 2 GiB). Units: B, KiB, MiB, GiB, TiB, KB, MB, GB, TB."
+            )
         try:
             if m:
                 count, size = int(m.group(1)), parse_bytes(m.group(2), what=var)
@@ -309,6 +322,32 @@ def parse_device_name(name: str, *, what: str = "device") -> tuple[str, int]:
         )
     kind = "cuda" if m.group(1) == "gpu" else m.group(1)
     return kind, int(m.group(2))
+
+
+def device_list(devices: Any, *, what: str = "devices") -> list:
+    """``devices=`` as a list of Devices and device names; anything whose str() is a name counts.
+
+    A ``torch.device("cuda:1")`` prints as ``cuda:1``, so it is accepted by its
+    name, as is a single device given without a list.
+
+    Raises
+    ------
+    TypeError
+        An item whose str() is no device name; the message names ``what``.
+    """
+    items = list(devices) if isinstance(devices, Iterable) and not isinstance(devices, str) else [devices]
+    for i, d in enumerate(items):
+        if isinstance(d, (Device, str)):
+            continue
+        try:
+            parse_device_name(str(d), what="device")
+        except ValueError:
+            raise TypeError(
+                f"{what}: item {i}, {d!r} ({type(d).__name__}), names no device "
+                "managed_solve can use; pass Device objects (managed_solve.devices.discover()), "
+                "names such as 'cuda:0' or 'cpu', or torch.device objects."
+            ) from None
+    return items
 
 
 def discover(devices: str | Sequence[str] | None = None, simulate: str | None = None) -> list[Device]:

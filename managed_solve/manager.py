@@ -17,19 +17,21 @@ other processes and not-yet-released allocations hold.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import sys
 import threading
 import time
+import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .devices import Device, discover, format_bytes, parse_device_name
+from . import hints as hints_file
+from .devices import Device, device_list, discover, format_bytes, parse_device_name
+from .hints import Hint
 
 log = logging.getLogger("managed_solve")
 
@@ -86,6 +88,7 @@ def raw_size_of(obj: Any) -> int:
 
 
 def tensor_bytes(t: Any) -> int:
+    """Bytes a torch tensor stores: values and indices for sparse layouts, elements for dense."""
     layout = str(getattr(t, "layout", "torch.strided"))
     if layout == "torch.sparse_coo":
         t = t.coalesce() if not t.is_coalesced() else t
@@ -99,6 +102,9 @@ def tensor_bytes(t: Any) -> int:
             + plain.numel() * plain.element_size()
         )
     return int(t.numel() * t.element_size())
+
+
+
 
 
 def _torch_size(obj: Any) -> int:
@@ -140,15 +146,6 @@ class _Ledger:
     measured_total: float = 0.0  # cumulative measured seconds (record(device=...))
 
 
-@dataclass
-class _Hint:
-    seconds: float
-    peak_bytes: int
-    count: int
-    device: str
-    iterations: int = 0
-
-
 class Reservation:
     """Bytes (and predicted seconds) held on a device until released.
 
@@ -186,9 +183,11 @@ class DeviceManager:
 
     Parameters
     ----------
-    devices : list of Device or str, optional
+    devices : list of Device, str or torch.device, optional
         Inventory to manage; default: :func:`managed_solve.devices.discover`
         (environment variables ``MANAGED_SOLVE_DEVICES``, ``MANAGED_SOLVE_SIMULATE``).
+        Items other than :class:`Device` are found by name, so
+        ``[torch.device("cuda:0"), "cpu"]`` works.
         The CPU is always kept as the spill target.
     reserved : float
         Fraction of each device's memory never promised to work (head room for
@@ -198,7 +197,9 @@ class DeviceManager:
         spilling to the CPU.
     hints_path : str, optional
         JSON file hints are loaded from (if it exists) and saved to by
-        :meth:`save_hints`.
+        :meth:`save_hints`. A file that is not a valid hints file is ignored
+        with a warning naming it and the problem, and the manager starts
+        with no hints (the next save replaces the file).
     max_hints : int
         Bound on remembered work signatures (least recently used dropped).
 
@@ -219,13 +220,16 @@ class DeviceManager:
             raise ValueError(f"DeviceManager(reserved={reserved}): expected a fraction in [0, 1), e.g. 0.1")
         if wait_timeout < 0:
             raise ValueError(f"DeviceManager(wait_timeout={wait_timeout}): expected seconds >= 0")
-        if devices is None or isinstance(devices, str) or any(isinstance(d, str) for d in devices):
-            names = devices if devices is None or isinstance(devices, str) else [str(d) for d in devices]
-            inv = discover(names, simulate=simulate)
+        if devices is None or isinstance(devices, str):
+            inv = discover(devices, simulate=simulate)
         else:
-            inv = list(devices)
-            if not inv:
+            given = device_list(devices, what="DeviceManager(devices=...)")
+            if not given:
                 raise ValueError("DeviceManager(devices=[]): give at least one device, or None to discover")
+            if all(isinstance(d, Device) for d in given):
+                inv = given
+            else:  # names, torch.device objects, or a mix with Devices: found by name
+                inv = discover([str(d) for d in given], simulate=simulate)
         if not any(d.kind == "cpu" for d in inv):
             from .devices import cpu_device
 
@@ -240,13 +244,16 @@ class DeviceManager:
         self._cond = threading.Condition(threading.RLock())
         self._ledger: dict[Device, _Ledger] = {d: _Ledger() for d in [*inv, self._cpu]}
         self._speed: dict[str, float] = {str(d): d.bandwidth for d in [*inv, self._cpu]}
-        self._hints: OrderedDict[str, _Hint] = OrderedDict()
+        self._hints: OrderedDict[str, Hint] = OrderedDict()
         self._pins: dict[int, tuple[Device, Any]] = {}
         if hints_path:
-            import os
-
-            if os.path.exists(hints_path):
+            try:
                 self.load_hints(hints_path)
+            except FileNotFoundError:
+                pass  # nothing learned yet; save_hints creates it
+            except (OSError, ValueError) as exc:  # hints only speed placement up: never fatal
+                warnings.warn(f"DeviceManager(hints_path={hints_path!r}): ignoring the hints file, "
+                              f"starting with no hints ({exc})", RuntimeWarning, stacklevel=2)
 
     # ------------------------------------------------------------------ inventory
     @property
@@ -345,6 +352,10 @@ class DeviceManager:
         """
         if not (seconds >= 0 and math.isfinite(seconds)):
             raise ValueError(f"record(seconds={seconds}): expected a finite time >= 0")
+        if cost is not None and not (cost >= 0 and math.isfinite(cost)):
+            raise ValueError(f"record(cost={cost}): expected finite bytes streamed >= 0, or None")
+        if peak_bytes < 0:
+            raise ValueError(f"record(peak_bytes={peak_bytes}): expected bytes >= 0")
         if device_seconds is not None and not (device_seconds >= 0 and math.isfinite(device_seconds)):
             raise ValueError(f"record(device_seconds={device_seconds}): expected a finite time >= 0 "
                              "or None")
@@ -355,7 +366,7 @@ class DeviceManager:
             dname = str(dev) if dev is not None else (hint.device if hint else str(self._cpu))
             its = int(iterations) if iterations else 0
             if hint is None:
-                self._hints[key] = _Hint(float(seconds), int(peak_bytes), 1, dname, its)
+                self._hints[key] = Hint(float(seconds), int(peak_bytes), 1, dname, its)
             else:
                 hint.iterations = its or hint.iterations
                 if hint.device != dname:  # rescale the old estimate to the new device
@@ -380,30 +391,37 @@ class DeviceManager:
             return {k: vars(h).copy() for k, h in self._hints.items()}
 
     def save_hints(self, path: str | None = None) -> None:
-        """Write hints and learned device speeds to a JSON file."""
+        """Write hints and learned device speeds to a JSON file, atomically.
+
+        Readers (other processes too) see the old file or the new one, never
+        a mix; a failed save leaves the old file intact (:mod:`managed_solve.hints`).
+        """
         path = path or self.hints_path
         if not path:
             raise ValueError("save_hints(path=None): give a path or DeviceManager(hints_path=...)")
         with self._cond:
-            data = {"hints": {k: vars(h) for k, h in self._hints.items()}, "speed": dict(self._speed)}
-        with open(path, "w") as fh:
-            json.dump(data, fh, indent=1)
+            hints = {k: Hint(**vars(h)) for k, h in self._hints.items()}
+            speeds = dict(self._speed)
+        hints_file.write(path, hints, speeds)
 
     def load_hints(self, path: str) -> None:
-        """Read hints saved by :meth:`save_hints` (unknown devices' speeds are ignored)."""
-        with open(path) as fh:
-            data = json.load(fh)
+        """Read hints saved by :meth:`save_hints` (unknown devices' speeds are ignored).
+
+        Raises
+        ------
+        ValueError
+            Not a valid hints file (validated as a whole first); the message
+            names the file and the first problem. The hints held are unchanged.
+        """
         try:
-            hints = {k: _Hint(float(v["seconds"]), int(v["peak_bytes"]), int(v["count"]), str(v["device"]),
-                              int(v.get("iterations", 0)))
-                     for k, v in data.get("hints", {}).items()}
-            speeds = {k: float(v) for k, v in data.get("speed", {}).items()}
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"load_hints(path={path!r}): not a hints file written by save_hints ({exc})") from exc
+            hints, speeds = hints_file.read(path)
+        except ValueError as exc:
+            raise ValueError(f"load_hints(path={path!r}): not a hints file written by save_hints: "
+                             f"{exc}. Delete it, or save hints again to replace it.") from None
         with self._cond:
             self._hints.update(hints)
             for k, v in speeds.items():
-                if k in self._speed and v > 0:
+                if k in self._speed:
                     self._speed[k] = v
             while len(self._hints) > self.max_hints:
                 self._hints.popitem(last=False)

@@ -8,11 +8,12 @@ numeric assembly: a sweep over ``dt`` or ``alpha`` only redoes the numbers.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
 
-from . import _backend
+from . import meshfile
 
 __all__ = ["Mesh", "icosphere", "grid", "torus", "read"]
 
@@ -355,29 +356,55 @@ def torus(major: float = 1.0, minor: float = 0.4, nu: int = 48, nv: int = 24) ->
 
 
 def read(path: str) -> Mesh:
-    """Read a triangle surface or a tetrahedral mesh with meshio (optional extra ``mesh``).
+    """Read a triangle surface or a tetrahedral mesh from a file.
 
-    Formats: whatever meshio reads (obj, ply, stl, off, msh, vtk, vtu, ...).
-    Tetrahedra are used when the file has any, else triangles; other cells are
-    ignored and vertices used by no kept cell are dropped.
+    Formats: OBJ (read here), and whatever meshio reads (ply, stl, off, msh,
+    vtk, vtu, ...; optional extra ``mesh``). Tetrahedra are used when the file
+    has any, else its surface faces: quads and larger polygons are
+    fan-triangulated (keeping their orientation; a non-convex polygon is
+    refused). Lines and points are ignored, and vertices used by no face are
+    dropped. Files are checked before they are parsed (see
+    :mod:`managed_solve.meshfile`), so a truncated or corrupt file is an error,
+    not a hang.
 
     Raises
     ------
+    FileNotFoundError
+        No file at ``path``.
     ModuleNotFoundError
-        meshio is not installed (``pip install "managed-solve[mesh]"``).
+        meshio is needed for the format and not installed
+        (``pip install "managed-solve[mesh]"``).
     ValueError
-        The file holds neither triangles nor tetrahedra.
+        Anything wrong with the file: corrupt, truncated, no faces, face
+        indices out of range (or 0 in an OBJ), cells other than tetrahedra in
+        a volume, degenerate faces. The message names the file, where in it,
+        and the fix.
+
+    Examples
+    --------
+    >>> import pathlib, tempfile
+    >>> with tempfile.TemporaryDirectory() as folder:
+    ...     path = pathlib.Path(folder) / "square.obj"
+    ...     _ = path.write_text("v 0 0 0\\nv 1 0 0\\nv 1 1 0\\nv 0 1 0\\nf 1 2 3 4\\n")
+    ...     m = read(str(path))  # the quad becomes two triangles
+    >>> m.n_faces, float(m.area())
+    (2, 1.0)
     """
-    meshio = _backend.require("meshio", f"managed_solve.mesh.read({str(path)!r})")
-    m = meshio.read(path)
-    cells = {}
-    for block in m.cells:
-        cells.setdefault(block.type, []).append(np.asarray(block.data))
-    kind = "tetra" if "tetra" in cells else "triangle" if "triangle" in cells else None
-    if kind is None:
-        raise ValueError(f"managed_solve.mesh.read({str(path)!r}): the file has no triangles or "
-                         f"tetrahedra (cell types found: {sorted(cells) or 'none'}); convert "
-                         "polygons to triangles first, e.g. with meshio or trimesh.")
-    f = np.concatenate(cells[kind]).astype(np.int64)
-    used, f = np.unique(f, return_inverse=True)
-    return Mesh(np.asarray(m.points)[used], f.reshape(-1, 4 if kind == "tetra" else 3))
+    call = f"managed_solve.mesh.read({str(path)!r})"
+    data = meshfile.load(path, call=call)
+    used, f = np.unique(data.faces, return_inverse=True)
+    try:
+        return Mesh(data.points[used], f.reshape(data.faces.shape))
+    except ValueError as exc:
+        # Mesh numbers faces and vertices after triangulation and dropping
+        # unused vertices: say which of the file's they are.
+        msg = str(exc).replace("Mesh(vertices, faces): ", "")
+        where = []
+        m = re.search(r"\bfaces? (\d+)(?: and (\d+))?", msg)
+        for e in (m.groups() if m else ()):
+            if e is not None:
+                where.append(f"face {e} is {data.face_label(int(e))}")
+        m = re.search(r"\bvertex (\d+)", msg)
+        if m:
+            where.append(f"vertex {m.group(1)} is {data.vertex_label(int(used[int(m.group(1))]))}")
+        raise ValueError(f"{call}: {msg}" + (f" ({'; '.join(where)})" if where else "")) from None

@@ -59,6 +59,27 @@ def test_parse_simulate_malformed_names_variable_and_example(spec):
     assert ENV_SIMULATE in str(err.value) and "4x2GiB" in str(err.value)
 
 
+@pytest.mark.parametrize("spec", ["4x2", "2", "2GiB,1", "4 x 2.5"])
+def test_parse_simulate_requires_a_unit(spec):
+    # "4x2" once meant four GPUs of 2 bytes: nothing fit anywhere, silently.
+    with pytest.raises(ValueError, match="has no unit") as err:
+        parse_simulate(spec)
+    assert f"{ENV_SIMULATE}=4x2GiB" in str(err.value)
+
+
+def test_env_simulate_without_unit_names_the_variable(monkeypatch):
+    monkeypatch.setenv(ENV_SIMULATE, "4x2")
+    monkeypatch.delenv(ENV_DEVICES, raising=False)
+    with pytest.raises(ValueError, match=rf"{ENV_SIMULATE}='4x2': the size '2' has no unit.*"
+                                         rf"{ENV_SIMULATE}=4x2GiB"):
+        discover()
+
+
+def test_parse_simulate_explicit_bytes_and_other_units():
+    assert [d.total_bytes for d in parse_simulate("2x512B")] == [512, 512]
+    assert [d.total_bytes for d in parse_simulate("1x1.5KiB, 1MB, 1x2G")] == [1536, 10**6, 2 << 30]
+
+
 def test_env_simulate_is_read(monkeypatch):
     monkeypatch.setenv(ENV_SIMULATE, "3x1GiB")
     monkeypatch.delenv(ENV_DEVICES, raising=False)

@@ -3,8 +3,14 @@ spilling, concurrency, heuristic names, hints, planning, report."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 import threading
 import time
+import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -285,6 +291,173 @@ def test_hints_bounded_and_saved(tmp_path):
         other.load_hints(str(bad))
 
 
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ('{"hints": {"a": {"seconds": 1.0,', "not valid JSON"),
+        ("", "not valid JSON"),
+        ('{"hints": {"a": {"seconds": "x", "peak_bytes": 1, "count": 1, "device": "cpu"}}}',
+         r"hints\['a'\]\.seconds = 'x'"),
+        ('{"hints": {"a": {"seconds": -2.5, "peak_bytes": 1, "count": 1, "device": "cpu"}}}',
+         r"hints\['a'\]\.seconds = -2\.5: expected a finite number >= 0"),
+        ('{"hints": {"a": {"seconds": NaN, "peak_bytes": 1, "count": 1, "device": "cpu"}}}', "finite"),
+        ('{"hints": {"a": {"seconds": 1, "peak_bytes": -1, "count": 1, "device": "cpu"}}}', "peak_bytes = -1"),
+        ('{"hints": {"a": {"seconds": 1, "peak_bytes": 1, "count": true, "device": "cpu"}}}', "count = True"),
+        ('{"hints": {"a": {"seconds": 1, "peak_bytes": 1, "count": 1, "device": 3}}}', "device = 3"),
+        ('{"hints": {"a": {"seconds": 1, "count": 1, "device": "cpu", "colour": 1}}}',
+         r"unknown field\(s\) \['colour'\]; missing field\(s\) \['peak_bytes'\]"),
+        ('{"hints": {"a": [1, 2]}}', r"hints\['a'\] must be an object"),
+        ('{"hints": [], "speed": {}}', "'hints' must be an object, found list"),
+        ('{"speed": {"cpu": "fast"}}', r"speed\['cpu'\] = 'fast'"),
+        ('{"speed": {"cpu": 0}}', "expected a speed > 0"),
+        ('{"speed": {"cpu": -1e9}}', r"speed\['cpu'\] = -1000000000\.0"),
+        ("[1, 2, 3]", "expected a JSON object at the top, found list"),
+        ('{"hints": {}, "extra": 1}', r"unknown field\(s\) \['extra'\] at the top"),
+        ('{"version": 99, "hints": {}}', "version 99"),
+    ],
+)
+def test_bad_hints_file_warns_naming_it_and_starts_empty(tmp_path, text, problem):
+    path = tmp_path / "hints.json"
+    path.write_text(text)
+    with pytest.warns(RuntimeWarning, match=re.escape(repr(str(path))) + ".*" + problem):
+        dm = DeviceManager(simulate="1x1GiB", hints_path=str(path))
+    fresh = DeviceManager(simulate="1x1GiB")
+    assert dm.hints() == {} and dm.speed(dm.cpu) == fresh.speed(fresh.cpu)
+    dm.record("sig", 0.5, 10, device="sim:0")
+    dm.save_hints()  # the next save replaces the bad file
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert DeviceManager(simulate="1x1GiB", hints_path=str(path)).hints()["sig"]["seconds"] == 0.5
+
+
+def test_load_hints_refuses_a_bad_file_and_keeps_what_it_holds(tmp_path):
+    dm = DeviceManager(simulate="1x1GiB")
+    dm.record("kept", 1.0, 10, device="sim:0")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"hints": {"new": {"seconds": 1, "peak_bytes": 1, "count": 1, "device": "cpu"},'
+                   ' "bad": {"seconds": -1, "peak_bytes": 1, "count": 1, "device": "cpu"}}}')
+    with pytest.raises(ValueError, match=re.escape(repr(str(bad))) + r".*hints\['bad'\]\.seconds = -1"):
+        dm.load_hints(str(bad))
+    assert list(dm.hints()) == ["kept"]  # validated as a whole: nothing of the bad file was taken
+
+
+def test_hints_file_without_version_or_iterations_still_loads(tmp_path):
+    path = tmp_path / "old.json"
+    path.write_text('{"hints": {"a": {"seconds": 2.0, "peak_bytes": 5, "count": 3, "device": "sim:0"}},'
+                    ' "speed": {"sim:0": 1e12, "cuda:7": 5e11}}')
+    dm = DeviceManager(simulate="1x1GiB", hints_path=str(path))
+    assert dm.hints()["a"] == {"seconds": 2.0, "peak_bytes": 5, "count": 3, "device": "sim:0", "iterations": 0}
+    assert dm.speed(dm.get_device("sim:0")) == 1e12  # cuda:7 is not here: ignored
+
+
+def test_concurrent_saves_from_threads_never_leave_an_unloadable_file(tmp_path):
+    path = str(tmp_path / "hints.json")
+    managers = [DeviceManager(simulate="1x1GiB", hints_path=path) for _ in range(10)]
+    for i, m in enumerate(managers):
+        for j in range(50):  # a file of some size, so a torn write would show
+            m.record(f"thread{i}-sig{j}", 0.1 * j, 1000 * j, device="sim:0", iterations=j)
+    start = threading.Barrier(len(managers) + 1)
+    errors = []
+
+    def save(m):
+        start.wait()
+        try:
+            for _ in range(20):
+                m.save_hints()
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=save, args=(m,)) for m in managers]
+    for t in threads:
+        t.start()
+    start.wait()
+    reads = 0
+    while any(t.is_alive() for t in threads):  # readers see the old file or a new one, never a torn one
+        if os.path.exists(path):
+            DeviceManager(simulate="1x1GiB").load_hints(path)
+            reads += 1
+    for t in threads:
+        t.join()
+    assert not errors and reads > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded = DeviceManager(simulate="1x1GiB", hints_path=path).hints()
+    assert len(loaded) == 50 and len({k.split("-")[0] for k in loaded}) == 1  # one writer's file, whole
+    assert [p.name for p in tmp_path.iterdir()] == ["hints.json"]  # no temporary files left
+
+
+_SAVER = """
+import sys
+from managed_solve.manager import DeviceManager
+path, who = sys.argv[1], sys.argv[2]
+dm = DeviceManager(simulate="1x1GiB")
+for j in range(200):
+    dm.record(f"{who}-sig{j}", 0.1 * j, 1000 * j, device="sim:0")
+for _ in range(30):
+    dm.save_hints(path)
+"""
+
+
+def test_concurrent_saves_from_processes_never_leave_an_unloadable_file(tmp_path):
+    path = str(tmp_path / "hints.json")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(managed_solve.__file__).parent.parent),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    procs = [subprocess.Popen([sys.executable, "-c", _SAVER, path, f"proc{i}"], env=env,
+                              stderr=subprocess.PIPE, text=True) for i in range(4)]
+    while any(p.poll() is None for p in procs):
+        if os.path.exists(path):
+            DeviceManager(simulate="1x1GiB").load_hints(path)
+    assert [p.wait() for p in procs] == [0] * 4, [p.stderr.read() for p in procs]
+    loaded = DeviceManager(simulate="1x1GiB", hints_path=path).hints()
+    assert len(loaded) == 200 and len({k.split("-")[0] for k in loaded}) == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["hints.json"]
+
+
+@pytest.mark.parametrize("fail_at", ["fsync", "replace"])
+def test_a_failed_save_leaves_the_previous_file_intact(tmp_path, monkeypatch, fail_at):
+    path = tmp_path / "hints.json"
+    dm = DeviceManager(simulate="1x1GiB", hints_path=str(path))
+    dm.record("first", 1.0, 10, device="sim:0")
+    dm.save_hints()
+    before = path.read_bytes()
+    dm.record("second", 2.0, 20, device="sim:0")
+
+    def disk_full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, fail_at, disk_full)  # the write fails part way
+    with pytest.raises(OSError, match="No space left"):
+        dm.save_hints()
+    monkeypatch.undo()
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["hints.json"]
+    assert list(DeviceManager(simulate="1x1GiB", hints_path=str(path)).hints()) == ["first"]
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0,
+                    reason="root writes into read-only directories")
+def test_a_save_into_a_read_only_directory_leaves_the_previous_file_intact(tmp_path):
+    path = tmp_path / "hints.json"
+    dm = DeviceManager(simulate="1x1GiB", hints_path=str(path))
+    dm.record("first", 1.0, 10, device="sim:0")
+    dm.save_hints()
+    before = path.read_bytes()
+    dm.record("second", 2.0, 20, device="sim:0")
+    tmp_path.chmod(0o500)
+    try:
+        with pytest.raises(PermissionError):
+            dm.save_hints()
+    finally:
+        tmp_path.chmod(0o700)
+    assert path.read_bytes() == before
+
+
+def test_record_rejects_values_a_hints_file_could_not_hold(dm):
+    with pytest.raises(ValueError, match="cost"):
+        dm.record("x", 1.0, device="sim:0", cost=float("inf"))
+    with pytest.raises(ValueError, match="peak_bytes"):
+        dm.record("x", 1.0, -5)
+
+
 def test_record_rejects_bad_time(dm):
     with pytest.raises(ValueError, match="seconds"):
         dm.record("x", float("nan"))
@@ -341,6 +514,23 @@ def test_explicit_device_list():
     devs = parse_simulate("2x1GiB")
     dm = DeviceManager(devices=devs)
     assert dm.accelerators == devs and str(dm.cpu) == "cpu"
+
+
+def test_torch_devices_are_accepted_by_name():
+    torch = pytest.importorskip("torch")
+    dm = DeviceManager(devices=[torch.device("cpu")])
+    assert [str(d) for d in dm.devices] == ["cpu"] and dm.cpu is dm.devices[0]
+    assert [str(d) for d in DeviceManager(devices=torch.device("cpu")).devices] == ["cpu"]
+    assert str(dm.get_device(torch.device("cpu"))) == "cpu"
+    mixed = DeviceManager(devices=[torch.device("cpu"), "sim:1"], simulate="2x1GiB")
+    assert [str(d) for d in mixed.devices] == ["cpu", "sim:1"]
+
+
+@pytest.mark.parametrize("item", [object(), 3.5, None])
+def test_devices_that_are_not_devices_name_the_argument_and_the_fix(item):
+    with pytest.raises(TypeError, match=r"DeviceManager\(devices=\.\.\.\): item 1, .* names no device.*"
+                                        r"'cuda:0'.*torch\.device"):
+        DeviceManager(devices=["cpu", item])
 
 
 # -------------------------------------------------------------- real GPUs

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import threading
+
 import numpy as np
 import pytest
 
@@ -98,3 +101,205 @@ def test_read_round_trip_and_errors(tmp_path):
     meshio.write_points_cells(str(tmp_path / "lines.vtk"), g.vertices[:3], [("line", np.array([[0, 1], [1, 2]]))])
     with pytest.raises(ValueError, match=r"no triangles or tetrahedra \(cell types found: \['line'\]\)"):
         read(str(tmp_path / "lines.vtk"))
+
+
+# ---------------------------------------------------------------- file input: hostile files
+SQUARE = "v 0 0 0\nv 1 0 0\nv 1 1 0\nv 0 1 0\n"
+
+
+def _write(tmp_path, name, content):
+    path = tmp_path / name
+    (path.write_bytes if isinstance(content, bytes) else path.write_text)(content)
+    return str(path)
+
+
+def _normals(m):
+    v, f = m.vertices, m.faces
+    return np.cross(v[f[:, 1]] - v[f[:, 0]], v[f[:, 2]] - v[f[:, 0]])
+
+
+def test_obj_quads_mixed_with_triangles_are_triangulated(tmp_path):
+    # meshio's reader dropped the quad: a third of the domain vanished and the solve "converged".
+    path = _write(tmp_path, "mixed.obj", SQUARE + "v 2 0 0\nf 1 2 3 4\nf 2 5 3\n")
+    m = read(path)
+    assert m.n_faces == 3 and m.n_vertices == 5 and m.area() == pytest.approx(1.5)
+    assert (_normals(m)[:, 2] > 0).all()  # the quad's counter-clockwise winding is kept
+    assert m.faces[:2].tolist() == [[0, 1, 2], [0, 2, 3]] and m.faces[2].tolist() == [1, 4, 2]
+
+
+def test_obj_polygons_keep_orientation_and_area(tmp_path):
+    clockwise = read(_write(tmp_path, "cw.obj", SQUARE + "f 4 3 2 1\n"))
+    assert clockwise.n_faces == 2 and (_normals(clockwise)[:, 2] < 0).all()
+    t = 2 * np.pi * np.arange(6) / 6
+    hexagon = "".join(f"v {float(np.cos(a))!r} {float(np.sin(a))!r} 0\n" for a in t) + "f 1 2 3 4 5 6\n"
+    m = read(_write(tmp_path, "hex.obj", hexagon))
+    assert m.n_faces == 4 and m.area() == pytest.approx(3 * np.sqrt(3) / 2)
+
+
+def test_obj_index_forms(tmp_path):
+    text = ("# comment\nmtllib x.mtl\no thing\n" + SQUARE + "vt 0 0\nvn 0 0 1\ng side\ns off\n"
+            "usemtl red\nf 1/1/1 2/1/1 \\\n 3/1/1\nf -4//1 -2//1 -1//1\nl 1 2\nf 1 2 \\\n 9\n")
+    with pytest.raises(ValueError, match=r"line 17: face 3 uses vertex index 9"):  # continued lines count
+        read(_write(tmp_path, "forms.obj", text))
+    text = text[: text.index("f 1 2 \\\n 9")]
+    m = read(_write(tmp_path, "forms.obj", text))
+    assert m.faces.tolist() == [[0, 1, 2], [0, 2, 3]] and m.area() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        (SQUARE + "f 1 2 7\n", r"line 5: face 1 uses vertex index 7, but the file defines 4 vertices"),
+        (SQUARE + "f 1 2 3\nf 0 1 2\n", r"line 6: face 2 uses vertex index 0, but OBJ counts vertices from 1"),
+        ("v 0 0 0\nf -1 -2 -3\n" + SQUARE, r"line 2: face 1 uses vertex index -2, but only 1 vertices"),
+        (SQUARE + "f 1 2\n", r"line 5: face 1 has 2 vertices; a face needs at least 3"),
+        (SQUARE + "f 1 two 3\n", r"line 5: cannot read the vertex index in 'two'"),
+        ("v 0 0 zero\n", r"line 1: cannot read vertex coordinates"),
+        ("v 0 0\n", r"line 1: a vertex needs three coordinates"),
+        (SQUARE, r"no faces \('f' lines\); it holds 4 vertices"),
+        ("v 0 0 0\nv 2 0 0\nv 1 2 0\nv 1 0.5 0\nf 1 2 3 4\n",  # a dart: its fan would overlap
+         r"the file's face 1 \(line 5\) is a non-convex polygon of 4 vertices"),
+        ("v 0 0 0\nv 1 0 0\nv 2 0 0\nv 1 1 0\nf 1 2 3 4\n",
+         r"face 0 = \[0, 1, 2\] has zero area .*face 0 is the file's face 1 \(line 5\), triangulated"),
+        (SQUARE + "v nan 0 0\nf 1 2 5\n",
+         r"vertex 2 has non-finite.*vertex 2 is the file's vertex 5"),
+        (SQUARE + "f 1 2 3\nf 3 1 2\n", r"faces 0 and 1 use the same.*file's face 1 \(line 5\).*face 2 \(line 6\)"),
+    ],
+)
+def test_bad_obj_files_name_the_file_the_line_and_the_fix(tmp_path, text, match):
+    path = _write(tmp_path, "bad.obj", text)
+    with pytest.raises(ValueError, match=match) as err:
+        read(path)
+    assert str(err.value).startswith(f"managed_solve.mesh.read({path!r}): ")
+
+
+def test_triangulated_faces_still_meet_the_degeneracy_test(tmp_path):
+    # A sliver of area 1e-14 against edges of length 1: under _DEGENERATE, refused as before.
+    text = "v 0 0 0\nv 1 0 0\nv 1 1e-14 0\nv 0 1e-14 0\nf 1 2 3 4\n"
+    with pytest.raises(ValueError, match="has zero area"):
+        read(_write(tmp_path, "sliver.obj", text))
+    assert read(_write(tmp_path, "thin.obj", text.replace("e-14", "e-3"))).n_faces == 2
+
+
+def _stl_bytes(tmp_path, binary):
+    meshio = pytest.importorskip("meshio")
+    path = tmp_path / ("b.stl" if binary else "a.stl")
+    m = icosphere(1)
+    meshio.write_points_cells(str(path), m.vertices, [("triangle", m.faces)], binary=binary)
+    return path.read_bytes()
+
+
+def _ply_bytes(tmp_path, binary):
+    meshio = pytest.importorskip("meshio")
+    path = tmp_path / ("b.ply" if binary else "a.ply")
+    m = icosphere(1)
+    meshio.write_points_cells(str(path), m.vertices, [("triangle", m.faces)], binary=binary)
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("binary", [True, False])
+def test_stl_and_ply_round_trip(tmp_path, binary):
+    for name, data in (("ok.stl", _stl_bytes(tmp_path, binary)), ("ok.ply", _ply_bytes(tmp_path, binary))):
+        m = read(_write(tmp_path, name, data))
+        assert m.n_vertices == 42 and m.n_faces == 80 and m.is_closed()
+
+
+def test_ply_quads_are_triangulated(tmp_path):
+    pytest.importorskip("meshio")
+    text = ("ply\nformat ascii 1.0\nelement vertex 5\nproperty float x\nproperty float y\n"
+            "property float z\nelement face 2\nproperty list uchar int vertex_indices\nend_header\n"
+            "0 0 0\n1 0 0\n1 1 0\n0 1 0\n2 0 0\n4 0 1 2 3\n3 1 4 2\n")
+    m = read(_write(tmp_path, "mixed.ply", text))
+    assert m.n_faces == 3 and m.area() == pytest.approx(1.5) and (_normals(m)[:, 2] > 0).all()
+
+
+def _quad_ply_bytes(tmp_path):
+    meshio = pytest.importorskip("meshio")
+    path = tmp_path / "quads.ply"  # quads take more bytes than the header's least (triangles)
+    quads = np.array([[0, 3, 4, 1], [1, 4, 5, 2], [3, 6, 7, 4], [4, 7, 8, 5]])
+    meshio.write_points_cells(str(path), grid(3, 3).vertices, [("quad", quads)], binary=True)
+    assert read(str(path)).n_faces == 8
+    return path.read_bytes()
+
+
+def _bad_files(tmp_path):
+    stl_b, stl_a = _stl_bytes(tmp_path, True), _stl_bytes(tmp_path, False)
+    ply_b, ply_a = _ply_bytes(tmp_path, True), _ply_bytes(tmp_path, False)
+    header_end = ply_b.index(b"end_header") + len(b"end_header\n")
+    return [
+        ("corrupt.stl", b"solid x\nfacet normal 0 0 1\n\xff\xfe\x00garbage", r"neither a binary STL .* "
+         r"nor an ASCII STL \(byte \d+ is not text\)"),
+        ("random.stl", bytes(range(256)) * 2, r"announces \d+ triangles, which take \d+ bytes, but the file has 512"),
+        ("truncated.stl", stl_b[:-70], r"announces 80 triangles, which take 4084 bytes, but the file has 4014"),
+        ("notstl.stl", b"hello world, this is no STL file at all" * 3, r"not an STL file"),
+        ("broken-ascii.stl", stl_a[: len(stl_a) // 2], r"meshio could not read the file"),
+        ("header.ply", ply_b[: header_end - 12], r"no 'end_header' line in its first \d+ bytes"),
+        ("header-a.ply", ply_a[:60], r"no 'end_header' line"),
+        ("body.ply", ply_b[: (header_end + len(ply_b)) // 2], r"truncated: .*42 vertex, 80 face elements, "
+         r"at least 2048 bytes, but the body holds"),
+        ("body-a.ply", ply_a[: len(ply_a) // 2], r"truncated: .*\(122 rows\) but the body holds"),
+        ("faces.ply", _quad_ply_bytes(tmp_path)[:-10], r"meshio could not read the file \(ValueError: buffer"),
+        ("edge.ply", "ply\nformat ascii 1.0\nelement vertex 3\nproperty float x\nproperty float y\n"
+         "property float z\nelement face 1\nproperty list uchar int vertex_indices\nend_header\n"
+         "0 0 0\n1 0 0\n0 1 0\n2 0 1\n", r"PLY file is truncated or corrupt: its header announces 3 "
+         r"vertices and 1 faces, the body gave 3 vertices and 1 faces \(some with fewer than 3 vertices\)"),
+        ("notply.ply", b"plyx\n" + b"\x00" * 100, r"no 'end_header'"),
+        ("empty.obj", b"", r"the file is empty"),
+        ("empty.stl", b"", r"the file is empty"),
+        ("binary.obj", bytes(range(256)), r"no faces"),
+        ("unknown.xyz", b"1 2 3\n", r"meshio could not read the file"),
+    ]
+
+
+def test_hostile_files_are_value_errors_naming_the_file_never_hangs(tmp_path):
+    # meshio raised UnicodeDecodeError on a corrupt STL and looped forever on a PLY header cut short.
+    for name, data, match in _bad_files(tmp_path):
+        path = _write(tmp_path, name, data)
+        outcome = []
+
+        def attempt(path=path, outcome=outcome):
+            try:
+                read(path)
+            except Exception as error:
+                outcome.append(error)
+
+        worker = threading.Thread(target=attempt, daemon=True)
+        worker.start()
+        worker.join(timeout=10.0)  # milliseconds when the sniffing works; generous for a loaded CI machine
+        assert not worker.is_alive(), f"{name}: read() hangs"
+        (exc,) = outcome
+        assert type(exc) is ValueError, (name, exc)
+        assert str(exc).startswith(f"managed_solve.mesh.read({path!r}): "), name
+        assert re.search(match, str(exc)), (name, str(exc))
+
+
+def test_missing_file_and_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"no such file"):
+        read(str(tmp_path / "nope.obj"))
+    with pytest.raises(ValueError, match=r"this is a directory"):
+        read(str(tmp_path))
+
+
+def test_volume_cells_other_than_tetrahedra_are_refused(tmp_path):
+    meshio = pytest.importorskip("meshio")
+    g = grid(3, 3, 3)
+    cube = np.array([[0, 1, 4, 3, 9, 10, 13, 12]])  # a hexahedron on the grid's first cell
+    path = str(tmp_path / "mixed.vtu")
+    meshio.write_points_cells(path, g.vertices, [("tetra", g.faces[:6]), ("hexahedron", cube)])
+    with pytest.raises(ValueError, match=r"holds \['hexahedron'\] cells; only linear tetrahedra"):
+        read(path)
+    # Quads alone (a VTK surface) are triangulated, like OBJ and PLY polygons.
+    quads = np.array([[0, 2, 3, 1], [2, 4, 5, 3]])
+    meshio.write_points_cells(str(tmp_path / "quads.vtk"), grid(3, 2).vertices, [("quad", quads)])
+    m = read(str(tmp_path / "quads.vtk"))
+    assert m.n_faces == 4 and m.area() == pytest.approx(1.0)
+
+
+def test_cli_reports_a_bad_mesh_in_one_line(tmp_path, capsys):
+    from managed_solve import cli
+
+    path = _write(tmp_path, "bad.obj", SQUARE + "f 1 2 9\n")
+    assert cli.main(["demo", "--mesh", path, "--small", "--simulate", "1x1GiB"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert path in err and "vertex index 9" in err
