@@ -378,88 +378,20 @@ class Solver:
                   name: str | None = None) -> SolveResult:
         """One right-hand side already of the solver's dtype on its device (no validation)."""
         self._check_open()
-        system, dev, mgr = self.system, self.device, self.manager
-        method = self.method
-        A = system.A.T if transpose and system.kind != "operator" else system.A
-        xp = _backend.array_module(b)
-        b_norm = float(norm(xp, b))  # sync: once, for the result
-        tol = stop_threshold(system.rtol, system.atol, b_norm)
-        # Iterations the manager saw for this kind of system: the fused loop's first
-        # convergence read goes there, so a repeated solve syncs with the host once.
-        sig = (*system.signature[:3], method, system.kind, system.rtol)
-        first_check = mgr.predict(sig, device=dev).iterations if mgr is not None else None
-        t0 = time.perf_counter()
-        try:
-            dev.check_fault(system.nbytes)
-            with dev.context():
-                out = self._attempt(method, b, x0, tol, transpose, first_check)
-                fallback = fallback_method(system, method, out, self.symmetric)
-                if fallback is not None:
-                    # "auto" guessed from cheap tests (a positive diagonal does not
-                    # make a symmetric matrix definite; a factorisation may meet a
-                    # singular matrix): retry with the robust method.
-                    log.info("managed_solve: %s did not solve (%s); auto falls back to %s",
-                             method, out.message, fallback)
-                    spent, tried = out.iterations, method
-                    method = fallback
-                    out = self._attempt(method, b, x0, tol, transpose, None)
-                    out.iterations += spent
-                    out.info["fallback_from"] = tried
-                _backend.synchronize() if dev.kind == "cuda" else None
-        except MemoryError as exc:  # SimulatedOutOfMemory, cupy's OutOfMemoryError
-            seconds = time.perf_counter() - t0
-            return SolveResult(None, Status.DEVICE_ERROR, 0, float("nan"), b_norm, str(dev),
-                               seconds, method, f"out of memory on {dev}: {exc}. Free memory there "
-                               "or let the manager choose (device=None).", name or system.name)
-        seconds = time.perf_counter() - t0
-        x = out.x
-        if x is not None:
-            residual = true_residual_norm(A, b, x)
-            # That read waited for the solve's queued masked iterations: free what
-            # the fused GPU core kept alive for them (nothing on other paths).
-            batched.release_done()
-        else:
-            residual = out.residual_norm
-        status, message = status_of(out, method, residual, tol, system)
-        if mgr is not None:
-            cost = float(system.nbytes + system.workspace_bytes(method)) * max(out.iterations, 1)
-            mgr.record(sig, seconds, peak_bytes=system.nbytes + system.workspace_bytes(method),
-                       device=dev, cost=cost, iterations=out.iterations
-                       if status in (Status.CONVERGED, Status.MAXITER) else None)
-        info = dict(out.info)
-        info.setdefault("path", "generic" if method != "direct" else "direct")
-        info["host_syncs"] = out.host_syncs
-        return SolveResult(x, status, out.iterations, residual, b_norm, str(dev), seconds, method,
-                           message, name or system.name, info)
-
-    def _attempt(self, method: str, b: Any, x0: Any, tol: float, transpose: bool,
-                 first_check: int | None) -> Outcome:
-        """Solve with ``method``'s prepared engine (made on first use); Krylov restarts after drift."""
-        prepared = self._engine(method, first_check)
-        if isinstance(prepared, Outcome):  # the set-up itself failed (a singular factorisation)
-            return Outcome(None, prepared.code, 0, prepared.residual_norm, prepared.message)
-        out = prepared.solve_transpose(b, x0) if transpose else prepared.solve(b, x0)
-        if method == "direct":
-            if self.callback is not None and out.x is not None:
-                self.callback(out.x)
-            return out
-        A = self.system.A.T if transpose and self.system.kind != "operator" else self.system.A
-        return refine(A, b, prepared, out, tol, transpose)
+        return self._run([b], None if x0 is None else [x0], transpose, name)[0]
 
     def _solve_block(self, B: Any, X0: Any, *, transpose: bool) -> SolveResult:
-        """k right-hand sides: one result with (n, k) x and per-column figures."""
+        """k right-hand sides solved together: one result with (n, k) x and per-column figures."""
         k = B.shape[1]
         t0 = time.perf_counter()
-        cols = [self.solve_one(B[:, j], None if X0 is None else X0[:, j], transpose=transpose)
-                for j in range(k)]
+        cols = self._run([B[:, j] for j in range(k)],
+                         None if X0 is None else [X0[:, j] for j in range(k)], transpose, None,
+                         block=(B, X0))
         seconds = time.perf_counter() - t0
         xp = _backend.array_module(B)
-        if all(c.x is not None for c in cols):
-            X = xp.stack([c.x for c in cols], axis=1)
-        else:
-            X = None
+        X = xp.stack([c.x for c in cols], axis=1) if all(c.x is not None for c in cols) else None
         statuses = tuple(c.status for c in cols)
-        bad = [j for j, s in enumerate(statuses) if s is not Status.CONVERGED]
+        bad = [j for j, st in enumerate(statuses) if st is not Status.CONVERGED]
         status = Status.CONVERGED if not bad else statuses[bad[0]]
         if bad:
             message = (f"{len(bad)} of {k} columns did not converge (first: column {bad[0]}, "
@@ -476,6 +408,102 @@ class Solver:
                            np.array([c.b_norm for c in cols]), str(self.device), seconds,
                            methods.pop() if len(methods) == 1 else "mixed", message,
                            self.system.name, info, column_status=statuses)
+
+    def _run(self, bs: list, x0s: list | None, transpose: bool, name: str | None, *,
+             block: tuple | None = None) -> list[SolveResult]:
+        """Solve the columns ``bs`` (one engine call for a block), verify and fall back per column."""
+        system, dev, mgr = self.system, self.device, self.manager
+        method = self.method
+        A = system.A.T if transpose and system.kind != "operator" else system.A
+        xp = _backend.array_module(bs[0])
+        b_norms = [float(norm(xp, b)) for b in bs]  # sync: once a column, for the result
+        tols = [stop_threshold(system.rtol, system.atol, bn) for bn in b_norms]
+        # Iterations the manager saw for this kind of system: the fused loop's first
+        # convergence read goes there, so a repeated solve syncs with the host once.
+        sig = (*system.signature[:3], method, system.kind, system.rtol)
+        first_check = mgr.predict(sig, device=dev).iterations if mgr is not None else None
+        results: list[SolveResult] = []
+        t0 = time.perf_counter()
+        try:
+            dev.check_fault(system.nbytes)
+            with dev.context():
+                prepared = self._engine(method, first_check)
+                if isinstance(prepared, Outcome):  # the set-up failed (a singular factorisation)
+                    outs = [_failed(prepared) for _ in bs]
+                elif block is not None:
+                    B, X0 = block
+                    outs = prepared.solve_transpose(B, X0) if transpose else prepared.solve(B, X0)
+                else:
+                    x0 = None if x0s is None else x0s[0]
+                    outs = [prepared.solve_transpose(bs[0], x0) if transpose
+                            else prepared.solve(bs[0], x0)]
+                finished = []
+                for j, (b, out) in enumerate(zip(bs, outs, strict=True)):
+                    x0 = None if x0s is None else x0s[j]
+                    finished.append(self._verify(method, prepared, b, x0, out, tols[j], transpose,
+                                                 A))
+                _backend.synchronize() if dev.kind == "cuda" else None
+        except MemoryError as exc:  # SimulatedOutOfMemory, cupy's OutOfMemoryError
+            seconds = time.perf_counter() - t0
+            return [SolveResult(None, Status.DEVICE_ERROR, 0, float("nan"), bn, str(dev), seconds,
+                                method, f"out of memory on {dev}: {exc}. Free memory there or let "
+                                "the manager choose (device=None).", name or system.name)
+                    for bn in b_norms]
+        seconds = (time.perf_counter() - t0) / len(bs)
+        for (used, out), b, bn, tol in zip(finished, bs, b_norms, tols, strict=True):
+            x = out.x
+            if x is not None:
+                residual = true_residual_norm(A, b, x)
+                # That read waited for the solve's queued masked iterations: free what
+                # the fused GPU core kept alive for them (nothing on other paths).
+                batched.release_done()
+            else:
+                residual = out.residual_norm
+            status, message = status_of(out, used, residual, tol, system)
+            if mgr is not None:
+                cost = float(system.nbytes + system.workspace_bytes(used)) * max(out.iterations, 1)
+                mgr.record(sig, seconds, peak_bytes=system.nbytes + system.workspace_bytes(used),
+                           device=dev, cost=cost, iterations=out.iterations
+                           if status in (Status.CONVERGED, Status.MAXITER) else None)
+            info = dict(out.info)
+            info.setdefault("path", "generic" if used != "direct" else "direct")
+            info["host_syncs"] = out.host_syncs
+            results.append(SolveResult(x, status, out.iterations, residual, bn, str(dev), seconds,
+                                       used, message, name or system.name, info))
+        return results
+
+    def _verify(self, method: str, prepared: Any, b: Any, x0: Any, out: Outcome, tol: float,
+                transpose: bool, A: Any) -> tuple[str, Outcome]:
+        """Restart after drift, fall back after a breakdown ("auto"): the verify rule, one column."""
+        if method == "direct":
+            if self.callback is not None and out.x is not None:
+                self.callback(out.x)
+        elif isinstance(prepared, Prepared):
+            out = refine(A, b, prepared, out, tol, transpose)
+        fallback = fallback_method(self.system, method, out, self.symmetric)
+        if fallback is None:
+            return method, out
+        # "auto" guessed from cheap tests (a positive diagonal does not make a
+        # symmetric matrix definite; a factorisation may meet a singular
+        # matrix): retry with the robust method.
+        log.info("managed_solve: %s did not solve (%s); auto falls back to %s",
+                 method, out.message, fallback)
+        spent = out.iterations
+        then = self._engine(fallback)
+        if isinstance(then, Outcome):
+            again = _failed(then)
+        else:
+            again = then.solve_transpose(b, x0) if transpose else then.solve(b, x0)
+            if fallback != "direct":
+                again = refine(A, b, then, again, tol, transpose)
+        again.iterations += spent
+        again.info["fallback_from"] = method
+        return fallback, again
+
+
+def _failed(setup: Outcome) -> Outcome:
+    """The outcome of a solve whose engine could not be set up (a copy per column)."""
+    return Outcome(None, setup.code, 0, setup.residual_norm, setup.message)
 
 
 def refine(A: Any, b: Any, prepared: Any, out: Outcome, tol: float, transpose: bool) -> Outcome:

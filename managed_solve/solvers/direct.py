@@ -146,14 +146,40 @@ class PreparedDirect(Prepared):
         self.how = "cupy.linalg.solve"
         return _dense_lu(M, b)
 
-    def _solve_vector(self, b: Any, x0: Any, trans: bool = False) -> Outcome:
-        xp = self.xp
+    def solve(self, rhs: Any, x0: Any = None) -> Outcome | list[Outcome]:
+        """``A x = rhs``; a (n, k) block is solved with the factors in one call, then checked per column."""
+        return self._block(rhs, trans=False)
+
+    def solve_transpose(self, rhs: Any, x0: Any = None) -> Outcome | list[Outcome]:
+        return self._block(rhs, trans=True)
+
+    def _block(self, rhs: Any, trans: bool) -> Outcome | list[Outcome]:
+        self._check_open()
         self._extra: dict = {}
-        A = self.A.T if trans else self.A
+        if rhs.ndim == 1:
+            return self._solve_vector(rhs, None, trans)
+        on_host = self.xp is np
+        try:
+            X = self._apply(rhs, trans).astype(rhs.dtype, copy=False) if on_host else None
+        except Singular as exc:
+            return [Outcome(None, BREAKDOWN, 0, float("nan"), f"{SINGULAR} ({exc})")
+                    for _ in range(rhs.shape[1])]
+        if X is None:  # the GPU libraries here solve one right-hand side a call
+            return [self._solve_vector(rhs[:, j], None, trans) for j in range(rhs.shape[1])]
+        return [self._judge(rhs[:, j], X[:, j], trans) for j in range(rhs.shape[1])]
+
+    def _solve_vector(self, b: Any, x0: Any, trans: bool = False) -> Outcome:
+        self._extra = {}
         try:
             x = self._apply(b, trans).astype(b.dtype, copy=False)
         except Singular as exc:
             return Outcome(None, BREAKDOWN, 0, float("nan"), f"{SINGULAR} ({exc})")
+        return self._judge(b, x, trans)
+
+    def _judge(self, b: Any, x: Any, trans: bool) -> Outcome:
+        """Refine ``x`` toward the tolerance and judge it by its residual and backward error."""
+        xp = self.xp
+        A = self.A.T if trans else self.A
         b_norm = float(norm(xp, b))  # sync: once, for the tolerance
         eps = float(np.finfo(np.dtype(b.dtype)).eps)
         rtol = self.options.rtol
@@ -190,9 +216,6 @@ class PreparedDirect(Prepared):
             f"the LU solution's residual {rn:.3g} exceeds the tolerance {tol:.3g} after {steps} "
             f"refinement steps: A is too ill-conditioned for rtol in {np.dtype(b.dtype)} "
             "(use float64, a looser rtol, or scale the equations)."), info=info)
-
-    def _solve_transpose_vector(self, b: Any, x0: Any) -> Outcome:
-        return self._solve_vector(b, x0, trans=True)
 
     def update(self, values: Any) -> None:
         """New values on the same pattern: factorise again (SuperLU keeps no symbolic phase)."""

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from .. import _backend
+from .batched import BatchedEngine, BatchedPrepared
 from .bicgstab import bicgstab, bicgstab_fused
 from .cg import cg, cg_fused
 from .engine import Options, Outcome, Prepared, default_maxiter
@@ -82,6 +83,29 @@ class PreparedKrylov(Prepared):
         # The fused core builds its Jacobi scaling itself; the generic loops get
         # the preconditioner built once here and reused by every solve.
         self.M = None if self.fused else make_preconditioner(self.options.M, A)
+        self._block: BatchedPrepared | None = None  # the fused core for (n, k) blocks, made on use
+
+    def solve(self, rhs: Any, x0: Any = None) -> Outcome | list[Outcome]:
+        """``A x = rhs``; on the fused core a (n, k) block is one batch of k systems sharing A.
+
+        The batch reads A once per iteration for all k columns, each column with
+        its own scalars and stopping test.
+        """
+        if self.fused and getattr(rhs, "ndim", 1) == 2:
+            self._check_open()
+            return self._batched().solve(rhs, x0)
+        return super().solve(rhs, x0)
+
+    def _batched(self) -> BatchedPrepared:
+        if self._block is None:
+            self._block = BatchedEngine().prepare(self.A, self.options)
+        return self._block
+
+    def close(self) -> None:
+        if self._block is not None:
+            self._block.close()
+            self._block = None
+        super().close()
 
     @property
     def maxiter(self) -> int:
@@ -126,6 +150,8 @@ class PreparedKrylov(Prepared):
     def update(self, values: Any) -> None:
         """New values of a CSR matrix on the same pattern (``values`` as ``A.data``, or a matrix)."""
         self._check_open()
+        if self._block is not None:
+            self._block.close()
         self._set_operator(same_pattern(self.A, values, self.kind, call="update"))
         self._transposed = None
 

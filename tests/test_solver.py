@@ -1,0 +1,160 @@
+"""Solver: set up once, solve many right-hand sides; update, transpose solves, release."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import scipy.sparse.linalg as sla
+
+import managed_solve as ms
+from managed_solve import DeviceManager, Solver, Status, solve
+from tests._problems import BACKENDS, convection_diffusion, host, on, poisson2d
+
+METHODS = ["direct", "cg", "bicgstab", "gmres", "minres"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+def _block(n, k, seed=0):
+    return np.random.default_rng(seed).standard_normal((n, k))
+
+
+def _check_columns(res, A, B, rtol):
+    X = host(res.x)
+    assert X.shape == B.shape
+    ref = sla.splu(A.tocsc()).solve(B)
+    for j in range(B.shape[1]):
+        r = np.linalg.norm(B[:, j] - A @ X[:, j])
+        assert r <= rtol * np.linalg.norm(B[:, j]) * (1 + 1e-6), (j, r)
+        assert res.residual_norm[j] == pytest.approx(r, rel=1e-3, abs=1e-14)
+        np.testing.assert_allclose(X[:, j], ref[:, j], rtol=1e-5, atol=1e-7 * np.abs(ref).max())
+    assert res.column_status == tuple(Status.CONVERGED for _ in range(B.shape[1]))
+    assert res.converged and np.all(res.relative_residual <= rtol * (1 + 1e-6))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_several_right_hand_sides_match_splu_per_column(backend, method):
+    A = poisson2d(12) if method in ("cg", "minres") else convection_diffusion(12)
+    if method == "minres":
+        A = (A - 0.3 * sp.identity(A.shape[0])).tocsr()  # symmetric indefinite
+    B = _block(A.shape[0], 5)
+    Ad, Bd = on(backend, A, B)
+    with Solver(Ad, method=method, rtol=1e-9) as solver:
+        res = solver.solve(Bd)
+    _check_columns(res, A, B, 1e-9)
+    assert res.method == method and len(res.iterations) == 5
+
+
+def test_solve_accepts_a_block_and_each_column_converges_on_its_own():
+    A = poisson2d(15)
+    B = _block(225, 4, seed=1)
+    B[:, 2] = 0.0  # a zero column converges at once
+    res = solve(A, B, method="cg", rtol=1e-10, device="cpu")
+    _check_columns(res, A, B, 1e-10)
+    assert res.iterations[2] == 0 and res.iterations[0] > 10
+
+
+def test_the_block_runs_as_one_batch_on_the_fused_core():
+    """k columns on the fused core share one batch (A read once an iteration for all)."""
+    A = poisson2d(10)
+    B = _block(100, 6, seed=2)
+    with Solver(A, method="cg", device="cpu") as solver:
+        res = solver.solve(B)
+    assert res.info["path"] == "batched"
+    with Solver(A, method="cg", device="cpu") as solver:
+        one = [solver.solve(B[:, j]) for j in range(6)]
+    # The same iterations as six separate solves (the columns stop on their own).
+    assert [r.iterations for r in one] == res.iterations.tolist()
+
+
+def test_per_column_status_when_one_column_runs_out_of_iterations():
+    A = poisson2d(20)
+    B = np.stack([np.ones(400), _block(400, 1, seed=3)[:, 0]], axis=1)
+    B[:, 0] = A @ np.ones(400)  # smooth: fewer iterations than the random column
+    with Solver(A, method="cg", maxiter=25, rtol=1e-10, device="cpu") as solver:
+        res = solver.solve(B)
+    assert res.column_status[1] is Status.MAXITER
+    assert res.status is Status.MAXITER and "columns did not converge" in res.message
+
+
+@pytest.mark.parametrize("method", ["direct", "cg", "gmres"])
+def test_update_with_new_values_equals_a_fresh_set_up(backend, method):
+    A = poisson2d(10) if method == "cg" else convection_diffusion(10)
+    # Same pattern, new values (a symmetric scaling keeps an SPD matrix SPD).
+    d = sp.diags(np.linspace(1.0, 2.0, A.shape[0]))
+    A2 = (d @ A @ d).tocsr()
+    assert (A2.indptr == A.indptr).all() and (A2.indices == A.indices).all()
+    b = np.arange(1.0, 101.0)
+    Ad, bd, A2d = on(backend, A, b, A2)
+    with Solver(Ad, method=method, rtol=1e-10) as solver:
+        solver.solve(bd)
+        solver.update(A2d)
+        updated = host(solver.solve(bd).x)
+    with Solver(A2d, method=method, rtol=1e-10) as fresh:
+        expected = host(fresh.solve(bd).x)
+    np.testing.assert_allclose(updated, expected, rtol=1e-8, atol=1e-12)
+    np.testing.assert_allclose(A2 @ updated, b, rtol=1e-7)
+
+
+def test_update_with_another_pattern_names_the_fix():
+    A = poisson2d(6)
+    with Solver(A, method="cg") as solver:
+        with pytest.raises(ValueError, match="another sparsity pattern.*new solver"):
+            solver.update(poisson2d(6) + sp.diags([1.0], [5], shape=A.shape))
+        with pytest.raises(ValueError, match="expected"):
+            solver.update(np.ones(3))
+
+
+@pytest.mark.parametrize("method", ["direct", "bicgstab", "gmres"])
+def test_solve_transpose_of_a_non_symmetric_matrix(backend, method):
+    A = convection_diffusion(11)
+    b = np.linspace(-1.0, 1.0, A.shape[0])
+    Ad, bd = on(backend, A, b)
+    with Solver(Ad, method=method, rtol=1e-10) as solver:
+        res = solver.solve_transpose(bd)
+        again = solver.solve_transpose(bd)  # the transposed set-up is reused
+    assert res.converged and again.converged
+    np.testing.assert_allclose(host(res.x), sla.spsolve(A.T.tocsc(), b), rtol=1e-7, atol=1e-10)
+
+
+def test_close_releases_the_reservation_and_refuses_later_solves():
+    dm = DeviceManager(simulate="1x1GiB")
+    A = poisson2d(30)
+    solver = Solver(A, method="cg", manager=dm)
+    dev = solver.device
+    assert dm.reserved_bytes(dev) > 0
+    assert solver.solve(np.ones(900)).converged
+    solver.close()
+    solver.close()  # idempotent
+    assert dm.reserved_bytes(dev) == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        solver.solve(np.ones(900))
+
+
+def test_a_solver_on_a_simulated_gpu_takes_the_gpu_method():
+    dm = DeviceManager(simulate="1x1GiB")
+    with Solver(poisson2d(8), manager=dm) as solver:
+        assert solver.method == "cg" and str(solver.device) == "sim:0"
+        res = solver.solve(_block(64, 3))
+    assert res.converged and res.device == "sim:0"
+
+
+def test_bad_right_hand_sides_name_the_argument():
+    with Solver(poisson2d(4), method="cg") as solver:
+        with pytest.raises(ValueError, match=r"b must have shape \(16,\) or \(16, k\)"):
+            solver.solve(np.ones(15))
+        bad = np.ones(16)
+        bad[3] = np.nan
+        with pytest.raises(ValueError, match="NaN"):
+            solver.solve(bad)
+        with pytest.raises(ValueError, match="x0"):
+            solver.solve(np.ones((16, 2)), x0=np.ones(16))
+
+
+def test_exported_at_the_top_level():
+    assert ms.Solver is Solver
+    assert "Solver(n=16" in repr(Solver(poisson2d(4), method="cg"))
