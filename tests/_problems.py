@@ -71,10 +71,10 @@ def neumann2d(m):
 def helmholtz2d(m, shift=0.3, dtype=np.float64):
     """:func:`poisson2d` minus ``shift * I`` (a Helmholtz operator): symmetric.
 
-    Indefinite once ``shift`` passes the smallest eigenvalue of
-    ``poisson2d(m)``, ``4 (1 - cos(pi / (m + 1)))`` (0.087 for m = 14), and
-    nonsingular unless ``shift`` is one of its eigenvalues; SPD for
-    ``shift < 0``; a negative diagonal for ``shift > 4``.
+    SPD while ``shift`` is below the smallest eigenvalue of ``poisson2d(m)``,
+    ``4 (1 - cos(pi / (m + 1)))`` (0.087 for m = 14), indefinite above it,
+    nonsingular unless ``shift`` is one of its eigenvalues; the diagonal is
+    negative for ``shift > 4``.
     """
     return (poisson2d(m) - shift * sp.eye(m * m)).tocsr().astype(dtype)
 
@@ -128,8 +128,8 @@ def poisson2d_skew(m, c=0.5):
 def poisson2d_plus_diagonal(m, value, offset=1, dtype=np.float64):
     """:func:`poisson2d` plus the constant ``value`` on diagonal ``offset``: non-symmetric.
 
-    For small ``value`` it stays positive definite (its symmetric part is
-    ``poisson2d`` plus a small perturbation), so BiCGStab and GMRES converge.
+    Not symmetric, so not for CG; for the values the tests use (0.3 to 0.9)
+    BiCGStab and GMRES converge on it.
     """
     n = m * m
     return (poisson2d(m) + sp.diags([value], [offset], shape=(n, n))).tocsr().astype(dtype)
