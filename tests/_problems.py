@@ -1,9 +1,16 @@
-"""Test problems and device helpers shared by the solver tests.
+"""The gallery of model problems, and device helpers shared by the tests.
 
-Used by ``tests/solvers/`` and ``tests/test_solve.py``, each of which
-parametrises its own ``backend`` fixture with :data:`BACKENDS` (a conftest
-in ``tests/solvers/`` would shadow the root one that ``test_cluster.py``
-imports as ``conftest``). The "cuda" backend moves
+Every test takes its model matrices from here (like ``pyamg.gallery``): 1D and
+2D Laplacians, their shifted, convected and scaled variants, random SPD
+matrices. Each builder documents its matrix (symmetry, definiteness, size),
+so a test names the property it relies on by the builder it calls. Tiny
+matrices that are the point of one test (a 2 x 2 singular one, a pattern)
+stay in that test.
+
+The device helpers are used by ``tests/solvers/`` and ``tests/test_solve.py``,
+each of which parametrises its own ``backend`` fixture with :data:`BACKENDS`
+(a conftest in ``tests/solvers/`` would shadow the root one that
+``test_cluster.py`` imports as ``conftest``). The "cuda" backend moves
 inputs with CuPy directly, not through the library, so a wrong library
 transfer cannot hide a wrong solver.
 """
@@ -20,18 +27,141 @@ import scipy.sparse.linalg as sla
 BACKENDS = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
+# -- 1D
+def tridiagonal(n, lower, diag, upper, dtype=np.float64):
+    """The n x n CSR matrix with constant ``lower``, ``diag`` and ``upper`` diagonals.
+
+    Symmetric when ``lower == upper``; strictly diagonally dominant (so
+    nonsingular, and SPD when also symmetric with ``diag > 0``) when
+    ``|diag| > |lower| + |upper|``.
+    """
+    return sp.diags([lower, diag, upper], [-1, 0, 1], shape=(n, n)).tocsr().astype(dtype)
+
+
+def laplacian1d(n, dtype=np.float64):
+    """The 1D Laplacian ``tridiag(-1, 2, -1)`` (Dirichlet ends): SPD, 3 n - 2 entries."""
+    return tridiagonal(n, -1.0, 2.0, -1.0, dtype)
+
+
+# -- 2D and 3D Laplacians and their variants
 def poisson2d(m, dtype=np.float64):
     """The 5-point Laplacian on an m x m grid: SPD, n = m * m."""
     T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(m, m))
     return sp.kronsum(T, T).tocsr().astype(dtype)
 
 
+def poisson3d(m, dtype=np.float64):
+    """The 7-point Laplacian on an m x m x m grid: SPD, n = m ** 3."""
+    T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(m, m))
+    return sp.kronsum(sp.kronsum(T, T), T).tocsr().astype(dtype)
+
+
+def neumann2d(m):
+    """The 5-point Laplacian on an m x m grid with pure Neumann boundaries: singular.
+
+    Every row sums to zero (the constants are its null space), so a direct
+    solve finds it singular and a right-hand side outside its range has no
+    solution.
+    """
+    T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(m, m)).tolil()
+    T[0, 0] = T[m - 1, m - 1] = 1.0
+    return sp.kronsum(T.tocsr(), T.tocsr()).tocsr()
+
+
+def helmholtz2d(m, shift=0.3, dtype=np.float64):
+    """:func:`poisson2d` minus ``shift * I`` (a Helmholtz operator): symmetric.
+
+    SPD while ``shift`` is below the smallest eigenvalue of ``poisson2d(m)``,
+    ``4 (1 - cos(pi / (m + 1)))`` (0.087 for m = 14), indefinite above it,
+    nonsingular unless ``shift`` is one of its eigenvalues; the diagonal is
+    negative for ``shift > 4``.
+    """
+    return (poisson2d(m) - shift * sp.eye(m * m)).tocsr().astype(dtype)
+
+
+def high_contrast_poisson(m, contrast=1e6):
+    """``-div(c grad u)`` on an m x m grid, c jumping by ``contrast`` across the middle (SPD)."""
+    from managed_solve import pde
+
+    def coefficient(x, y):
+        return np.where(x < 0.5, contrast, 1.0)
+
+    return pde.poisson_grid((m, m), 1.0, coefficient, device="cpu").A
+
+
+def anisotropic_badly_scaled(m, eps=0.01, spread=3.0, seed=0):
+    """S (L_x + eps L_y) S with S spanning exp(+-spread): SPD, anisotropic, badly scaled; n = m * m."""
+    T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(m, m))
+    A = sp.kron(T, sp.eye(m)) + eps * sp.kron(sp.eye(m), T)
+    s = np.exp(np.random.default_rng(seed).uniform(-spread, spread, m * m))
+    S = sp.diags(s)
+    return (S @ A @ S).tocsr()
+
+
+# -- non-symmetric
 def convection_diffusion(m, dtype=np.float64, wind=0.4):
     """2D upwind convection-diffusion: non-symmetric, well posed."""
     T = sp.diags([-1.0 - wind, 2.0 + wind, -1.0], [-1, 0, 1], shape=(m, m))
     return sp.kronsum(T, sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(m, m))).tocsr().astype(dtype)
 
 
+def upwind(m, peclet=0.6):
+    """2D upwind convection-diffusion with both directions convected: non-symmetric; n = m * m.
+
+    Diagonally dominant while ``peclet`` < 1 (BiCGStab and GMRES converge).
+    """
+    t = sp.diags([-1.0 - peclet, 2.0, -1.0 + peclet], [-1, 0, 1], shape=(m, m))
+    return (sp.kron(sp.eye(m), t) + sp.kron(t, sp.eye(m))).tocsr()
+
+
+def poisson2d_skew(m, c=0.5):
+    """:func:`poisson2d` plus a skew-symmetric (convection) part: non-symmetric, positive definite.
+
+    Its eigenvalues near zero are almost imaginary (hard for BiCGStab).
+
+    ``x^T A x = x^T P x > 0``, so BiCGStab and GMRES converge on it.
+    """
+    U = sp.diags([c], [1], shape=(m * m, m * m))
+    return (poisson2d(m) + U - U.T).tocsr()
+
+
+def poisson2d_plus_diagonal(m, value, offset=1, dtype=np.float64):
+    """:func:`poisson2d` plus the constant ``value`` on diagonal ``offset``: non-symmetric.
+
+    Not symmetric, so not for CG; for the values the tests use (0.3 to 0.9)
+    BiCGStab and GMRES converge on it.
+    """
+    n = m * m
+    return (poisson2d(m) + sp.diags([value], [offset], shape=(n, n))).tocsr().astype(dtype)
+
+
+# -- random
+def random_spd(n, seed=0):
+    """Random sparse SPD: symmetric pattern, strictly diagonally dominant, varied diagonal."""
+    R = sp.random(n, n, density=4.0 / n, random_state=seed, format="csr")
+    S = R + R.T
+    d = np.asarray(abs(S).sum(axis=1)).ravel() + np.random.default_rng(seed).uniform(0.5, 5, n)
+    return (S + sp.diags(d)).tocsr()
+
+
+def random_gram_spd(n, rng, density=0.2):
+    """A random sparse SPD matrix: R R^T shifted by ``1 + n * density``."""
+    R = sp.random(n, n, density=density, random_state=rng, format="csr")
+    return (R @ R.T + sp.eye(n) * (1.0 + n * density)).tocsr()
+
+
+# -- transformations
+def symmetrically_scaled(A, d):
+    """``D A D`` with ``D = diag(d)``: keeps symmetry and definiteness, spoils the scaling.
+
+    A badly scaled ``d`` (entries spanning decades) is what Jacobi
+    preconditioning undoes.
+    """
+    D = sp.diags(d)
+    return (D @ A @ D).tocsr()
+
+
+# -- devices and checks
 def on(backend, *arrays):
     """The arrays (CSR matrices and vectors) on ``backend``; one array alone is returned bare."""
     if backend == "cpu":
@@ -64,52 +194,3 @@ def assert_matches_spsolve(x, A, b, dtype):
     x_direct = sla.spsolve(A.astype(np.float64).tocsc(), b.astype(np.float64))
     tol = 1e-6 if dtype == np.float64 else 1e-2
     assert np.linalg.norm(host(x) - x_direct) / np.linalg.norm(x_direct) < tol
-
-
-def high_contrast_poisson(m, contrast=1e6):
-    """``-div(c grad u)`` on an m x m grid, c jumping by ``contrast`` across the middle (SPD)."""
-    from managed_solve import pde
-
-    def coefficient(x, y):
-        return np.where(x < 0.5, contrast, 1.0)
-
-    return pde.poisson_grid((m, m), 1.0, coefficient, device="cpu").A
-
-
-def poisson3d(m, dtype=np.float64):
-    """The 7-point Laplacian on an m x m x m grid: SPD, n = m ** 3."""
-    T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(m, m))
-    return sp.kronsum(sp.kronsum(T, T), T).tocsr().astype(dtype)
-
-
-def random_spd(n, seed=0):
-    """Random sparse SPD: symmetric pattern, strictly diagonally dominant, varied diagonal."""
-    R = sp.random(n, n, density=4.0 / n, random_state=seed, format="csr")
-    S = R + R.T
-    d = np.asarray(abs(S).sum(axis=1)).ravel() + np.random.default_rng(seed).uniform(0.5, 5, n)
-    return (S + sp.diags(d)).tocsr()
-# -- problems of the batched engine's tests (tests/solvers/batched/)
-def upwind(m, peclet=0.6):
-    """2D upwind convection-diffusion with both directions convected: non-symmetric; n = m * m.
-
-    Diagonally dominant while ``peclet`` < 1 (BiCGStab and GMRES converge).
-    """
-    t = sp.diags([-1.0 - peclet, 2.0, -1.0 + peclet], [-1, 0, 1], shape=(m, m))
-    return (sp.kron(sp.eye(m), t) + sp.kron(t, sp.eye(m))).tocsr()
-
-
-def random_gram_spd(n, rng, density=0.2):
-    """A random sparse SPD matrix: R R^T shifted by ``1 + n * density``."""
-    R = sp.random(n, n, density=density, random_state=rng, format="csr")
-    return (R @ R.T + sp.eye(n) * (1.0 + n * density)).tocsr()
-
-
-def poisson2d_skew(m, c=0.5):
-    """:func:`poisson2d` plus a skew-symmetric (convection) part: non-symmetric, positive definite.
-
-    Its eigenvalues near zero are almost imaginary (hard for BiCGStab).
-
-    ``x^T A x = x^T P x > 0``, so BiCGStab and GMRES converge on it.
-    """
-    U = sp.diags([c], [1], shape=(m * m, m * m))
-    return (poisson2d(m) + U - U.T).tocsr()

@@ -20,20 +20,10 @@ from managed_solve import cluster as cl
 from managed_solve.cluster import NodeSpec, solve_many_ray
 from managed_solve.manager import DeviceManager
 from managed_solve.scheduling import SolveManyError
+from tests._problems import poisson2d
+from tests._problems import poisson2d_skew as convection  # non-symmetric, positive definite
 
 ray = pytest.importorskip("ray")
-
-
-def poisson2d(m: int, dtype=np.float64) -> sp.csr_matrix:
-    T = sp.diags([-1.0, 4.0, -1.0], [-1, 0, 1], shape=(m, m))
-    S = sp.diags([-1.0, -1.0], [-1, 1], shape=(m, m))
-    return (sp.kron(sp.identity(m), T) + sp.kron(S, sp.identity(m))).tocsr().astype(dtype)
-
-
-def convection(m: int) -> sp.csr_matrix:
-    """Poisson plus a skew part: non-symmetric, positive definite (BiCGStab converges)."""
-    U = sp.diags([0.5], [1], shape=(m * m, m * m))
-    return (poisson2d(m) + U - U.T).tocsr()
 
 
 def mix(count: int, seed: int = 0) -> list:

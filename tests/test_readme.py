@@ -6,15 +6,26 @@ import pathlib
 import re
 
 import numpy as np
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_readme_tour_runs(monkeypatch, capsys):
+@pytest.fixture
+def fresh_default_manager():
+    """The process-wide manager made anew on first use (from ``MANAGED_SOLVE_SIMULATE``), then restored."""
     from managed_solve import manager
 
-    monkeypatch.setenv("MANAGED_SOLVE_SIMULATE", "2x1GiB")
-    monkeypatch.setattr(manager, "_default", None)  # the tour uses ms.device_manager
+    previous = manager.default_manager()
+    manager.set_default_manager(None)
+    try:
+        yield
+    finally:
+        manager.set_default_manager(previous)
+
+
+def test_readme_tour_runs(monkeypatch, capsys, fresh_default_manager):
+    monkeypatch.setenv("MANAGED_SOLVE_SIMULATE", "2x1GiB")  # the tour uses ms.device_manager
     text = (ROOT / "README.md").read_text()
     tour = re.findall(r"```python\n(.*?)```", text, re.S)[0]
     scope: dict = {}

@@ -1,4 +1,4 @@
-"""solve(): placement through the DeviceManager, method choice, inputs, bad input."""
+"""solve(): placement through the DeviceManager, method choice, inputs, bad input, learned hints, sharding."""
 
 from __future__ import annotations
 
@@ -7,10 +7,18 @@ import pytest
 import scipy.sparse as sp
 import scipy.sparse.linalg as sla
 
+import managed_solve.solvers.batched as batched
 from managed_solve import DeviceManager, LinearSystem, SolveError, Status, solve
 from managed_solve.devices import SimulatedOutOfMemory
-from managed_solve.system import method as method_policy
-from tests._problems import BACKENDS, host, on, poisson2d
+from tests._problems import (
+    BACKENDS,
+    helmholtz2d,
+    host,
+    on,
+    poisson2d,
+    poisson2d_plus_diagonal,
+    upwind,
+)
 
 METHODS = ["cg", "bicgstab", "gmres", "minres", "direct"]
 
@@ -51,21 +59,18 @@ def test_auto_chooses_by_size_symmetry_and_device():
     assert solve(A, b).method == "direct"  # small 2D-like system on the CPU
     assert solve(A.toarray(), b).method == "direct"
     assert solve(A, b, M="jacobi").method == "cg"  # a preconditioner asks for a Krylov solve
-    big = method_policy.DIRECT_MAX_N + 1
-    assert not method_policy.wants_direct("csr", big, 5 * big)
-    assert not method_policy.wants_direct("csr", 1000, 27 * 1000)  # 3D-like: too much fill
     # A simulated GPU takes the GPU's choice (iterative), as a real one would.
     dm = DeviceManager(simulate="2x1GiB")
     assert solve(A, b, manager=dm).method == "cg"
-    negative = (A - 5.0 * sp.eye(100)).tocsr()  # symmetric, negative diagonal
+    negative = helmholtz2d(10, 5.0)  # symmetric, negative diagonal
     res = solve(negative, b, manager=dm)
     assert res.method == "minres" and res.converged
-    shifted = (A - 0.5 * sp.eye(100)).tocsr()  # positive diagonal, yet indefinite
+    shifted = helmholtz2d(10, 0.5)  # positive diagonal, yet indefinite
     res = solve(shifted, b, manager=dm)
     assert res.method == "minres" and res.converged
     assert res.info["fallback_from"] == "cg"
     np.testing.assert_allclose(res.to_numpy(), sla.spsolve(shifted.tocsc(), b), rtol=1e-6)
-    nonsym = (A + sp.diags([0.5], [1], shape=A.shape)).tocsr()
+    nonsym = poisson2d_plus_diagonal(10, 0.5)
     res = solve(nonsym, b, manager=dm)
     assert res.method == "bicgstab" and res.converged
     res = solve(sla.aslinearoperator(A), b)
@@ -206,7 +211,7 @@ def test_bad_input_raises_naming_the_argument(args, kwargs, exc, words):
 
 
 def test_bad_systems_give_statuses_not_crashes():
-    indefinite = (poisson2d(6) - 2.0 * sp.eye(36)).tocsr()
+    indefinite = helmholtz2d(6, 2.0)
     res = solve(indefinite, np.ones(36), method="cg")
     assert res.status is Status.BREAKDOWN and "minres" in res.message
     with pytest.raises(SolveError):
@@ -261,8 +266,7 @@ def test_host_path_tests_see_a_cpu_only_default_manager():
 
 def test_gmres_takes_the_batched_core_on_a_gpu_only(backend):
     """CSR GMRES: the batched core on a GPU (fused kernels), the generic one on the CPU (BLAS)."""
-    T = sp.diags([-1.6, 2.0, -0.4], [-1, 0, 1], shape=(20, 20))
-    A = (sp.kron(sp.eye(20), T) + sp.kron(T, sp.eye(20))).tocsr()  # upwind: non-symmetric
+    A = upwind(20, 0.6)  # non-symmetric
     b = np.random.default_rng(3).standard_normal(400)
     res = solve(*on(backend, A, b), method="gmres", rtol=1e-10)
     assert res.converged and res.method == "gmres"
@@ -270,3 +274,67 @@ def test_gmres_takes_the_batched_core_on_a_gpu_only(backend):
     assert np.linalg.norm(b - A @ x) <= 1e-10 * np.linalg.norm(b)
     np.testing.assert_allclose(x, sla.spsolve(A.tocsc(), b), rtol=1e-7, atol=1e-9)
     assert (res.info.get("path") == "batched") == (backend != "cpu")
+
+
+# -- learned iteration counts: a repeated solve places its first convergence read there
+@pytest.fixture
+def first_checks(monkeypatch):
+    """The first_check each fused CG solve received, in order."""
+    seen = []
+    real = batched.cg_batched
+
+    def spy(batch, **kw):
+        seen.append(kw.get("first_check"))
+        return real(batch, **kw)
+
+    monkeypatch.setattr(batched, "cg_batched", spy)
+    return seen
+
+
+def test_repeated_solve_passes_the_learned_iteration_count(first_checks):
+    A = poisson2d(30)
+    n = A.shape[0]
+    dm = DeviceManager(simulate="1x1GiB")
+    first = solve(A, np.ones(n), method="cg", device="sim:0", manager=dm)
+    second = solve(A, np.arange(n, dtype=float), method="cg", device="sim:0", manager=dm)
+    assert first.converged and second.converged
+    assert first_checks[0] is None and first_checks[1] == first.iterations
+    # another tolerance is another kind of solve: no hint
+    solve(A, np.ones(n), method="cg", device="sim:0", manager=dm, rtol=1e-4)
+    assert first_checks[2] is None
+
+
+def test_a_solve_that_reached_maxiter_teaches_maxiter(first_checks):
+    A = poisson2d(30)
+    dm = DeviceManager(simulate="1x1GiB")
+    for _ in range(2):
+        r = solve(A, np.ones(A.shape[0]), method="cg", device="sim:0", manager=dm, maxiter=7)
+        assert r.status.name == "MAXITER" and r.iterations == 7
+    assert first_checks == [None, 7]  # the second solve reads the host once, at maxiter, on a GPU
+
+
+# -- solve(A, b, devices=...) / device="all" shards one system (same answer as one device)
+@pytest.mark.parametrize("how", ["all", "list"])
+def test_sharded_route_matches_direct_solve(how):
+    dm = DeviceManager(simulate="3x1GiB")
+    A = poisson2d(24)
+    b = np.random.default_rng(0).standard_normal(A.shape[0])
+    kw = {"device": "all"} if how == "all" else {"devices": ["sim:0", "sim:2"]}
+    res = solve(A, b, rtol=1e-10, manager=dm, **kw)
+    assert res.converged and res.method == "cg"
+    np.testing.assert_allclose(res.to_numpy(), sla.spsolve(A.tocsc(), b), rtol=1e-7, atol=1e-9)
+
+
+def test_sharded_route_nonsymmetric_picks_bicgstab():
+    dm = DeviceManager(simulate="2x1GiB")
+    A = poisson2d_plus_diagonal(16, 0.3)
+    b = np.ones(256)
+    res = solve(A, b, devices="all", manager=dm, rtol=1e-10)
+    assert res.converged and res.method == "bicgstab"
+    assert np.linalg.norm(A @ res.to_numpy() - b) <= 1e-8 * np.linalg.norm(b)
+
+
+def test_sharded_route_rejects_unshardable_method():
+    dm = DeviceManager(simulate="2x1GiB")
+    with pytest.raises(ValueError, match="cannot be sharded"):
+        solve(poisson2d(8), np.ones(64), devices="all", method="gmres", manager=dm)

@@ -1,4 +1,4 @@
-"""The one-pass CSR symmetry kernel against the transpose test."""
+"""The one-pass CSR symmetry kernels (kernels/symmetry.py) against the transpose test."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from managed_solve.kernels.symmetry import (
     csr_symmetry_rows_window,
 )
 from managed_solve.system import is_symmetric
+from tests._problems import laplacian1d
 
 
 def reference(A, limit):
@@ -48,20 +49,13 @@ def test_random_matrices_agree_with_the_transpose(dtype, index_dtype):
 
 
 def test_codes():
-    sym = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(5, 5), format="csr")
+    sym = laplacian1d(5)
     assert csr_symmetry(sym.indptr, sym.indices, sym.data, 0.0) == SYMMETRIC
     vals = sym.copy()
     vals[0, 1] = -2.0
     assert csr_symmetry(vals.indptr, vals.indices, vals.data, 0.0) == DIFFERENT_VALUES
     upper = sp.diags([2.0, -1.0], [0, 1], shape=(5, 5), format="csr")
     assert csr_symmetry(upper.indptr, upper.indices, upper.data, 0.0) == DIFFERENT_PATTERN
-
-
-def test_tiny_stored_entry_without_partner_is_still_symmetric():
-    """A stored 1e-20 facing an unstored zero is within the tolerance: the fallback decides."""
-    A = sp.csr_matrix(np.array([[2.0, 1e-20], [0.0, 2.0]]))
-    assert csr_symmetry(A.indptr, A.indices, A.data, 1e-12) == DIFFERENT_PATTERN
-    assert is_symmetric(A)
 
 
 def test_scaled_variant_finds_the_scale_itself():
@@ -103,56 +97,3 @@ def test_row_chunks_give_the_one_pass_codes(dtype):
             else:
                 assert min(codes) == whole
         assert abs_max(A.data, 0, A.nnz) == (abs(A.data).max() if A.nnz else 0.0)
-
-
-@pytest.mark.parametrize("asym", [None, "value", "pattern"])
-def test_large_matrices_are_tested_in_chunks(monkeypatch, settings, asym):
-    """is_symmetric's chunked path (helper threads) against the transpose test."""
-    from managed_solve import _backend
-
-    settings(symmetry_parallel_nnz=1000, symmetry_workers=4)
-    m = 40
-    T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(m, m))
-    A = sp.kronsum(T, T).tocsr()  # 1,600 rows, 7,840 entries
-    A.sort_indices()
-    if asym == "value":
-        A.data[A.nnz - 3] += 1e-6  # near the last row: in the last chunk
-    elif asym == "pattern":
-        A = (A + sp.csr_matrix(([0.5], ([1500], [3])), shape=A.shape)).tocsr()
-        A.sort_indices()
-    calls = []
-    real = _backend.thread_pool
-    monkeypatch.setattr(_backend, "thread_pool",
-                        lambda name, workers: calls.append(name) or real(name, workers))
-    assert is_symmetric(A) == reference(A, 1e-12 * float(abs(A.data).max())) == (asym is None)
-    assert calls == ["symmetry"]
-
-
-@pytest.mark.parametrize("workers", [1, 8])
-def test_positive_diagonal_matches_scipy_diagonal(settings, workers):
-    """Against SciPy's ``diagonal()`` (duplicates summed), on small and chunked large matrices."""
-    from managed_solve import system
-
-    settings(symmetry_parallel_nnz=64, symmetry_workers=workers)
-    rng = np.random.default_rng(3)
-    for trial in range(40):
-        n = int(rng.integers(1, 60))
-        A = sp.random(n, n, density=0.2, random_state=int(rng.integers(1 << 30)), format="csr")
-        A = A + sp.diags(rng.uniform(-0.2, 1.0, n))
-        A = sp.csr_matrix(A)
-        if trial % 4 == 1:  # unsorted indices and a duplicate diagonal entry split in two
-            end = A.indptr[1]  # after row 0's entries: column 0 again, out of order
-            indptr = A.indptr.copy()
-            indptr[1:] += 1
-            A = sp.csr_matrix((np.insert(A.data, end, -0.5), np.insert(A.indices, end, 0), indptr),
-                              shape=A.shape)
-            assert not A.has_canonical_format
-        if trial % 4 == 2:  # a missing diagonal entry
-            A = A.tolil()
-            A[n // 2, n // 2] = 0.0
-            A = A.tocsr()
-            A.eliminate_zeros()
-        expected = bool((A.diagonal() > 0).all())
-        assert system.positive_diagonal(A) is expected, trial
-    assert system.positive_diagonal(np.eye(3)) is True
-    assert system.positive_diagonal(sp.csr_matrix(np.diag([1.0, np.nan]))) is False

@@ -17,7 +17,7 @@ from managed_solve.scheduling import solve_many, staging
 from managed_solve.scheduling.estimate import estimate_system
 from managed_solve.scheduling.plan import DEFERRED
 from managed_solve.system import is_symmetric
-from tests._problems import poisson2d
+from tests._problems import helmholtz2d, poisson2d
 from tests._problems import poisson2d_skew as convection
 from tests.scheduling._helpers import assert_converged, assert_solves, head_start_mix
 
@@ -86,12 +86,11 @@ def shared_matrix_systems() -> list[LinearSystem]:
     """Systems sharing a few matrices, with every option the estimate depends on varied."""
     rng = np.random.default_rng(21)
     P = poisson2d(9)
-    U = sp.diags([0.5], [1], shape=P.shape)
     mats = {
         "poisson": P,
-        "convection": (P + U - U.T).tocsr(),  # non-symmetric: BiCGStab
+        "convection": convection(9, 0.5),  # non-symmetric: BiCGStab
         "heat": (sp.identity(81) * 10.0 + P * 0.1).tocsr(),  # easy for CG: no host LU
-        "indefinite": (P - sp.identity(81) * 4.5).tocsr(),
+        "indefinite": helmholtz2d(9, 4.5),
     }
     mats["poisson32"] = mats["poisson"].astype(np.float32)
     out = []

@@ -20,7 +20,7 @@ from managed_solve import config as ms_config
 from managed_solve.manager import DeviceManager
 from managed_solve.scheduling import SolveManyError, solve_many
 from managed_solve.scheduling import estimate as estimation
-from tests._problems import poisson2d
+from tests._problems import poisson2d, poisson2d_plus_diagonal, symmetrically_scaled, tridiagonal
 from tests._problems import poisson2d_skew as convection
 from tests.scheduling._helpers import (
     assert_solves,
@@ -101,15 +101,14 @@ def test_jacobi_preconditioner_batches():
     systems = []
     for k in range(8):
         m = 6 + k
-        D = sp.diags(rng.uniform(1, 100, m * m))  # badly scaled: Jacobi helps
-        A = (D @ poisson2d(m) @ D).tocsr()
+        A = symmetrically_scaled(poisson2d(m), rng.uniform(1, 100, m * m))  # badly scaled: Jacobi helps
         systems.append(LinearSystem(A, rng.standard_normal(m * m), name=f"j{k}"))
     results = solve_many(systems, M="jacobi", manager=DeviceManager(simulate="1x64MiB"))
     assert_solves(systems, results)
 
 
 def test_systems_the_batched_core_cannot_take_go_through_solve(sims):
-    A = sp.diags([-1.0, 2.5, -1.0], [-1, 0, 1], shape=(50, 50), format="csr")
+    A = tridiagonal(50, -1.0, 2.5, -1.0)
     b = np.linspace(1.0, 2.0, 50)
     items = [LinearSystem(A, b, method="minres", name="minres"), (A.toarray(), b),
              (spla.aslinearoperator(A), b), LinearSystem(A, b, method="direct", name="direct"),
@@ -132,7 +131,7 @@ def test_gmres_systems_are_batched(where):
     systems = []
     for k in range(24):
         m = 4 + k % 9
-        A = convection(m) if k % 2 else (poisson2d(m) + sp.diags([0.9], [1], shape=(m * m, m * m))).tocsr()
+        A = convection(m) if k % 2 else poisson2d_plus_diagonal(m, 0.9)
         systems.append(LinearSystem(A, rng.standard_normal(m * m), rtol=10.0 ** -(6 + k % 5),
                                     method="gmres", name=f"g{k}"))
     dm = DeviceManager(simulate="2x256MiB") if where == "sim" else DeviceManager(["cuda:0"])

@@ -9,7 +9,15 @@ import scipy.sparse.linalg as sla
 
 from managed_solve import solve
 from managed_solve.solvers.direct import direct
-from tests._problems import BACKENDS, host, on, poisson2d
+from tests._problems import (
+    BACKENDS,
+    host,
+    neumann2d,
+    on,
+    poisson2d,
+    poisson2d_plus_diagonal,
+    tridiagonal,
+)
 
 
 @pytest.fixture(params=BACKENDS)
@@ -20,9 +28,7 @@ def backend(request):
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_direct_matches_spsolve(backend, dtype, symmetric):
-    A = poisson2d(15, dtype)
-    if not symmetric:
-        A = (A + sp.diags([0.7], [3], shape=A.shape)).tocsr().astype(dtype)
+    A = poisson2d(15, dtype) if symmetric else poisson2d_plus_diagonal(15, 0.7, offset=3, dtype=dtype)
     x_true = np.random.default_rng(4).standard_normal(A.shape[0]).astype(dtype)
     b = (A @ x_true).astype(dtype)
     ref = sla.spsolve(A.astype(np.float64).tocsc(), b.astype(np.float64))
@@ -87,9 +93,7 @@ def test_singular_matrix_gives_breakdown_with_fix(backend, kind):
         A = A.tocsr()
         A.eliminate_zeros()
     elif kind == "numerical":  # pure Neumann Laplacian: rows sum to zero
-        T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(5, 5)).tolil()
-        T[0, 0] = T[4, 4] = 1.0
-        A = sp.kronsum(T.tocsr(), T.tocsr()).tocsr()
+        A = neumann2d(5)
     else:
         A = np.ones((4, 4))
     b = np.arange(1.0, A.shape[0] + 1)
@@ -160,7 +164,7 @@ def fake_cudss(monkeypatch):
 
 def test_gpu_sparse_path_prefers_cudss_when_nvmath_is_installed(fake_cudss):
     fake, direct_mod, _ = fake_cudss
-    A = sp.diags([-1.0, 2.5, -1.0], [-1, 0, 1], shape=(30, 30), format="csr")
+    A = tridiagonal(30, -1.0, 2.5, -1.0)
     b = np.ones(30)
     x, how, extra = direct_mod._gpu_sparse(A, b, None)
     assert how == "cuDSS (nvmath-python)" and extra == {"cudss_reused": "none"}
@@ -224,9 +228,8 @@ def test_cudss_cache_keeps_the_most_recent(fake_cudss, monkeypatch):
 def test_cudss_solves_like_scipy(dtype, symmetric):
     """The real cuDSS path (runs where nvmath-python and cuDSS are installed)."""
     pytest.importorskip("nvmath.sparse.advanced")
-    A = poisson2d(120, dtype)  # 14,400 unknowns: fill-in matters
-    if not symmetric:
-        A = (A + sp.diags([0.7], [3], shape=A.shape)).tocsr().astype(dtype)
+    # 14,400 unknowns: fill-in matters
+    A = poisson2d(120, dtype) if symmetric else poisson2d_plus_diagonal(120, 0.7, offset=3, dtype=dtype)
     x_true = np.random.default_rng(5).standard_normal(A.shape[0]).astype(dtype)
     b = (A @ x_true).astype(dtype)
     ref = sla.spsolve(A.astype(np.float64).tocsc(), b.astype(np.float64))
@@ -243,9 +246,7 @@ def test_cudss_solves_like_scipy(dtype, symmetric):
 @pytest.mark.gpu
 def test_cudss_singular_matrix_is_breakdown():
     pytest.importorskip("nvmath.sparse.advanced")
-    T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(8, 8)).tolil()
-    T[0, 0] = T[7, 7] = 1.0  # pure Neumann: singular
-    A = sp.kronsum(T.tocsr(), T.tocsr()).tocsr()
+    A = neumann2d(8)  # pure Neumann: singular
     Ad, bd = on("cuda", A, np.arange(1.0, 65.0))
     res = solve(Ad, bd, method="direct")
     assert res.status.name == "BREAKDOWN" and res.x is None

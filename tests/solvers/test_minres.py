@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import scipy.sparse as sp
 import scipy.sparse.linalg as sla
 
 from managed_solve import solve
 from managed_solve.solvers.minres import minres
-from tests._problems import BACKENDS, assert_solves, on
+from tests._problems import BACKENDS, assert_solves, helmholtz2d, on
 
 
 @pytest.fixture(params=BACKENDS)
@@ -17,15 +16,9 @@ def backend(request):
     return request.param
 
 
-def helmholtz(m, dtype=np.float64, shift=0.3):
-    """2D Laplacian minus a shift: symmetric, indefinite, nonsingular."""
-    T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(m, m))
-    return (sp.kronsum(T, T) - shift * sp.eye(m * m)).tocsr().astype(dtype)
-
-
 @pytest.mark.parametrize("dtype,rtol", [(np.float64, 1e-8), (np.float32, 1e-4)])
 def test_minres_matches_scipy_on_indefinite(backend, dtype, rtol):
-    A = helmholtz(14, dtype)
+    A = helmholtz2d(14, dtype=dtype)  # symmetric, indefinite, nonsingular
     ev = np.linalg.eigvalsh(A.toarray().astype(np.float64))
     assert ev[0] < 0 < ev[-1]
     x_true = np.random.default_rng(3).standard_normal(A.shape[0]).astype(dtype)
@@ -44,7 +37,7 @@ def test_minres_matches_scipy_on_indefinite(backend, dtype, rtol):
 
 
 def test_cg_breaks_down_where_minres_converges():
-    A = helmholtz(12)
+    A = helmholtz2d(12)
     b = np.ones(A.shape[0])
     assert solve(A, b, method="cg").status.name == "BREAKDOWN"
     res = solve(A, b, method="minres", rtol=1e-10)
@@ -53,7 +46,7 @@ def test_cg_breaks_down_where_minres_converges():
 
 
 def test_minres_preconditioned_dense_and_callback():
-    A = helmholtz(10, shift=-0.5)  # SPD, so Jacobi is SPD too
+    A = helmholtz2d(10, shift=-0.5)  # SPD, so Jacobi is SPD too
     b = np.ones(A.shape[0])
     seen = []
     res = solve(A.toarray(), b, method="minres", M="jacobi", rtol=1e-10, callback=seen.append)
@@ -63,6 +56,6 @@ def test_minres_preconditioned_dense_and_callback():
 
 
 def test_minres_rejects_indefinite_preconditioner():
-    A = helmholtz(6)
+    A = helmholtz2d(6)
     with pytest.raises(ValueError, match="positive definite"):
         minres(A, np.ones(36), M=lambda r: -r)

@@ -17,21 +17,12 @@ from managed_solve.solvers.preconditioners import (
     neumann,
     spectral_radius_bound,
 )
-from tests._problems import BACKENDS, host, on
+from tests._problems import BACKENDS, anisotropic_badly_scaled, host, on
 
 
 @pytest.fixture(params=BACKENDS)
 def backend(request):
     return request.param
-
-
-def anisotropic_badly_scaled(m, eps=0.01, spread=3.0, seed=0):
-    """S (L_x + eps L_y) S with S spanning exp(+-spread): SPD, anisotropic, badly scaled."""
-    T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(m, m))
-    A = sp.kron(T, sp.eye(m)) + eps * sp.kron(sp.eye(m), T)
-    s = np.exp(np.random.default_rng(seed).uniform(-spread, spread, m * m))
-    S = sp.diags(s)
-    return (S @ A @ S).tocsr()
 
 
 def as_matrix(apply, n):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -12,7 +10,7 @@ import scipy.sparse.linalg as spla
 from managed_solve import LinearSystem, config
 from managed_solve.solvers import batched
 from managed_solve.solvers.batched import ROWS_LAYOUT_MIN, PackedBatch, bicgstab_batched, cg_batched
-from tests._problems import poisson2d, random_gram_spd, upwind
+from tests._problems import laplacian1d, poisson2d, random_gram_spd, symmetrically_scaled, upwind
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -22,13 +20,6 @@ def device(request):
 
 def host(a):
     return a if isinstance(a, np.ndarray) else a.get()
-
-
-@pytest.fixture
-def settings():
-    """``settings(name=value)`` enters ``config.override`` until the test ends."""
-    with contextlib.ExitStack() as stack:
-        yield lambda **kw: stack.enter_context(config.override(**kw))
 
 
 def scipy_reference(solver, A, b, *, rtol, atol=0.0, maxiter=None, M=None, x0=None):
@@ -178,9 +169,7 @@ def test_bicgstab_matches_scipy_on_nonsymmetric(device):
 @pytest.mark.parametrize("method", ["cg", "bicgstab"])
 def test_jacobi_reduces_iterations_on_badly_scaled_spd(device, method):
     rng = np.random.default_rng(6)
-    A0 = poisson2d(8)
-    D = sp.diags(10.0 ** rng.uniform(-2, 2, A0.shape[0]))
-    A = (D @ A0 @ D).tocsr()
+    A = symmetrically_scaled(poisson2d(8), 10.0 ** rng.uniform(-2, 2, 64))
     b = rng.standard_normal(A.shape[0])
     systems = [LinearSystem(A, b, rtol=1e-8, maxiter=5000)]
     plain = PackedBatch.pack(systems, device=device)
@@ -431,8 +420,7 @@ def test_row_layout_with_jacobi_and_x0(device, method):
     """The row-parallel CPU layout (one large system) with both options, against SciPy."""
     rng = np.random.default_rng(11)
     m = int(np.ceil(np.sqrt(ROWS_LAYOUT_MIN))) + 1
-    D = sp.diags(10.0 ** rng.uniform(-1, 1, m * m))
-    A = (D @ poisson2d(m) @ D).tocsr()
+    A = symmetrically_scaled(poisson2d(m), 10.0 ** rng.uniform(-1, 1, m * m))
     b = rng.standard_normal(m * m)
     x0 = rng.standard_normal(m * m)
     batch = PackedBatch.pack([LinearSystem(A, b, x0=x0, rtol=1e-7, maxiter=3000)], device=device,
@@ -451,7 +439,7 @@ def test_row_layout_with_jacobi_and_x0(device, method):
 
 
 def test_first_check_validated():
-    A = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(8, 8), format="csr")
+    A = laplacian1d(8)
     batch = PackedBatch.from_csr(A, np.ones(8))
     with pytest.raises(ValueError, match="first_check"):
         cg_batched(batch, first_check=0)

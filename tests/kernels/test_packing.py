@@ -1,4 +1,4 @@
-"""Block-diagonal packing: the fix-up kernels and ``pack_host`` against a plain-NumPy reference."""
+"""Block-diagonal packing (kernels/packing.py): the fix-up kernels and ``pack_host`` against a plain-NumPy reference."""
 
 from __future__ import annotations
 
