@@ -127,6 +127,21 @@ class Device:
         return self.kind in ("cuda", "sim")
 
     @property
+    def is_cuda(self) -> bool:
+        """True for a real CUDA GPU: its arrays live in device memory, work runs on its streams."""
+        return self.kind == "cuda"
+
+    @property
+    def is_simulated(self) -> bool:
+        """True for a simulated GPU (placed like a GPU, computed on the host)."""
+        return self.kind == "sim"
+
+    def synchronize(self) -> None:
+        """Wait for the work queued on this device (a no-op off CUDA)."""
+        if self.kind == "cuda":
+            _backend.cupy().cuda.Device(self.index).synchronize()
+
+    @property
     def backend(self) -> ModuleType:
         """The array module: numpy for cpu and sim, cupy for cuda."""
         return _backend.cupy() if self.kind == "cuda" else np

@@ -80,7 +80,7 @@ def reserve_for(mgr: Any, nbytes: int, dev: Device | None, system: LinearSystem,
 
 
 def move_to(system: LinearSystem, dev: Device) -> LinearSystem:
-    if dev.kind == "cuda":
+    if dev.is_cuda:
         if system.device != str(dev):
             system = system.to(str(dev))
         return system
@@ -442,7 +442,7 @@ class Solver:
                     x0 = None if x0s is None else x0s[j]
                     finished.append(self._verify(method, prepared, b, x0, out, tols[j], transpose,
                                                  A))
-                _backend.synchronize() if dev.kind == "cuda" else None
+                dev.synchronize()
         except MemoryError as exc:  # SimulatedOutOfMemory, cupy's OutOfMemoryError
             seconds = time.perf_counter() - t0
             return [SolveResult(None, Status.DEVICE_ERROR, 0, float("nan"), bn, str(dev), seconds,

@@ -44,7 +44,7 @@ _HOST_KERNEL_LOCK = threading.Lock()
 
 def host_kernels(dev: Device) -> Any:
     """The host-kernel lock for work on a host or simulated device; nothing on a GPU."""
-    return _HOST_KERNEL_LOCK if dev.kind != "cuda" else nullcontext()
+    return _HOST_KERNEL_LOCK if not dev.is_cuda else nullcontext()
 
 
 # --------------------------------------------------------------------------- BATCH

@@ -309,7 +309,7 @@ class Runner:
 
                 def stage(systems=systems, jacobi=jacobi, target=target, dev=dev, b=b):
                     packed = staging.pack_batch(systems, jacobi, target)
-                    if dev.kind == "cuda":
+                    if dev.is_cuda:
                         # The solver's workspace too (its bytes are in the batch's
                         # reservation): off the worker's path between two batches.
                         # A deferred method is waited for here, after the copy.

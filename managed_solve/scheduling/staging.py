@@ -60,7 +60,7 @@ class Stager:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"stage-{dev}")
 
     def submit(self, fn: Callable[[], Any]) -> Future:
-        if self.dev.kind != "cuda":
+        if not self.dev.is_cuda:
             return self.pool.submit(fn)
 
         def staged():

@@ -171,14 +171,14 @@ class ShardedSystem:
         self.n = n
         self.partition = partition.build_partition(A, len(self.devices), reorder=reorder,
                                                    weights=weights, offsets=offsets)
-        self.comm = (CudaComm(self.devices) if self.devices[0].kind == "cuda"
+        self.comm = (CudaComm(self.devices) if self.devices[0].is_cuda
                      else HostComm(self.devices))
         self.ops = CudaOps if self.comm.is_cuda else HostOps
         self.shards = [Shard(lay, dev, self.dtype, self.comm)
                        for lay, dev in zip(self.partition.shards, self.devices, strict=True)]
         for sh in self.shards:
             need = sh.nbytes + 8 * (sh.nloc + sh.nhalo) * sh.xp.dtype(self.dtype).itemsize
-            if sh.device.kind == "sim" and need > sh.device.total_bytes:
+            if sh.device.is_simulated and need > sh.device.total_bytes:
                 raise RuntimeError(
                     f"ShardedSystem: shard {sh.index} needs about {need} bytes but "
                     f"{sh.device} holds {sh.device.total_bytes}; shard over more devices."
@@ -198,7 +198,7 @@ class ShardedSystem:
             return sh.xp.zeros(sh.nloc + sh.nhalo, dtype=self.dtype)
 
     def _perm(self, device: Device | None):
-        key = "host" if device is None or not device.kind == "cuda" else str(device)
+        key = "host" if device is None or not device.is_cuda else str(device)
         if key not in self._perm_on:
             if key == "host":
                 self._perm_on[key] = self.partition.perm
@@ -232,7 +232,7 @@ class ShardedSystem:
         """Assemble shard pieces (partition order) into one vector, original ordering."""
         dev = self.devices[0] if device is None else gather_target(device, self.devices)
         self.comm.synchronize()
-        if dev is not None and dev.kind == "cuda":
+        if dev is not None and dev.is_cuda:
             cp = _backend.cupy()
             with cp.cuda.Device(dev.index):
                 flat = cp.concatenate([cp.asarray(p[: self.shards[s].nloc])
