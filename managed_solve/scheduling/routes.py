@@ -26,8 +26,8 @@ from .. import _backend, _solve
 from ..devices import Device
 from ..manager import DeviceManager
 from ..result import SlicedResult, SolveResult, Status
-from ..solvers.direct import direct
-from ..solvers.engine import CONVERGED
+from ..solvers.direct import SINGULAR, DirectEngine, Singular, direct
+from ..solvers.engine import BREAKDOWN, CONVERGED, Options, Outcome
 from ..solvers.verify import FALL_BACK, RESTART, STATUS, fallback_for, verdict
 from ..system import FALLBACK, LinearSystem
 from .errors import is_device_error
@@ -190,18 +190,67 @@ def device_seconds(results: Sequence[SolveResult]) -> float | None:
 
 
 # --------------------------------------------------------------------------- DIRECT
-def host_lu(s: LinearSystem, symmetric: bool, manager: DeviceManager | None = None) -> SolveResult:
+class FactorCache:
+    """The LU factors of each matrix object one ``solve_many`` call meets (shared by its threads).
+
+    Systems that share a matrix (one operator, many right-hand sides: time
+    steps, sweeps over sources) are factorised once; a thread that needs
+    factors another thread is computing waits for them.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._entries: dict[tuple, tuple[Any, threading.Lock, list]] = {}
+
+    def prepared(self, A: Any, symmetric: bool) -> Any:
+        """The prepared direct engine of host matrix ``A`` (a ``Singular`` exception re-raised)."""
+        key = (id(A), bool(symmetric))
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry[0] is not A:
+                entry = (A, threading.Lock(), [])
+                self._entries[key] = entry
+        _A, lock, slot = entry
+        with lock:
+            if not slot:
+                try:
+                    slot.append(DirectEngine().prepare(A, Options("direct", symmetric=symmetric),
+                                                       None))
+                except Singular as exc:
+                    slot.append(exc)
+        got = slot[0]
+        if isinstance(got, Singular):
+            raise got
+        return got
+
+    def close(self) -> None:
+        with self._lock:
+            entries, self._entries = self._entries, {}
+        for _A, _lock, slot in entries.values():
+            if slot and not isinstance(slot[0], Singular):
+                slot[0].close()
+
+
+def host_lu(s: LinearSystem, symmetric: bool, manager: DeviceManager | None = None,
+            factors: FactorCache | None = None) -> SolveResult:
     """Sparse LU on the host (the package's one, :func:`~managed_solve.solvers.direct.direct`).
 
     The LU refines its answer toward the system's tolerance; one that still
     misses it says so (MAXITER, x kept). A matrix singular for this b goes,
     under "auto", to the auto policy's Krylov method (the verify rule).
+    ``factors`` shares the factorisation among systems with the same matrix.
     """
     t0 = time.perf_counter()
     A = _backend.to_host(s.A)
     b = np.asarray(_backend.to_host(s.b))
     bn = float(np.linalg.norm(b))
-    out = direct(A, b, symmetric=symmetric, rtol=s.rtol, atol=s.atol)
+    if factors is not None:
+        try:
+            out = factors.prepared(A, symmetric).solve_to(b, s.rtol, s.atol)
+        except Singular as exc:
+            out = Outcome(None, BREAKDOWN, 0, float("nan"), f"{SINGULAR} ({exc})")
+    else:
+        out = direct(A, b, symmetric=symmetric, rtol=s.rtol, atol=s.atol)
     seconds = time.perf_counter() - t0
     if out.x is None and verdict(s, "direct", out.code, out.residual_norm, bn) == FALL_BACK:
         then = fallback_for(s, "direct", symmetric)

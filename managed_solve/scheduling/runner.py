@@ -69,6 +69,8 @@ class Runner:
         self.outstanding = sum(len(q) for q in self.queues.values()) + int(more)
         self.more = more
         self.method_of = method_of  # resolves DEFERRED methods (see _batch_method)
+        # LU factors shared by the call's systems with one matrix (host LU route).
+        self.factors = routes.FactorCache()
         self.next_id = plan.next_id
         self.threads: list[threading.Thread] = []
         # Per accelerator: its stager while its worker runs, and the batch staged
@@ -209,6 +211,7 @@ class Runner:
     def join(self) -> None:
         for t in self.threads:
             t.join()
+        self.factors.close()
 
     def extend(self, plan: Plan | None) -> None:
         """Add the rest of the plan (None: nothing more comes) while the workers run.
@@ -356,7 +359,8 @@ class Runner:
                                                   info=batch_info)
                 elif b.route == DIRECT:
                     symmetric = bool(b.group[2])
-                    out = [routes.host_lu(self.systems[i], symmetric, self.manager) for i in b.indices]
+                    out = [routes.host_lu(self.systems[i], symmetric, self.manager, self.factors)
+                           for i in b.indices]
                 else:
                     out = [routes.run_single(self.systems[i], dev, self.manager)
                            for i in b.indices]

@@ -176,16 +176,28 @@ class PreparedDirect(Prepared):
             return Outcome(None, BREAKDOWN, 0, float("nan"), f"{SINGULAR} ({exc})")
         return self._judge(b, x, trans)
 
-    def _judge(self, b: Any, x: Any, trans: bool) -> Outcome:
+    def solve_to(self, b: Any, rtol: float, atol: float = 0.0) -> Outcome:
+        """One right-hand side with a tolerance of its own (systems sharing these factors)."""
+        self._check_open()
+        self._extra = {}
+        try:
+            x = self._apply(b).astype(b.dtype, copy=False)
+        except Singular as exc:
+            return Outcome(None, BREAKDOWN, 0, float("nan"), f"{SINGULAR} ({exc})")
+        return self._judge(b, x, False, rtol=rtol, atol=atol)
+
+    def _judge(self, b: Any, x: Any, trans: bool, *, rtol: float | None = None,
+               atol: float | None = None) -> Outcome:
         """Refine ``x`` toward the tolerance and judge it by its residual and backward error."""
         xp = self.xp
         A = self.A.T if trans else self.A
         b_norm = float(norm(xp, b))  # sync: once, for the tolerance
         eps = float(np.finfo(np.dtype(b.dtype)).eps)
-        rtol = self.options.rtol
+        rtol = self.options.rtol if rtol is None else rtol
+        atol = self.options.atol if atol is None else atol
         # Without a tolerance of the caller's, sqrt(eps) ||b|| stands in: an
         # answer worse than that is no direct solution worth the name.
-        tol = max((rtol if rtol == rtol else np.sqrt(eps)) * b_norm, self.options.atol)
+        tol = max((rtol if rtol == rtol else np.sqrt(eps)) * b_norm, atol)
         r = b - A @ x
         rn = float(norm(xp, r))  # sync: one host read to check the factorisation
         steps = 0

@@ -144,3 +144,21 @@ def test_an_oversized_gmres_system_goes_to_the_cpu_not_to_the_sharded_solver(mix
     for s, r in zip(mix, res, strict=True):
         ref = spla.spsolve(s.A.tocsc(), s.b)
         np.testing.assert_allclose(r.to_numpy(), ref, rtol=0, atol=1e-6 * np.abs(ref).max())
+
+
+def test_systems_sharing_a_matrix_are_factorised_once_on_the_host(monkeypatch):
+    """One operator, many right-hand sides (a time loop, a sweep): one LU for all of them."""
+    from managed_solve.solvers.direct import DirectEngine
+
+    made = []
+    real = DirectEngine.prepare
+    monkeypatch.setattr(DirectEngine, "prepare",
+                        lambda self, A, *a, **k: (made.append(id(A)), real(self, A, *a, **k))[1])
+    A, other = poisson2d(20), poisson2d(9)
+    rng = np.random.default_rng(5)
+    pairs = [(A, rng.standard_normal(400)) for _ in range(12)] + [(other, np.ones(81))] * 3
+    res = solve_many(pairs, manager=DeviceManager(["cpu"]), rtol=1e-10)
+    assert all(r.converged and r.method == "direct" for r in res)
+    assert sorted(made) == sorted([id(A), id(other)])
+    for (M, b), r in zip(pairs, res, strict=True):
+        assert np.linalg.norm(b - M @ r.x) <= 1e-10 * np.linalg.norm(b)
