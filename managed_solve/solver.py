@@ -21,7 +21,7 @@ from . import _backend
 from .devices import Device, parse_device_name
 from .result import SolveResult, Status
 from .solvers import batched
-from .solvers._common import norm, stop_threshold, true_residual_norm
+from .solvers._common import power_of_two_scale, stable_norm, stop_threshold, true_residual_norm
 from .solvers.direct import SINGULAR, DirectEngine, Singular
 from .solvers.engine import BREAKDOWN, CONVERGED, MAXITER, Options, Outcome, Prepared
 from .solvers.krylov import KrylovEngine
@@ -226,16 +226,39 @@ class Solver:
             self.callback = callback
             self.method = choose_method(self.system, dev.kind, symmetric=symmetric)
             self._engines: dict[str, Prepared | Outcome] = {}
+            self._scale_matrix()
         except BaseException:
             self.close()
             raise
+
+    def _scale_matrix(self) -> None:
+        """Scale a matrix of extreme magnitude by a power of two for its engines (exact).
+
+        Krylov scalars (``p . A p``, ``r . r``) overflow or underflow for
+        entries far from 1; the engines then see ``A / a_scale`` (and
+        right-hand sides scaled alike, see :meth:`_run`), and answers are
+        scaled back. Residuals and statuses are always those of the
+        caller's A and b.
+        """
+        system = self.system
+        self.a_scale = 1.0
+        self._engine_system = system
+        if system.kind == "operator" or system.nnz == 0:
+            return
+        data = system.A.data if system.kind == "csr" else system.A
+        xp = _backend.array_module(data)
+        self.a_scale = power_of_two_scale(float(xp.abs(data).max()))  # sync: once a set-up
+        if self.a_scale != 1.0:
+            scaled = system.A / self.a_scale
+            self._engine_system = _with_matrix(system, scaled.tocsr() if system.kind == "csr"
+                                               else scaled)
 
     def _engine(self, method: str, first_check: int | None = None) -> Prepared | Outcome:
         """The prepared engine of ``method`` (made once), or the Outcome of a failed set-up."""
         got = self._engines.get(method)
         if got is None:
             try:
-                got = prepare(self.system, method, self.device, symmetric=self.symmetric,
+                got = prepare(self._engine_system, method, self.device, symmetric=self.symmetric,
                               callback=self.callback, first_check=first_check)
             except Singular as exc:
                 got = Outcome(None, BREAKDOWN, 0, float("nan"), f"{SINGULAR} ({exc})")
@@ -296,10 +319,12 @@ class Solver:
         self.system = _with_matrix(system, new)
         if system.method == "auto" or system.method == "direct":
             self.symmetric = matrix_symmetry(self.system)
+        self._scale_matrix()
+        engine_A = self._engine_system.A
         for method, prepared in list(self._engines.items()):
             if isinstance(prepared, Prepared):
                 try:
-                    prepared.update(new.data if system.kind == "csr" else new)
+                    prepared.update(engine_A.data if system.kind == "csr" else engine_A)
                 except Singular:
                     prepared.close()
                     del self._engines[method]
@@ -416,8 +441,22 @@ class Solver:
         method = self.method
         A = system.A.T if transpose and system.kind != "operator" else system.A
         xp = _backend.array_module(bs[0])
-        b_norms = [float(norm(xp, b)) for b in bs]  # sync: once a column, for the result
+        b_norms = [stable_norm(xp, b) for b in bs]  # sync: once a column, for the result
         tols = [stop_threshold(system.rtol, system.atol, bn) for bn in b_norms]
+        # Extreme magnitudes are solved scaled (exactly, by powers of two): the
+        # engine sees A / a_scale and b / b_scale, its x is scaled back.
+        b_scales = [power_of_two_scale(bn) for bn in b_norms]
+        scaled = self.a_scale != 1.0 or any(s != 1.0 for s in b_scales)
+        user_bs = bs
+        if scaled:
+            A = self._engine_system.A.T if transpose and system.kind != "operator" \
+                else self._engine_system.A
+            bs = [b / sb for b, sb in zip(bs, b_scales, strict=True)]
+            if x0s is not None:
+                x0s = [x0 * (self.a_scale / sb) for x0, sb in zip(x0s, b_scales, strict=True)]
+            if block is not None:
+                block = (xp.stack(bs, axis=1), None if x0s is None else xp.stack(x0s, axis=1))
+            tols = [tol / sb for tol, sb in zip(tols, b_scales, strict=True)]
         # Iterations the manager saw for this kind of system: the fused loop's first
         # convergence read goes there, so a repeated solve syncs with the host once.
         sig = (*system.signature[:3], method, system.kind, system.rtol)
@@ -450,7 +489,17 @@ class Solver:
                                 "the manager choose (device=None).", name or system.name)
                     for bn in b_norms]
         seconds = (time.perf_counter() - t0) / len(bs)
-        for (used, out), b, bn, tol in zip(finished, bs, b_norms, tols, strict=True):
+        if scaled:
+            A = system.A.T if transpose and system.kind != "operator" else system.A
+            tols = [stop_threshold(system.rtol, system.atol, bn) for bn in b_norms]
+            for (_used, out), sb in zip(finished, b_scales, strict=True):
+                if out.x is not None:
+                    xs = out.x
+                    with np.errstate(over="ignore", under="ignore"):  # judged just below
+                        out.x = xs * (sb / self.a_scale)
+                    _check_representable(out, xs)
+                out.residual_norm *= sb
+        for (used, out), b, bn, tol in zip(finished, user_bs, b_norms, tols, strict=True):
             x = out.x
             if x is not None:
                 residual = true_residual_norm(A, b, x)
@@ -499,6 +548,19 @@ class Solver:
         again.iterations += spent
         again.info["fallback_from"] = method
         return fallback, again
+
+
+def _check_representable(out: Outcome, scaled_x: Any) -> None:
+    """A solution scaled back past float's range is reported, not returned as inf or 0."""
+    xp = _backend.array_module(out.x)
+    if not bool(xp.isfinite(out.x).all()):  # sync: once, extreme scales only
+        out.x, out.code = None, BREAKDOWN
+        out.message = ("the solution overflows the float range (|x| would exceed "
+                       f"{np.finfo(scaled_x.dtype).max:.3g}): solve for scaled unknowns x / s.")
+    elif bool((out.x == 0).all()) and bool((scaled_x != 0).any()):  # sync: as above
+        out.code = BREAKDOWN
+        out.message = ("the solution underflows the float range (its entries are below "
+                       f"{np.finfo(scaled_x.dtype).tiny:.3g}): solve for scaled unknowns x * s.")
 
 
 def _failed(setup: Outcome) -> Outcome:

@@ -38,9 +38,18 @@ def tridiagonal(n, lower, diag, upper, dtype=np.float64):
     return sp.diags([lower, diag, upper], [-1, 0, 1], shape=(n, n)).tocsr().astype(dtype)
 
 
-def laplacian1d(n, dtype=np.float64):
-    """The 1D Laplacian ``tridiag(-1, 2, -1)`` (Dirichlet ends): SPD, 3 n - 2 entries."""
-    return tridiagonal(n, -1.0, 2.0, -1.0, dtype)
+def laplacian1d(n, dtype=np.float64, *, neumann=False):
+    """The 1D Laplacian ``tridiag(-1, 2, -1)``: SPD with Dirichlet ends (3 n - 2 entries).
+
+    ``neumann=True``: the ends' diagonal is 1, rows sum to zero, and the
+    constants span the null space (singular, positive semi-definite).
+    """
+    A = tridiagonal(n, -1.0, 2.0, -1.0, dtype)
+    if neumann:
+        A = A.tolil()
+        A[0, 0] = A[n - 1, n - 1] = 1.0
+        A = A.tocsr()
+    return A
 
 
 # -- 2D and 3D Laplacians and their variants

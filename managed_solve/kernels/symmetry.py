@@ -47,8 +47,8 @@ def csr_symmetry(indptr, indices, data, limit):
 
 @numba.njit(nogil=True, cache=True)
 def csr_symmetry_scaled(indptr, indices, data, rel):
-    """:func:`csr_symmetry` with ``limit = rel * max(max |a_ij|, 1)``, the scale found in the same call."""
-    return csr_symmetry(indptr, indices, data, rel * max(abs_max(data, 0, data.shape[0]), 1.0))
+    """:func:`csr_symmetry` with ``limit = rel * max |a_ij|`` (scale-invariant), the scale found in the same call."""
+    return csr_symmetry(indptr, indices, data, rel * abs_max(data, 0, data.shape[0]))
 
 
 @numba.njit(nogil=True, cache=True)

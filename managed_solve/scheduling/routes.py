@@ -26,6 +26,7 @@ from .. import _backend, _solve
 from ..devices import Device
 from ..manager import DeviceManager
 from ..result import SlicedResult, SolveResult, Status
+from ..solvers._common import SAFE_NORM_RANGE, stable_norm
 from ..solvers.direct import SINGULAR, DirectEngine, Singular, direct
 from ..solvers.engine import BREAKDOWN, CONVERGED, Options, Outcome
 from ..solvers.verify import FALL_BACK, RESTART, STATUS, fallback_for, verdict
@@ -77,7 +78,41 @@ def run_packed(packed: Any, method: str) -> tuple:
         from ..solvers.batched import residual_norms
 
         rn, bn = residual_norms(packed, out.x)  # sync: one host read of per-system norms
+    rescale_extreme_norms(packed, out.x, rn, bn)
     return out, rn, bn, seconds
+
+
+def rescale_extreme_norms(packed: Any, x: Any, rn: np.ndarray, bn: np.ndarray) -> None:
+    """Per-system norms whose sums of squares overflowed or underflowed, computed again scaled.
+
+    The batched sums of squares lose systems of extreme magnitude (entries
+    past about 1e154 overflow, below about 1e-162 underflow); those few
+    systems are recomputed one by one with a scaled norm, so the verify rule
+    never accepts a system whose residual only looked small.
+    """
+    lo, hi = SAFE_NORM_RANGE
+    # A residual below the range is fine when b is well inside it (the
+    # system converged); any other norm outside the range is recomputed (a
+    # b of zero norm too: its squares may have underflowed).
+    ok_b = (bn > lo) & (bn < hi)
+    ok_r = (rn < hi) & ((rn > lo) | (ok_b & (rn <= lo)))
+    bad = np.flatnonzero(~(ok_b & ok_r))
+    if not bad.size:
+        return
+    xp = packed.xp
+    sparse = _backend.sparse_module(xp)
+    offsets = packed.offsets.tolist()
+    indptr = packed.indptr
+    for k in bad.tolist():
+        a, z = offsets[k], offsets[k + 1]
+        p0 = int(indptr[a])  # sync: extreme systems only
+        ptr = indptr[a:z + 1] - p0
+        nnz = int(ptr[-1])  # sync: as above
+        A = sparse.csr_matrix((packed.data[p0:p0 + nnz], packed.indices[p0:p0 + nnz] - a, ptr),
+                              shape=(z - a, z - a))
+        b = packed.b[a:z]
+        bn[k] = stable_norm(xp, b)
+        rn[k] = stable_norm(xp, b - A @ x[a:z])
 
 
 def solve_packed(systems: list[LinearSystem], packed: Any, method: str, device: Device,

@@ -8,6 +8,7 @@ after checking the true residual.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -43,8 +44,51 @@ def stop_threshold(rtol: float, atol: float, b_norm: float) -> float:
 
 
 def norm(xp: Any, v: Any) -> Any:
-    """2-norm as a 0-d array on v's device (no host read)."""
+    """2-norm as a 0-d array on v's device (no host read); see :func:`stable_norm` for extremes."""
     return xp.sqrt(xp.dot(v, v))
+
+
+#: Inside this range ``sqrt(v . v)`` neither overflows nor loses digits to
+#: underflow, whatever the vector's length; outside it the norm is rescaled.
+SAFE_NORM_RANGE = (1e-140, 1e140)
+
+
+def stable_norm(xp: Any, v: Any) -> float:
+    """``||v||`` on the host, correct from 1e-300 to 1e300 (scaled as BLAS ``nrm2`` is).
+
+    The plain ``sqrt(v . v)`` overflows to inf past about 1e154 and
+    underflows to 0 below about 1e-162; then the vector is scaled by its
+    largest entry first (a second pass, only in that case).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> v = np.array([3.0, 4.0])
+    >>> [float(f"{stable_norm(np, v * s):.12g}") for s in (1e200, 1e-200)]
+    [5e+200, 5e-200]
+    """
+    with np.errstate(over="ignore", under="ignore"):  # extremes are handled below
+        n = float(xp.sqrt(xp.dot(v, v)))  # sync: one host read
+    lo, hi = SAFE_NORM_RANGE
+    if lo < n < hi or v.size == 0:
+        return n
+    s = float(xp.abs(v).max())  # sync: the rescaling pass, extremes only
+    if s == 0.0 or not math.isfinite(s):
+        return s
+    w = v / s
+    return s * float(xp.sqrt(xp.dot(w, w)))  # sync: as above
+
+
+def power_of_two_scale(amax: float) -> float:
+    """1.0 for a magnitude inside :data:`SAFE_NORM_RANGE`, else the power of two nearest it.
+
+    Dividing by a power of two is exact, so a system scaled by it has the
+    same solution digits.
+    """
+    lo, hi = SAFE_NORM_RANGE
+    if not math.isfinite(amax) or amax == 0.0 or lo < amax < hi:
+        return 1.0
+    return 2.0 ** round(math.log2(amax))
 
 
 def safe_div(xp: Any, num: Any, den: Any) -> Any:
@@ -86,7 +130,7 @@ def true_residual_norm(A: Any, b: Any, x: Any) -> float:
     """``||b - A x||`` computed from scratch (not the recurrence), read on the host."""
     xp = _backend.array_module(b, x)
     r = b - as_matvec(A)(x)
-    return float(norm(xp, r))  # sync: one host read per solve
+    return stable_norm(xp, r)  # sync: one host read per solve
 
 
 def initial_iterate(xp: Any, matvec: Callable[[Any], Any], b: Any, x0: Any) -> tuple[Any, Any]:
@@ -121,7 +165,7 @@ def krylov_setup(A: Any, b: Any, rtol: float, atol: float, maxiter: int | None,
     maxiter = default_maxiter(n) if maxiter is None else int(maxiter)
     every = checkpoint_interval(xp, check_every)
     matvec = as_matvec(A)
-    b_norm = float(norm(xp, b))  # sync: the stopping threshold needs ||b|| once
+    b_norm = stable_norm(xp, b)  # sync: the stopping threshold needs ||b|| once
     return KrylovSetup(xp, n, maxiter, every, matvec, stop_threshold(rtol, atol, b_norm), 1)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from .. import _backend
-from ._common import BREAKDOWN, CONVERGED, MAXITER, Outcome, norm
+from ._common import BREAKDOWN, CONVERGED, MAXITER, Outcome, stable_norm
 from .engine import Options, Prepared
 
 log = logging.getLogger("managed_solve")
@@ -191,7 +191,7 @@ class PreparedDirect(Prepared):
         """Refine ``x`` toward the tolerance and judge it by its residual and backward error."""
         xp = self.xp
         A = self.A.T if trans else self.A
-        b_norm = float(norm(xp, b))  # sync: once, for the tolerance
+        b_norm = stable_norm(xp, b)  # sync: once, for the tolerance
         eps = float(np.finfo(np.dtype(b.dtype)).eps)
         rtol = self.options.rtol if rtol is None else rtol
         atol = self.options.atol if atol is None else atol
@@ -199,7 +199,7 @@ class PreparedDirect(Prepared):
         # answer worse than that is no direct solution worth the name.
         tol = max((rtol if rtol == rtol else np.sqrt(eps)) * b_norm, atol)
         r = b - A @ x
-        rn = float(norm(xp, r))  # sync: one host read to check the factorisation
+        rn = stable_norm(xp, r)  # sync: one host read to check the factorisation
         steps = 0
         # Iterative refinement on the same factors: a float32 solve, or a badly
         # scaled one, gains digits at the cost of one triangular solve a step.
@@ -207,7 +207,7 @@ class PreparedDirect(Prepared):
             dx = self._apply(r, trans)
             x_new = x + dx.astype(x.dtype, copy=False)
             r_new = b - A @ x_new
-            rn_new = float(norm(xp, r_new))  # sync: one read a refinement step
+            rn_new = stable_norm(xp, r_new)  # sync: one read a refinement step
             steps += 1
             if not rn_new < rn:
                 break
@@ -305,10 +305,10 @@ def _backward_stable(A: Any, x: Any, b: Any, rn: float, xp: Any) -> bool:
     regular matrix does not, whatever its residual.
     """
     eps = float(np.finfo(np.dtype(b.dtype)).eps)
-    b_norm = float(norm(xp, b))  # sync: once
+    b_norm = stable_norm(xp, b)  # sync: once
     if _backend.is_scipy_sparse(A) or _backend.is_cupy_sparse(A):
         a_norm = float(abs(A).sum(axis=1).max())  # sync: infinity norm, once
     else:
         a_norm = float(xp.abs(A).sum(axis=1).max())  # sync: infinity norm, once
-    scale = a_norm * float(norm(xp, x)) + b_norm  # sync: once
+    scale = a_norm * stable_norm(xp, x) + b_norm  # sync: once
     return rn <= _BACKWARD_ERROR_LIMIT * eps * max(scale, np.finfo(np.float64).tiny) * np.sqrt(b.shape[0])

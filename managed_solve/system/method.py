@@ -151,5 +151,5 @@ def matrix_symmetry(system: Any, cache: dict | None = None) -> bool | None:
         xp = _backend.array_module(system.A)
         A = system.A
         scale = float(xp.abs(A).max())  # sync: once, choosing the method
-        return bool(xp.abs(A - A.T).max() <= 1e-12 * max(scale, 1.0))  # sync: once
+        return bool(xp.abs(A - A.T).max() <= 1e-12 * scale)  # sync: once
     return None

@@ -96,7 +96,7 @@ def is_symmetric(A: Any, cache: dict | None = None) -> bool:
             result = None if code == DIFFERENT_PATTERN else bool(code)
         if result is None:
             scale = float(xp.abs(A.data).max())  # sync: one read per distinct matrix
-            limit = 1e-12 * max(scale, 1.0)
+            limit = 1e-12 * scale
             if xp is not np and A.has_sorted_indices:
                 T = A.T.tocsr()  # sorted indices, like A
                 if bool(xp.array_equal(T.indptr, A.indptr)) and bool(  # sync: as above
@@ -128,7 +128,7 @@ def _host_symmetry(A: Any, rel: float) -> int:
     step = -(-nnz // (2 * workers))
     scale = max(f.result() for f in [pool.submit(abs_max, A.data, k, min(k + step, nnz))
                                      for k in range(0, nnz, step)])
-    limit = rel * max(scale, 1.0)
+    limit = rel * scale
     codes = [f.result() for f in [pool.submit(csr_symmetry_rows, A.indptr, A.indices, A.data, limit, lo, hi)
                                   for lo, hi in chunks]]
     return min(codes)  # DIFFERENT_PATTERN (-1) < DIFFERENT_VALUES (0) < SYMMETRIC (1)

@@ -66,9 +66,13 @@ def test_scaled_variant_finds_the_scale_itself():
     C = sp.csr_matrix(np.array([[1e6, 2.0], [2.0 + 1e-7, 1e6]]))
     assert csr_symmetry_scaled(C.indptr, C.indices, C.data, 1e-12) == SYMMETRIC
     assert csr_symmetry_scaled(A.indptr, A.indices, A.data, 1e-12 * 1e3) == SYMMETRIC
-    B = sp.csr_matrix(np.array([[1e-3, 2e-13], [0.0, 1e-3]]))  # scale below 1: limit 1e-12 absolute
+    # Scale-invariant: at scale 1e-3 the limit is 1e-15, so 2e-13 against a
+    # missing entry is an asymmetry (no absolute floor of 1e-12).
+    B = sp.csr_matrix(np.array([[1e-3, 2e-13], [0.0, 1e-3]]))
     assert csr_symmetry_scaled(B.indptr, B.indices, B.data, 1e-12) == DIFFERENT_PATTERN
-    assert is_symmetric(B)
+    assert not is_symmetric(B)
+    D = sp.csr_matrix(np.array([[1e-3, 2e-19], [0.0, 1e-3]]))  # 2e-19 < 1e-15: symmetric
+    assert is_symmetric(D)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -80,3 +80,15 @@ def test_positive_diagonal_matches_scipy_diagonal(settings, workers):
         assert system.positive_diagonal(A) is expected, trial
     assert system.positive_diagonal(np.eye(3)) is True
     assert system.positive_diagonal(sp.csr_matrix(np.diag([1.0, np.nan]))) is False
+
+
+@pytest.mark.parametrize("scale", [1e-300, 1e-13, 1.0, 1e13, 1e300])
+def test_symmetry_is_judged_relative_to_the_matrix_scale(scale):
+    """A matrix around 1e-13 whose transpose differs by 10% is not symmetric (it once counted as so)."""
+    from tests._problems import poisson2d
+
+    A = (poisson2d(6) * scale).tocsr()
+    assert is_symmetric(A)
+    B = A.tolil()
+    B[0, 1] = B[0, 1] * 1.1
+    assert not is_symmetric(B.tocsr())
