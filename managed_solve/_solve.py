@@ -22,7 +22,8 @@ from .system.method import krylov_method, matrix_symmetry
 def solve(A_or_system: Any, b: Any = None, *, x0: Any = None, rtol: float = 1e-8,
           atol: float = 0.0, maxiter: int | None = None, method: str = "auto", M: Any = None,
           callback: Callable[[Any], None] | None = None, device: Any = None,
-          dtype: Any = None, manager: Any = None, devices: Any = None) -> SolveResult:
+          dtype: Any = None, manager: Any = None, devices: Any = None,
+          nullspace: Any = None) -> SolveResult:
     """Solve one sparse (or dense, or operator) linear system ``A x = b``.
 
     Parameters
@@ -80,6 +81,13 @@ def solve(A_or_system: Any, b: Any = None, *, x0: Any = None, rtol: float = 1e-8
         the first device (:func:`managed_solve.sharded.solve_sharded`). CG or
         BiCGStab, optionally with ``M="jacobi"``.
 
+    nullspace : "constant" or array of shape (n,) or (n, k), optional
+        A basis of the null space of a singular symmetric A (``"constant"``
+        for a pure Neumann problem or a closed surface's Laplacian): b is
+        projected onto A's range, x returned orthogonal to the null space, and
+        a b outside the range gets the least-squares answer with the status
+        ``LEAST_SQUARES``.
+
     Returns
     -------
     SolveResult
@@ -113,10 +121,11 @@ def solve(A_or_system: Any, b: Any = None, *, x0: Any = None, rtol: float = 1e-8
             raise ValueError("solve(A, B, devices=...): a sharded solve takes one right-hand side; "
                              "solve the columns one by one, or on one device.")
         with Solver(A_or_system, method=method, M=M, rtol=rtol, atol=atol, maxiter=maxiter,
-                    callback=callback, device=device, dtype=dtype, manager=manager) as solver:
+                    callback=callback, device=device, dtype=dtype, manager=manager,
+                    nullspace=nullspace) as solver:
             return solver.solve(b, x0)
     system = _as_system(A_or_system, b, x0=x0, rtol=rtol, atol=atol, maxiter=maxiter,
-                        method=method, M=M, dtype=dtype)
+                        method=method, M=M, dtype=dtype, nullspace=nullspace)
     from .manager import default_manager  # the manager sits below; default made on demand
 
     mgr = manager if manager is not None else default_manager()
@@ -174,12 +183,12 @@ def _as_system(A: Any, b: Any, **opts: Any) -> LinearSystem:
                 "solve(A, b)."
             )
         defaults = {"x0": None, "rtol": 1e-8, "atol": 0.0, "maxiter": None, "method": "auto",
-                    "M": None, "dtype": None}
+                    "M": None, "dtype": None, "nullspace": None}
         changed = {k: v for k, v in opts.items() if not _is_default(v, defaults[k])}
         if not changed:
             return A
         kw = {"x0": A.x0, "rtol": A.rtol, "atol": A.atol, "maxiter": A.maxiter,
-              "method": A.method, "M": A.M, "dtype": A.dtype}
+              "method": A.method, "M": A.M, "dtype": A.dtype, "nullspace": A.nullspace}
         kw.update(changed)
         return LinearSystem(A.A, A.b, name=A.name, _call="solve(system)", **kw)
     if b is None:
@@ -204,12 +213,12 @@ def _as_system(A: Any, b: Any, **opts: Any) -> LinearSystem:
                 "solve(A, b)."
             )
         defaults = {"x0": None, "rtol": 1e-8, "atol": 0.0, "maxiter": None, "method": "auto",
-                    "M": None, "dtype": None}
+                    "M": None, "dtype": None, "nullspace": None}
         changed = {k: v for k, v in opts.items() if not _is_default(v, defaults[k])}
         if not changed:
             return A
         kw = {"x0": A.x0, "rtol": A.rtol, "atol": A.atol, "maxiter": A.maxiter,
-              "method": A.method, "M": A.M, "dtype": A.dtype}
+              "method": A.method, "M": A.M, "dtype": A.dtype, "nullspace": A.nullspace}
         kw.update(changed)
         return LinearSystem(A.A, A.b, name=A.name, _call="solve(system)", **kw)
     if b is None:

@@ -19,6 +19,7 @@ class Status(enum.Enum):
     BREAKDOWN = "breakdown"
     INVALID_INPUT = "invalid_input"
     DEVICE_ERROR = "device_error"
+    LEAST_SQUARES = "least_squares"
 
     @property
     def message(self) -> str:
@@ -31,6 +32,8 @@ class Status(enum.Enum):
             "method='minres' or method='gmres'",
             Status.INVALID_INPUT: "the system was rejected before solving",
             Status.DEVICE_ERROR: "the device failed while solving (out of memory or a driver error)",
+            Status.LEAST_SQUARES: "b is not in the range of the singular A: x is a least-squares "
+            "solution (make b consistent, e.g. zero-sum for a pure Neumann problem)",
         }[self]
 
 

@@ -23,10 +23,10 @@ from .result import SolveResult, Status
 from .solvers import batched
 from .solvers._common import power_of_two_scale, stable_norm, stop_threshold, true_residual_norm
 from .solvers.direct import SINGULAR, DirectEngine, Singular
-from .solvers.engine import BREAKDOWN, CONVERGED, MAXITER, Options, Outcome, Prepared
+from .solvers.engine import BREAKDOWN, CONVERGED, LEAST_SQUARES, MAXITER, Options, Outcome, Prepared
 from .solvers.krylov import KrylovEngine
 from .solvers.verify import fall_back
-from .system import LinearSystem
+from .system import FALLBACK, LinearSystem
 from .system.inputs import as_operator, check_dtype, checked_finite
 from .system.method import choose_method, matrix_symmetry
 
@@ -116,6 +116,11 @@ def status_of(out: Outcome, method: str, residual: float, tol: float,
             system: LinearSystem) -> tuple[Status, str]:
     if out.code == BREAKDOWN:
         return Status.BREAKDOWN, out.message or Status.BREAKDOWN.message
+    if out.code == LEAST_SQUARES:
+        if residual <= tol * (1 + 1e-6):  # b was in the range after all
+            return Status.CONVERGED, f"{method}: converged in {out.iterations} iterations"
+        return Status.LEAST_SQUARES, (f"{out.message} ||b - A x|| = {residual:.3g} against the "
+                                      f"tolerance {tol:.3g}.")
     if out.code == MAXITER:
         if method == "direct":
             return Status.MAXITER, out.message
@@ -174,7 +179,8 @@ class Solver:
     def __init__(self, A: Any, *, method: str = "auto", M: Any = None, rtol: float = 1e-8,
                  atol: float = 0.0, maxiter: int | None = None,
                  callback: Callable[[Any], None] | None = None, device: Any = None,
-                 dtype: Any = None, manager: Any = None, name: str | None = None):
+                 dtype: Any = None, manager: Any = None, name: str | None = None,
+                 nullspace: Any = None):
         op, kind = as_operator(A, call="Solver(A)")
         n = int(op.shape[0]) if len(op.shape) == 2 else 0
         data = op.data if kind == "csr" else op
@@ -184,7 +190,7 @@ class Solver:
         # A LinearSystem with a zero b validates A and the options once.
         system = LinearSystem(op, zeros[:n] if n else zeros, rtol=rtol, atol=atol,
                               maxiter=maxiter, method=method, M=M, name=name, dtype=dtype,
-                              _call="Solver(A)")
+                              nullspace=nullspace, _call="Solver(A)")
         self._open(system, device=device, manager=manager, callback=callback)
 
     @classmethod
@@ -443,11 +449,21 @@ class Solver:
         xp = _backend.array_module(bs[0])
         b_norms = [stable_norm(xp, b) for b in bs]  # sync: once a column, for the result
         tols = [stop_threshold(system.rtol, system.atol, bn) for bn in b_norms]
+        # A singular A with a known null space: solve for b's part in A's range
+        # (the rest is what no x can reach), return x orthogonal to the null space.
+        N = system.nullspace
+        outside = [0.0] * len(bs)
+        if N is not None:
+            cut = [N @ (N.T @ b) for b in bs]
+            outside = [stable_norm(xp, c) for c in cut]  # sync: once a column
+            bs = [b - c for b, c in zip(bs, cut, strict=True)]
+            if block is not None:
+                block = (xp.stack(bs, axis=1), block[1])
         # Extreme magnitudes are solved scaled (exactly, by powers of two): the
         # engine sees A / a_scale and b / b_scale, its x is scaled back.
         b_scales = [power_of_two_scale(bn) for bn in b_norms]
         scaled = self.a_scale != 1.0 or any(s != 1.0 for s in b_scales)
-        user_bs = bs
+        user_bs = [b + c for b, c in zip(bs, cut, strict=True)] if N is not None else bs
         if scaled:
             A = self._engine_system.A.T if transpose and system.kind != "operator" \
                 else self._engine_system.A
@@ -499,8 +515,11 @@ class Solver:
                         out.x = xs * (sb / self.a_scale)
                     _check_representable(out, xs)
                 out.residual_norm *= sb
-        for (used, out), b, bn, tol in zip(finished, user_bs, b_norms, tols, strict=True):
+        for (used, out), b, bn, tol, off in zip(finished, user_bs, b_norms, tols, outside,
+                                                strict=True):
             x = out.x
+            if x is not None and N is not None:
+                x = out.x = x - N @ (N.T @ x)
             if x is not None:
                 residual = true_residual_norm(A, b, x)
                 # That read waited for the solve's queued masked iterations: free what
@@ -509,6 +528,11 @@ class Solver:
             else:
                 residual = out.residual_norm
             status, message = status_of(out, used, residual, tol, system)
+            if off > tol and x is not None and status is not Status.CONVERGED:
+                status = Status.LEAST_SQUARES
+                message = (f"b has a part of norm {off:.3g} outside the range of A (tolerance "
+                           f"{tol:.3g}): no x solves the system; x is the least-squares "
+                           f"solution orthogonal to the null space (||b - A x|| = {residual:.3g}).")
             if mgr is not None:
                 cost = float(system.nbytes + system.workspace_bytes(used)) * max(out.iterations, 1)
                 mgr.record(sig, seconds, peak_bytes=system.nbytes + system.workspace_bytes(used),
@@ -529,25 +553,62 @@ class Solver:
                 self.callback(out.x)
         elif isinstance(prepared, Prepared):
             out = refine(A, b, prepared, out, tol, transpose)
-        fallback = fallback_method(self.system, method, out, self.symmetric)
-        if fallback is None:
-            return method, out
-        # "auto" guessed from cheap tests (a positive diagonal does not make a
-        # symmetric matrix definite; a factorisation may meet a singular
-        # matrix): retry with the robust method.
-        log.info("managed_solve: %s did not solve (%s); auto falls back to %s",
-                 method, out.message, fallback)
-        spent = out.iterations
-        then = self._engine(fallback)
-        if isinstance(then, Outcome):
-            again = _failed(then)
-        else:
-            again = then.solve_transpose(b, x0) if transpose else then.solve(b, x0)
-            if fallback != "direct":
-                again = refine(A, b, then, again, tol, transpose)
-        again.iterations += spent
-        again.info["fallback_from"] = method
-        return fallback, again
+        tried = [method]
+        while True:
+            fallback = fallback_method(self.system, method, out, self.symmetric)
+            if fallback is None and self.system.method == "auto" and out.code == MAXITER \
+                    and method in FALLBACK and out.x is not None and _stagnated(A, b, x0, out):
+                # The iteration limit with the residual where it started: the
+                # method does not suit this matrix (singular, indefinite), not
+                # merely slow; the robust method may.
+                fallback = FALLBACK[method]
+            if fallback is None or fallback in tried:
+                return method, _no_worse_than_the_start(A, b, x0, out, tol)
+            # "auto" guessed from cheap tests (a positive diagonal does not make a
+            # symmetric matrix definite; a factorisation may meet a singular
+            # matrix): retry with the robust method (a chain: LU, CG, MINRES).
+            log.info("managed_solve: %s did not solve (%s); auto falls back to %s",
+                     method, out.message, fallback)
+            spent = out.iterations
+            then = self._engine(fallback)
+            if isinstance(then, Outcome):
+                again = _failed(then)
+            else:
+                again = then.solve_transpose(b, x0) if transpose else then.solve(b, x0)
+                if fallback != "direct":
+                    again = refine(A, b, then, again, tol, transpose)
+            again.iterations += spent
+            again.info["fallback_from"] = method
+            method, out = fallback, again
+            tried.append(method)
+
+
+def _stagnated(A: Any, b: Any, x0: Any, out: Outcome) -> bool:
+    """Whether ``out`` left the true residual at 90% of the start's or above."""
+    xp = _backend.array_module(b)
+    start = true_residual_norm(A, b, x0) if x0 is not None else stable_norm(xp, b)
+    return not true_residual_norm(A, b, out.x) < 0.9 * start
+
+
+def _no_worse_than_the_start(A: Any, b: Any, x0: Any, out: Outcome, tol: float) -> Outcome:
+    """A failed solve whose x is worse than its initial guess hands back the initial guess.
+
+    A breakdown or an exhausted iteration limit can leave an iterate far
+    from any solution (CG on an inconsistent singular system grows x along
+    the null space); the caller then gets the better of start and end.
+    """
+    if out.code == CONVERGED or out.x is None:
+        return out
+    xp = _backend.array_module(b)
+    end = true_residual_norm(A, b, out.x)
+    if not end > tol:
+        return out
+    start_x = xp.zeros_like(b) if x0 is None else x0
+    start = true_residual_norm(A, b, start_x) if x0 is not None else stable_norm(xp, b)
+    if end > start:
+        out.x = start_x.copy()
+        out.info["returned"] = "initial guess (the last iterate was worse)"
+    return out
 
 
 def _check_representable(out: Outcome, scaled_x: Any) -> None:

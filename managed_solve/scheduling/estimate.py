@@ -72,7 +72,8 @@ def dtype_name(dt: np.dtype) -> str:
 def route(s: LinearSystem, device_kind: str, cache: dict | None = None) -> tuple[str, tuple]:
     """(route, group) of a system; batches mix systems of one group only."""
     dt = dtype_name(s.dtype)
-    if s.kind != "csr" or s.method in ("minres", "direct") or not batched_preconditioner(s):
+    if s.kind != "csr" or s.method in ("minres", "direct") or not batched_preconditioner(s) \
+            or s.nullspace is not None:  # a projected singular system: solve() handles it
         return SINGLE, (s.method, dt)
     method = resolve_method(s, device_kind, cache)
     if method == "direct":  # "auto" on the host: a sparse LU, many of them over the cores

@@ -18,7 +18,9 @@ import numpy as np
 from .. import _backend
 from .engine import BREAKDOWN as BREAKDOWN
 from .engine import CONVERGED as CONVERGED
+from .engine import LEAST_SQUARES as LEAST_SQUARES
 from .engine import MAXITER as MAXITER
+from .engine import NOT_IN_RANGE as NOT_IN_RANGE
 from .engine import Outcome as Outcome
 from .engine import default_maxiter as default_maxiter
 

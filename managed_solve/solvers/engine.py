@@ -32,8 +32,15 @@ from typing import Any, Protocol
 
 from .. import _backend
 
-# Status codes of every engine (and of the batched core's per-system arrays).
-CONVERGED, MAXITER, BREAKDOWN = 0, 1, 2
+# Status codes of every engine (and of the batched core's per-system arrays,
+# which use the first three).
+CONVERGED, MAXITER, BREAKDOWN, LEAST_SQUARES = 0, 1, 2, 3
+
+NOT_IN_RANGE = (
+    "b is not in the range of A (A is singular and the system inconsistent): x is a "
+    "least-squares solution. For a pure Neumann or closed-surface problem, make b sum to zero "
+    "(or pass nullspace='constant', which projects b onto A's range)."
+)
 
 
 @dataclass

@@ -10,12 +10,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from .. import _backend
 from ._common import (
     BREAKDOWN,
     CONVERGED,
+    LEAST_SQUARES,
     MAXITER,
+    NOT_IN_RANGE,
     Outcome,
+    first_below,
     identity,
     initial_iterate,
     krylov_setup,
@@ -98,6 +103,12 @@ def minres(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 
     w2 = xp.zeros_like(b)
     r2 = r1
     hist = xp.empty(every, dtype=xp.float64)
+    # ||A r|| / (||A|| ||r||) per iteration (SciPy's test2): near zero while
+    # ||r|| stays large, b is not in A's range and x is a least-squares
+    # solution; iterating on would only grow x along A's null space.
+    normal = xp.empty(every, dtype=xp.float64)
+    tnorm2 = zero
+    ls_tol = max(float(rtol), 10 * float(np.finfo(dt).eps))
     bad = xp.zeros((), dtype=bool)
     start = 1
     for it in range(1, maxiter + 1):
@@ -119,6 +130,9 @@ def minres(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 
         gbar = sn * dbar - cs * alfa
         epsln = sn * beta
         dbar = -cs * beta
+        root = xp.sqrt(gbar * gbar + dbar * dbar)
+        tnorm2 = tnorm2 + alfa * alfa + oldb * oldb + beta * beta
+        normal[it - start] = safe_div(xp, root, xp.sqrt(tnorm2))
         gamma = xp.sqrt(gbar * gbar + beta * beta)
         cs = safe_div(xp, gbar, gamma)
         sn = safe_div(xp, beta, gamma)
@@ -141,6 +155,10 @@ def minres(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 
             if k is not None:
                 return Outcome(x, CONVERGED, it, float(h[k]), host_syncs=syncs,
                                info={"converged_at": start + k})
+            ls = first_below(_backend.to_host(normal[:it - start + 1]), ls_tol)  # sync: same read
+            if ls is not None:
+                return Outcome(x, LEAST_SQUARES, it, float(h[ls]), NOT_IN_RANGE,
+                               host_syncs=syncs, info={"least_squares_at": start + ls})
             if not (h[-1] == h[-1]):
                 return Outcome(x, BREAKDOWN, it, float(h[-1]),
                                "MINRES produced a non-finite residual; check A for NaN/Inf.",

@@ -20,12 +20,13 @@ from typing import Any
 from ..result import Status
 from ..system import FALLBACK, LinearSystem
 from ..system.method import krylov_method
-from .engine import BREAKDOWN, CONVERGED, MAXITER
+from .engine import BREAKDOWN, CONVERGED, LEAST_SQUARES, MAXITER
 
 ACCEPT, RESTART, FALL_BACK = "accept", "restart", "fall back"
 
 #: The result status of each engine status code.
-STATUS = {CONVERGED: Status.CONVERGED, MAXITER: Status.MAXITER, BREAKDOWN: Status.BREAKDOWN}
+STATUS = {CONVERGED: Status.CONVERGED, MAXITER: Status.MAXITER, BREAKDOWN: Status.BREAKDOWN,
+          LEAST_SQUARES: Status.LEAST_SQUARES}
 
 
 def tolerance(s: LinearSystem, b_norm: float) -> float:

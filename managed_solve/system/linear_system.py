@@ -46,6 +46,12 @@ class LinearSystem:
         Preconditioner.
     name : str, optional
         Shown in results and errors.
+    nullspace : "constant", array of shape (n,) or (n, k), optional
+        A basis of A's null space, for a singular symmetric A (a pure Neumann
+        problem, the Laplacian of a closed surface: ``"constant"``). The
+        solve projects b onto A's range and returns the x orthogonal to the
+        null space; a b with a part outside the range gets the
+        least-squares answer and the status ``LEAST_SQUARES`` saying so.
 
     Examples
     --------
@@ -60,7 +66,8 @@ class LinearSystem:
     def __init__(self, A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 0.0,
                  maxiter: int | None = None, method: str = "auto", M: Any = None,
                  name: str | None = None, dtype: Any = None, check_finite: bool = True,
-                 _call: str | None = None, _finite_memo: dict | None = None):
+                 nullspace: Any = None, _call: str | None = None,
+                 _finite_memo: dict | None = None):
         # _call: the public call to name in errors (solve() passes "solve(A, b)").
         # _finite_memo: arrays already found finite, by object, for a caller that
         # validates many systems sharing matrices within one call (solve_many).
@@ -133,6 +140,7 @@ class LinearSystem:
         self.rtol, self.atol = float(rtol), float(atol)
         self.maxiter = int(maxiter) if maxiter is not None else None
         self.method, self.M, self.name = method, M, name
+        self.nullspace = nullspace_basis(nullspace, n, dt, xp, call=call)
         self.dtype = dt
 
     # ------------------------------------------------------------------ facts
@@ -223,9 +231,38 @@ class LinearSystem:
         out = object.__new__(LinearSystem)
         out.__dict__.update(self.__dict__)
         out.A, out.b, out.x0 = A, b, x0
+        if self.nullspace is not None:
+            out.nullspace = _backend.to_host(self.nullspace) if kind in ("cpu", "sim") \
+                else _backend.cupy().asarray(self.nullspace)
         return out
 
     def __repr__(self) -> str:
         nm = f"{self.name!r}, " if self.name else ""
         return (f"LinearSystem({nm}n={self.n}, nnz={self.nnz}, dtype={self.dtype}, "
                 f"method={self.method!r}, device={self.device!r})")
+
+
+def nullspace_basis(nullspace: Any, n: int, dtype: Any, xp: Any, *, call: str) -> Any:
+    """An orthonormal (n, k) basis of the given null space on b's device (None stays None)."""
+    if nullspace is None:
+        return None
+    if isinstance(nullspace, str):
+        if nullspace != "constant":
+            raise ValueError(f"{call}: nullspace={nullspace!r} is not known; give 'constant' or "
+                             "an array of null-space vectors of shape (n,) or (n, k).")
+        N = np.ones((n, 1))
+    else:
+        N = np.asarray(_backend.to_host(nullspace), dtype=np.float64)
+        if N.ndim == 1:
+            N = N[:, None]
+        if N.ndim != 2 or N.shape[0] != n or N.shape[1] < 1 or N.shape[1] >= n:
+            raise ValueError(f"{call}: nullspace must have shape ({n},) or ({n}, k) with "
+                             f"1 <= k < {n}, got shape {tuple(np.shape(nullspace))}.")
+        if not np.all(np.isfinite(N)):
+            raise ValueError(f"{call}: nullspace has NaN or Inf entries.")
+    Q, R = np.linalg.qr(N)
+    d = np.abs(np.diag(R))
+    if d.min() <= 1e-10 * max(d.max(), 1e-300):
+        raise ValueError(f"{call}: the nullspace vectors are linearly dependent (or zero); give "
+                         "independent vectors.")
+    return xp.asarray(Q.astype(dtype))
