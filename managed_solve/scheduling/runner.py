@@ -423,14 +423,30 @@ class Runner:
             self.batches_run.append((str(dev), b.id, b.nsys))
         dname = str(dev)
         for res in out:
-            res.device = dname
+            if res.status is not Status.DEVICE_ERROR:
+                res.device = dname
             if not res.seconds:
                 res.seconds = seconds
             if "batch" not in res.info:  # results not made by the batched core
                 for key, value in batch_info.items():
                     res.info.setdefault(key, value)
-        self.deliver_many(b.indices, out)
-        self._done()
+        # A system that ran out of memory inside a route (a solve() alone, a
+        # restart) is retried elsewhere like a failed batch, finally on the CPU.
+        retry = [k for k, r in enumerate(out) if r.status is Status.DEVICE_ERROR]
+        if not retry:
+            self.deliver_many(b.indices, out)
+            self._done()
+            return
+        keep = [k for k in range(len(out)) if k not in set(retry)]
+        self.deliver_many([b.indices[k] for k in keep], [out[k] for k in keep])
+        ests = [self.plan.estimates[b.indices[k]] for k in retry]
+        with self.cond:
+            sub = Batch(self.next_id, [e.index for e in ests], b.route, b.group,
+                        sum(e.n for e in ests), sum(e.nnz for e in ests),
+                        sum(e.nbytes for e in ests), float(sum(e.cost for e in ests)),
+                        tried=b.tried)
+            self.next_id += 1
+        self._done(self._recover(sub, dev, MemoryError(out[retry[0]].message)))
 
     def _recover(self, b: Batch, dev: Device, exc: BaseException) -> list[tuple[str, Batch]]:
         """Split a failed batch and send the halves elsewhere, finally to the CPU."""
@@ -438,7 +454,9 @@ class Runner:
             for i in b.indices:
                 self.deliver(i, invalid_result(exc.error, i, self.systems[i]))
             return []
-        if not is_device_error(exc):
+        # Device errors and plain RuntimeErrors (a driver or library failing
+        # once) are retried on other devices, each device once, then the CPU.
+        if not (is_device_error(exc) or type(exc) is RuntimeError):
             log.error("solve_many: batch %d on %s failed: %r", b.id, dev, exc)
             msg = (f"solve_many: solving on {dev} raised {type(exc).__name__}: {exc} "
                    "(not a device error, so not retried)")

@@ -29,7 +29,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from .. import _backend, config
-from ..devices import Device
+from ..devices import Device, SimulatedOutOfMemory
 from ..result import SolveResult, Status
 from ..solvers.engine import BREAKDOWN, CONVERGED, MAXITER, Outcome
 from . import krylov, partition
@@ -179,7 +179,7 @@ class ShardedSystem:
         for sh in self.shards:
             need = sh.nbytes + 8 * (sh.nloc + sh.nhalo) * sh.xp.dtype(self.dtype).itemsize
             if sh.device.is_simulated and need > sh.device.total_bytes:
-                raise RuntimeError(
+                raise SimulatedOutOfMemory(
                     f"ShardedSystem: shard {sh.index} needs about {need} bytes but "
                     f"{sh.device} holds {sh.device.total_bytes}; shard over more devices."
                 )

@@ -88,7 +88,7 @@ def test_gather_targets(kind, devices_for):
 def test_simulated_device_too_small():
     dm = DeviceManager(simulate="2x64KiB")
     A = poisson2d(40)
-    with pytest.raises(RuntimeError, match="shard over more devices"):
+    with pytest.raises(MemoryError, match="shard over more devices"):
         sharded.ShardedSystem(A, "all", manager=dm)
 
 
