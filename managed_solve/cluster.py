@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _backend
+from . import _backend, config
 from .result import SolveResult, Status
 from .scheduling import SolveManyError
 from .scheduling import solve_many as solve_many_local
@@ -234,6 +234,7 @@ class _Chunk:
     ref: Any = None  # ObjectRef of the payload list (put once, reused by retries)
     attempt: int = 0
     failed_on: set = field(default_factory=set)
+    sent_at: float = 0.0  # time.monotonic() of the latest submission
 
 
 def _cost(s: LinearSystem) -> float:
@@ -525,6 +526,7 @@ class _Dispatcher:
         self.retry: collections.deque[_Chunk] = collections.deque()
         self.flight: dict[Any, tuple[_Chunk, _Actor, list]] = {}
         self.payload_cache: dict[int, dict] = {}
+        self.chunk_timeout = float(config.current().ray_chunk_timeout)
 
     def run(self) -> None:
         while self.pending or self.retry or self.flight:
@@ -532,9 +534,27 @@ class _Dispatcher:
             if not self.flight:
                 self._fail_rest("every Ray actor died")
                 return
-            ready, _ = self.ray.wait(list(self.flight), num_returns=1)
+            # A bounded wait: an actor that hangs (a stuck driver, a deadlocked
+            # node) must not block the call; its chunks go to the others.
+            ready, _ = self.ray.wait(list(self.flight), num_returns=1,
+                                     timeout=min(5.0, self.chunk_timeout))
             for ref in ready:
                 self._collect(ref)
+            if not ready:
+                self._expire(time.monotonic())
+
+    def _expire(self, now: float) -> None:
+        """Chunks in flight past the timeout: their actor counts as hung, they go elsewhere."""
+        for ref, (c, a, _x) in list(self.flight.items()):
+            if now - c.sent_at <= self.chunk_timeout:
+                continue
+            del self.flight[ref]
+            a.in_flight -= 1
+            a.alive = False
+            log.warning("solve_many(backend='ray'): actor on %s gave no answer for %d systems "
+                        "within %.0f s; counted as hung, its chunk is retried", a.spec.name,
+                        len(c.indices), self.chunk_timeout)
+            self._again(c, a, f"no answer within {self.chunk_timeout:.0f} s (hung actor)")
 
     # ---------------------------------------------------------------- hand out
     def _feed(self) -> None:
@@ -576,6 +596,7 @@ class _Dispatcher:
         if c.ref is None:
             c.ref = self.ray.put([_payload(self.valid[i]) for i in c.indices])
         c.attempt += 1
+        c.sent_at = time.monotonic()
         refs = a.handle.solve_chunk.options(num_returns=1 + len(c.indices)).remote(c.ref)
         self.flight[refs[0]] = (c, a, refs[1:])
         a.in_flight += 1
@@ -586,6 +607,8 @@ class _Dispatcher:
         a.in_flight -= 1
         try:
             meta = self.ray.get(ref)
+            # The solutions too: one lost object retries the chunk, not the call.
+            xs = x_refs if self.return_on == "refs" else self.ray.get(x_refs)
         except self.ray.exceptions.RayActorError as exc:
             self._lost(c, a, exc)
             return
@@ -594,7 +617,6 @@ class _Dispatcher:
                         a.spec.name, len(c.indices), exc)
             self._again(c, a, f"{type(exc).__name__}: {exc}")
             return
-        xs = x_refs if self.return_on == "refs" else self.ray.get(x_refs)
         new = 0
         for i, m, x in zip(c.indices, meta["results"], xs, strict=True):
             if self.results[i] is not None:

@@ -82,6 +82,10 @@ class Settings:
     symmetry_workers : int or None
         Threads for those chunked tests (None: up to 8, one per core). Fewer
         than four runs the one-pass test on the calling thread.
+    ray_chunk_timeout : float
+        Seconds a chunk of systems may stay with one Ray actor before the
+        actor counts as hung and the chunk goes to another (the first answer
+        wins, so a late one is not counted twice).
     sharded_check_every : int
         Iterations between host reads of the residual in a sharded solve on
         GPUs: each read drains every device's queue, the iterations in
@@ -134,6 +138,9 @@ class Settings:
     # -- matrix properties (system/properties.py)
     symmetry_parallel_nnz: int = 1 << 20
     symmetry_workers: int | None = None
+
+    # -- Ray clusters (cluster.py)
+    ray_chunk_timeout: float = 600.0
 
     # sharded solver (managed_solve.sharded)
     sharded_check_every: int = 8

@@ -328,3 +328,92 @@ def test_a_retried_chunk_prefers_an_actor_it_has_not_failed_on():
     d._again(c, a1, "boom")
     assert [r.status for r in d.results[:2]] == [Status.DEVICE_ERROR] * 2
     assert "boom" in d.results[0].message and d.results[2] is None
+
+
+class _FakeRay:
+    """Just enough of Ray for the dispatcher: one actor answers at once, the other never."""
+
+    class exceptions:  # noqa: N801 - Ray's namespace
+        class RayError(Exception):
+            pass
+
+        class RayActorError(RayError):
+            pass
+
+        class ObjectLostError(RayError):
+            pass
+
+    def __init__(self):
+        self.values, self.ready = {}, set()
+        self.lost = set()
+
+    def put(self, value):
+        ref = object()
+        self.values[ref] = value
+        self.ready.add(ref)
+        return ref
+
+    def wait(self, refs, num_returns=1, timeout=None):
+        ready = [r for r in refs if r in self.ready][:num_returns]
+        return ready, [r for r in refs if r not in ready]
+
+    def get(self, ref, timeout=None):
+        if isinstance(ref, list):
+            return [self.get(r) for r in ref]
+        if ref in self.lost:
+            raise self.exceptions.ObjectLostError("lost")
+        return self.values[ref]
+
+
+class _FakeHandle:
+    def __init__(self, ray, hangs=False, lose_first=False):
+        self.ray, self.hangs, self.lose_first = ray, hangs, lose_first
+        handle = self
+
+        class _Method:
+            def options(self, num_returns):
+                return self
+
+            def remote(self, payload_ref):
+                return handle.run(payload_ref)
+
+        self.solve_chunk = _Method()
+
+    def run(self, payload_ref):
+        payloads = self.ray.values[payload_ref]
+        meta, xs = {"results": [], "seconds": 0.01}, []
+        for p in payloads:
+            s = cl._from_payload(p)
+            x = np.linalg.solve(s.A.toarray(), s.b)
+            meta["results"].append({"status": "CONVERGED", "iterations": 1, "residual_norm": 0.0,
+                                    "b_norm": 1.0, "device": "cpu", "seconds": 0.0,
+                                    "method": "direct", "message": "", "name": s.name,
+                                    "info": {}})
+            xs.append(x)
+        refs = [object() for _ in range(1 + len(xs))]
+        for r, v in zip(refs, [meta, *xs], strict=True):
+            self.ray.values[r] = v
+            if not self.hangs:
+                self.ray.ready.add(r)
+        if self.lose_first:
+            self.lose_first = False
+            self.ray.lost.add(refs[1])  # the first solution's object is lost
+        return refs
+
+
+def test_a_hung_actor_does_not_block_the_call_and_a_lost_object_retries_its_chunk(settings):
+    settings(ray_chunk_timeout=0.3)
+    ray = _FakeRay()
+    systems = {i: LinearSystem(poisson2d(3), np.full(9, float(i + 1)), name=f"s{i}")
+               for i in range(12)}
+    hung = cl._Actor(NodeSpec("hung", weight=1), _FakeHandle(ray, hangs=True))
+    good = cl._Actor(NodeSpec("good", weight=1), _FakeHandle(ray, lose_first=True))
+    results = [None] * 12
+    d = cl._Dispatcher(ray, [hung, good], systems, results, return_on="host", max_attempts=4,
+                       on_chunk=None, bar=None)
+    d.run()
+    assert all(r is not None and r.status is Status.CONVERGED for r in results)
+    assert [r.name for r in results] == [f"s{i}" for i in range(12)]
+    assert not hung.alive
+    for i, r in enumerate(results):
+        np.testing.assert_allclose(poisson2d(3) @ r.x, np.full(9, float(i + 1)))
