@@ -233,7 +233,9 @@ def matrix_grad(source: GradSource, u: Any, v: Any) -> Any:
     """``-u v^T`` on A's stored entries, shaped as the tensor that receives it.
 
     u and v are (n,) or (n, k) tensors (k columns are summed). Computed on
-    A's device: u and v move there (O(n)), the pattern never moves.
+    A's device: u and v move there (O(n)), the pattern never moves. The
+    gather runs in NumPy on the CPU (torch's CPU indexing is many times
+    slower) and in torch on a GPU.
     """
     import torch
 
@@ -251,16 +253,32 @@ def matrix_grad(source: GradSource, u: Any, v: Any) -> Any:
         crow, col = A.crow_indices(), A.col_indices()
     else:  # "values": (crow, col) as the caller gave them
         crow, col = (torch.as_tensor(p, device=A.device) for p in source.pattern)
-    crow = crow.long()
-    rows = torch.repeat_interleave(torch.arange(crow.numel() - 1, device=A.device),
-                                   crow[1:] - crow[:-1])
-    vals = _gather(u, v, rows, col.long())
+    rows = _rows(crow)
+    vals = _gather(u, v, rows, col)
     if source.form == "csr":
         return torch.sparse_csr_tensor(crow, col, vals, A.shape)
     return vals.reshape(A.shape)
 
 
+def _rows(crow: Any) -> Any:
+    """The row of each stored entry of a CSR pattern."""
+    import torch
+
+    n = crow.numel() - 1
+    if crow.device.type == "cpu":
+        c = crow.numpy()
+        return torch.from_numpy(np.repeat(np.arange(n), np.diff(c)))
+    crow = crow.long()
+    return torch.repeat_interleave(torch.arange(n, device=crow.device), crow[1:] - crow[:-1])
+
+
 def _gather(u: Any, v: Any, rows: Any, cols: Any) -> Any:
     """``-u[rows] * v[cols]`` (summed over columns for (n, k) u and v)."""
-    prod = u[rows] * v[cols]
+    import torch
+
+    if u.device.type == "cpu":
+        un, vn = u.detach().numpy(), v.detach().numpy()
+        prod = un[rows.numpy()] * vn[cols.numpy()]
+        return torch.from_numpy(-(prod.sum(axis=1) if prod.ndim == 2 else prod))
+    prod = u[rows] * v[cols.long()]
     return -(prod.sum(dim=1) if prod.ndim == 2 else prod)

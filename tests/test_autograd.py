@@ -244,9 +244,9 @@ def test_solve_many_mixes_systems_with_and_without_gradients(monkeypatch, device
     monkeypatch.setattr(many, "solve_many",
                         lambda systems, **kw: calls.append(len(systems)) or real(systems, **kw))
     ws = [torch.sin(torch.arange(x.shape[0], dtype=torch.float64, device=x.device)) for x in xs]
-    sum((x * w).sum() for x, w in zip(xs, ws)).backward()
+    sum((x * w).sum() for x, w in zip(xs, ws, strict=True)).backward()
     assert calls == [3]  # one batched call for the three adjoints
-    for (A, values, b), w, (_, grad) in zip(refs, ws, specs):
+    for (A, values, b), w, (_, grad) in zip(refs, ws, specs, strict=True):
         if not grad:
             continue
         rows, cols, _ = triplets(A)
