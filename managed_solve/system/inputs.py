@@ -184,7 +184,7 @@ def grad_source(A: Any, b: Any, *, call: str) -> GradSource | None:
         source.update(A=A, form=form)
     elif isinstance(A, tuple) and len(A) == 3 and _requires_grad(A[2]):
         source.update(A=A[2], form="values", pattern=(A[0], A[1]))
-    elif not (_backend.is_torch_tensor(A) or isinstance(A, (np.ndarray, tuple))):
+    elif hasattr(A, "matvec") or isinstance(A, torch.nn.Module):  # an operator
         held = getattr(A, "__dict__", {}).values()
         params = A.parameters() if isinstance(A, torch.nn.Module) else ()
         if any(_requires_grad(v) for v in held) or any(p.requires_grad for p in params):
