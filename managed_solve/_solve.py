@@ -29,15 +29,18 @@ def solve(A_or_system: Any, b: Any = None, *, x0: Any = None, rtol: float = 1e-8
     Parameters
     ----------
     A_or_system : matrix, operator or LinearSystem
-        SciPy or cupyx sparse, torch sparse CSR/COO, dense NumPy/CuPy/torch,
-        an object with ``shape`` and ``matvec``, or a :class:`LinearSystem`
-        (then ``b`` is omitted and the system's own options are used, except
-        those given here with a non-default value).
+        SciPy or cupyx sparse, torch sparse CSR/COO, a ``(crow, col, values)``
+        tuple, dense NumPy/CuPy/torch, an object with ``shape`` and ``matvec``,
+        or a :class:`LinearSystem` (then ``b`` is omitted and the system's own
+        options are used, except those given here with a non-default value).
     b : array, shape (n,) or (n, k)
         NumPy, CuPy or torch. Torch tensors are used through DLPack, without
         copies. With k columns, A is set up once (a :class:`Solver`) and each
         column converges on its own; the result holds x of shape (n, k) and
-        per-column figures (see :meth:`Solver.solve`).
+        per-column figures (see :meth:`Solver.solve`). When A's values or b
+        are torch tensors that require grad, ``result.to_torch()`` is attached
+        to autograd; its backward is one adjoint solve on this solve's
+        prepared engine (:mod:`managed_solve.autograd`).
     x0 : array, optional
         Initial guess.
     rtol, atol : float
@@ -120,10 +123,13 @@ def solve(A_or_system: Any, b: Any = None, *, x0: Any = None, rtol: float = 1e-8
         if devices is not None or _names_several(device):
             raise ValueError("solve(A, B, devices=...): a sharded solve takes one right-hand side; "
                              "solve the columns one by one, or on one device.")
-        with Solver(A_or_system, method=method, M=M, rtol=rtol, atol=atol, maxiter=maxiter,
-                    callback=callback, device=device, dtype=dtype, manager=manager,
-                    nullspace=nullspace) as solver:
+        solver = Solver(A_or_system, method=method, M=M, rtol=rtol, atol=atol, maxiter=maxiter,
+                        callback=callback, device=device, dtype=dtype, manager=manager,
+                        nullspace=nullspace)
+        try:
             return solver.solve(b, x0)
+        finally:
+            solver.release()  # now, or when the autograd graph of the result is freed
     system = _as_system(A_or_system, b, x0=x0, rtol=rtol, atol=atol, maxiter=maxiter,
                         method=method, M=M, dtype=dtype, nullspace=nullspace)
     from .manager import default_manager  # the manager sits below; default made on demand
@@ -131,9 +137,17 @@ def solve(A_or_system: Any, b: Any = None, *, x0: Any = None, rtol: float = 1e-8
     mgr = manager if manager is not None else default_manager()
     many = devices if devices is not None else (device if _names_several(device) else None)
     if many is not None:
+        if system.grad is not None:
+            raise ValueError("solve(A, b, devices=...): a sharded solve gives no gradient, and A "
+                             "or b requires grad; solve on one device, or detach the inputs.")
         return _sharded(system, many, mgr)
-    with Solver.from_system(system, device=device, manager=mgr, callback=callback) as solver:
-        return solver.solve_one(solver.system.b, solver.system.x0)
+    solver = Solver.from_system(system, device=device, manager=mgr, callback=callback)
+    try:
+        # Attached to autograd when A's values or b require grad: the solver
+        # then stays open for the one adjoint solve of backward.
+        return solver.attach(solver.solve_one(solver.system.b, solver.system.x0), system.grad)
+    finally:
+        solver.release()
 
 
 def _names_several(device: Any) -> bool:

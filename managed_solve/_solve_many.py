@@ -78,7 +78,11 @@ def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = 
         ``residual_norm``, the ``device`` it was solved on, and ``info``
         (``batch`` id and ``batch_size``). In a batch, ``x`` is a view into the
         batch's solution vector (no copy), cut when ``x`` is first read; a
-        result keeps the batch's vector alive until then.
+        result keeps the batch's vector alive until then. Where a system's A
+        values or b are torch tensors that require grad (``backend="local"``),
+        its ``to_torch()`` is attached to autograd; one backward solves every
+        adjoint with one batched ``solve_many`` call, each system with its own
+        tolerance.
 
     Raises
     ------

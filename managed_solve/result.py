@@ -129,11 +129,30 @@ class SolveResult:
             return cp.asarray(self.x)
 
     def to_torch(self):
-        """x as a torch tensor sharing memory with ``x`` (DLPack, zero-copy, same device)."""
+        """x as a torch tensor sharing memory with ``x`` (DLPack, zero-copy, same device).
+
+        When A's values or b were torch tensors requiring grad, the tensor is
+        attached to the autograd graph (see :meth:`attach`).
+        """
+        attached = self.__dict__.get("_torch")
+        if attached is not None:
+            return attached
         self._need_x("to_torch")
         from .dlpack import as_torch
 
         return as_torch(self.x)
+
+    def attach(self, tensor: Any) -> None:
+        """Make ``to_torch()`` return ``tensor``: x attached to autograd by the layer that solved.
+
+        The attachment is not pickled or copied (a graph stays in its process).
+        """
+        self.__dict__["_torch"] = tensor
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_torch", None)
+        return state
 
     def _need_x(self, what: str) -> None:
         if self.x is None:

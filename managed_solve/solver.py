@@ -13,12 +13,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from . import _backend
-from .devices import Device, parse_device_name
+from . import _backend, autograd
+from .devices import Device
+from .placement import move_to, named_device, reserve_for
 from .result import SolveResult, Status
 from .solvers import batched
 from .solvers._common import power_of_two_scale, stable_norm, stop_threshold, true_residual_norm
@@ -27,7 +29,7 @@ from .solvers.engine import BREAKDOWN, CONVERGED, LEAST_SQUARES, MAXITER, Option
 from .solvers.krylov import KrylovEngine
 from .solvers.verify import fall_back
 from .system import FALLBACK, LinearSystem
-from .system.inputs import as_operator, check_dtype, checked_finite
+from .system.inputs import GradSource, as_operator, check_dtype, checked_finite, grad_source
 from .system.method import choose_method, matrix_symmetry
 
 log = logging.getLogger("managed_solve")
@@ -35,56 +37,6 @@ log = logging.getLogger("managed_solve")
 # Extra Krylov restarts from the current x when the recurrence residual met
 # the tolerance but the true residual did not (drift, mostly in float32).
 REFINEMENTS = 2
-
-
-def named_device(device: Any, mgr: Any) -> Device:
-    if isinstance(device, Device):
-        return device
-    kind, idx = parse_device_name(str(device), what="solve(device=...)")
-    try:
-        return mgr.get_device(device)
-    except ValueError:
-        pass
-    if kind == "cuda":
-        n, why = _backend.cuda_probe()
-        if idx >= n:
-            raise RuntimeError(
-                f"solve(device={device!r}): no such CUDA GPU here ({n} usable"
-                f"{'; ' + why if why else ''}). Use device='cpu' or device=None."
-            )
-        from .devices import discover_cuda
-
-        for d in discover_cuda()[0]:
-            if d.index == idx:
-                return d
-    if kind == "cpu":
-        from .devices import cpu_device
-
-        return cpu_device()
-    raise RuntimeError(f"solve(device={device!r}): the manager has no such device "
-                       f"({', '.join(str(d) for d in mgr.devices)}); pass manager=... or "
-                       "device=None.")
-
-
-def reserve_for(mgr: Any, nbytes: int, dev: Device | None, system: LinearSystem, method: str):
-    sig = (*system.signature[:3], method, system.kind)
-    if dev is None:
-        return mgr.reserve(nbytes, disperse=True, signature=sig, obj=system)
-    try:
-        return mgr.reserve(nbytes, dev, signature=sig)
-    except ValueError:  # a device this manager does not manage: run unreserved
-        return None
-    except MemoryError as exc:  # the caller asked for this device: obey, but say so
-        log.warning("managed_solve: solve(device=%s) runs beyond the ledger: %s", dev, exc)
-        return None
-
-
-def move_to(system: LinearSystem, dev: Device) -> LinearSystem:
-    if dev.is_cuda:
-        if system.device != str(dev):
-            system = system.to(str(dev))
-        return system
-    return system if system.device == "cpu" else system.to("cpu")
 
 
 def prepare(system: LinearSystem, method: str, device: Device, *, symmetric: bool | None = None,
@@ -164,6 +116,10 @@ class Solver:
     on the same set-up. The manager's reservation and the device memory are
     held until :meth:`close` (or the end of a ``with`` block).
 
+    When A's values or b are torch tensors that require grad, a result's
+    ``to_torch()`` is attached to autograd; its backward is one adjoint solve
+    on this solver (:meth:`adjoint`), which must then still be open.
+
     Examples
     --------
     >>> import numpy as np, scipy.sparse as sp
@@ -181,6 +137,7 @@ class Solver:
                  callback: Callable[[Any], None] | None = None, device: Any = None,
                  dtype: Any = None, manager: Any = None, name: str | None = None,
                  nullspace: Any = None):
+        grad = grad_source(A, None, call="Solver(A)")
         op, kind = as_operator(A, call="Solver(A)")
         n = int(op.shape[0]) if len(op.shape) == 2 else 0
         data = op.data if kind == "csr" else op
@@ -192,6 +149,7 @@ class Solver:
                               maxiter=maxiter, method=method, M=M, name=name, dtype=dtype,
                               nullspace=nullspace, _call="Solver(A)")
         self._open(system, device=device, manager=manager, callback=callback)
+        self.grad = grad
 
     @classmethod
     def from_system(cls, system: LinearSystem, *, device: Any = None, manager: Any = None,
@@ -233,6 +191,13 @@ class Solver:
             self.method = choose_method(self.system, dev.kind, symmetric=symmetric)
             self._engines: dict[str, Prepared | Outcome] = {}
             self._scale_matrix()
+            # A's tensor that requires grad (b's comes with each solve); graphs
+            # that need this solver for their backward, and whether it closes
+            # once they are freed (release()).
+            source = system.grad
+            self.grad = replace(source, b=None) if source is not None and source.A is not None \
+                else None
+            self._graphs, self._closing, self._symmetric_adjoint = 0, False, None
         except BaseException:
             self.close()
             raise
@@ -284,11 +249,64 @@ class Solver:
         ``column_status`` holds each column's status and ``status`` is
         CONVERGED only when every column converged.
         """
-        return self._solve(b, x0, transpose=False)
+        return self.attach(self._solve(b, x0, transpose=False), self._source(b))
 
     def solve_transpose(self, b: Any, x0: Any = None) -> SolveResult:
         """Solve ``A^T x = b`` on the same set-up (the adjoint solve of a gradient)."""
-        return self._solve(b, x0, transpose=True)
+        return self.attach(self._solve(b, x0, transpose=True), self._source(b), transpose=True)
+
+    # ------------------------------------------------------------------ gradients
+    def attach(self, result: SolveResult, source: GradSource | None, *,
+               transpose: bool = False) -> SolveResult:
+        """Attach ``result`` (a solve by this solver) to autograd through ``source``'s tensors.
+
+        Backward is one :meth:`adjoint` solve on this solver's engines; the
+        solver counts the graph as a user until torch frees it (see
+        :meth:`release`). Nothing happens when ``source`` is None.
+        """
+        if source is None or result.x is None:
+            return result
+        self._graphs += 1
+        return autograd.attach(result, source,
+                               lambda g: self.adjoint(g, transpose=transpose),
+                               release=self._graph_freed, transpose=transpose)
+
+    def adjoint(self, g: Any, *, transpose: bool = False) -> SolveResult:
+        """Solve the adjoint of a gradient: ``A^T y = g`` (``A y = g`` when the forward was transposed).
+
+        On this solver's set-up: a symmetric A is solved as it is; another
+        uses the engines' transposed solve (the factors' transpose, or the
+        Krylov method on A^T, prepared once).
+        """
+        return self._solve(g, None, transpose=not (transpose or self._symmetric()))
+
+    def release(self) -> None:
+        """Close now or, while autograd graphs still need this solver, when the last is freed."""
+        if self._graphs:
+            self._closing = True
+        else:
+            self.close()
+
+    def _graph_freed(self) -> None:
+        self._graphs -= 1
+        if self._closing and not self._graphs:
+            self.close()
+
+    def _symmetric(self) -> bool:
+        if self.symmetric is not None:
+            return bool(self.symmetric)
+        if self.method in autograd.SYMMETRIC_METHODS:
+            return True
+        if self._symmetric_adjoint is None:
+            self._symmetric_adjoint = bool(matrix_symmetry(self.system))
+        return self._symmetric_adjoint
+
+    def _source(self, b: Any) -> GradSource | None:
+        """A's and b's tensors that require grad for a solve of b (None: nothing to attach)."""
+        source = grad_source(None, b, call="Solver.solve")
+        if self.grad is None:
+            return source
+        return self.grad if source is None else replace(self.grad, b=source.b)
 
     def update(self, A: Any) -> None:
         """New values on the same sparsity pattern (a matrix, or its CSR data array).
@@ -323,6 +341,12 @@ class Solver:
             raise ValueError("Solver.update(A): an operator has no values to update; prepare a "
                              "new Solver.")
         self.system = _with_matrix(system, new)
+        self._symmetric_adjoint = None
+        if _backend.is_torch_tensor(A) and A.ndim == 1:  # the values on this pattern
+            self.grad = grad_source((system.A.indptr, system.A.indices, A), None,
+                                    call="Solver.update(A)")
+        else:
+            self.grad = grad_source(A, None, call="Solver.update(A)")
         if system.method == "auto" or system.method == "direct":
             self.symmetric = matrix_symmetry(self.system)
         self._scale_matrix()
@@ -445,7 +469,9 @@ class Solver:
         """Solve the columns ``bs`` (one engine call for a block), verify and fall back per column."""
         system, dev, mgr = self.system, self.device, self.manager
         method = self.method
-        A = system.A.T if transpose and system.kind != "operator" else system.A
+        # An operator's transpose exists where it has rmatvec (else the engine refuses).
+        A = system.A.T if transpose and (system.kind != "operator" or
+                                         hasattr(system.A, "rmatvec")) else system.A
         xp = _backend.array_module(bs[0])
         b_norms = [stable_norm(xp, b) for b in bs]  # sync: once a column, for the result
         tols = [stop_threshold(system.rtol, system.atol, bn) for bn in b_norms]

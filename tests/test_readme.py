@@ -35,3 +35,18 @@ def test_readme_tour_runs(monkeypatch, capsys, fresh_default_manager):
     t = scope["t"]
     assert np.shares_memory(t.numpy(), scope["out"][0].x)
     assert "sim:0" in capsys.readouterr().out
+
+
+def test_readme_gradients_section_runs(capsys):
+    pytest.importorskip("torch")
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Gradients", 1)[1].split("\n## ", 1)[0]
+    code = re.findall(r"```python\n(.*?)```", section, re.S)[0]
+    scope: dict = {}
+    exec(compile(code, "README.md gradients", "exec"), scope)
+    A = scope["A"]
+    assert scope["values"].grad.shape == (A.nnz,) and scope["b"].grad.shape == (A.shape[0],)
+    # dL/db = A^-T dL/dx with dL/dx = 2 x
+    x = scope["x"].detach().numpy()
+    np.testing.assert_allclose(A.T @ scope["b"].grad.numpy(), 2 * x, rtol=1e-6, atol=1e-9)
+    assert "torch.Size" in capsys.readouterr().out

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _backend, config
+from .. import _backend, autograd, config
 from ..manager import DeviceManager, default_manager
 from ..result import SolveResult
 from ..system import LinearSystem
@@ -56,21 +56,31 @@ def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = 
     """
     check_arguments(method, M, rtol, return_on, on_error, progress)
     settings = config.current()
+    validated: list[LinearSystem | None] = []
     with process.COLLECTION.held(False, active=settings.pause_gc):
         out = _solve(systems, disperse=disperse, devices=devices, method=method, M=M, rtol=rtol,
-                     progress=progress, manager=manager)
+                     progress=progress, manager=manager, validated=validated)
     if return_on == "host":
         for r in out:
             if r.x is not None:
                 r.x = np.asarray(_backend.to_host(r.x))  # sync: copies each x to the host
+    if any(s is not None and s.grad is not None for s in validated):
+        # Inputs that require grad: attach their results; backward solves all
+        # the adjoints with one call, placed and batched as this one was.
+        autograd.attach_many(out, validated, lambda adjoints: solve_many(
+            adjoints, disperse=disperse, devices=devices, manager=manager))
     if on_error == "raise":
         raise_for_failures(out)
     return out
 
 
 def _solve(systems: Iterable[Any], *, disperse: bool, devices: Any, method: str, M: Any,
-           rtol: float | None, progress: bool, manager: DeviceManager | None) -> list[SolveResult]:
-    """Validate, estimate, plan and run (arguments checked); the results in input order."""
+           rtol: float | None, progress: bool, manager: DeviceManager | None,
+           validated: list | None = None) -> list[SolveResult]:
+    """Validate, estimate, plan and run (arguments checked); the results in input order.
+
+    ``validated`` (a list) receives each input's LinearSystem (None where invalid).
+    """
     items = list(systems)
     mgr = manager if manager is not None else default_manager()
     results: list[SolveResult | None] = [None] * len(items)
@@ -82,6 +92,8 @@ def _solve(systems: Iterable[Any], *, disperse: bool, devices: Any, method: str,
         except (TypeError, ValueError) as exc:
             results[i] = invalid_result(exc, i, item)
     del memo
+    if validated is not None:
+        validated[:] = valid
 
     held: dict[str, int] = {}
     for s in valid:

@@ -9,6 +9,7 @@ the argument, what was expected, what arrived and the fix.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -50,9 +51,14 @@ def check_dtype(dtype: Any, *, call: str, arg: str) -> np.dtype:
 
 
 def _torch_to_array(t: Any, *, call: str, arg: str) -> Any:
-    """A torch tensor as a NumPy (CPU) or CuPy (CUDA) view, through DLPack."""
+    """A torch tensor as a NumPy (CPU) or CuPy (CUDA) view, through DLPack.
+
+    The arrays are detached from autograd; the tensors that require grad are
+    recorded beforehand by :func:`grad_source`, and the layer that solves
+    attaches the solution to the graph (:mod:`managed_solve.autograd`).
+    """
     if t.requires_grad:
-        t = t.detach()  # the solver does not differentiate through A or b
+        t = t.detach()
     if t.device.type == "cpu":
         return t.resolve_conj().numpy()
     if t.device.type == "cuda":
@@ -76,10 +82,30 @@ def _torch_sparse(t: Any, *, call: str) -> Any:
     return sparse.csr_matrix((val, col, crow), shape=shape)
 
 
+def _csr_triple(A: Any, *, call: str) -> Any:
+    """``(crow, col, values)`` (NumPy, CuPy or torch) as a CSR matrix of n = len(crow) - 1 rows."""
+    crow, col, val = (_torch_to_array(v, call=call, arg=f"A[{i}]") if _backend.is_torch_tensor(v)
+                      else v for i, v in enumerate(A))
+    xp = _backend.array_module(val) if not isinstance(val, (list, tuple)) else np
+    crow, col, val = xp.asarray(crow), xp.asarray(col), xp.asarray(val)
+    if crow.ndim != 1 or col.ndim != 1 or val.ndim != 1 or col.shape != val.shape or crow.size < 2:
+        raise ValueError(f"{call}: A as (crow, col, values) needs three 1-D arrays with "
+                         f"len(col) == len(values) and len(crow) = n + 1 >= 2; got shapes "
+                         f"{tuple(crow.shape)}, {tuple(col.shape)}, {tuple(val.shape)}")
+    n = int(crow.shape[0]) - 1
+    return _backend.sparse_module(xp).csr_matrix((val, col, crow), shape=(n, n))
+
+
 def as_operator(A: Any, *, call: str = "solve") -> tuple[Any, str]:
-    """Normalise A: (matrix, kind) with kind in {"csr", "dense", "operator"}."""
+    """Normalise A: (matrix, kind) with kind in {"csr", "dense", "operator"}.
+
+    A tuple ``(crow, col, values)`` is a square CSR matrix (the form whose
+    ``values`` a torch model often produces).
+    """
     if A is None:
         raise TypeError(f"{call}: A is None; expected a sparse matrix, a dense array or an operator")
+    if isinstance(A, tuple) and len(A) == 3:
+        A = _csr_triple(A, call=call)
     if _backend.is_torch_tensor(A):
         if A.layout != __import__("torch").strided:
             return _torch_sparse(A, call=call), "csr"
@@ -100,9 +126,76 @@ def as_operator(A: Any, *, call: str = "solve") -> tuple[Any, str]:
         return A, "operator"
     raise TypeError(
         f"{call}: A is a {type(A).__module__}.{type(A).__name__}; expected a SciPy or cupyx sparse "
-        "matrix, a torch sparse CSR/COO tensor, a dense NumPy/CuPy/torch array, or an object "
-        "with `shape` and `matvec`."
+        "matrix, a torch sparse CSR/COO tensor, a (crow, col, values) tuple, a dense "
+        "NumPy/CuPy/torch array, or an object with `shape` and `matvec`."
     )
+
+
+@dataclass(frozen=True)
+class GradSource:
+    """The torch tensors of one system that require grad, as the caller gave them.
+
+    Conversion to arrays detaches (:func:`as_operator`, :func:`as_vector`);
+    this record is what lets the layer that solves attach the solution to
+    the autograd graph (:mod:`managed_solve.autograd`).
+
+    Attributes
+    ----------
+    A : torch.Tensor or None
+        The tensor that receives A's gradient: a sparse CSR or COO tensor, the
+        ``values`` of a ``(crow, col, values)`` tuple, or a dense matrix.
+    form : {"csr", "coo", "values", "dense", ""}
+        How ``A`` holds A's entries ("" when A needs no gradient).
+    pattern : tuple of torch.Tensor or None
+        ``(crow, col)`` of the "values" form, in the order of ``values``.
+    b : torch.Tensor or None
+        The right-hand side, when it requires grad.
+    """
+
+    A: Any = None
+    form: str = ""
+    pattern: Any = None
+    b: Any = None
+
+
+def _requires_grad(t: Any) -> bool:
+    return _backend.is_torch_tensor(t) and t.requires_grad
+
+
+def grad_source(A: Any, b: Any, *, call: str) -> GradSource | None:
+    """What of ``A`` and ``b`` requires grad (None: nothing, or torch's grad mode is off).
+
+    Raises
+    ------
+    TypeError
+        A gradient is asked for where none can be given: an operator whose
+        values require grad, or a torch sparse layout other than CSR and COO.
+    """
+    torch = __import__("sys").modules.get("torch")
+    if torch is None or not torch.is_grad_enabled():
+        return None
+    source = {}
+    if _requires_grad(A):
+        layout = {torch.sparse_csr: "csr", torch.sparse_coo: "coo", torch.strided: "dense"}
+        form = layout.get(A.layout)
+        if form is None:
+            raise TypeError(f"{call}: A is a torch tensor with layout {A.layout} that requires "
+                            "grad; gradients are given for sparse CSR, sparse COO and dense A.")
+        source.update(A=A, form=form)
+    elif isinstance(A, tuple) and len(A) == 3 and _requires_grad(A[2]):
+        source.update(A=A[2], form="values", pattern=(A[0], A[1]))
+    elif hasattr(A, "matvec") or isinstance(A, torch.nn.Module):  # an operator
+        held = getattr(A, "__dict__", {}).values()
+        params = A.parameters() if isinstance(A, torch.nn.Module) else ()
+        if any(_requires_grad(v) for v in held) or any(p.requires_grad for p in params):
+            raise TypeError(
+                f"{call}: A is an operator ({type(A).__name__}) holding torch tensors that require "
+                "grad; a gradient cannot be given through an operator's values. Pass A as a torch "
+                "sparse CSR/COO tensor, a (crow, col, values) tuple or a dense tensor, or detach "
+                "its tensors.")
+    if _requires_grad(b):
+        source["b"] = b
+    return GradSource(**source) if source else None
 
 
 def as_vector(v: Any, n: int, *, call: str, arg: str, xp: Any = None) -> Any:

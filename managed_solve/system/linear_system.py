@@ -18,6 +18,7 @@ from .inputs import (
     as_vector,
     check_dtype,
     checked_finite,
+    grad_source,
     nonnegative_finite,
     result_dtype,
 )
@@ -53,6 +54,13 @@ class LinearSystem:
         null space; a b with a part outside the range gets the
         least-squares answer and the status ``LEAST_SQUARES`` saying so.
 
+    Attributes
+    ----------
+    grad : GradSource or None
+        The torch tensors among A and b that require grad
+        (:func:`managed_solve.system.inputs.grad_source`); ``solve`` and
+        ``solve_many`` attach the solution to the autograd graph through them.
+
     Examples
     --------
     >>> import numpy as np, scipy.sparse as sp
@@ -63,6 +71,8 @@ class LinearSystem:
     (3, 3, 'float64')
     """
 
+    grad = None  # copies made with object.__new__ that skip __init__ see None
+
     def __init__(self, A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 0.0,
                  maxiter: int | None = None, method: str = "auto", M: Any = None,
                  name: str | None = None, dtype: Any = None, check_finite: bool = True,
@@ -72,6 +82,7 @@ class LinearSystem:
         # _finite_memo: arrays already found finite, by object, for a caller that
         # validates many systems sharing matrices within one call (solve_many).
         call = _call or (f"LinearSystem({name!r})" if name else "LinearSystem(A, b)")
+        grad = grad_source(A, b, call=call)
         A, kind = as_operator(A, call=call)
         shape = tuple(int(s) for s in A.shape)
         if shape[0] != shape[1]:
@@ -137,6 +148,7 @@ class LinearSystem:
                 raise ValueError(f"{call}: x0 has NaN or Inf entries")
 
         self.A, self.kind, self.b, self.x0 = A, kind, b, x0
+        self.grad = grad
         self.rtol, self.atol = float(rtol), float(atol)
         self.maxiter = int(maxiter) if maxiter is not None else None
         self.method, self.M, self.name = method, M, name

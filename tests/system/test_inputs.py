@@ -117,3 +117,37 @@ def test_mixed_devices_rejected_on_gpu():
 
     with pytest.raises(ValueError, match="one device"):
         LinearSystem(laplacian1d(6), cp.ones(6))
+
+
+def test_a_crow_col_values_tuple_is_a_csr_matrix():
+    from managed_solve.system.inputs import as_operator
+
+    A = laplacian1d(6)
+    M, kind = as_operator((A.indptr, A.indices, A.data))
+    assert kind == "csr" and M.shape == (6, 6) and (M != A).nnz == 0
+    with pytest.raises(ValueError, match=r"\(crow, col, values\)"):
+        as_operator((A.indptr, A.indices, A.data[:-1]))
+
+
+def test_grad_source_records_what_requires_grad_and_refuses_what_cannot_have_one():
+    torch = pytest.importorskip("torch")
+    from managed_solve.system.inputs import grad_source
+
+    A = laplacian1d(4)
+    crow, col = torch.tensor(A.indptr), torch.tensor(A.indices)
+    vals = torch.tensor(A.data, requires_grad=True)
+    b = torch.ones(4, dtype=torch.float64, requires_grad=True)
+    assert grad_source(A, np.ones(4), call="t") is None
+    assert grad_source(A, torch.ones(4), call="t") is None
+    csr = torch.sparse_csr_tensor(crow, col, vals, (4, 4))
+    assert grad_source(csr, b, call="t").form == "csr"
+    assert grad_source(csr, b, call="t").b is b
+    assert grad_source(csr.to_sparse_coo(), None, call="t").form == "coo"
+    got = grad_source((crow, col, vals), None, call="t")
+    assert got.form == "values" and got.A is vals and got.b is None
+    assert grad_source(torch.eye(4, requires_grad=True), None, call="t").form == "dense"
+    with torch.no_grad():
+        assert grad_source(csr, b, call="t") is None
+    with pytest.raises(TypeError, match="layout"):
+        grad_source(torch.eye(4).to_sparse_bsr((2, 2)).requires_grad_(), None, call="t")
+    assert LinearSystem(csr, b).grad.A is csr

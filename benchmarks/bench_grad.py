@@ -1,0 +1,127 @@
+"""W6: gradients through solves (BENCHMARKS.md), forward against forward + backward in one run.
+
+Groups (the forward alone is each group's anchor, so the report's ratio is
+forward + backward over forward; targets: backward at most 1.2 x forward,
+i.e. the pair at most 2.2 x):
+
+- ``w6-cpu``: ``solve`` on 2D Poisson N = 16k (CPU), gradients for b and A's values;
+- ``w6-gpu``: the same at N = 1M on one GPU (default method and preconditioner);
+- ``w6-many-cpu`` / ``w6-many-gpu``: ``solve_many`` over W2's 400 systems, every
+  system's b and values requiring grad, one batched adjoint call;
+- torch-sla 0.4.0's forward + backward on the same problem, where importable
+  (``pip install torch-sla``; pure Python), reported beside ours.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from conftest import GPU_COUNT, sync
+from managed_solve import DeviceManager, LinearSystem, solve, solve_many
+
+torch = pytest.importorskip("torch")
+
+RTOL = 1e-8
+ROUNDS = 3
+SIZES = {"cpu": 128, "cuda:0": 1024}  # N = 16k on the CPU, 1M on a GPU
+
+
+def poisson2d(m: int) -> sp.csr_matrix:
+    t = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(m, m))
+    A = (sp.kron(sp.eye(m), t) + sp.kron(t, sp.eye(m))).tocsr()
+    A.sort_indices()
+    return A
+
+
+def leaves(A: sp.csr_matrix, device: str):
+    """(crow, col, values) and b as torch tensors on ``device``; values and b require grad."""
+    crow = torch.tensor(A.indptr, dtype=torch.int64, device=device)
+    col = torch.tensor(A.indices, dtype=torch.int64, device=device)
+    values = torch.tensor(A.data, device=device, requires_grad=True)
+    b = torch.ones(A.shape[0], dtype=torch.float64, device=device, requires_grad=True)
+    return (crow, col, values), b
+
+
+def _sync(device: str) -> None:
+    if device != "cpu":
+        sync()
+
+
+def _devices():
+    return ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("who", ["forward", "forward+backward"])
+def bench_w6_solve(benchmark, machine_info, device, who):
+    A = poisson2d(SIZES[device])
+    triple, b = leaves(A, device)
+    benchmark.group = f"w6-{'cpu' if device == 'cpu' else 'gpu'}"
+
+    def run():
+        x = solve(triple, b, rtol=RTOL, device=device).to_torch()
+        if who == "forward+backward":
+            (x * x).sum().backward()
+        _sync(device)
+        return x
+
+    x = run()  # warm-up, and the gradient is checked once: dL/db = A^-T (2 x)
+    if who == "forward+backward":
+        g = b.grad.detach().cpu().numpy()
+        xn = x.detach().cpu().numpy()
+        assert np.linalg.norm(A.T @ g - 2 * xn) <= 10 * RTOL * np.linalg.norm(2 * xn)
+    benchmark.pedantic(run, rounds=ROUNDS, iterations=1, warmup_rounds=0)
+    machine_info(benchmark, "cpu" if device == "cpu" else "cuda", dtype="float64",
+                 role="anchor" if who == "forward" else "ours", n=A.shape[0], nnz=A.nnz,
+                 target=None if who == "forward" else "<= 2.2 x forward (backward <= 1.2 x)")
+
+
+@pytest.mark.parametrize("device", _devices())
+def bench_w6_torch_sla(benchmark, machine_info, device):
+    torch_sla = pytest.importorskip("torch_sla")
+    A = poisson2d(SIZES[device])
+    C = A.tocoo()
+    row = torch.tensor(C.row, dtype=torch.int64, device=device)
+    col = torch.tensor(C.col, dtype=torch.int64, device=device)
+    values = torch.tensor(C.data, device=device, requires_grad=True)
+    b = torch.ones(A.shape[0], dtype=torch.float64, device=device, requires_grad=True)
+    benchmark.group = f"w6-{'cpu' if device == 'cpu' else 'gpu'}"
+
+    def run():
+        x = torch_sla.SparseTensor(values, row, col, A.shape).solve(b)
+        (x * x).sum().backward()
+        _sync(device)
+
+    run()
+    benchmark.pedantic(run, rounds=ROUNDS, iterations=1, warmup_rounds=0)
+    machine_info(benchmark, "cpu" if device == "cpu" else "cuda", dtype="float64",
+                 role="reported", n=A.shape[0], who="torch-sla forward+backward",
+                 torch_sla=getattr(torch_sla, "__version__", "?"))
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("who", ["forward", "forward+backward"])
+def bench_w6_solve_many(benchmark, machine_info, device, who):
+    sizes = [int(m) for m in np.random.default_rng(0).integers(32, 97, size=400)]
+    mats = {m: poisson2d(m) for m in set(sizes)}
+    dm = DeviceManager([device]) if device == "cpu" or GPU_COUNT else None
+    benchmark.group = f"w6-many-{'cpu' if device == 'cpu' else 'gpu'}"
+
+    def run():
+        systems = []
+        for m in sizes:
+            triple, b = leaves(mats[m], device)
+            systems.append(LinearSystem(triple, b, rtol=RTOL))
+        results = solve_many(systems, manager=dm)
+        if who == "forward+backward":
+            sum((r.to_torch() ** 2).sum() for r in results).backward()
+        _sync(device)
+        return results
+
+    assert all(r.converged for r in run())
+    benchmark.pedantic(run, rounds=ROUNDS, iterations=1, warmup_rounds=0)
+    machine_info(benchmark, "cpu" if device == "cpu" else "cuda", dtype="float64",
+                 role="anchor" if who == "forward" else "ours", systems=len(sizes),
+                 target=None if who == "forward" else "<= 2.3 x forward")

@@ -1,0 +1,284 @@
+"""Gradients through solves: a solution attached to torch's autograd graph.
+
+For ``x = A^-1 b`` and a loss L with ``g = dL/dx``, one adjoint solve
+``A^T lam = g`` gives both gradients::
+
+    dL/db = lam
+    dL/dA = -lam x^T, wanted on A's stored entries only:
+    dL/dA_values[k] = -lam[row[k]] * x[col[k]]        (a gather, O(nnz))
+
+so backward costs one solve and keeps nothing of the forward's iterations:
+the graph holds x, the inputs' tensors and whatever solves the adjoint
+(memory O(nnz + n)). The layer that solved decides how the adjoint is solved
+and passes it in: ``solve`` (and :class:`~managed_solve.solver.Solver`) on the
+forward's prepared engine, ``solve_many`` as one batched ``solve_many`` of the
+adjoints. This module only wires the graph and computes the gradients.
+
+The adjoint solver is released when torch frees the node's saved state:
+after a backward without ``retain_graph``, or when the graph is dropped
+unused. It is tied to the node through a saved-tensor hook, whose packed
+object torch frees exactly then.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import _backend
+from .dlpack import as_torch
+from .result import SolveResult
+from .system import LinearSystem
+from .system.inputs import GradSource
+from .system.method import matrix_symmetry
+
+#: Methods that need a symmetric A: their systems are their own adjoints.
+SYMMETRIC_METHODS = ("cg", "minres")
+
+
+class Link:
+    """What backward needs for the systems of one attachment.
+
+    ``adjoints(rhs)`` takes a list of (system index, adjoint right-hand side
+    as an array on the solution's device) and returns one
+    :class:`SolveResult` per entry, whose ``x`` is ``lam``. ``release`` runs
+    once, when torch frees the node's saved state.
+    """
+
+    def __init__(self, sources: Sequence[GradSource], results: Sequence[SolveResult],
+                 adjoints: Callable[[list], list], *, transpose: bool = False):
+        self.sources = list(sources)
+        self.xs = [r.x for r in results]
+        self.names = [r.name for r in results]
+        self.adjoints = adjoints
+        self.transpose = transpose
+
+
+def attach(result: SolveResult, source: GradSource | None, adjoint: Callable[[Any], SolveResult],
+           *, release: Callable[[], None] | None = None, transpose: bool = False) -> SolveResult:
+    """Make ``result.to_torch()`` a tensor attached to autograd through ``source``'s tensors.
+
+    Parameters
+    ----------
+    result : SolveResult
+        The forward solve (x of shape (n,) or (n, k)).
+    source : GradSource or None
+        The tensors that require grad; None attaches nothing.
+    adjoint : callable
+        ``adjoint(g) -> SolveResult`` solves ``A^T lam = g`` (``A lam = g``
+        when ``transpose``) for g shaped as x, on x's device.
+    release : callable, optional
+        Runs once when the graph no longer needs ``adjoint`` (at once when
+        nothing is attached).
+    transpose : bool
+        The forward solved ``A^T x = b``: then ``dL/dA = -x lam^T``.
+    """
+    attached = _attach([result], [source], lambda rhs: [adjoint(g) for _, g in rhs],
+                       release=release, transpose=transpose)
+    return attached[0]
+
+
+def attach_many(results: list[SolveResult], systems: Sequence[LinearSystem | None],
+                solve_batch: Callable[[list[LinearSystem]], list[SolveResult]]) -> None:
+    """Attach every result whose system has inputs requiring grad, with one node for them all.
+
+    Backward builds the adjoint system of each result that received a
+    gradient (A itself when symmetric, else A^T; the forward's method, rtol,
+    atol and maxiter) and solves them together with one ``solve_batch`` call.
+    """
+    picked = [i for i, s in enumerate(systems)
+              if s is not None and s.grad is not None and results[i].x is not None]
+    if not picked:
+        return
+    chosen = [systems[i] for i in picked]
+    forward = [results[i] for i in picked]
+
+    def adjoints(rhs: list) -> list[SolveResult]:
+        return solve_batch([adjoint_system(chosen[j], forward[j], g) for j, g in rhs])
+
+    _attach(forward, [s.grad for s in chosen], adjoints)
+
+
+def adjoint_system(system: LinearSystem, forward: SolveResult, g: Any) -> LinearSystem:
+    """``A^T lam = g`` for the system that ``forward`` solved (A itself when symmetric)."""
+    method = forward.method if forward.method in ("cg", "bicgstab", "gmres", "minres",
+                                                  "direct") else system.method
+    symmetric = method in SYMMETRIC_METHODS or bool(matrix_symmetry(system))
+    A = system.A if symmetric else transposed(system)
+    # A user preconditioner approximates A^-1; only a named one is rebuilt for A^T.
+    M = system.M if symmetric or system.M is None or isinstance(system.M, str) else None
+    xp = _backend.array_module(system.b)
+    rhs = xp.asarray(g) if xp is not np else np.asarray(_backend.to_host(g))
+    return LinearSystem(A, rhs, rtol=system.rtol, atol=system.atol, maxiter=system.maxiter,
+                        method=method, M=M, dtype=system.dtype, name=f"adjoint of {forward.name}",
+                        check_finite=False)
+
+
+def transposed(system: LinearSystem) -> Any:
+    """A^T of a CSR, dense or operator A (an operator needs ``rmatvec``: its ``.T``)."""
+    if system.kind == "csr":
+        return system.A.T.tocsr()
+    if system.kind == "dense":
+        return system.A.T
+    if not hasattr(system.A, "rmatvec"):
+        raise NotImplementedError(
+            f"gradient of {system.name or 'a system'}: the adjoint needs A^T; this operator has no "
+            "rmatvec. Give a scipy.sparse.linalg.LinearOperator with rmatvec.")
+    return system.A.T
+
+
+# ---------------------------------------------------------------------- wiring
+
+
+def _attach(results: list[SolveResult], sources: list[GradSource | None],
+            adjoints: Callable[[list], list], *, release: Callable[[], None] | None = None,
+            transpose: bool = False) -> list[SolveResult]:
+    torch = _backend.require("torch", "gradients through a solve")
+    live = [i for i, (r, s) in enumerate(zip(results, sources, strict=True))
+            if s is not None and r.x is not None]
+    if not live or not torch.is_grad_enabled():
+        if release is not None:
+            release()
+        return results
+    link = Link([sources[i] for i in live], [results[i] for i in live], adjoints,
+                transpose=transpose)
+    if release is not None:
+        weakref.finalize(link, release)
+    flat = []
+    for i in live:
+        flat += [sources[i].A, sources[i].b]
+    try:
+        # The link lives as long as the node's saved state (see the module docstring).
+        with torch.autograd.graph.saved_tensors_hooks(lambda _t: link, _unpack):
+            outs = _function().apply(weakref.ref(link), *flat)
+    except RuntimeError:  # saved-tensor hooks disabled by the caller: live as long as the graph
+        outs = _function().apply(lambda: link, *flat)
+    for i, out in zip(live, outs, strict=True):
+        results[i].attach(out)
+    return results
+
+
+def _unpack(_link: Any) -> Any:
+    import torch
+
+    return torch.empty(0)
+
+
+@functools.cache
+def _function() -> Any:
+    """The autograd Function (made on first use: torch is optional)."""
+    import torch
+
+    class Solve(torch.autograd.Function):
+        """x_i = solve(A_i, b_i) for the systems of one link; backward: their adjoints at once."""
+
+        @staticmethod
+        def forward(ctx: Any, link_ref: Any, *flat: Any) -> tuple:
+            link = link_ref()
+            ctx.link_ref = link_ref
+            ctx.set_materialize_grads(False)
+            ctx.save_for_backward(torch.empty(0))  # ties the link to the saved state
+            return tuple(as_torch(x) for x in link.xs)
+
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> tuple:
+            _ = ctx.saved_tensors  # torch's own error once a backward freed the graph
+            link = ctx.link_ref()
+            rhs = [(j, _array(g)) for j, g in enumerate(grads) if g is not None]
+            out: list[Any] = [None] * (2 * len(link.xs))
+            if not rhs:
+                return (None, *out)
+            solved = link.adjoints(rhs)
+            for (j, _), adj in zip(rhs, solved, strict=True):
+                lam = _lambda(adj, link.names[j])
+                if lam is None:
+                    continue
+                x = as_torch(link.xs[j])
+                src = link.sources[j]
+                if src.A is not None and ctx.needs_input_grad[1 + 2 * j]:
+                    u, v = (x, lam) if link.transpose else (lam, x)
+                    out[2 * j] = matrix_grad(src, u, v)
+                if src.b is not None and ctx.needs_input_grad[2 + 2 * j]:
+                    out[2 * j + 1] = lam.to(src.b.device, src.b.dtype).reshape(src.b.shape)
+            return (None, *out)
+
+    return Solve
+
+
+def _array(g: Any) -> Any:
+    """A gradient tensor as a NumPy or CuPy array on its device (DLPack, no copy)."""
+    g = g.detach().contiguous()
+    if g.device.type == "cuda":
+        return _backend.cupy().from_dlpack(g)
+    return g.numpy()
+
+
+def _lambda(adj: SolveResult, name: str | None) -> Any:
+    """The adjoint solution as a tensor; a warning naming the system when it did not converge."""
+    who = name or "the system"
+    if not adj.converged:
+        warnings.warn(f"managed_solve: the adjoint solve of {who} did not converge "
+                      f"({adj.status.name}: {adj.message or adj.status.message}); its gradient is "
+                      f"{'inaccurate' if adj.x is not None else 'not given'}.",
+                      RuntimeWarning, stacklevel=3)
+    return None if adj.x is None else as_torch(adj.x)
+
+
+def matrix_grad(source: GradSource, u: Any, v: Any) -> Any:
+    """``-u v^T`` on A's stored entries, shaped as the tensor that receives it.
+
+    u and v are (n,) or (n, k) tensors (k columns are summed). Computed on
+    A's device: u and v move there (O(n)), the pattern never moves. The
+    gather runs in NumPy on the CPU (torch's CPU indexing is many times
+    slower) and in torch on a GPU.
+    """
+    import torch
+
+    A = source.A
+    u = u.to(A.device, A.dtype)
+    v = v.to(A.device, A.dtype)
+    if source.form == "dense":
+        return -(u @ v.T if u.ndim == 2 else torch.outer(u, v))
+    if source.form == "coo":
+        C = A.detach().coalesce()
+        idx = C.indices()
+        vals = _gather(u, v, idx[0], idx[1])
+        return torch.sparse_coo_tensor(idx, vals, A.shape, is_coalesced=True)
+    if source.form == "csr":
+        crow, col = A.crow_indices(), A.col_indices()
+    else:  # "values": (crow, col) as the caller gave them
+        crow, col = (torch.as_tensor(p, device=A.device) for p in source.pattern)
+    rows = _rows(crow)
+    vals = _gather(u, v, rows, col)
+    if source.form == "csr":
+        return torch.sparse_csr_tensor(crow, col, vals, A.shape)
+    return vals.reshape(A.shape)
+
+
+def _rows(crow: Any) -> Any:
+    """The row of each stored entry of a CSR pattern."""
+    import torch
+
+    n = crow.numel() - 1
+    if crow.device.type == "cpu":
+        c = crow.numpy()
+        return torch.from_numpy(np.repeat(np.arange(n), np.diff(c)))
+    crow = crow.long()
+    return torch.repeat_interleave(torch.arange(n, device=crow.device), crow[1:] - crow[:-1])
+
+
+def _gather(u: Any, v: Any, rows: Any, cols: Any) -> Any:
+    """``-u[rows] * v[cols]`` (summed over columns for (n, k) u and v)."""
+    import torch
+
+    if u.device.type == "cpu":
+        un, vn = u.detach().numpy(), v.detach().numpy()
+        prod = un[rows.numpy()] * vn[cols.numpy()]
+        return torch.from_numpy(-(prod.sum(axis=1) if prod.ndim == 2 else prod))
+    prod = u[rows] * v[cols.long()]
+    return -(prod.sum(dim=1) if prod.ndim == 2 else prod)
