@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -43,10 +44,61 @@ def test_managed_on_simulated_gpus_agrees(capsys):
     assert "sim:" in capsys.readouterr().out
 
 
-def test_heat_on_surface_conserves_heat(tmp_path):
+def test_heat_on_surface_conserves_heat(tmp_path, capsys):
     drift = _load("heat_on_surface").main(["--small", "--out", str(tmp_path / "heat.png")])
     assert drift < 1e-9
     assert (tmp_path / "heat.png").stat().st_size > 1000
+    # The Solver's steps agree with the factor-once SciPy loop.
+    out = capsys.readouterr().out
+    assert float(re.search(r"^scipy_diff=(\S+)$", out, re.M).group(1)) < 1e-10
+
+
+def test_heat_on_surface_krylov_steps_agree(capsys):
+    """The same steps on the Solver's Krylov path (what a GPU runs) conserve heat too."""
+    drift = _load("heat_on_surface").main(["--small", "--method", "cg"])
+    assert drift < 1e-9
+    out = capsys.readouterr().out
+    assert "(cg on cpu)" in out
+    assert float(re.search(r"^scipy_diff=(\S+)$", out, re.M).group(1)) < 1e-9
+
+
+def test_geodesic_heat_converges_on_the_sphere(capsys):
+    """Heat-method distances approach arccos(x . x_s) as the icosphere is refined."""
+    errors = _load("geodesic_heat").main(["--small", "--sources", "3", "--no-compare"])
+    assert len(errors) == 3
+    assert all(b < a for a, b in zip(errors, errors[1:], strict=False)), errors
+    assert errors[-1] < 0.03  # icosphere(4): mean error about 0.013 (distances up to pi)
+    out = capsys.readouterr().out
+    assert "per source" in out and "in a block of 3" in out
+
+
+def test_geodesic_heat_operators():
+    """G^T diag(area) G is the cotangent Laplacian; the pinned Laplacian keeps its pattern."""
+    from managed_solve.assembly import assemble
+    from managed_solve.mesh import icosphere
+
+    geo = _load("geodesic_heat")
+    mesh = icosphere(2)
+    G, area = geo.face_gradient(mesh)
+    L = assemble(mesh)
+    assert abs(G.T @ (G.multiply(np.repeat(area, 3)[:, None])) - L).max() < 1e-12
+    assert abs(G @ np.ones(mesh.n_vertices)).max() < 1e-12  # constants have no gradient
+    P = geo.pinned(L, 5)
+    assert P.nnz == L.nnz and (P.indices == L.indices).all()
+    assert P[5, 5] == 1.0 and abs(P[5]).sum() == 1.0 and abs(P[:, 5]).sum() == 1.0
+
+
+def test_geodesic_heat_block_matches_one_source_at_a_time():
+    from managed_solve.mesh import icosphere
+
+    geo = _load("geodesic_heat")
+    mesh = icosphere(2)
+    with geo.HeatGeodesics(mesh, device="cpu") as solver:
+        block = solver.distance(np.array([3, 40, 100]))
+        one = solver.distance(40)
+    assert block.shape == (mesh.n_vertices, 3) and one.shape == (mesh.n_vertices,)
+    np.testing.assert_allclose(block[:, 1], one, atol=1e-10)
+    assert block[40, 1] == 0.0 and (block >= -1e-12).all()
 
 
 def test_surrogate_training_learns():
