@@ -25,18 +25,14 @@ from .result import SolveResult, Status
 from .solvers import batched
 from .solvers._common import power_of_two_scale, stable_norm, stop_threshold, true_residual_norm
 from .solvers.direct import SINGULAR, DirectEngine, Singular
-from .solvers.engine import BREAKDOWN, CONVERGED, LEAST_SQUARES, MAXITER, Options, Outcome, Prepared
+from .solvers.engine import BREAKDOWN, MAXITER, Options, Outcome, Prepared
 from .solvers.krylov import KrylovEngine
-from .solvers.verify import fall_back
+from .solvers.verify import fall_back, no_worse_than_the_start, refine, stagnated, status_of
 from .system import FALLBACK, LinearSystem
 from .system.inputs import GradSource, as_operator, check_dtype, checked_finite, grad_source
 from .system.method import choose_method, matrix_symmetry
 
 log = logging.getLogger("managed_solve")
-
-# Extra Krylov restarts from the current x when the recurrence residual met
-# the tolerance but the true residual did not (drift, mostly in float32).
-REFINEMENTS = 2
 
 
 def prepare(system: LinearSystem, method: str, device: Device, *, symmetric: bool | None = None,
@@ -63,35 +59,6 @@ def fallback_method(system: LinearSystem, method: str, out: Outcome,
     """The method "auto" tries next after ``out``, or None (:mod:`managed_solve.solvers.verify`)."""
     return fall_back(system, method, out.code, symmetric)
 
-
-def status_of(out: Outcome, method: str, residual: float, tol: float,
-            system: LinearSystem) -> tuple[Status, str]:
-    if out.code == BREAKDOWN:
-        return Status.BREAKDOWN, out.message or Status.BREAKDOWN.message
-    if out.code == LEAST_SQUARES:
-        if residual <= tol * (1 + 1e-6):  # b was in the range after all
-            return Status.CONVERGED, f"{method}: converged in {out.iterations} iterations"
-        return Status.LEAST_SQUARES, (f"{out.message} ||b - A x|| = {residual:.3g} against the "
-                                      f"tolerance {tol:.3g}.")
-    if out.code == MAXITER:
-        if method == "direct":
-            return Status.MAXITER, out.message
-        return Status.MAXITER, (f"{method}: {out.iterations} iterations did not reach the "
-                                f"tolerance (||b - A x|| = {residual:.3g} > {tol:.3g}); raise "
-                                "maxiter, loosen rtol, or add a preconditioner (M='jacobi').")
-    if not residual <= tol * (1 + 1e-6):
-        if method == "direct":
-            return Status.MAXITER, (
-                f"direct: the true residual ||b - A x|| = {residual:.3g} exceeds {tol:.3g}; "
-                f"A is too ill-conditioned for rtol={system.rtol:g} in {system.dtype}.")
-        return Status.MAXITER, (
-            f"{method}: the recurrence met the tolerance but the true residual "
-            f"||b - A x|| = {residual:.3g} exceeds {tol:.3g} after {REFINEMENTS} restarts; "
-            f"{system.dtype} may not resolve rtol={system.rtol:g} (use dtype='float64' or a "
-            "looser rtol).")
-    if method == "direct":
-        return Status.CONVERGED, f"solved by {out.info.get('factorisation', 'LU')}"
-    return Status.CONVERGED, f"{method}: converged in {out.iterations} iterations"
 
 
 class Solver:
@@ -191,6 +158,7 @@ class Solver:
             self.method = choose_method(self.system, dev.kind, symmetric=symmetric)
             self._engines: dict[str, Prepared | Outcome] = {}
             self._scale_matrix()
+            self._set_up_now()
             # A's tensor that requires grad (b's comes with each solve); graphs
             # that need this solver for their backward, and whether it closes
             # once they are freed (release()).
@@ -223,6 +191,21 @@ class Solver:
             scaled = system.A / self.a_scale
             self._engine_system = _with_matrix(system, scaled.tocsr() if system.kind == "csr"
                                                else scaled)
+
+    def _set_up_now(self) -> None:
+        """Prepare the chosen method's engine here, so that every solve costs the solve only.
+
+        An out-of-memory error is left to the first solve, which reports it as
+        the result's DEVICE_ERROR status.
+        """
+        system, mgr = self.system, self.manager
+        sig = (*system.signature[:3], self.method, system.kind, system.rtol)
+        first_check = mgr.predict(sig, device=self.device).iterations if mgr is not None else None
+        try:
+            with self.device.context():
+                self._engine(self.method, first_check)
+        except MemoryError:
+            self._engines.pop(self.method, None)
 
     def _engine(self, method: str, first_check: int | None = None) -> Prepared | Outcome:
         """The prepared engine of ``method`` (made once), or the Outcome of a failed set-up."""
@@ -546,7 +529,9 @@ class Solver:
             x = out.x
             if x is not None and N is not None:
                 x = out.x = x - N @ (N.T @ x)
-            if x is not None:
+            if x is not None and used == "direct" and N is None and "refinements" in out.info:
+                residual = out.residual_norm  # the factorisation's check read the true residual
+            elif x is not None:
                 residual = true_residual_norm(A, b, x)
                 # That read waited for the solve's queued masked iterations: free what
                 # the fused GPU core kept alive for them (nothing on other paths).
@@ -583,13 +568,13 @@ class Solver:
         while True:
             fallback = fallback_method(self.system, method, out, self.symmetric)
             if fallback is None and self.system.method == "auto" and out.code == MAXITER \
-                    and method in FALLBACK and out.x is not None and _stagnated(A, b, x0, out):
+                    and method in FALLBACK and out.x is not None and stagnated(A, b, x0, out):
                 # The iteration limit with the residual where it started: the
                 # method does not suit this matrix (singular, indefinite), not
                 # merely slow; the robust method may.
                 fallback = FALLBACK[method]
             if fallback is None or fallback in tried:
-                return method, _no_worse_than_the_start(A, b, x0, out, tol)
+                return method, no_worse_than_the_start(A, b, x0, out, tol)
             # "auto" guessed from cheap tests (a positive diagonal does not make a
             # symmetric matrix definite; a factorisation may meet a singular
             # matrix): retry with the robust method (a chain: LU, CG, MINRES).
@@ -609,34 +594,6 @@ class Solver:
             tried.append(method)
 
 
-def _stagnated(A: Any, b: Any, x0: Any, out: Outcome) -> bool:
-    """Whether ``out`` left the true residual at 90% of the start's or above."""
-    xp = _backend.array_module(b)
-    start = true_residual_norm(A, b, x0) if x0 is not None else stable_norm(xp, b)
-    return not true_residual_norm(A, b, out.x) < 0.9 * start
-
-
-def _no_worse_than_the_start(A: Any, b: Any, x0: Any, out: Outcome, tol: float) -> Outcome:
-    """A failed solve whose x is worse than its initial guess hands back the initial guess.
-
-    A breakdown or an exhausted iteration limit can leave an iterate far
-    from any solution (CG on an inconsistent singular system grows x along
-    the null space); the caller then gets the better of start and end.
-    """
-    if out.code == CONVERGED or out.x is None:
-        return out
-    xp = _backend.array_module(b)
-    end = true_residual_norm(A, b, out.x)
-    if not end > tol:
-        return out
-    start_x = xp.zeros_like(b) if x0 is None else x0
-    start = true_residual_norm(A, b, start_x) if x0 is not None else stable_norm(xp, b)
-    if end > start:
-        out.x = start_x.copy()
-        out.info["returned"] = "initial guess (the last iterate was worse)"
-    return out
-
-
 def _check_representable(out: Outcome, scaled_x: Any) -> None:
     """A solution scaled back past float's range is reported, not returned as inf or 0."""
     xp = _backend.array_module(out.x)
@@ -653,26 +610,6 @@ def _check_representable(out: Outcome, scaled_x: Any) -> None:
 def _failed(setup: Outcome) -> Outcome:
     """The outcome of a solve whose engine could not be set up (a copy per column)."""
     return Outcome(None, setup.code, 0, setup.residual_norm, setup.message)
-
-
-def refine(A: Any, b: Any, prepared: Any, out: Outcome, tol: float, transpose: bool) -> Outcome:
-    """Restart from x while the recurrence converged but the true residual did not."""
-    total, syncs = out.iterations, out.host_syncs
-    maxiter = prepared.maxiter
-    for _ in range(REFINEMENTS):
-        if out.code != CONVERGED or out.x is None:
-            break
-        if true_residual_norm(A, b, out.x) <= tol:
-            break
-        left = maxiter - total
-        if left <= 0:
-            break
-        nxt = prepared.solve_limited(b, out.x, left, transpose=transpose)
-        total += nxt.iterations
-        syncs += nxt.host_syncs
-        out = nxt
-    out.iterations, out.host_syncs = total, syncs
-    return out
 
 
 def _with_matrix(system: LinearSystem, A: Any) -> LinearSystem:

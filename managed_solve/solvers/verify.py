@@ -17,10 +17,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import _backend
 from ..result import Status
 from ..system import FALLBACK, LinearSystem
 from ..system.method import krylov_method
-from .engine import BREAKDOWN, CONVERGED, LEAST_SQUARES, MAXITER
+from ._common import stable_norm, true_residual_norm
+from .engine import BREAKDOWN, CONVERGED, LEAST_SQUARES, MAXITER, Outcome
 
 ACCEPT, RESTART, FALL_BACK = "accept", "restart", "fall back"
 
@@ -75,3 +77,86 @@ def fall_back(s: LinearSystem, method: str, code: int, symmetric: bool | None = 
     if code == BREAKDOWN and verdict(s, method, code, float("nan"), 1.0) == FALL_BACK:
         return fallback_for(s, method, symmetric)
     return None
+
+
+# Extra Krylov restarts from the current x when the recurrence residual met
+# the tolerance but the true residual did not (drift, mostly in float32).
+REFINEMENTS = 2
+
+
+def status_of(out: Outcome, method: str, residual: float, tol: float,
+            system: LinearSystem) -> tuple[Status, str]:
+    if out.code == BREAKDOWN:
+        return Status.BREAKDOWN, out.message or Status.BREAKDOWN.message
+    if out.code == LEAST_SQUARES:
+        if residual <= tol * (1 + 1e-6):  # b was in the range after all
+            return Status.CONVERGED, f"{method}: converged in {out.iterations} iterations"
+        return Status.LEAST_SQUARES, (f"{out.message} ||b - A x|| = {residual:.3g} against the "
+                                      f"tolerance {tol:.3g}.")
+    if out.code == MAXITER:
+        if method == "direct":
+            return Status.MAXITER, out.message
+        return Status.MAXITER, (f"{method}: {out.iterations} iterations did not reach the "
+                                f"tolerance (||b - A x|| = {residual:.3g} > {tol:.3g}); raise "
+                                "maxiter, loosen rtol, or add a preconditioner (M='jacobi').")
+    if not residual <= tol * (1 + 1e-6):
+        if method == "direct":
+            return Status.MAXITER, (
+                f"direct: the true residual ||b - A x|| = {residual:.3g} exceeds {tol:.3g}; "
+                f"A is too ill-conditioned for rtol={system.rtol:g} in {system.dtype}.")
+        return Status.MAXITER, (
+            f"{method}: the recurrence met the tolerance but the true residual "
+            f"||b - A x|| = {residual:.3g} exceeds {tol:.3g} after {REFINEMENTS} restarts; "
+            f"{system.dtype} may not resolve rtol={system.rtol:g} (use dtype='float64' or a "
+            "looser rtol).")
+    if method == "direct":
+        return Status.CONVERGED, f"solved by {out.info.get('factorisation', 'LU')}"
+    return Status.CONVERGED, f"{method}: converged in {out.iterations} iterations"
+
+
+def refine(A: Any, b: Any, prepared: Any, out: Outcome, tol: float, transpose: bool) -> Outcome:
+    """Restart from x while the recurrence converged but the true residual did not."""
+    total, syncs = out.iterations, out.host_syncs
+    maxiter = prepared.maxiter
+    for _ in range(REFINEMENTS):
+        if out.code != CONVERGED or out.x is None:
+            break
+        if true_residual_norm(A, b, out.x) <= tol:
+            break
+        left = maxiter - total
+        if left <= 0:
+            break
+        nxt = prepared.solve_limited(b, out.x, left, transpose=transpose)
+        total += nxt.iterations
+        syncs += nxt.host_syncs
+        out = nxt
+    out.iterations, out.host_syncs = total, syncs
+    return out
+
+
+def stagnated(A: Any, b: Any, x0: Any, out: Outcome) -> bool:
+    """Whether ``out`` left the true residual at 90% of the start's or above."""
+    xp = _backend.array_module(b)
+    start = true_residual_norm(A, b, x0) if x0 is not None else stable_norm(xp, b)
+    return not true_residual_norm(A, b, out.x) < 0.9 * start
+
+
+def no_worse_than_the_start(A: Any, b: Any, x0: Any, out: Outcome, tol: float) -> Outcome:
+    """A failed solve whose x is worse than its initial guess hands back the initial guess.
+
+    A breakdown or an exhausted iteration limit can leave an iterate far
+    from any solution (CG on an inconsistent singular system grows x along
+    the null space); the caller then gets the better of start and end.
+    """
+    if out.code == CONVERGED or out.x is None:
+        return out
+    xp = _backend.array_module(b)
+    end = true_residual_norm(A, b, out.x)
+    if not end > tol:
+        return out
+    start_x = xp.zeros_like(b) if x0 is None else x0
+    start = true_residual_norm(A, b, start_x) if x0 is not None else stable_norm(xp, b)
+    if end > start:
+        out.x = start_x.copy()
+        out.info["returned"] = "initial guess (the last iterate was worse)"
+    return out
