@@ -41,7 +41,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--label", required=True)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--opt-in", action="store_true",
+                    help="run under the process-wide settings solve_many may opt in to "
+                         "(GC paused, a short switch interval), where the build has them")
+    ap.add_argument("--only", default="W1,W2,W3", help="comma-separated workloads to time")
     args = ap.parse_args()
+    only = set(args.only.split(","))
+
+    import contextlib
 
     import cupy as cp
     import cupyx.scipy.sparse as csp
@@ -50,17 +57,34 @@ def main() -> None:
     from managed_solve import assembly
     from managed_solve.mesh import icosphere
 
+    settings = contextlib.nullcontext()
+    if args.opt_in and hasattr(ms, "config"):
+        settings = ms.config.override(pause_gc=True, switch_interval=5e-4,
+                                      head_switch_interval=1e-4)
+    with settings:
+        run(args, only, ms, assembly, icosphere, cp, csp)
+
+
+def run(args, only, ms, assembly, icosphere, cp, csp) -> None:
     def sync():
         cp.cuda.Device(0).synchronize()
 
     def emit(name, seconds, **extra):
-        print(json.dumps({"label": args.label, "figure": name,
+        print(json.dumps({"label": args.label + (" opt-in" if args.opt_in else ""), "figure": name,
                           "median_s": statistics.median(seconds), "min_s": min(seconds),
                           "module": ms.__file__, **extra}), flush=True)
 
-    # W1: one 2D Poisson system on the GPU, time per iteration at two sizes
-    # (a fixed number of CG iterations) and time to rtol 1e-8 at N = 1M.
     dm = ms.DeviceManager(["cuda:0"])
+    if "W1" in only:
+        w1_figures(args, ms, cp, csp, dm, sync, emit)
+    if "W2" in only:
+        w2_figures(args, ms, dm, sync, emit)
+    if "W3" in only:
+        w3_figures(args, assembly, icosphere, sync, emit)
+
+
+def w1_figures(args, ms, cp, csp, dm, sync, emit) -> None:
+    """One 2D Poisson system on the GPU: time per iteration at two sizes, time to rtol 1e-8 at 1M."""
     for m, its in ((256, 200), (2048, 200)):
         A = csp.csr_matrix(poisson2d(m))
         b = cp.ones(m * m)
@@ -82,8 +106,10 @@ def main() -> None:
     emit("W1 CG to rtol 1e-8, N=1048576", timed(w1_answer, max(3, args.rounds // 2), sync),
          iterations=int(res.iterations), converged=bool(res.converged))
 
-    # W2: 400 systems, one matrix per system (as users have them), and the
-    # variant that shares one matrix object per size.
+
+
+def w2_figures(args, ms, dm, sync, emit) -> None:
+    """400 systems, one matrix per system (as users have them), and shared matrices."""
     sizes = [int(m) for m in np.random.default_rng(0).integers(32, 97, size=400)]
     own = [(poisson2d(m), np.ones(m * m)) for m in sizes]
     cache: dict[int, sp.csr_matrix] = {}
@@ -98,7 +124,10 @@ def main() -> None:
         w2()
         emit(f"W2 solve_many 400 systems, {label}", timed(w2, args.rounds, sync))
 
-    # W3: cotangent Laplacian + lumped mass of icosphere(9), numeric phase.
+
+
+def w3_figures(args, assembly, icosphere, sync, emit) -> None:
+    """Cotangent Laplacian + lumped mass of icosphere(9), numeric phase."""
     mesh = icosphere(9)
     assembly.symbolic(mesh, device="cuda:0")
 
