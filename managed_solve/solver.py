@@ -422,11 +422,13 @@ class Solver:
         """k right-hand sides solved together: one result with (n, k) x and per-column figures."""
         k = B.shape[1]
         t0 = time.perf_counter()
-        cols = self._run([B[:, j] for j in range(k)],
-                         None if X0 is None else [X0[:, j] for j in range(k)], transpose, None,
-                         block=(B, X0))
-        seconds = time.perf_counter() - t0
         xp = _backend.array_module(B)
+        # Contiguous columns: GPU kernels read a vector as one stretch of memory,
+        # and a column of a row-major block is strided.
+        cols = self._run([xp.ascontiguousarray(B[:, j]) for j in range(k)],
+                         None if X0 is None else [xp.ascontiguousarray(X0[:, j]) for j in range(k)],
+                         transpose, None, block=(B, X0))
+        seconds = time.perf_counter() - t0
         X = xp.stack([c.x for c in cols], axis=1) if all(c.x is not None for c in cols) else None
         statuses = tuple(c.status for c in cols)
         bad = [j for j, st in enumerate(statuses) if st is not Status.CONVERGED]

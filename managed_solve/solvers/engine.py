@@ -122,7 +122,11 @@ class Prepared(ABC):
         self._check_open()
         if getattr(rhs, "ndim", 1) == 1:
             return one(rhs, x0)
-        return [one(rhs[:, j], None if x0 is None else x0[:, j]) for j in range(rhs.shape[1])]
+        xp = _backend.array_module(rhs)
+        # Contiguous columns: GPU kernels read a vector as one stretch of memory.
+        return [one(xp.ascontiguousarray(rhs[:, j]),
+                    None if x0 is None else xp.ascontiguousarray(x0[:, j]))
+                for j in range(rhs.shape[1])]
 
     # ------------------------------------------------------------------ set-up
     def update(self, values: Any) -> None:

@@ -359,8 +359,11 @@ class PackedBatch:
         indptr = A.indptr if A.indptr.dtype == idt else A.indptr.astype(idt)
         indices = A.indices if A.indices.dtype == idt else A.indices.astype(idt)
         device = f"cuda:{A.data.device.id}" if xp is not np else "cpu"
-        return cls(indptr=indptr, indices=indices, data=A.data, b=b.astype(dt, copy=False),
-                   x0=None if x0 is None else x0.astype(dt, copy=False),
+        # Contiguous vectors: the kernels read each as one stretch of memory
+        # (a column of a block, or any strided view, is copied here).
+        return cls(indptr=indptr, indices=indices, data=A.data,
+                   b=xp.ascontiguousarray(b, dtype=dt),
+                   x0=None if x0 is None else xp.ascontiguousarray(x0, dtype=dt),
                    offsets=np.array([0, n], dtype=np.int64),
                    row_sys=xp.zeros(n, dtype=np.int32),
                    rtol=np.array([rtol], dtype=np.float64), atol=np.array([atol], dtype=np.float64),

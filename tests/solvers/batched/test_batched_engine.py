@@ -140,3 +140,16 @@ def test_options_the_engine_cannot_run_are_refused():
         BatchedEngine().prepare(A.toarray(), Options(method="cg"), "cpu")
     with pytest.raises(ValueError, match="shape"):
         prepare(A, "cg").solve(np.ones(4))
+
+
+def test_a_strided_right_hand_side_gives_the_contiguous_answer():
+    """A column of a row-major block is a strided view; the kernels need contiguous vectors."""
+    import scipy.sparse as sp
+
+    from managed_solve.solvers.cg import cg_fused
+
+    A = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(30, 30), format="csr")
+    B = np.random.default_rng(3).standard_normal((30, 4))
+    strided = cg_fused(A, B[:, 2], rtol=1e-12)
+    dense = cg_fused(A, np.ascontiguousarray(B[:, 2]), rtol=1e-12)
+    np.testing.assert_array_equal(strided.x, dense.x)
