@@ -126,7 +126,13 @@ class PreparedKrylov(Prepared):
     def update(self, values: Any) -> None:
         """New values of a CSR matrix on the same pattern (``values`` as ``A.data``, or a matrix)."""
         self._check_open()
-        self._set_operator(same_pattern(self.A, values, self.kind, call="update"))
+        A = same_pattern(self.A, values, self.kind, call="update")
+        if isinstance(self.options.M, str) and hasattr(self.M, "update"):
+            # M="amg": numeric re-setup of the hierarchy (its aggregates are kept).
+            self.A = A
+            self.M.update(A)
+        else:
+            self._set_operator(A)
         self._transposed = None
 
 
