@@ -113,3 +113,17 @@ def poisson2d_skew(m, c=0.5):
     """
     U = sp.diags([c], [1], shape=(m * m, m * m))
     return (poisson2d(m) + U - U.T).tocsr()
+
+
+# -- problems of the AMG tests (tests/solvers/amg/), from PyAMG's gallery
+def rotated_anisotropic(m, epsilon=0.001, theta=np.pi / 8):
+    """Rotated anisotropic diffusion (PyAMG's FE stencil) on an m x m grid: SPD, n = m * m."""
+    gallery = pytest.importorskip("pyamg.gallery")
+    stencil = gallery.diffusion_stencil_2d(epsilon=epsilon, theta=theta, type="FE")
+    return gallery.stencil_grid(stencil, (m, m), format="csr")
+
+
+def elasticity(m):
+    """2D linear elasticity on an m x m grid (BSR, blocksize 2) and its 3 rigid-body modes."""
+    gallery = pytest.importorskip("pyamg.gallery")
+    return gallery.linear_elasticity((m, m), format="bsr")
