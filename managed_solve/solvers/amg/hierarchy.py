@@ -57,10 +57,12 @@ class Level:
 
 
 def as_csr(A: Any) -> Any:
-    """A CSR copy-free view where possible, duplicates summed and indices sorted."""
+    """CSR with duplicates summed and indices sorted; a copy only where A is not so already."""
     A = A.tocsr()
-    A.sum_duplicates()
-    A.sort_indices()
+    if not A.has_canonical_format:
+        A = A.copy()  # never reorder the caller's matrix in place
+        A.sum_duplicates()
+        A.sort_indices()
     return A
 
 

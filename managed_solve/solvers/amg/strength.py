@@ -61,7 +61,7 @@ def symmetric_strength(A: Any, theta: float, blocksize: int, xp: Any, sparse: An
     r, c = rows[keep], cols[keep]
     one = xp.ones(r.shape[0], dtype=xp.float64)
     S = sparse.coo_matrix((one, (r, c)), shape=(n, n)).tocsr()
-    S = (S + S.T).tocsr()
+    S = (S + S.T.tocsr()).tocsr()
     S.sum_duplicates()
     S.sort_indices()
     return Graph(S.indptr, S.indices, csr_rows(xp, S.indptr, S.indices.shape[0]))

@@ -41,7 +41,7 @@ def rhs(n, seed=0):
 PROBLEMS = {
     "poisson2d-255": lambda: (poisson2d(255), None),
     "poisson3d-24": lambda: (poisson3d(24), None),
-    "rotated-anisotropic-127": lambda: (rotated_anisotropic(127), None),
+    "rotated-anisotropic-95": lambda: (rotated_anisotropic(95), None),
     "elasticity-60": lambda: elasticity(60),
 }
 
