@@ -10,9 +10,9 @@ Cases (fp64, rtol 1e-8 on the true residual, anchors in the same run):
   CUDA graph) against our CG without a preconditioner, ``cupyx``'s CG and,
   at 2048^2, PyAMG on the host.
 
-``phase`` is ``setup`` (building the prepared solver / hierarchy), ``solve``
-(one right-hand side on the prepared solver, the residual check included) or
-``update`` (numeric re-setup with new values). ``extra_info`` records the
+``phase`` is ``setup`` (building the hierarchy, ``amg(A)``), ``solve`` (one
+right-hand side on a prepared ``Solver``, the residual check included) or
+``update`` (numeric re-setup with new values of the same pattern). ``extra_info`` records the
 iterations, the true residual, operator and grid complexity, the hierarchy's
 bytes against the fine matrix's and, on the GPU, the time of one V-cycle and
 its bytes per second on a streamed-bytes model against the copy bandwidth.
@@ -84,17 +84,14 @@ def bench_amg_cpu(benchmark, machine_info, who, phase):
     A2 = (A + sp.diags(np.full(A.shape[0], 1e-3))).tocsr()
     extra = {}
     if who in ("amg", "amg-native", "cg"):
-        M = None if who == "cg" else "amg"
-        if who == "amg-native":
-            from managed_solve.solvers.amg import amg
+        from managed_solve.solvers.amg import amg
 
-            M = amg(A, setup="native")  # the operator is the hierarchy: set up once here
+        setup = "native" if who == "amg-native" else "auto"
+        M = None if who == "cg" else "amg" if who == "amg" else amg(A, setup="native")
 
-            def make():
-                return ms.Solver(A, method="cg", M=amg(A, setup="native"))
-        else:
-            def make():
-                return ms.Solver(A, method="cg", M=M)
+        def make():  # the set-up: the hierarchy (the Solver prepares its engine lazily)
+            return amg(A, setup=setup)
+
         solver = ms.Solver(A, method="cg", M=M)
         res = solver.solve(b)
         assert res.status == ms.Status.CONVERGED and relres(A, b, res.x) <= 1.0001 * RTOL
@@ -168,10 +165,10 @@ def bench_amg_gpu(benchmark, machine_info, who, phase, m):
                          cycle_GBs=cycle_bytes(M) / per / 1e9, copy_GBs=bw / 1e9,
                          cuda_graph=M._cycle.graph is not None)  # noqa: SLF001
 
-        def make():
-            s = ms.Solver(A, method="cg", M=amg(A))
+        def make():  # the set-up: the hierarchy (the Solver prepares its engine lazily)
+            h = amg(A)
             sync()
-            return s
+            return h
 
         def one():
             out = solver.solve(b)

@@ -191,7 +191,7 @@ class AMGPreconditioner:
                 raise ValueError(f"AMGPreconditioner.update(values): expected {A0.nnz} values, "
                                  f"got shape {tuple(data.shape)}.")
         A = self.sparse.csr_matrix((data.astype(A0.dtype), A0.indices, A0.indptr), shape=A0.shape)
-        if self.setup == "pyamg":
+        if self.cycle == "pyamg":  # PyAMG's own cycle needs PyAMG's own levels
             self._build(A)
         else:
             hierarchy.refresh(self.levels, A, self.xp)

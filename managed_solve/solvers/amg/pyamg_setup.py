@@ -1,10 +1,12 @@
 """The CPU set-up through PyAMG: ``smoothed_aggregation_solver`` builds the levels.
 
 PyAMG is the well-kept smoothed-aggregation library on the host; its
-hierarchy is copied into our :class:`~.hierarchy.Level` objects so the same
-V-cycle and Krylov loops apply it. The numeric re-setup hands PyAMG the
-aggregates of the first set-up (``aggregate=('predefined', ...)``), so new
-values redo the smoothing and the Galerkin products but not the aggregation.
+hierarchy is copied into our :class:`~.hierarchy.Level` objects, its
+tentative prolongators included, so the same V-cycle and Krylov loops apply
+it and the numeric re-setup is ours (:func:`~.hierarchy.refresh`: PyAMG's
+aggregates and ``T`` kept). Where PyAMG's own cycle applies the hierarchy,
+the re-setup hands PyAMG the first set-up's aggregates instead
+(``aggregate=('predefined', ...)``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def levels_of(ml: Any, xp: Any) -> list[Level]:
         level = Level(as_csr(lev.A), blocksize=lev.A.blocksize[0] if hasattr(lev.A, "blocksize")
                       else 1, B=getattr(lev, "B", None))
         if hasattr(lev, "P"):
-            level.P, level.R = as_csr(lev.P), as_csr(lev.R)
+            level.P, level.R, level.T = as_csr(lev.P), as_csr(lev.R), as_csr(lev.T)
+            level.agg = lev.AggOp.tocsr().indices
         damping(level, xp)
         levels.append(level)
     return levels

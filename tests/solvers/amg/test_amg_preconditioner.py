@@ -139,6 +139,17 @@ def test_update_equals_a_fresh_set_up(setup, tol):
         M.update(poisson2d(10))
 
 
+def test_update_with_pyamgs_own_cycle_keeps_its_aggregates():
+    A = poisson2d(63)
+    A2 = (A + sp.diags(np.linspace(0.0, 1.0, A.shape[0]))).tocsr()
+    M = amg(A, cycle="pyamg")
+    sizes = [lev.A.shape for lev in M.levels]
+    M.update(A2.data)
+    assert [lev.A.shape for lev in M.levels] == sizes
+    x = cg(A2, rhs(A.shape[0]), rtol=1e-8, M=M)
+    assert x.code == 0 and x.iterations <= 15
+
+
 def test_solver_update_reuses_the_hierarchy(backend):
     A = poisson2d(63)
     A2 = (A + sp.diags(np.linspace(0.0, 1.0, A.shape[0]))).tocsr()
