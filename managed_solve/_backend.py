@@ -30,6 +30,7 @@ _EXTRA_FOR = {
     "pynvml": 'pip install "managed-solve[nvml]"',
     "matplotlib": 'pip install "managed-solve[plot]"',
     "tqdm": 'pip install "managed-solve[progress]"',
+    "pyamg": 'pip install "managed-solve[amg]"',
 }
 
 

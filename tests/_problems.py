@@ -203,3 +203,17 @@ def assert_matches_spsolve(x, A, b, dtype):
     x_direct = sla.spsolve(A.astype(np.float64).tocsc(), b.astype(np.float64))
     tol = 1e-6 if dtype == np.float64 else 1e-2
     assert np.linalg.norm(host(x) - x_direct) / np.linalg.norm(x_direct) < tol
+
+
+# -- problems of the algebraic multigrid tests (tests/solvers/amg/)
+def rotated_anisotropic(m, epsilon=0.001, theta=np.pi / 8):
+    """Rotated anisotropic diffusion (PyAMG's FE stencil) on an m x m grid: SPD, n = m * m."""
+    gallery = pytest.importorskip("pyamg.gallery")
+    stencil = gallery.diffusion_stencil_2d(epsilon=epsilon, theta=theta, type="FE")
+    return gallery.stencil_grid(stencil, (m, m), format="csr")
+
+
+def elasticity(m):
+    """2D linear elasticity on an m x m grid (BSR, blocksize 2) and its 3 rigid-body modes."""
+    gallery = pytest.importorskip("pyamg.gallery")
+    return gallery.linear_elasticity((m, m), format="bsr")

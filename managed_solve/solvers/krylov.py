@@ -152,7 +152,14 @@ class PreparedKrylov(Prepared):
         self._check_open()
         if self._block is not None:
             self._block.close()
-        self._set_operator(same_pattern(self.A, values, self.kind, call="update"))
+            self._block = None
+        A = same_pattern(self.A, values, self.kind, call="update")
+        if isinstance(self.options.M, str) and hasattr(self.M, "update"):
+            # M="amg": numeric re-setup of the hierarchy (its aggregates are kept).
+            self.A = A
+            self.M.update(A)
+        else:
+            self._set_operator(A)
         self._transposed = None
 
 

@@ -1,4 +1,4 @@
-"""Preconditioners: Jacobi, Chebyshev and Neumann polynomials, user operators.
+"""Preconditioners: Jacobi, Chebyshev and Neumann polynomials, AMG, user operators.
 
 All of them are built once before the solve and applied with ``xp.``
 operations and sparse matrix-vector products only, so they run unchanged on
@@ -16,8 +16,9 @@ from typing import Any
 
 from .. import _backend
 from ._common import as_matvec, as_preconditioner
+from .amg import amg
 
-NAMES = ("jacobi", "chebyshev", "neumann")
+NAMES = ("jacobi", "chebyshev", "neumann", "amg")
 
 
 def diagonal(A: Any) -> Any:
@@ -196,7 +197,11 @@ def neumann(A: Any, *, degree: int = 3) -> Callable[[Any], Any]:
 
 
 def make_preconditioner(M: Any, A: Any) -> Callable[[Any], Any] | None:
-    """``r -> M r`` from a name (``"jacobi"``, ``"chebyshev"``, ``"neumann"``), an operator or None."""
+    """``r -> M r`` from a name (``"jacobi"``, ``"chebyshev"``, ``"neumann"``, ``"amg"``), an operator or None.
+
+    ``"amg"`` is a smoothed-aggregation V-cycle (:func:`managed_solve.solvers.amg.amg`),
+    symmetric for a symmetric A, so CG may use it.
+    """
     if M is None:
         return None
     if isinstance(M, str):
@@ -206,6 +211,8 @@ def make_preconditioner(M: Any, A: Any) -> Callable[[Any], Any] | None:
             return chebyshev(A)
         if M == "neumann":
             return neumann(A)
+        if M == "amg":
+            return amg(A)
         raise ValueError(f"solve(M={M!r}): unknown preconditioner; use one of {', '.join(NAMES)}, "
                          "an operator with matvec, a callable, or None.")
     return as_preconditioner(M)

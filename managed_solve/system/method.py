@@ -26,7 +26,7 @@ from typing import Any
 from .properties import cg_iteration_bound, is_symmetric, positive_diagonal
 
 METHODS = ("auto", "cg", "bicgstab", "gmres", "minres", "direct")
-PRECONDITIONERS = ("jacobi", "chebyshev", "neumann")
+PRECONDITIONERS = ("jacobi", "chebyshev", "neumann", "amg")
 # What "auto" turns to when its guess breaks down: MINRES for a symmetric matrix
 # that is not definite, GMRES for a spectrum BiCGStab cannot handle.
 FALLBACK = {"cg": "minres", "bicgstab": "gmres"}

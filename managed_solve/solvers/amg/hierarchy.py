@@ -1,0 +1,139 @@
+"""The smoothed-aggregation hierarchy, built with ``xp`` and ``sparse`` operations only.
+
+The same functions run with NumPy + scipy.sparse on the CPU and CuPy +
+cupyx.scipy.sparse on a GPU. Per level: strength of connection
+(:mod:`.strength`), aggregation (:mod:`.aggregate`), the tentative
+prolongator (:mod:`.tentative`), one damped-Jacobi smoothing step of it,
+``P = (I - omega D^-1 A) T`` with ``omega = 4 / (3 rho(D^-1 A))``, and the
+Galerkin product ``A_c = P^T A P`` by two SpGEMMs; the coarsest matrix is
+inverted densely.
+
+:func:`refresh` is the numeric re-setup: the aggregates and the tentative
+prolongators depend on the pattern and on the near-null space only, so new
+values of the fine matrix redo the damping, the smoothing of ``P`` and the
+Galerkin products, not the aggregation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .aggregate import aggregate
+from .segments import csr_rows
+from .spectral import safe_inverse, spectral_radius
+from .strength import symmetric_strength
+from .tentative import fit_candidates
+
+#: Prolongator damping over rho(D^-1 A) (PyAMG's and the literature's 4/3).
+PROLONGATOR_OMEGA = 4.0 / 3.0
+
+
+@dataclass
+class Level:
+    """One level: its matrix, and the transfer to the next coarser level (None on the coarsest)."""
+
+    A: Any
+    blocksize: int = 1
+    P: Any = None
+    R: Any = None
+    T: Any = None  # the tentative prolongator (kept for the numeric re-setup)
+    B: Any = None  # the near-null space on this level
+    agg: Any = None  # the aggregate of every unknown
+    dinv: Any = None
+    rho: float = 0.0  # estimate of rho(D^-1 A)
+
+    def nbytes(self) -> int:
+        total = 0
+        for M in (self.A, self.P, self.R, self.T):
+            if M is not None:
+                total += M.data.nbytes + M.indices.nbytes + M.indptr.nbytes
+        for v in (self.B, self.agg, self.dinv):
+            if v is not None:
+                total += v.nbytes
+        return int(total)
+
+
+def as_csr(A: Any) -> Any:
+    """CSR with duplicates summed and indices sorted; a copy only where A is not so already."""
+    A = A.tocsr()
+    if not A.has_canonical_format:
+        A = A.copy()  # never reorder the caller's matrix in place
+        A.sum_duplicates()
+        A.sort_indices()
+    return A
+
+
+def damping(level: Level, xp: Any) -> None:
+    """Fill ``dinv`` and ``rho`` of a level from its matrix."""
+    level.dinv = safe_inverse(xp, level.A.diagonal())
+    level.rho = spectral_radius(level.A, level.dinv, xp)
+
+
+def smooth_and_coarsen(level: Level, xp: Any) -> Any:
+    """``P = (I - omega D^-1 A) T``, ``R = P^T`` and the Galerkin coarse matrix ``R A P``."""
+    damping(level, xp)
+    A, T = level.A, level.T
+    AT = (A @ T).tocsr()
+    scale = (PROLONGATOR_OMEGA / level.rho) * level.dinv
+    AT.data *= scale[csr_rows(xp, AT.indptr, AT.data.shape[0])]
+    level.P = as_csr(T - AT)
+    level.R = as_csr(level.P.T)
+    return as_csr(level.R @ (A @ level.P))
+
+
+def build(A: Any, B: Any, xp: Any, sparse: Any, *, theta: float = 0.0, blocksize: int = 1,
+          max_coarse: int = 500, max_levels: int = 10, seed: int = 0) -> list[Level]:
+    """The levels of a smoothed-aggregation hierarchy for the CSR matrix ``A``.
+
+    ``B`` (n, K) is the near-null space. Coarsening stops at ``max_coarse``
+    unknowns, at ``max_levels`` levels, or where aggregation no longer
+    reduces the size.
+    """
+    levels = [Level(as_csr(A), blocksize=int(blocksize), B=B)]
+    while True:
+        level = levels[-1]
+        n = level.A.shape[0]
+        if n <= max_coarse or len(levels) >= max_levels:
+            break
+        bs = level.blocksize
+        G = symmetric_strength(level.A, theta, bs, xp, sparse)
+        agg_nodes, count = aggregate(xp, G, seed)
+        K = level.B.shape[1]
+        if count == 0 or count * K >= n:
+            break  # aggregation stalls (e.g. a diagonal matrix): this level is the coarsest
+        level.agg = agg_nodes if bs == 1 else agg_nodes[xp.arange(n) // bs]
+        level.T, Bc = fit_candidates(xp, sparse, level.agg, count, level.B)
+        Ac = smooth_and_coarsen(level, xp)
+        levels.append(Level(Ac, blocksize=K, B=Bc))
+    damping(levels[-1], xp)
+    return levels
+
+
+def refresh(levels: list[Level], A: Any, xp: Any) -> None:
+    """Numeric re-setup for new values of the fine matrix: aggregates and ``T`` are kept."""
+    levels[0].A = as_csr(A)
+    for fine, coarse in zip(levels[:-1], levels[1:], strict=True):
+        coarse.A = smooth_and_coarsen(fine, xp)
+    damping(levels[-1], xp)
+
+
+def coarse_inverse(A: Any, xp: Any) -> Any:
+    """The dense inverse of the coarsest matrix (its pseudo-inverse if singular).
+
+    Rows and columns emptied by a dropped near-null-space vector get a unit
+    diagonal first; their right-hand side is always zero.
+    """
+    D = A.toarray().astype(xp.float64)
+    empty = (abs(D).sum(axis=1) == 0) & (abs(D).sum(axis=0) == 0)
+    idx = xp.flatnonzero(empty)
+    D[idx, idx] = 1.0
+    try:
+        inv = xp.linalg.inv(D)
+        if not bool(xp.isfinite(inv).all()):  # sync: once a set-up
+            raise np.linalg.LinAlgError("singular coarse matrix")
+    except np.linalg.LinAlgError:
+        inv = xp.linalg.pinv(D)
+    return inv

@@ -1,0 +1,254 @@
+"""``AMGPreconditioner``: a smoothed-aggregation hierarchy applied as one V-cycle, ``r -> M r``.
+
+The set-up runs where the matrix lives: on a GPU our own set-up
+(:mod:`.hierarchy`, CuPy and cupyx); on the CPU PyAMG's
+``smoothed_aggregation_solver`` by default (our set-up stays selectable with
+``setup="native"``, the same code as on the GPU). Either way the V-cycle
+is ours (:mod:`.cycle`), unless ``cycle="pyamg"`` hands the application to
+PyAMG's own (Gauss-Seidel smoothed) preconditioner on the host.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ... import _backend
+from . import hierarchy
+from .cycle import VCycle
+from .pyamg_setup import aggregates_of, levels_of, pyamg_solver
+from .smoothers import NAMES as SMOOTHERS
+from .smoothers import make_smoother
+
+SETUPS = ("auto", "native", "pyamg")
+CYCLES = ("auto", "native", "pyamg")
+
+
+class AMGPreconditioner:
+    """Smoothed-aggregation algebraic multigrid as a preconditioner (one V-cycle per call).
+
+    Parameters
+    ----------
+    A : scipy.sparse or cupyx.scipy.sparse matrix
+        Square; CSR, or BSR (its block size becomes ``blocksize``).
+    setup : {"auto", "native", "pyamg"}
+        Who builds the hierarchy. ``"auto"``: PyAMG for a matrix on the CPU
+        when PyAMG is installed, else our set-up (always on a GPU).
+    nullspace : array (n, K), optional
+        Near-null-space vectors (constants by default; rigid-body modes for
+        elasticity).
+    blocksize : int, optional
+        Unknowns per node: aggregation keeps a node's unknowns together.
+    theta : float
+        Strength threshold of the symmetric measure (0 keeps all couplings).
+    smoother : {"chebyshev", "jacobi", "l1_jacobi"}
+    degree : int
+        Chebyshev polynomial degree (SpMVs per smoothing).
+    sweeps : int
+        Jacobi steps per smoothing.
+    max_coarse, max_levels : int
+        Coarsening stops at ``max_coarse`` unknowns or ``max_levels`` levels;
+        the coarsest matrix is inverted densely.
+    dtype : dtype, optional
+        Precision of the V-cycle (e.g. ``"float32"`` inside a float64 Krylov
+        loop: the residual is cast down, cycled and cast up). A's by default.
+    cycle : {"auto", "native", "pyamg"}
+        Who applies the V-cycle: ours, or PyAMG's (host, ``setup="pyamg"``).
+    graph : bool, optional
+        Capture the V-cycle as a CUDA graph (CuPy only; on by default there).
+    seed : int
+        Seed of the aggregation's pseudo-random priorities.
+
+    Attributes
+    ----------
+    levels : list of Level
+    operator_complexity, grid_complexity : float
+    nbytes : int
+        Memory the hierarchy adds to A (coarse matrices, transfers, work vectors).
+
+    Examples
+    --------
+    >>> import numpy as np, scipy.sparse as sp
+    >>> from managed_solve.solvers.amg import amg
+    >>> T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(40, 40))
+    >>> A = sp.kronsum(T, T).tocsr()
+    >>> M = amg(A, setup="native", max_coarse=50)
+    >>> len(M.levels) > 1, bool(M(np.ones(1600)) @ np.ones(1600) > 0)
+    (True, True)
+    """
+
+    def __init__(self, A: Any, *, setup: str = "auto", nullspace: Any = None,
+                 blocksize: int | None = None, theta: float = 0.0, smoother: str = "chebyshev",
+                 degree: int = 2, sweeps: int = 1, max_coarse: int = 500, max_levels: int = 10,
+                 dtype: Any = None, cycle: str = "auto", graph: bool | None = None,
+                 seed: int = 0):
+        if not (_backend.is_scipy_sparse(A) or _backend.is_cupy_sparse(A)):
+            raise TypeError(f"amg(A): A must be a scipy.sparse or cupyx.scipy.sparse matrix, got "
+                            f"{type(A).__name__}. M='amg' needs the matrix's entries; pass M=None "
+                            "or 'jacobi' for an operator.")
+        if A.ndim != 2 or A.shape[0] != A.shape[1]:
+            raise ValueError(f"amg(A): A must be square, got shape {A.shape}.")
+        if setup not in SETUPS:
+            raise ValueError(f"amg(setup={setup!r}): expected one of {', '.join(SETUPS)}.")
+        if cycle not in CYCLES:
+            raise ValueError(f"amg(cycle={cycle!r}): expected one of {', '.join(CYCLES)}.")
+        if smoother not in SMOOTHERS:
+            raise ValueError(f"amg(smoother={smoother!r}): expected one of {', '.join(SMOOTHERS)}.")
+        self.xp = _backend.array_module(A.data)
+        self.sparse = _backend.sparse_module(self.xp)
+        if blocksize is None:
+            blocksize = A.blocksize[0] if getattr(A, "format", "") == "bsr" else 1
+        self.blocksize = int(blocksize)
+        A = A.tocsr()
+        n = A.shape[0]
+        if self.blocksize < 1 or n % self.blocksize:
+            raise ValueError(f"amg(blocksize={blocksize!r}): must divide n = {n}.")
+        on_host = self.xp is np
+        if setup == "auto":
+            setup = "pyamg" if on_host and _backend.optional_module("pyamg") is not None \
+                else "native"
+        if setup == "pyamg" and not on_host:
+            raise ValueError("amg(setup='pyamg'): PyAMG runs on the host; A is on a GPU. Use "
+                             "setup='native' (the default there).")
+        if cycle == "pyamg" and setup != "pyamg":
+            raise ValueError("amg(cycle='pyamg') applies PyAMG's own hierarchy: it needs "
+                             "setup='pyamg'.")
+        self.setup = setup
+        self.cycle = "native" if cycle == "auto" else cycle
+        self.nullspace = self._check_nullspace(nullspace, n)
+        self.theta, self.smoother, self.degree, self.sweeps = float(theta), smoother, degree, sweeps
+        self.max_coarse, self.max_levels, self.seed = int(max_coarse), int(max_levels), int(seed)
+        self.dtype = np.dtype(dtype) if dtype is not None else np.dtype(A.dtype)
+        self.graph = (not on_host) if graph is None else bool(graph) and not on_host
+        self.shape = A.shape
+        self._ml: Any = None
+        self._aggregates: list | None = None
+        self._build(A)
+
+    def _check_nullspace(self, B: Any, n: int) -> Any:
+        xp = self.xp
+        if B is None:
+            return xp.ones((n, 1), dtype=xp.float64)
+        B = xp.asarray(B, dtype=xp.float64)
+        if B.ndim == 1:
+            B = B[:, None]
+        if B.ndim != 2 or B.shape[0] != n or B.shape[1] < 1:
+            raise ValueError(f"amg(nullspace=...): expected an array of shape (n, K) with n = {n}, "
+                             f"got shape {tuple(B.shape)}.")
+        return B
+
+    # -- set-up ----------------------------------------------------------------
+    def _build(self, A: Any) -> None:
+        if self.setup == "pyamg":
+            ml = pyamg_solver(A, self.nullspace, theta=self.theta, max_coarse=self.max_coarse,
+                              max_levels=self.max_levels, aggregates=self._aggregates)
+            self._ml = ml
+            if self._aggregates is None:
+                self._aggregates = aggregates_of(ml)
+            self.levels = levels_of(ml, self.xp)
+        else:
+            self.levels = hierarchy.build(
+                A, self.nullspace, self.xp, self.sparse, theta=self.theta,
+                blocksize=self.blocksize, max_coarse=self.max_coarse,
+                max_levels=self.max_levels, seed=self.seed)
+        self._make_cycle()
+
+    def _make_cycle(self) -> None:
+        xp, dt = self.xp, self.dtype
+
+        def cast(M: Any) -> Any:
+            return M if M is None or M.dtype == dt else M.astype(dt)
+
+        mats, smoothers = [], []
+        for lev in self.levels:
+            A = cast(lev.A)
+            mats.append((A, cast(lev.P), cast(lev.R)))
+            if lev.P is not None:
+                smoothers.append(make_smoother(self.smoother, A, lev.dinv.astype(dt), lev.rho, xp,
+                                               degree=self.degree, sweeps=self.sweeps))
+        inv = hierarchy.coarse_inverse(self.levels[-1].A, xp).astype(dt)
+        self._cycle = VCycle(xp, mats, smoothers, inv, dt)
+        self._pyamg_M = self._ml.aspreconditioner(cycle="V") if self.cycle == "pyamg" else None
+        if self.graph:
+            self._cycle.capture(xp)
+
+    def update(self, values: Any) -> None:
+        """New values of A on the same pattern: keep the aggregates, recompute the rest.
+
+        ``values``: A's ``data`` array in CSR order, or a matrix of the same pattern.
+        """
+        A0 = self.levels[0].A
+        if hasattr(values, "tocsr"):
+            B = hierarchy.as_csr(values)
+            if B.shape != A0.shape or B.nnz != A0.nnz:
+                raise ValueError(f"AMGPreconditioner.update(A2): A2 has another pattern (shape "
+                                 f"{B.shape}, {B.nnz} entries against {A0.shape}, {A0.nnz}).")
+            data = B.data
+        else:
+            data = self.xp.asarray(values)
+            if data.shape != A0.data.shape:
+                raise ValueError(f"AMGPreconditioner.update(values): expected {A0.nnz} values, "
+                                 f"got shape {tuple(data.shape)}.")
+        A = self.sparse.csr_matrix((data.astype(A0.dtype), A0.indices, A0.indptr), shape=A0.shape)
+        if self.cycle == "pyamg":  # PyAMG's own cycle needs PyAMG's own levels
+            self._build(A)
+        else:
+            hierarchy.refresh(self.levels, A, self.xp)
+            self._make_cycle()
+
+    # -- application -------------------------------------------------------------
+    def __call__(self, r: Any) -> Any:
+        """One V-cycle: ``M r`` (r of shape (n,) or (n, k)), in r's dtype."""
+        if getattr(r, "ndim", 1) == 2:
+            return self.xp.stack([self(r[:, j]) for j in range(r.shape[1])], axis=1)
+        if self._pyamg_M is not None:
+            return self._pyamg_M.matvec(r).astype(r.dtype, copy=False)
+        return self._cycle.apply(r).astype(r.dtype, copy=False)
+
+    matvec = __call__
+
+    # -- reports -------------------------------------------------------------------
+    @property
+    def operator_complexity(self) -> float:
+        """Stored entries of all levels over those of A."""
+        return sum(lev.A.nnz for lev in self.levels) / self.levels[0].A.nnz
+
+    @property
+    def grid_complexity(self) -> float:
+        """Unknowns of all levels over those of A."""
+        return sum(lev.A.shape[0] for lev in self.levels) / self.levels[0].A.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Device (or host) bytes the hierarchy holds beyond A itself."""
+        A0 = self.levels[0].A
+        total = sum(lev.nbytes() for lev in self.levels)
+        total -= A0.data.nbytes + A0.indices.nbytes + A0.indptr.nbytes
+        c = self._cycle
+        total += c.coarse_inv.nbytes + sum(v.nbytes for v in (*c.x, *c.b, *c.res, *c.d))
+        if self.dtype != A0.dtype:  # the cast copies the cycle runs on
+            total += sum(M.data.nbytes for mats in c.mats for M in mats if M is not None)
+        return int(total)
+
+    def __repr__(self) -> str:
+        sizes = " > ".join(str(lev.A.shape[0]) for lev in self.levels)
+        return (f"AMGPreconditioner({self.setup} set-up, {self.smoother} smoother, levels {sizes}, "
+                f"operator complexity {self.operator_complexity:.2f})")
+
+
+def amg(A: Any, **options: Any) -> AMGPreconditioner:
+    """A smoothed-aggregation AMG preconditioner for ``A`` (see :class:`AMGPreconditioner`)."""
+    return AMGPreconditioner(A, **options)
+
+
+def hierarchy_bytes_estimate(n: int, nnz: int, itemsize: int = 8) -> int:
+    """A planning estimate of :attr:`AMGPreconditioner.nbytes` before the set-up.
+
+    Smoothed aggregation on PDE matrices has operator complexity about 1.3-1.5
+    and ``P`` about twice as many entries as rows (P and R stored): about 0.5
+    ``nnz`` entries of coarse matrices, 4 ``n`` of transfers, the tentative
+    prolongator and the cycle's work vectors.
+    """
+    entry = itemsize + 4
+    return int((0.5 * nnz + 5 * n) * entry + 4 * n * itemsize + 8 * n)

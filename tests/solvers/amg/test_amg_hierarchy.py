@@ -1,0 +1,135 @@
+"""The smoothed-aggregation hierarchy: tentative prolongator, damping, Galerkin levels, re-setup.
+
+Covers managed_solve/solvers/amg/tentative.py, spectral.py and hierarchy.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import scipy.sparse.linalg as sla
+
+from managed_solve.solvers.amg import hierarchy
+from managed_solve.solvers.amg.spectral import safe_inverse, spectral_radius
+from managed_solve.solvers.amg.tentative import fit_candidates
+from tests._problems import BACKENDS, elasticity, host, on, poisson2d, poisson3d
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+def modules(backend):
+    if backend == "cpu":
+        return np, sp
+    import cupy
+    import cupyx.scipy.sparse as csp
+
+    return cupy, csp
+
+
+def hostm(M):
+    return M.get() if hasattr(M, "get") else M
+
+
+@pytest.mark.parametrize("K", [1, 3])
+def test_tentative_prolongator_is_orthonormal_per_aggregate_and_reproduces_B(backend, K):
+    xp, sparse = modules(backend)
+    rng = np.random.default_rng(0)
+    n, count = 200, 30
+    agg = np.concatenate([np.arange(count), rng.integers(0, count, n - count)])
+    B = rng.standard_normal((n, K))
+    T, Bc = fit_candidates(xp, sparse, on(backend, agg), count, on(backend, B))
+    T, Bc = hostm(T).toarray(), host(Bc)
+    assert T.shape == (n, count * K) and Bc.shape == (count * K, K)
+    np.testing.assert_allclose(T @ Bc, B, atol=1e-12)
+    # Columns live on their aggregate only; T^T T = I (one block per aggregate).
+    col_agg = np.repeat(np.arange(count), K)
+    assert not (T[agg[:, None] != col_agg[None, :]]).any()
+    gram = T.T @ T
+    sizes = np.bincount(agg, minlength=count)
+    full = np.repeat(sizes >= K, K)  # aggregates with at least K unknowns keep all columns
+    np.testing.assert_allclose(gram[np.ix_(full, full)], np.eye(full.sum()), atol=1e-12)
+
+
+def test_a_vector_dependent_on_an_aggregate_gives_a_zero_column(backend):
+    xp, sparse = modules(backend)
+    agg = np.array([0, 0, 1, 1, 1])
+    B = np.array([[1.0, 2.0], [1.0, 2.0], [1.0, 0.0], [1.0, 1.0], [1.0, 5.0]])
+    T, Bc = fit_candidates(xp, sparse, on(backend, agg), 2, on(backend, B))
+    T = hostm(T).toarray()
+    np.testing.assert_allclose(T[:, 1], 0.0, atol=1e-14)  # aggregate 0: B[:, 1] = 2 B[:, 0]
+    np.testing.assert_allclose(T @ host(Bc), B, atol=1e-12)
+
+
+def test_spectral_radius_estimate(backend):
+    xp, _ = modules(backend)
+    A = poisson2d(20)
+    dinv = 1.0 / A.diagonal()
+    exact = sla.eigsh(sp.diags(np.sqrt(dinv)) @ A @ sp.diags(np.sqrt(dinv)), k=1,
+                      which="LA", return_eigenvectors=False)[0]
+    est = spectral_radius(on(backend, A), on(backend, dinv), xp)
+    assert 0.95 * exact <= est <= 2.0  # Lanczos from below, Gershgorin (2) from above
+    assert host(safe_inverse(xp, on(backend, np.array([2.0, 0.0])))).tolist() == [0.5, 0.0]
+
+
+def build(backend, A, B=None, **kw):
+    xp, sparse = modules(backend)
+    B = np.ones((A.shape[0], 1)) if B is None else B
+    return hierarchy.build(on(backend, A.tocsr()), on(backend, np.asarray(B, dtype=float)), xp,
+                           sparse, **kw)
+
+
+@pytest.mark.parametrize("which", ["poisson2d", "poisson3d", "elasticity"])
+def test_galerkin_levels_are_symmetric_and_coarsen(backend, which):
+    bs, B = 1, None
+    if which == "poisson2d":
+        A = poisson2d(45)
+    elif which == "poisson3d":
+        A = poisson3d(14)
+    else:
+        A, B = elasticity(24)
+        bs = 2
+    levels = build(backend, A, B, blocksize=bs, max_coarse=50)
+    assert len(levels) >= 3
+    sizes = [lev.A.shape[0] for lev in levels]
+    assert all(c < f / 2.5 for f, c in zip(sizes, sizes[1:], strict=False))
+    for fine, coarse in zip(levels, levels[1:], strict=False):
+        Ac = hostm(coarse.A)
+        asym = abs(Ac - Ac.T).max()
+        assert asym <= 1e-12 * abs(Ac).max()
+        P, A_ = hostm(fine.P), hostm(fine.A)
+        np.testing.assert_allclose((P.T @ A_ @ P).toarray(), Ac.toarray(), atol=1e-10)
+        # The smoothed prolongator keeps full column rank.
+        if P.shape[1] <= 300:
+            assert np.linalg.matrix_rank(P.toarray()) == P.shape[1]
+        assert host(fine.agg).min() >= 0  # every unknown aggregated
+    ocx = sum(lev.A.nnz for lev in levels) / levels[0].A.nnz
+    assert ocx < 2.0
+
+
+def test_refresh_equals_a_fresh_set_up_on_the_same_aggregates(backend):
+    xp, _ = modules(backend)
+    A = poisson2d(40)
+    A2 = (A + sp.diags(np.linspace(0.1, 2.0, A.shape[0]))).tocsr()
+    A2.sort_indices()
+    levels = build(backend, A, max_coarse=40)
+    hierarchy.refresh(levels, on(backend, A2), xp)
+    fresh = build(backend, A2, max_coarse=40)
+    assert len(levels) == len(fresh)
+    for a, b in zip(levels, fresh, strict=True):
+        np.testing.assert_allclose(hostm(a.A).toarray(), hostm(b.A).toarray(), atol=1e-12)
+
+
+def test_coarse_inverse_handles_singular_and_empty_rows(backend):
+    xp, sparse = modules(backend)
+    L = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(5, 5)).tolil()
+    L[0, 0] = L[4, 4] = 1.0  # Neumann: singular, constants in the null space
+    A = sp.block_diag([L, sp.csr_matrix((1, 1))]).tocsr()
+    inv = host(hierarchy.coarse_inverse(on(backend, A), xp))
+    assert np.isfinite(inv).all()
+    b = np.array([1.0, -1.0, 0.5, 0.0, -0.5, 0.0])  # consistent: orthogonal to constants
+    x = inv @ b
+    np.testing.assert_allclose(A @ x, b, atol=1e-10)

@@ -1,0 +1,220 @@
+"""AMGPreconditioner and M="amg": against PyAMG, inside solve/Solver, update, float32.
+
+Covers managed_solve/solvers/amg/preconditioner.py and pyamg_setup.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+import managed_solve as ms
+from managed_solve.solvers.amg import AMGPreconditioner, amg, hierarchy_bytes_estimate
+from managed_solve.solvers.cg import cg
+from managed_solve.solvers.gmres import gmres
+from tests._problems import (
+    BACKENDS,
+    convection_diffusion,
+    elasticity,
+    host,
+    on,
+    poisson2d,
+    poisson3d,
+    rotated_anisotropic,
+)
+
+pyamg = pytest.importorskip("pyamg")
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+def rhs(n, seed=0):
+    return np.random.default_rng(seed).standard_normal(n)
+
+
+PROBLEMS = {
+    "poisson2d-255": lambda: (poisson2d(255), None),
+    "poisson3d-24": lambda: (poisson3d(24), None),
+    "rotated-anisotropic-95": lambda: (rotated_anisotropic(95), None),
+    "elasticity-60": lambda: elasticity(60),
+}
+
+
+@functools.lru_cache
+def problem(name):
+    """(A, B, b, PyAMG's CG iterations to rtol 1e-8, PyAMG's operator complexity)."""
+    A, B = PROBLEMS[name]()
+    b = rhs(A.shape[0])
+    ml = pyamg.smoothed_aggregation_solver(A, B=B)
+    res = []
+    ml.solve(b, tol=1e-8, accel="cg", residuals=res)
+    return A, B, b, len(res) - 1, ml.operator_complexity()
+
+
+@pytest.mark.parametrize("name", list(PROBLEMS))
+@pytest.mark.parametrize("setup", ["native", "pyamg"])
+def test_cg_iterations_are_within_a_few_of_pyamg(name, setup):
+    A, B, b, ref, ref_complexity = problem(name)
+    M = amg(A, setup=setup, nullspace=B)
+    out = cg(A.tocsr(), b, rtol=1e-8, M=M, maxiter=500)
+    assert out.code == 0
+    assert out.iterations <= 1.15 * ref + 3, (out.iterations, ref)
+    assert np.linalg.norm(b - A @ out.x) <= 1e-8 * np.linalg.norm(b) * 1.0001
+    assert 0.7 * ref_complexity <= M.operator_complexity <= 1.3 * ref_complexity
+    assert 1.0 < M.grid_complexity < 1.5
+
+
+def test_v_cycle_convergence_factor_is_close_to_pyamgs():
+    A = poisson2d(127)
+    b = rhs(A.shape[0])
+    res = []
+    pyamg.smoothed_aggregation_solver(A).solve(b, tol=1e-12, residuals=res, maxiter=10)
+    ref = (res[-1] / res[2]) ** (1 / (len(res) - 3))
+    for setup in ("native", "pyamg"):
+        M = amg(A, setup=setup)
+        x = np.zeros_like(b)
+        norms = []
+        for _ in range(10):
+            x += M(b - A @ x)
+            norms.append(np.linalg.norm(b - A @ x))
+        ours = (norms[-1] / norms[1]) ** (1 / 8)
+        assert ours <= ref + 0.15, (setup, ours, ref)
+
+
+def test_solve_with_amg_converges_in_far_fewer_iterations(backend):
+    A = poisson2d(127)
+    b = rhs(A.shape[0])
+    Ad, bd = on(backend, A, b)
+    plain = ms.solve(Ad, bd, method="cg", rtol=1e-8)
+    res = ms.solve(Ad, bd, method="cg", M="amg", rtol=1e-8)
+    assert res.status == ms.Status.CONVERGED
+    assert res.iterations <= 15 and res.iterations * 10 < plain.iterations
+    x = host(res.x)
+    assert np.linalg.norm(b - A @ x) <= 1e-8 * np.linalg.norm(b) * 1.0001
+
+
+def test_poisson_511_converges_in_at_most_30_iterations():
+    A = poisson2d(511)
+    b = rhs(A.shape[0])
+    res = ms.solve(A, b, M="amg", rtol=1e-8)
+    assert res.status == ms.Status.CONVERGED and res.iterations <= 30
+    assert np.linalg.norm(b - A @ res.x) <= 1e-8 * np.linalg.norm(b) * 1.0001
+
+
+def test_solver_with_amg_takes_a_block_of_right_hand_sides(backend):
+    A = poisson2d(63)
+    B = np.random.default_rng(2).standard_normal((A.shape[0], 3))
+    Ad, Bd = on(backend, A, B)
+    with ms.Solver(Ad, M="amg", rtol=1e-8) as solver:
+        out = solver.solve(Bd)
+    X = host(out.x)
+    assert X.shape == B.shape
+    for j in range(3):
+        assert np.linalg.norm(B[:, j] - A @ X[:, j]) <= 1.0001e-8 * np.linalg.norm(B[:, j])
+    assert max(np.atleast_1d(out.iterations)) <= 15
+
+
+# PyAMG estimates rho(D^-1 A) from a random start, so two PyAMG set-ups of one
+# matrix differ slightly; ours is deterministic.
+@pytest.mark.parametrize("setup,tol", [("native", 1e-10), ("pyamg", 1e-2)])
+def test_update_equals_a_fresh_set_up(setup, tol):
+    A = poisson2d(63)
+    A2 = (A + sp.diags(np.linspace(0.0, 1.0, A.shape[0]))).tocsr()
+    r = rhs(A.shape[0])
+    M = amg(A, setup=setup)
+    M.update(A2.data)
+    fresh = amg(A2, setup=setup)
+    assert [lev.A.shape for lev in M.levels] == [lev.A.shape for lev in fresh.levels]
+    z = fresh(r)
+    np.testing.assert_allclose(M(r), z, atol=tol * abs(z).max())
+    M.update(A2)  # a matrix of the same pattern works too
+    np.testing.assert_allclose(M(r), z, atol=tol * abs(z).max())
+    with pytest.raises(ValueError, match="pattern"):
+        M.update(poisson2d(10))
+
+
+def test_update_with_pyamgs_own_cycle_keeps_its_aggregates():
+    A = poisson2d(63)
+    A2 = (A + sp.diags(np.linspace(0.0, 1.0, A.shape[0]))).tocsr()
+    M = amg(A, cycle="pyamg")
+    sizes = [lev.A.shape for lev in M.levels]
+    M.update(A2.data)
+    assert [lev.A.shape for lev in M.levels] == sizes
+    x = cg(A2, rhs(A.shape[0]), rtol=1e-8, M=M)
+    assert x.code == 0 and x.iterations <= 15
+
+
+def test_solver_update_reuses_the_hierarchy(backend):
+    A = poisson2d(63)
+    A2 = (A + sp.diags(np.linspace(0.0, 1.0, A.shape[0]))).tocsr()
+    b = rhs(A.shape[0])
+    Ad, A2d, bd = on(backend, A, A2, b)
+    with ms.Solver(Ad, method="cg", M="amg") as solver:
+        solver.solve(bd)
+        solver.update(A2d)
+        x = host(solver.solve(bd).x)
+    assert np.linalg.norm(b - A2 @ x) <= 1.0001e-8 * np.linalg.norm(b)
+
+
+@pytest.mark.parametrize("setup", ["native", "pyamg"])
+def test_float32_hierarchy_inside_float64_cg(backend, setup):
+    if backend != "cpu" and setup == "pyamg":
+        pytest.skip("PyAMG sets up on the host only")
+    A = poisson2d(127)
+    b = rhs(A.shape[0])
+    Ad, bd = on(backend, A, b)
+    full = cg(Ad, bd, rtol=1e-10, M=amg(Ad, setup=setup))
+    M32 = amg(Ad, setup=setup, dtype="float32")
+    half = cg(Ad, bd, rtol=1e-10, M=M32)
+    assert half.code == 0 and host(half.x).dtype == np.float64
+    assert half.iterations <= 1.1 * full.iterations + 1
+    assert np.linalg.norm(b - A @ host(half.x)) <= 1.0001e-10 * np.linalg.norm(b)
+    assert M32._cycle.x[0].dtype == np.float32  # noqa: SLF001 - the cycle runs in float32
+
+
+def test_gmres_with_amg_on_a_non_symmetric_problem(backend):
+    A = convection_diffusion(63)
+    b = rhs(A.shape[0])
+    Ad, bd = on(backend, A, b)
+    plain = gmres(Ad, bd, rtol=1e-8, maxiter=5000)
+    out = gmres(Ad, bd, rtol=1e-8, M=amg(Ad, setup="native"))
+    assert out.code == 0 and out.iterations * 4 < plain.iterations
+    assert np.linalg.norm(b - A @ host(out.x)) <= 1.0001e-8 * np.linalg.norm(b)
+
+
+def test_reports_and_memory():
+    A = poisson2d(127)
+    M = amg(A, setup="native")
+    assert isinstance(M, AMGPreconditioner) and "levels" in repr(M)
+    fine = A.data.nbytes + A.indices.nbytes + A.indptr.nbytes
+    assert 0 < M.nbytes < 4 * fine
+    assert 0.3 * M.nbytes < hierarchy_bytes_estimate(A.shape[0], A.nnz) < 3 * M.nbytes
+    M32 = amg(A, setup="native", dtype=np.float32)
+    assert M32.nbytes > M.nbytes  # the float32 copies of the cycle
+
+
+def test_default_set_up_is_pyamg_on_the_cpu():
+    assert amg(poisson2d(20)).setup == "pyamg"
+    assert amg(poisson2d(20), cycle="pyamg")(np.ones(400)).shape == (400,)
+
+
+def test_errors_name_the_argument():
+    A = poisson2d(10)
+    with pytest.raises(TypeError, match="sparse"):
+        amg(A.toarray())
+    with pytest.raises(ValueError, match="setup"):
+        amg(A, setup="gpu")
+    with pytest.raises(ValueError, match="smoother"):
+        amg(A, smoother="sor")
+    with pytest.raises(ValueError, match="nullspace"):
+        amg(A, nullspace=np.ones((3, 1)))
+    with pytest.raises(ValueError, match="setup='pyamg'"):
+        amg(A, setup="native", cycle="pyamg")
+    with pytest.raises(ValueError, match="square"):
+        amg(sp.random(4, 5, density=0.5, format="csr"))
