@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import os
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -190,3 +191,9 @@ def synchronize(device: Any = None) -> None:
         else:
             with cp.cuda.Device(device):
                 cp.cuda.get_current_stream().synchronize()
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_count() -> int:
+    """Cores of this machine, read once (``os.cpu_count()`` reads the system each call)."""
+    return os.cpu_count() or 1

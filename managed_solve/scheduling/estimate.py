@@ -19,7 +19,6 @@ helper threads before the estimate loop reaches them (:func:`prefetch_methods`).
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -187,7 +186,7 @@ def prefetch_methods(systems: Sequence[LinearSystem | None], device_kind: str,
     (two cores gain nothing from running the small tests beside the loop).
     """
     settings = config.current()
-    cores = os.cpu_count() or 1
+    cores = _backend.cpu_count()
     least = settings.prefetch_small_nnz if cores >= settings.prefetch_all_cores \
         else settings.prefetch_min_nnz
     least = min(least, settings.prefetch_min_nnz)

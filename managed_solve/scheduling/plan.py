@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import config
+from .. import _backend, config
 from ..devices import Device
 from ..manager import DeviceManager
 from ..sharded import choose_shard_count
@@ -402,7 +401,7 @@ def plan_work(estimates: Iterable[Estimate], devices: Sequence[Device], manager:
     rows = target_rows(packed_rows, len(devices), kind)
     if any(e.route == DIRECT for e in ests.values()):
         # Host LU batches run one per core: several per core balance the tail.
-        rows = target_rows(packed_rows, os.cpu_count() or 1, "cpu")
+        rows = target_rows(packed_rows, _backend.cpu_count(), "cpu")
     max_bytes = max((s.room for s in slots), default=0)
     batches, too_big = pack(ests.values(), rows=rows, max_bytes=max_bytes, batch_bytes=batch_bytes,
                             first_id=first_id)

@@ -13,7 +13,6 @@ is delivered exactly once.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -21,7 +20,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .. import config
+from .. import _backend, config
 from ..devices import Device
 from ..manager import DeviceManager
 from ..result import SolveResult, Status
@@ -201,7 +200,7 @@ class Runner:
         """Start one worker per device (the host's LU batches: one per core)."""
         direct = any(b.route == DIRECT for q in self.queues.values() for b in q)
         for d in self.all_devices:
-            count = (os.cpu_count() or 1) if d.kind == "cpu" and direct else 1
+            count = _backend.cpu_count() if d.kind == "cpu" and direct else 1
             for k in range(count):
                 t = threading.Thread(target=self._worker, args=(d,), daemon=True,
                                      name=f"solve_many-{d}-{k}")

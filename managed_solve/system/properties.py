@@ -5,7 +5,6 @@ Each is computed on the device the matrix lies on, with one host read.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
@@ -16,7 +15,7 @@ from .. import _backend, config
 def symmetry_workers() -> int:
     """Threads the host symmetry and diagonal tests of large matrices use (``config``)."""
     workers = config.current().symmetry_workers
-    return int(workers) if workers else min(8, os.cpu_count() or 1)
+    return int(workers) if workers else min(8, _backend.cpu_count())
 
 
 def cg_iteration_bound(A: Any, rtol: float) -> float:

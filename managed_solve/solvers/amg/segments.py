@@ -3,8 +3,8 @@
 Everything here runs unchanged on NumPy and on CuPy. The one operation the
 two libraries spell differently, a maximum over the stored entries of each
 CSR row, lives in :func:`row_max`: NumPy reduces contiguous segments with
-``maximum.reduceat``; CuPy has no ``reduceat`` (nor ``maximum.at``), so it
-scatters with ``cupyx.scatter_max`` by row index.
+``maximum.reduceat``; CuPy has no ``reduceat`` (nor ``maximum.at``), so a small
+elementwise kernel walks each row's segment.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ def csr_rows(xp: Any, indptr: Any, nnz: int) -> Any:
 def row_max(xp: Any, indptr: Any, rows: Any, values: Any, empty: float) -> Any:
     """``max(values[indptr[i]:indptr[i + 1]])`` for every row ``i``; ``empty`` for empty rows.
 
-    ``values`` are float64 (CuPy's scatter maximum takes no int64); ``rows``
-    is :func:`csr_rows` of the same matrix (used on CuPy only).
+    ``values`` float32 or float64. ``rows`` (:func:`csr_rows` of the same
+    matrix) is not needed by either path; it is accepted for callers that
+    hold it.
     """
     n = indptr.shape[0] - 1
     out = xp.full(n, empty, dtype=values.dtype)
@@ -39,10 +40,31 @@ def row_max(xp: Any, indptr: Any, rows: Any, values: Any, empty: float) -> Any:
         nonempty = indptr[:-1] < indptr[1:]
         out[nonempty] = np.maximum.reduceat(values, indptr[:-1][nonempty])
         return out
-    import cupyx  # CuPy is the array module here, so cupyx imports
-
-    cupyx.scatter_max(out, rows, values)
+    # One thread a row walks its own segment: exact in every dtype (a scatter
+    # maximum through atomics rounds float64 on some CuPy versions).
+    _row_max_kernel(xp)(indptr, values, values.dtype.type(empty), out)
     return out
+
+
+_KERNELS: dict = {}
+
+
+def _row_max_kernel(cp: Any) -> Any:
+    kernel = _KERNELS.get("row_max")
+    if kernel is None:
+        kernel = cp.ElementwiseKernel(
+            "raw I indptr, raw T v, T empty", "T out",
+            """
+            const I a = indptr[i], z = indptr[i + 1];
+            T m = empty;
+            if (a < z) {
+                m = v[a];
+                for (I p = a + 1; p < z; ++p) { if (v[p] > m) m = v[p]; }
+            }
+            out = m;
+            """, "managed_solve_row_max")
+        _KERNELS["row_max"] = kernel
+    return kernel
 
 
 def hash64(xp: Any, n: int, seed: int) -> Any:

@@ -9,7 +9,6 @@ maps each row to its system for the per-system scalars of the GPU kernels.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -567,7 +566,7 @@ def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cp
             tasks += [(fill_rows, j, ra, rb) for ra, rb in zip(bounds[:-1], bounds[1:], strict=True)]
         start = j + 1
     if len(tasks) > 1:
-        workers = _backend.thread_pool(pool, min(PACK_WORKERS, os.cpu_count() or 1))
+        workers = _backend.thread_pool(pool, min(PACK_WORKERS, _backend.cpu_count()))
         for f in [workers.submit(*t) for t in tasks]:
             f.result()  # re-raises a piece's error here, the first piece's first
     elif tasks:
