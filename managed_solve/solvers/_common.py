@@ -70,7 +70,10 @@ def stable_norm(xp: Any, v: Any) -> float:
     [5e+200, 5e-200]
     """
     with np.errstate(over="ignore", under="ignore"):  # extremes are handled below
-        n = float(xp.sqrt(xp.dot(v, v)))  # sync: one host read
+        # On the host a sum of squares, not BLAS: a BLAS dot of a long vector
+        # wakes every BLAS thread of a many-core host, for one read.
+        sq = xp.dot(v, v) if xp is not np else np.add.reduce(v * v)
+        n = float(xp.sqrt(sq))  # sync: one host read
     lo, hi = SAFE_NORM_RANGE
     if lo < n < hi or v.size == 0:
         return n
@@ -78,7 +81,7 @@ def stable_norm(xp: Any, v: Any) -> float:
     if s == 0.0 or not math.isfinite(s):
         return s
     w = v / s
-    return s * float(xp.sqrt(xp.dot(w, w)))  # sync: as above
+    return s * float(xp.sqrt(xp.dot(w, w) if xp is not np else np.add.reduce(w * w)))
 
 
 def power_of_two_scale(amax: float) -> float:
