@@ -146,7 +146,7 @@ class Device:
     index : int
         CUDA ordinal for ``"cuda"``; position for ``"sim"``; 0 for the CPU.
     name : str
-        Human-readable name (``"NVIDIA H200"``).
+        Human-readable name (the driver's, e.g. ``"NVIDIA A100-SXM4-80GB"``).
     total_bytes : int
         Memory capacity.
     bandwidth : float
