@@ -186,7 +186,12 @@ def speedup_text(ours: float, naive: float) -> str:
 
 
 # ------------------------------------------------------------------ picture
-def _picture(mesh, before, after, title: str, path: str) -> bool:
+def picture(mesh, panels, path: str, *, label: str = "u") -> bool:
+    """Draw ``panels`` (a list of (vertex values, title)) side by side on ``mesh``, as a PNG.
+
+    Returns False (nothing written) without matplotlib or for a mesh that is
+    not a triangle surface. One colour scale for all panels, so they compare.
+    """
     try:
         import matplotlib
 
@@ -199,13 +204,14 @@ def _picture(mesh, before, after, title: str, path: str) -> bool:
     from mpl_toolkits.mplot3d.art3d import Poly3DCollection
 
     v = mesh.vertices
-    panels = [(np.asarray(before), "t = 0: two hot spots"), (np.asarray(after), title)]
-    norm = matplotlib.colors.Normalize(0.0, float(max(p.max() for p, _ in panels)))
+    panels = [(np.asarray(vals), title) for vals, title in panels]
+    lo_val = float(min(0.0, *(p.min() for p, _ in panels)))
+    norm = matplotlib.colors.Normalize(lo_val, float(max(p.max() for p, _ in panels)))
     cmap = matplotlib.colormaps["inferno"]
-    fig = plt.figure(figsize=(10, 5))
+    fig = plt.figure(figsize=(5 * len(panels), 5))
     lo, hi = v.min(axis=0), v.max(axis=0)
     for i, (vals, label) in enumerate(panels):
-        ax = fig.add_subplot(1, 2, i + 1, projection="3d")
+        ax = fig.add_subplot(1, len(panels), i + 1, projection="3d")
         # Face colours computed here (not set_array on plot_trisurf, whose depth
         # sort can reorder faces against the values).
         face_vals = vals[mesh.faces].mean(axis=1)
@@ -219,7 +225,7 @@ def _picture(mesh, before, after, title: str, path: str) -> bool:
         ax.set_axis_off()
         ax.set_title(label)
     fig.colorbar(matplotlib.cm.ScalarMappable(norm=norm, cmap=cmap), ax=fig.axes, shrink=0.6,
-                 label="temperature u")
+                 label=label)
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return True
@@ -334,15 +340,16 @@ def main(args: argparse.Namespace) -> int:
 
     out = args.out or os.path.join(os.getcwd(), "managed_solve_demo.png")
     heat = [i for i, lab in enumerate(labels) if lab.startswith("heat")]
-    picture = None
+    picture_path = None
     if heat:
         pick = max(heat, key=lambda i: (systems[i].n, i))  # the largest mesh's latest step
         mesh_for = next((m for m in meshes if m.n_vertices == systems[pick].n), None)
         title = labels[pick].split(" n=")[0].replace("heat dt=", "after one heat step, dt = ")
         if mesh_for is None or results[pick].x is None:
             pass
-        elif _picture(mesh_for, hot_spots(mesh_for.vertices), results[pick].to_numpy(), title, out):
-            picture = out
+        elif picture(mesh_for, [(hot_spots(mesh_for.vertices), "t = 0: two hot spots"),
+                                (results[pick].to_numpy(), title)], out, label="temperature u"):
+            picture_path = out
             say(f"picture of '{labels[pick]}' written to {out}")
         else:
             say("picture skipped: matplotlib is not installed (pip install \"managed-solve[plot]\")")
@@ -361,7 +368,7 @@ def main(args: argparse.Namespace) -> int:
             "verdict": verdict,
             "largest_relative_residual": float(worst),
             "not_converged": failed,
-            "picture": picture,
+            "picture": picture_path,
         }
         print(json.dumps(summary, indent=1))
     return 0 if not failed else 1
