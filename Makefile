@@ -1,12 +1,17 @@
 # One set-up for every target: .venv is created when missing, the package is
 # installed (editable) with what the target needs, then the target runs.
+# `make demo` needs only the package and matplotlib (for its picture); the
+# test targets add what the tests import (torch, Ray, meshio, ...).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-# On machines without a GPU the CPU build of torch is enough (and lies on disk
-# on the development machines); override with `make test TORCH=torch` elsewhere.
-TORCH  ?= torch==2.13.0
-EXTRAS ?= test,torch,mesh,nvml,ray
+# The tests need torch's CPU build only: taken from PyTorch's CPU index, so an
+# ordinary Linux machine does not download the CUDA build from PyPI. On a GPU
+# machine: `make test TORCH_INDEX=https://pypi.org/simple` (or your CUDA index).
+TORCH       ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+EXTRAS      ?= test,torch,mesh,nvml,ray
+DEMO_EXTRAS ?= plot
 
 .PHONY: all demo test test-gpu bench docs lint info clean
 
@@ -16,15 +21,19 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-$(VENV)/.installed: $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
+$(VENV)/.installed-demo: $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install -q -e ".[$(DEMO_EXTRAS)]"
 	touch $@
 
-demo: $(VENV)/.installed
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install -q --index-url "$(TORCH_INDEX)" "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
+	touch $@ $(VENV)/.installed-demo
+
+demo: $(VENV)/.installed-demo
 	$(BIN)/managed-solve demo
 
-info: $(VENV)/.installed
+info: $(VENV)/.installed-demo
 	$(BIN)/managed-solve info
 
 test: $(VENV)/.installed

@@ -1,4 +1,4 @@
-"""W6: gradients through solves (BENCHMARKS.md), forward against forward + backward in one run.
+"""W6: gradients through solves (benchmarks/README.md), forward against forward + backward in one run.
 
 Groups (the forward alone is each group's anchor, so the report's ratio is
 forward + backward over forward; targets: backward at most 1.2 x forward,

@@ -4,7 +4,7 @@ GPU: ours vs ``cupyx.scipy.sparse.linalg.cg`` at N = 16k, 65k, 4.2M, 16.8M,
 float64 and float32. CPU: ours vs ``scipy.sparse.linalg.cg`` at N = 1M (and
 65k). Each case runs a fixed number of iterations (tiny rtol, ``maxiter=K``)
 and records time per iteration and the fraction of copy bandwidth on the
-152-bytes-per-row model (BENCHMARKS.md) in ``benchmark.extra_info``; the
+152-bytes-per-row model (benchmarks/README.md) in ``benchmark.extra_info``; the
 copy bandwidth is measured in the same run.
 """
 
@@ -29,7 +29,7 @@ def poisson2d(m, dtype=np.float64):
 
 
 def model_bytes(n, nnz, itemsize, index_itemsize=4):
-    """Fewest bytes one unpreconditioned CG iteration streams (BENCHMARKS.md)."""
+    """Fewest bytes one unpreconditioned CG iteration streams (benchmarks/README.md)."""
     return nnz * (itemsize + index_itemsize) + 4 * n + 11 * n * itemsize
 
 

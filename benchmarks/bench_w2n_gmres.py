@@ -1,6 +1,6 @@
 """W2n: W2's sizes with non-symmetric convection-diffusion operators, solved with GMRES.
 
-Not in BENCHMARKS.md (W2 is Poisson, where CG applies); it follows W2's
+Defined in benchmarks/README.md (W2 is Poisson, where CG applies); it follows W2's
 method. 400 upwind convection-diffusion systems of 32^2..96^2 unknowns, each
 to rtol 1e-8, GMRES(30) everywhere, seconds per system compared in one run:
 

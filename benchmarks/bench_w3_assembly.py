@@ -4,7 +4,7 @@ Ours (one kernel pass into a cached CSR pattern) against the vectorised
 anchor a user would write (triplets in NumPy/CuPy, then COO -> CSR in
 SciPy/cupyx), timed in the same run; the symbolic phase is timed apart.
 Sizes: ``MANAGED_SOLVE_W3_CPU_K`` (default 7; 8 is the 1.31M-triangle
-figure of BENCHMARKS.md) and ``MANAGED_SOLVE_W3_GPU_K`` (default 9, 5.24M
+figure of benchmarks/README.md) and ``MANAGED_SOLVE_W3_GPU_K`` (default 9, 5.24M
 triangles). The matrix assembled is ``A = L + D`` (stiffness plus lumped
 mass), float64, int32 indices.
 """

@@ -3,7 +3,7 @@
 Run after the gpu tests (see the brief): per-iteration time of our batched CG
 against ``cupyx.scipy.sparse.linalg.cg`` on 2D Poisson (b = ones) at N = 65k,
 4.2M and 16.8M, float64 and float32, with the fraction of copy bandwidth
-(152 B/row model for float64, BENCHMARKS.md) and the host synchronisations;
+(152 B/row model for float64, benchmarks/README.md) and the host synchronisations;
 plus a W2-like batch (400 small Poisson systems). Results also go to
 ``$OUT/gpu_krylov_check.json`` when ``OUT`` is set.
 

@@ -102,9 +102,9 @@ def main(argv=None) -> float:
           f"{t['step'] * 1e3:.2f} ms a step, iterations per step {min(iters)}..{max(iters)}); "
           f"SciPy factor-once {scipy_s:.3f} s (ratio {t['total'] / scipy_s:.2f})")
     if args.out:
-        from managed_solve.demo import _picture
+        from managed_solve.demo import picture
 
-        if _picture(mesh, u, args.out):
+        if picture(mesh, [(u0, "t = 0"), (u, f"after {steps} steps")], args.out):
             print(f"picture written to {args.out}")
     print(f"scipy_diff={diff:.3e}")
     print(f"heat_drift={drift:.3e}")

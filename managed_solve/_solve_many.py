@@ -91,8 +91,8 @@ def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = 
 
     Notes
     -----
-    One process feeds every GPU: a full garbage collection or a 5 ms GIL
-    hand-off stalls all of them (``docs/performance.md``). A caller may let a
+    One process feeds every GPU: a full garbage collection or a slow GIL
+    hand-off stalls all of them at once. A caller may let a
     call pause automatic (cyclic) collection and shorten the interpreter's
     GIL switch interval while it runs, e.g.
     ``ms.config.override(pause_gc=True, switch_interval=5e-4,

@@ -47,9 +47,10 @@ IN_FLIGHT = 2
 
 # A first guess of how many host cores one GPU is worth for solve_many work,
 # used only to weigh GPU-less nodes in a cluster that has GPU nodes too, until
-# measured throughput replaces it. BENCHMARKS.md W2: a scipy LU loop on the host
-# 5.38 s against a target of 0.12 s on one H200, i.e. about 45 x; a 32-core node
-# then counts as about one GPU after rounding down for many-core LU scaling.
+# measured throughput replaces it. On W2 a GPU runs tens of times faster than
+# one host core; with imperfect scaling of sparse LU over many cores, a node of
+# this many cores counts as about one GPU. A coarse guess suffices: the first
+# chunk's measured rate replaces it.
 CORES_PER_GPU = 32
 
 # Seconds to wait for a failed actor to answer a ping (Ray restarting it)
@@ -292,7 +293,7 @@ def solve_many_ray(systems: Iterable[Any], *, address: str | None = None, return
     keep_actors : bool
         Leave the actors running after the call, for the next call in this
         process with the same nodes and node arguments to reuse (no start-up,
-        warm caches; measured in ``benchmarks/bench_ray.py``). They keep their
+        warm caches; ``benchmarks/bench_ray.py`` times both). They keep their
         GPUs reserved in Ray until :func:`release_actors` or ``ray.shutdown()``.
     max_attempts : int
         Tries of one chunk (on different actors where possible) before its

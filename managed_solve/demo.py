@@ -2,20 +2,35 @@
 
 A tessellated surface (an icosphere at three resolutions by default, or the
 user's mesh), a sweep of heat steps and screened Poisson problems on it, one
-``solve_many`` over every device present, then a device table, throughput,
-the largest relative residual, a comparison with the naive loop, and a
-picture of one solution.
+``solve_many`` over every device present, then:
+
+- what the first run compiled (Numba kernels, cached on disk afterwards) and
+  how long that took, apart from the solve;
+- the solve time (median of ``--repeat`` runs) against the loop a user would
+  write without this package, timed on the same systems the same number of
+  times: SciPy's ``cg`` on the CPU, or cupyx's ``cg`` on the first GPU when
+  there is one; printed as "N.Nx faster" or "N.Nx slower";
+- a device table, the largest relative residual, and a picture (two hot
+  spots on the surface, then after one implicit heat step).
+
+``--json`` prints one JSON object (the same figures) on stdout and the text
+on stderr, for scripts.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import json
 import os
+import statistics
+import sys
 import time
 
 import numpy as np
 
 from . import _backend
+from .config import ENV_DEVICES, ENV_SIMULATE
 from .devices import format_bytes
 
 
@@ -30,6 +45,16 @@ def _meshes(args):
     return [ms_mesh.icosphere(k) for k in levels]
 
 
+def hot_spots(vertices: np.ndarray) -> np.ndarray:
+    """Two Gaussian hot spots on the surface: a picture in which diffusion is visible."""
+    v = vertices - vertices.mean(axis=0)
+    radius = float(np.sqrt((v ** 2).sum(axis=1).max())) or 1.0
+    centres = np.array([[0.95, 0.0, 0.3], [0.35, -0.9, -0.25]])
+    centres = radius * centres / np.linalg.norm(centres, axis=1)[:, None]
+    width = 0.25 * radius
+    return sum(np.exp(-((v - c) ** 2).sum(axis=1) / (2 * width ** 2)) for c in centres)
+
+
 def build_sweep(meshes, n_systems: int):
     """Heat steps and screened Poisson problems of varying parameters and sizes."""
     from . import pde
@@ -38,41 +63,135 @@ def build_sweep(meshes, n_systems: int):
     per_mesh = max(2, n_systems // len(meshes))
     for m in meshes:
         v = m.vertices
-        u0 = np.cos(3.0 * v[:, 2]) + v[:, 0]
+        u0 = hot_spots(v)
         f = v[:, 0] * v[:, 1] + 0.5 * v[:, 2]
         half = per_mesh // 2
-        for dt in np.geomspace(1e-4, 1e-1, max(1, half)):
+        for dt in np.geomspace(1e-3, 3e-2, max(1, half)):
             systems.append(pde.heat_step(m, u0, dt=float(dt)))
             labels.append(f"heat dt={dt:.2g} n={m.n_vertices}")
         for alpha in np.geomspace(0.1, 100.0, max(1, per_mesh - half)):
             systems.append(pde.screened_poisson(m, f, alpha=float(alpha)))
             labels.append(f"screened alpha={alpha:.2g} n={m.n_vertices}")
-    return systems[:n_systems] if len(systems) > n_systems else systems, labels
+    if len(systems) > n_systems:
+        systems, labels = systems[:n_systems], labels[:n_systems]
+    return systems, labels
 
 
-def _naive_loop(systems):
-    """What users write today: one solver call per system on one device."""
+# ------------------------------------------------------------------ compilation
+def _jit_functions() -> dict:
+    """Numba dispatchers of the package by name, with their compiled-signature counts."""
+    out = {}
+    for modname, mod in list(sys.modules.items()):
+        if not modname.startswith("managed_solve") or mod is None:
+            continue
+        for name, obj in list(vars(mod).items()):
+            if hasattr(obj, "py_func") and hasattr(obj, "signatures"):
+                out[f"{modname.rsplit('.', 1)[-1]}.{name}"] = obj
+    return out
+
+
+def _jit_counts(funcs: dict) -> dict:
+    counts = {}
+    for name, d in funcs.items():
+        stats = getattr(d, "stats", None)
+        hits = sum(stats.cache_hits.values()) if stats is not None else 0
+        counts[name] = (len(d.signatures), hits)
+    return counts
+
+
+def _compiled_since(before: dict) -> dict:
+    """The package's Numba kernels typed since ``before``: compiled, or loaded from Numba's cache.
+
+    Numba compiles each kernel for its argument types on first use and keeps
+    the machine code in its on-disk cache (``cache=True``), so later runs load
+    instead of compiling; the dispatchers' cache statistics tell the two apart.
+    """
+    compiled, loaded = [], []
+    for name, (sigs, hits) in _jit_counts(_jit_functions()).items():
+        sigs0, hits0 = before.get(name, (0, 0))
+        if sigs > sigs0:
+            (loaded if hits > hits0 else compiled).append(name)
+    return {"compiled": sorted(compiled), "loaded_from_cache": sorted(loaded)}
+
+
+def _names(names: list[str], most: int = 5) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+# ------------------------------------------------------------------ timing
+def _solve_once(systems, manager):
+    from ._solve_many import solve_many
+
     t0 = time.perf_counter()
-    if _backend.cuda_usable():
+    results = solve_many(systems, disperse=True, manager=manager)
+    for r in results:  # results stay on their devices; wait for all of them
+        if r.x is not None and _backend.is_cupy_array(r.x):
+            _backend.synchronize(r.x.device.id)
+    return time.perf_counter() - t0, results
+
+
+def _naive_loop(systems, gpu: bool):
+    """The loop a user writes without this package: one CG call per system on one device.
+
+    Returns (one run's callable, a description). On a GPU each run copies the
+    matrices and right-hand sides to the device, as the user's loop would
+    (``solve_many`` copies them too).
+    """
+    mats = [(_backend.to_host(s.A).tocsr(), np.asarray(_backend.to_host(s.b)), s.rtol, s.n)
+            for s in systems]
+    if gpu:
         cp = _backend.cupy()
         import cupyx.scipy.sparse as csp
         import cupyx.scipy.sparse.linalg as cla
 
-        for s in systems:
-            A = csp.csr_matrix(_backend.to_host(s.A))
-            cla.cg(A, cp.asarray(_backend.to_host(s.b)), rtol=s.rtol, maxiter=10 * s.n)
-        cp.cuda.Device().synchronize()
-        where = "cupyx cg loop on cuda:0"
-    else:
-        import scipy.sparse.linalg as sla
+        def run():
+            for A, b, rtol, n in mats:
+                cla.cg(csp.csr_matrix(A), cp.asarray(b), rtol=rtol, maxiter=10 * n)
+            cp.cuda.Device().synchronize()
 
-        for s in systems:
-            sla.cg(_backend.to_host(s.A), _backend.to_host(s.b), rtol=s.rtol, maxiter=10 * s.n)
-        where = "scipy cg loop on the CPU"
-    return time.perf_counter() - t0, where
+        return run, "a loop of cupyx.scipy.sparse.linalg.cg on cuda:0"
+
+    import scipy.sparse.linalg as sla
+
+    def run():
+        for A, b, rtol, n in mats:
+            sla.cg(A, b, rtol=rtol, maxiter=10 * n)
+
+    return run, "a loop of scipy.sparse.linalg.cg on the CPU"
 
 
-def _picture(mesh, x, path: str) -> bool:
+def _timed(fn, repeat: int) -> list[float]:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def speedup_text(ours: float, naive: float) -> str:
+    """``"3.1x faster"`` or ``"1.4x slower"``: ours against the naive time.
+
+    Examples
+    --------
+    >>> speedup_text(1.0, 3.14)
+    '3.1x faster'
+    >>> speedup_text(2.0, 1.0)
+    '2.0x slower'
+    """
+    if ours <= naive:
+        return f"{naive / ours:.1f}x faster" if ours > 0 else "faster"
+    return f"{ours / naive:.1f}x slower"
+
+
+# ------------------------------------------------------------------ picture
+def picture(mesh, panels, path: str, *, label: str = "u") -> bool:
+    """Draw ``panels`` (a list of (vertex values, title)) side by side on ``mesh``, as a PNG.
+
+    Returns False (nothing written) without matplotlib or for a mesh that is
+    not a triangle surface. One colour scale for all panels, so they compare.
+    """
     try:
         import matplotlib
 
@@ -85,97 +204,171 @@ def _picture(mesh, x, path: str) -> bool:
     from mpl_toolkits.mplot3d.art3d import Poly3DCollection
 
     v = mesh.vertices
-    face_vals = np.asarray(x)[mesh.faces].mean(axis=1)
-    norm = matplotlib.colors.Normalize(face_vals.min(), face_vals.max())
-    cmap = matplotlib.colormaps["viridis"]
-    fig = plt.figure(figsize=(6, 6))
-    ax = fig.add_subplot(111, projection="3d")
-    # Facecolors computed here (not set_array on plot_trisurf, whose depth sort
-    # can reorder faces against the values).
-    ax.add_collection3d(Poly3DCollection(v[mesh.faces], facecolors=cmap(norm(face_vals)),
-                                         edgecolor="none"))
+    panels = [(np.asarray(vals), title) for vals, title in panels]
+    lo_val = float(min(0.0, *(p.min() for p, _ in panels)))
+    norm = matplotlib.colors.Normalize(lo_val, float(max(p.max() for p, _ in panels)))
+    cmap = matplotlib.colormaps["inferno"]
+    fig = plt.figure(figsize=(5 * len(panels), 5))
     lo, hi = v.min(axis=0), v.max(axis=0)
-    ax.set_xlim(lo[0], hi[0])
-    ax.set_ylim(lo[1], hi[1])
-    ax.set_zlim(lo[2], hi[2])
-    fig.colorbar(matplotlib.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, shrink=0.6, label="u")
-    ax.set_title("managed-solve demo: one solution of the sweep")
-    ax.set_box_aspect((1, 1, 1))
-    ax.set_axis_off()
+    for i, (vals, label) in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), i + 1, projection="3d")
+        # Face colours computed here (not set_array on plot_trisurf, whose depth
+        # sort can reorder faces against the values).
+        face_vals = vals[mesh.faces].mean(axis=1)
+        ax.add_collection3d(Poly3DCollection(v[mesh.faces], facecolors=cmap(norm(face_vals)),
+                                             edgecolor="none"))
+        ax.set_xlim(lo[0], hi[0])
+        ax.set_ylim(lo[1], hi[1])
+        ax.set_zlim(lo[2], hi[2])
+        ax.view_init(elev=20, azim=-30)
+        ax.set_box_aspect((1, 1, 1))
+        ax.set_axis_off()
+        ax.set_title(label)
+    fig.colorbar(matplotlib.cm.ScalarMappable(norm=norm, cmap=cmap), ax=fig.axes, shrink=0.6,
+                 label=label)
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return True
 
 
-def main(args: argparse.Namespace) -> int:
-    from ._solve_many import solve_many
+# ------------------------------------------------------------------ main
+def _manager(args):
     from .manager import DeviceManager
 
+    devices = None
+    if args.device:
+        devices = [args.device] if args.device == "cpu" else [args.device, "cpu"]
+    try:
+        return DeviceManager(devices=devices, simulate=args.simulate)
+    except ValueError as exc:
+        text = str(exc)
+        # A value from the environment is named by the message itself; an option is named here.
+        if ENV_DEVICES in text or ENV_SIMULATE in text:
+            raise
+        flag = f"--device {args.device}" if args.device else f"--simulate {args.simulate}"
+        raise ValueError(f"{flag}: {text}") from None
+
+
+def main(args: argparse.Namespace) -> int:
+    import managed_solve
+
+    repeat = getattr(args, "repeat", 3)
+    as_json = bool(getattr(args, "json", False))
     n_systems = args.systems if args.systems is not None else (12 if args.small else 60)
     if n_systems < 1:
         raise ValueError(f"--systems {n_systems}: give at least 1 system")
-    devices = [args.device] if args.device else None
-    if args.device and args.device != "cpu":
-        devices = [args.device, "cpu"]
-    try:
-        manager = DeviceManager(devices=devices, simulate=args.simulate)
-    except ValueError as exc:
-        flag = f"--device {args.device}" if args.device else f"--simulate {args.simulate}"
-        raise ValueError(f"{flag}: {exc}") from None
-    print("managed-solve demo")
-    print(manager.report())
-    print()
+    if repeat < 1:
+        raise ValueError(f"--repeat {repeat}: give at least 1 run")
+    manager = _manager(args)
+    stream = sys.stderr if as_json else sys.stdout
 
+    def say(text: str = "") -> None:
+        print(text, file=stream, flush=True)
+
+    gpu = any(d.is_cuda for d in manager.devices) and _backend.cuda_usable()
+    say(f"managed-solve {managed_solve.__version__} demo")
+    say("devices: " + "; ".join(f"{d} ({d.name}, {format_bytes(d.total_bytes)})"
+                                for d in manager.devices))
+
+    jit_before = _jit_counts(_jit_functions())
     t0 = time.perf_counter()
     meshes = _meshes(args)
+    build_sweep(meshes, n_systems)  # the first assembly compiles its kernels
+    t_build_first = time.perf_counter() - t0
+    t0 = time.perf_counter()
     systems, labels = build_sweep(meshes, n_systems)
     t_build = time.perf_counter() - t0
     n_unknowns = sum(s.n for s in systems)
-    print(f"{len(systems)} systems on {len(meshes)} mesh(es), {n_unknowns:,} unknowns in all "
-          f"(assembled in {t_build:.2f} s)")
+    say(f"{len(systems)} systems on {len(meshes)} mesh(es), {n_unknowns:,} unknowns in all "
+        f"(assembled in {t_build:.2f} s)")
 
-    t0 = time.perf_counter()
-    results = solve_many(systems, disperse=True, progress=True, manager=manager)
-    for r in results:  # results stay on their devices; wait for all of them
-        if r.x is not None and _backend.is_cupy_array(r.x):
-            _backend.synchronize(r.x.device.id)
-    t_solve = time.perf_counter() - t0
+    # The first run pays for compilation; it is timed apart, then `repeat` runs are timed.
+    t_first, results = _solve_once(systems, manager)
+    times = []
+    for _ in range(repeat):
+        t, results = _solve_once(systems, manager)
+        times.append(t)
+    t_ours = statistics.median(times)
+    first = _compiled_since(jit_before)
+    first["seconds"] = max(0.0, t_build_first - t_build) + max(0.0, t_first - t_ours)
+    if first["compiled"]:
+        what = f"compiled {len(first['compiled'])} Numba kernels ({_names(first['compiled'])})"
+        if first["loaded_from_cache"]:
+            what += f" and loaded {len(first['loaded_from_cache'])} from Numba's cache"
+        say(f"first run: {what}: about {first['seconds']:.1f} s on top of the work. Numba keeps "
+            "them in its on-disk cache: later runs load them. Not counted in the times below.")
+    else:
+        loaded = len(first["loaded_from_cache"])
+        say(f"first run: nothing to compile (loaded {loaded} kernels from Numba's cache); "
+            f"about {first['seconds']:.2f} s on top of the work.")
+    if gpu:
+        say("  (on a GPU the first run also compiles CuPy's CUDA kernels, which CuPy caches in "
+            "~/.cupy/kernel_cache)")
+    say("solve_many runs: " + ", ".join(f"{t:.3f} s" for t in times))
 
-    rows = {}
+    rows: dict = {}
     counted = set()  # systems of one batch share its time: count each batch once
     for k, r in enumerate(results):
-        row = rows.setdefault(r.device, [0, 0.0, 0])
+        row = rows.setdefault(r.device, [0, 0.0])
         row[0] += 1
         key = (r.device, r.info.get("batch", ("alone", k)))
         if key not in counted:
             counted.add(key)
             row[1] += r.seconds
-        row[2] += r.x.size if r.x is not None else 0
-    print()
-    print(f"{'device':8s} {'name':28s} {'memory':>10s} {'systems':>8s} {'busy s':>8s}")
-    for dev, (count, busy, _n) in sorted(rows.items()):
+    methods = collections.Counter(r.method or "?" for r in results)
+    say()
+    say(f"{'device':8s} {'name':28s} {'memory':>10s} {'systems':>8s} {'busy s':>8s}")
+    for dev, (count, busy) in sorted(rows.items()):
         d = manager.get_device(dev)
-        print(f"{dev:8s} {d.name[:28]:28s} {format_bytes(d.total_bytes):>10s} {count:8d} {busy:8.2f}")
+        say(f"{dev:8s} {d.name[:28]:28s} {format_bytes(d.total_bytes):>10s} {count:8d} {busy:8.3f}")
     worst = max(r.relative_residual for r in results)
-    failed = [lab for lab, r in zip(labels, results, strict=False) if not r.converged]
-    print(f"\nsolved {len(results)} systems in {t_solve:.2f} s: {len(results) / t_solve:.1f} systems/s, "
-          f"{n_unknowns / t_solve / 1e6:.2f} M unknowns/s")
-    print(f"largest relative residual: {worst:.2e}" + (f"; not converged: {failed}" if failed else ""))
+    failed = [lab for lab, r in zip(labels, results, strict=True) if not r.converged]
+    say()
+    say(f"solve_many: {len(results)} systems in {t_ours:.3f} s (median of {repeat}): "
+        f"{len(results) / t_ours:.1f} systems/s; methods: "
+        + ", ".join(f"{m} {c}" for m, c in methods.most_common()))
+    say(f"largest relative residual: {worst:.2e}" + (f"; not converged: {failed}" if failed else ""))
 
-    # A sample across the sweep (every k-th system), so sizes and parameters mix as in the whole.
-    k = max(1, len(systems) // (6 if args.small else 10))
-    subset = systems[::k]
-    t_naive, where = _naive_loop(subset)
-    per_naive = t_naive / len(subset)
-    estimate = per_naive * len(systems)
-    print(f"naive way ({where}): {len(subset)} systems in {t_naive:.2f} s, "
-          f"about {estimate:.2f} s for all {len(systems)}; speed-up {estimate / t_solve:.1f}x")
+    run_naive, where = _naive_loop(systems, gpu)
+    if gpu:
+        _timed(lambda: _naive_loop(systems[:1], gpu)[0](), 1)  # CuPy's kernels compile once
+    naive_times = _timed(run_naive, repeat)
+    t_naive = statistics.median(naive_times)
+    verdict = speedup_text(t_ours, t_naive)
+    say(f"naive way ({where}), same {len(systems)} systems: {t_naive:.3f} s (median of {repeat})")
+    say(f"solve_many is {verdict} than the naive way on this machine")
 
     out = args.out or os.path.join(os.getcwd(), "managed_solve_demo.png")
-    pick = max(range(len(results)), key=lambda i: results[i].x.size if results[i].x is not None else -1)
-    mesh_for = next(m for m in meshes if m.n_vertices == results[pick].x.size)
-    if _picture(mesh_for, results[pick].to_numpy(), out):
-        print(f"picture of '{labels[pick]}' written to {out}")
-    else:
-        print("picture skipped: matplotlib is not installed (pip install \"managed-solve[plot]\")")
+    heat = [i for i, lab in enumerate(labels) if lab.startswith("heat")]
+    picture_path = None
+    if heat:
+        pick = max(heat, key=lambda i: (systems[i].n, i))  # the largest mesh's latest step
+        mesh_for = next((m for m in meshes if m.n_vertices == systems[pick].n), None)
+        title = labels[pick].split(" n=")[0].replace("heat dt=", "after one heat step, dt = ")
+        if mesh_for is None or results[pick].x is None:
+            pass
+        elif picture(mesh_for, [(hot_spots(mesh_for.vertices), "t = 0: two hot spots"),
+                                (results[pick].to_numpy(), title)], out, label="temperature u"):
+            picture_path = out
+            say(f"picture of '{labels[pick]}' written to {out}")
+        else:
+            say("picture skipped: matplotlib is not installed (pip install \"managed-solve[plot]\")")
+
+    if as_json:
+        summary = {
+            "version": managed_solve.__version__,
+            "devices": [str(d) for d in manager.devices],
+            "systems": len(systems),
+            "unknowns": int(n_unknowns),
+            "first_run": first,
+            "solve_many": {"median_s": t_ours, "runs_s": times, "methods": dict(methods),
+                           "by_device": {dev: {"systems": c, "busy_s": b} for dev, (c, b) in rows.items()}},
+            "naive": {"what": where, "median_s": t_naive, "runs_s": naive_times},
+            "speedup": t_naive / t_ours if t_ours > 0 else None,
+            "verdict": verdict,
+            "largest_relative_residual": float(worst),
+            "not_converged": failed,
+            "picture": picture_path,
+        }
+        print(json.dumps(summary, indent=1))
     return 0 if not failed else 1

@@ -1,7 +1,9 @@
 """Devices and discovery: CUDA GPUs (CuPy, NVML), the CPU, simulated GPUs.
 
 Discovery never crashes: no CuPy, no driver, no NVML or a broken CUDA library
-each give a CPU-only inventory with one log line saying why. Free memory is
+each give a CPU-only inventory. On a machine where an NVIDIA GPU is present
+that is a surprise, so it warns once (:class:`DeviceWarning`) with the reason
+and the fix; elsewhere it logs the reason at INFO. Free memory is
 read device-wide (NVML, else ``cudaMemGetInfo``), not from this process's
 allocator pool, so memory held by other processes counts.
 """
@@ -11,7 +13,9 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -47,6 +51,70 @@ _DEFAULT_CPU_BANDWIDTH = 10e9
 _DEFAULT_GPU_BANDWIDTH = 2.0e12
 
 
+class DeviceWarning(UserWarning):
+    """Work runs somewhere other than where the user likely expects it (the CPU instead of a GPU)."""
+
+
+_WARNED: set[str] = set()  # keys already warned about in this process
+_WARNED_LOCK = threading.Lock()
+
+
+def warn_once(key: str, message: str, *, stacklevel: int = 3) -> bool:
+    """Issue ``message`` as a :class:`DeviceWarning` the first time ``key`` is seen in this process.
+
+    A fallback that repeats on every call (each spill, each ``.cuda()``) would
+    bury the first, useful warning; one per cause is enough to act on.
+    Returns True when the warning was issued.
+    """
+    with _WARNED_LOCK:
+        if key in _WARNED:
+            return False
+        _WARNED.add(key)
+    warnings.warn(message, DeviceWarning, stacklevel=stacklevel)
+    return True
+
+
+def forget_warnings() -> None:
+    """Let every :func:`warn_once` key warn again (tests; a long-lived process after a fix)."""
+    with _WARNED_LOCK:
+        _WARNED.clear()
+
+
+def nvidia_gpu_present() -> bool:
+    """True when the machine has an NVIDIA GPU, whether or not CUDA is usable from here.
+
+    Cheap and import-free: the kernel driver's ``/proc/driver/nvidia/gpus``
+    entries, else ``nvidia-smi`` on ``PATH``.
+    """
+    try:
+        if os.listdir("/proc/driver/nvidia/gpus"):
+            return True
+    except OSError:
+        pass
+    return shutil.which("nvidia-smi") is not None
+
+
+def cpu_fallback_fix(why: str) -> str:
+    """What to do about ``why`` (a :func:`managed_solve._backend.cuda_probe` reason)."""
+    if "not installed" in why:
+        return ('install CuPy for your CUDA driver: pip install "managed-solve[cuda12]" '
+                '(or "managed-solve[cuda13]"; `nvidia-smi` shows the driver\'s CUDA version)')
+    if "driver" in why or "no CUDA devices" in why:
+        return ("check that `nvidia-smi` lists the GPU, that CUDA_VISIBLE_DEVICES does not hide it, "
+                "and that the CuPy package matches the driver's CUDA major version "
+                "(cupy-cuda12x or cupy-cuda13x)")
+    return ("reinstall CuPy for your CUDA version (pip install --force-reinstall cupy-cuda12x, "
+            "or cupy-cuda13x) and check `python -c \"import cupyx.scipy.sparse.linalg\"`")
+
+
+def warn_cpu_fallback(why: str) -> None:
+    """Warn once that an NVIDIA GPU is present but work runs on the CPU, with the fix."""
+    warn_once("cpu-fallback",
+              f"managed_solve: an NVIDIA GPU is present but every solve runs on the CPU: {why}. "
+              f"Fix: {cpu_fallback_fix(why)}. `managed-solve info` shows the devices found.",
+              stacklevel=4)
+
+
 def parse_bytes(text: str, *, what: str = "size") -> int:
     """``"2GiB"`` -> 2147483648. Binary (KiB, MiB, GiB) and decimal (KB, MB, GB) units; a bare number is bytes."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
@@ -78,7 +146,7 @@ class Device:
     index : int
         CUDA ordinal for ``"cuda"``; position for ``"sim"``; 0 for the CPU.
     name : str
-        Human-readable name (``"NVIDIA H200"``).
+        Human-readable name (the driver's, e.g. ``"NVIDIA A100-SXM4-80GB"``).
     total_bytes : int
         Memory capacity.
     bandwidth : float
@@ -322,11 +390,40 @@ def parse_simulate(spec: str, *, var: str = ENV_SIMULATE) -> list[Device]:
     ]
 
 
+def warn_spill(nbytes: int, free: dict[str, int]) -> None:
+    """Warn once that work of ``nbytes`` fit on no GPU (``free``: name -> bytes) and runs on the CPU."""
+    have = ", ".join(f"{d}: {format_bytes(b)} free" for d, b in free.items())
+    warn_once("spill", f"managed_solve: work of {format_bytes(nbytes)} fit on no GPU ({have}), so it "
+                       "runs on the CPU, slower. Fix: free GPU memory or wait for running work, "
+                       "split large systems, or pass spill=False (reserve) or device='cuda:i' to "
+                       "get an error instead.", stacklevel=5)
+
+
+def warn_mps(what: str) -> None:
+    """Warn once that an ``mps`` device or tensor runs on the CPU, and why."""
+    warn_once("mps", f"managed_solve: {what} is on Apple's mps device; managed_solve has no Metal "
+                     "backend, so it solves on the CPU (the same unified memory on a Mac) and "
+                     "returns CPU arrays. Move a solution back with .to('mps') when needed.",
+              stacklevel=5)
+
+
 def parse_device_name(name: str, *, what: str = "device") -> tuple[str, int]:
-    """``"cuda:1"`` -> ("cuda", 1); ``"cpu"`` -> ("cpu", 0); ``"sim:2"`` -> ("sim", 2)."""
+    """``"cuda:1"`` -> ("cuda", 1); ``"cpu"`` -> ("cpu", 0); ``"sim:2"`` -> ("sim", 2).
+
+    ``"mps"`` (Apple's Metal device in torch) means the CPU, with one
+    :class:`DeviceWarning`: there is no Metal backend, and the CPU shares
+    the Mac's unified memory. ``"meta"`` is refused: nothing can run there.
+    """
     s = str(name).strip().lower()
     if s == "cpu":
         return "cpu", 0
+    if s == "mps" or s.startswith("mps:"):
+        warn_mps(f"{what}={name!r}")
+        return "cpu", 0
+    if s == "meta" or s.startswith("meta:"):
+        raise ValueError(f"{what}={name!r}: the meta device holds shapes, not values; nothing can "
+                         "be solved there. Size and plan with meta tensors (DeviceManager.size_of), "
+                         "solve on 'cpu' or 'cuda:i'.")
     if s in ("cuda", "gpu"):
         return "cuda", 0
     m = re.fullmatch(r"(cuda|sim|gpu|cpu):(\d+)", s)
@@ -396,6 +493,8 @@ def discover(devices: str | Sequence[str] | None = None, simulate: str | None = 
         mode = "GPU" if accel else "CPU-only"
         if not accel:
             log.info("managed_solve: CPU-only inventory: %s", why)
+            if _wants_gpu(devices) and nvidia_gpu_present():
+                warn_cpu_fallback(why)
     cpu = cpu_device()
     inventory = [*accel, cpu]
     if devices is None:
@@ -421,6 +520,14 @@ def discover(devices: str | Sequence[str] | None = None, simulate: str | None = 
     if not chosen:
         raise ValueError(f"{var_dev}={devices!r} selects no device; example: 'cuda:0,cpu'.")
     return chosen
+
+
+def _wants_gpu(devices: Any) -> bool:
+    """False when ``devices`` asks for the CPU only (then running there is no surprise)."""
+    if devices is None:
+        return True
+    names = devices.split(",") if isinstance(devices, str) else [str(d) for d in devices]
+    return any(n.strip().lower() not in ("", "cpu") for n in names)
 
 
 def inventory_mode(devices: Sequence[Device]) -> str:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import hints as hints_file
-from .devices import Device, device_list, discover, format_bytes, parse_device_name
+from .devices import Device, device_list, discover, format_bytes, parse_device_name, warn_spill
 from .hints import Hint
 
 log = logging.getLogger("managed_solve")
@@ -483,7 +483,7 @@ class DeviceManager:
         """The device new work of ``nbytes`` should go to (nothing is reserved).
 
         A pinned ``obj`` goes to its pinned device. When no accelerator fits,
-        the CPU is returned (and the spill logged).
+        the CPU is returned (the spill warned about once, see ``DeviceWarning``).
         """
         n = nbytes if isinstance(nbytes, int) and not isinstance(nbytes, bool) else self.size_of(nbytes)
         pinned = self.pinned(obj) if obj is not None else None
@@ -492,9 +492,15 @@ class DeviceManager:
                 return pinned
             dev = self._choose(n, seconds, cost, disperse, exclude)
         if dev is None:
-            log.info("managed_solve: %s fit on no accelerator; placing on the CPU", format_bytes(n))
+            self._warn_spill(n)
             return self._cpu
         return dev
+
+    def _warn_spill(self, n: int, verb: str = "placing on") -> None:
+        """Log every spill; warn once per process when GPUs exist but none could take the work."""
+        log.info("managed_solve: %s fit on no accelerator; %s the CPU", format_bytes(n), verb)
+        if self.accelerators:
+            warn_spill(n, {str(d): self.available_bytes(d) for d in self.accelerators})
 
     def reserve(self, nbytes: int | Any, device: Device | str | None = None, *,
                 disperse: bool = True, exclude: Iterable[Device | str] = (),
@@ -516,7 +522,7 @@ class DeviceManager:
         timeout : float, optional
             Seconds to wait for a release when nothing fits; default ``wait_timeout``.
         spill : bool
-            When nothing fits after waiting: True places on the CPU (logged),
+            When nothing fits after waiting: True places on the CPU (warned once),
             False raises ``MemoryError``.
 
         Raises
@@ -560,7 +566,7 @@ class DeviceManager:
                         f"reserve(nbytes={format_bytes(n)}): no device can give that much ({have}). "
                         "Split the work, wait for running work (timeout=...), or free memory."
                     )
-                log.info("managed_solve: %s fit on no accelerator; spilling to the CPU", format_bytes(n))
+                self._warn_spill(n, "spilling to")
                 dev = self._cpu
             t = seconds if seconds is not None else (cost if cost is not None else n) / self._speed[str(dev)]
             led = self._ledger[dev]

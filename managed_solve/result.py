@@ -180,8 +180,8 @@ class SolveResult:
 class SlicedResult(SolveResult):
     """A result of a packed batch whose ``x`` is cut from the batch's solution when first read.
 
-    A CuPy view costs about 3.6 us to make (36 ms per 10,000 results, measured
-    on an H200's host), work that ``solve_many`` would otherwise do on the GPU
+    Making a CuPy view costs microseconds, which over tens of thousands of
+    results is work that ``solve_many`` would otherwise do on the GPU
     worker's thread between two batches; most callers read few of the ``x``.
     Everything else is a :class:`SolveResult`; a copy or a pickle is one, and
     ``dataclasses.replace`` works as on any result.
@@ -195,8 +195,8 @@ class SlicedResult(SolveResult):
         self = object.__new__(cls)
         d = self.__dict__
         # Three entries, not a tuple: a tuple holding an array is one more object
-        # for the garbage collector to scan per result (10,000 results: the
-        # collection when solve_many re-enables it took 10-15 ms).
+        # for the garbage collector to scan per result, and with many results a
+        # full collection holds the GIL for that long.
         d["_src"], d["_lo"], d["_hi"] = packed_x, lo, hi
         d["status"], d["iterations"], d["residual_norm"], d["b_norm"] = status, iterations, residual_norm, b_norm
         d["device"], d["seconds"], d["method"], d["message"], d["name"], d["info"] = (

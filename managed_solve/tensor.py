@@ -30,7 +30,7 @@ import weakref
 from typing import Any
 
 from . import _backend
-from .devices import Device
+from .devices import Device, warn_once
 from .manager import DeviceManager, default_manager
 
 # Stored bytes of one tensor (sparse: values + indices). raw_size_of dispatches on the
@@ -213,6 +213,8 @@ def _choose(func: Any, tensors: list, keys: list, kwargs: dict, cls: type) -> st
     total = sum(sizes)
     moving = total - by_key[best]
     mgr = _manager_of(tensors, cls)
+    if best.split(":")[0] in ("mps", "meta"):  # devices torch runs that no manager ledgers
+        return best
     try:
         dev = mgr.get_device(best)
     except ValueError:  # a device this manager does not manage (meta, another GPU): trust torch
@@ -518,7 +520,7 @@ class ManagedTensor(torch.Tensor):
         Notes
         -----
         Without any GPU (real or simulated) the tensor stays on the CPU, with
-        one log line.
+        one :class:`~managed_solve.devices.DeviceWarning` per process saying why.
         """
         kw: dict = {"non_blocking": non_blocking}
         if memory_format is not None:
@@ -534,6 +536,12 @@ class ManagedTensor(torch.Tensor):
         if not mgr.accelerators:
             log.info("managed_solve: ManagedTensor.cuda(): no GPU is managed here; the tensor stays on %s",
                      self.placement)
+            why = _backend.cuda_probe()[1] or "the manager's devices include no GPU"
+            warn_once("tensor-cuda",
+                      f"managed_solve: ManagedTensor.cuda(): no GPU is managed here ({why}); the "
+                      f"tensor stays on {self.placement}. Fix: install CuPy for your CUDA driver "
+                      '(pip install "managed-solve[cuda12]" or [cuda13]), check `managed-solve '
+                      "info`, or call .to('cpu') to say the CPU is intended.", stacklevel=3)
             return self
         # The bytes stay reserved in the manager's ledger while the moved tensor
         # lives, so the next .cuda(disperse=True) sees this one and goes elsewhere.

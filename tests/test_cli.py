@@ -31,3 +31,68 @@ def test_python_dash_m(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "sim:0" in proc.stdout
+
+
+def test_version(capsys):
+    import managed_solve
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"managed-solve {managed_solve.__version__}"
+
+
+def test_help_is_plain_text_and_lists_only_existing_commands(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "`" not in out and "bench" not in out
+    assert "info" in out and "demo" in out and "--version" in out
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    out = capsys.readouterr().out
+    assert "`" not in out and "--json" in out and "--repeat" in out
+    with pytest.raises(SystemExit) as exc:
+        main(["bench"])
+    assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("command", ["info", "demo"])
+def test_bad_devices_variable_is_named(monkeypatch, capsys, command):
+    monkeypatch.setenv("MANAGED_SOLVE_DEVICES", "cuda:7")
+    monkeypatch.delenv("MANAGED_SOLVE_SIMULATE", raising=False)
+    assert main([command]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "MANAGED_SOLVE_DEVICES" in err
+    assert "--simulate" not in err and "None" not in err
+
+
+def test_bad_simulate_variable_is_named(monkeypatch, capsys):
+    monkeypatch.setenv("MANAGED_SOLVE_SIMULATE", "lots")
+    assert main(["demo", "--small"]) == 2
+    err = capsys.readouterr().err
+    assert "MANAGED_SOLVE_SIMULATE" in err and "--simulate" not in err
+
+
+def test_bad_options_are_named(capsys):
+    assert main(["demo", "--simulate", "lots"]) == 2
+    assert "--simulate lots" in capsys.readouterr().err
+    assert main(["demo", "--device", "cuda:9", "--simulate", "1x1GiB"]) == 2
+    assert "--device cuda:9" in capsys.readouterr().err
+    assert main(["demo", "--systems", "0"]) == 2
+    assert "--systems 0" in capsys.readouterr().err
+
+
+def test_demo_small_json(tmp_path, capsys):
+    import json
+
+    rc = main(["demo", "--small", "--systems", "4", "--repeat", "3", "--json",
+               "--out", str(tmp_path / "demo.png")])
+    assert rc == 0
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out)
+    assert summary["systems"] == 4 and len(summary["solve_many"]["runs_s"]) == 3
+    assert len(summary["naive"]["runs_s"]) == 3 and "scipy" in summary["naive"]["what"]
+    assert summary["verdict"].endswith(("x faster", "x slower"))
+    assert summary["largest_relative_residual"] < 1e-6
+    assert "first run" in captured.err and summary["verdict"] in captured.err

@@ -6,18 +6,23 @@ import subprocess
 import sys
 import time
 import types
+import warnings
 
 import numpy as np
 import pytest
 
 from managed_solve import _backend
+from managed_solve import devices as devices_module
 from managed_solve.devices import (
     ENV_DEVICES,
     ENV_SIMULATE,
     Device,
+    DeviceWarning,
     cpu_device,
     discover,
+    forget_warnings,
     format_bytes,
+    nvidia_gpu_present,
     parse_bytes,
     parse_device_name,
     parse_simulate,
@@ -249,3 +254,65 @@ def test_array_module_of_cupyx_sparse():
     assert _backend.array_module(A) is cp
     assert _backend.is_cupy_array(cp.zeros(3))
     assert _backend.to_host(A).nnz == 4
+
+
+# -------------------------------------------------------------- warnings: a GPU is present, we run on the CPU
+@pytest.fixture
+def fresh_warnings():
+    forget_warnings()
+    yield
+    forget_warnings()
+
+
+def _no_env(monkeypatch):
+    monkeypatch.delenv(ENV_SIMULATE, raising=False)
+    monkeypatch.delenv(ENV_DEVICES, raising=False)
+
+
+def test_gpu_present_without_cupy_warns_once_with_the_fix(monkeypatch, fresh_probe, fresh_warnings):
+    _reprobe(monkeypatch, lambda name: None)
+    monkeypatch.setattr(devices_module, "nvidia_gpu_present", lambda: True)
+    _no_env(monkeypatch)
+    with pytest.warns(DeviceWarning, match=r"NVIDIA GPU is present.*CuPy is not installed.*cuda12"):
+        assert [str(d) for d in discover()] == ["cpu"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        discover()  # once per process: the second inventory is quiet
+
+
+def test_gpu_present_with_broken_cupy_warns(monkeypatch, fresh_probe, fresh_warnings):
+    def get_count():
+        raise RuntimeError("cudaErrorInsufficientDriver")
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=get_count)))
+    _reprobe(monkeypatch, lambda name: fake if name == "cupy" else None)
+    monkeypatch.setattr(devices_module, "nvidia_gpu_present", lambda: True)
+    _no_env(monkeypatch)
+    with pytest.warns(DeviceWarning, match=r"cudaErrorInsufficientDriver.*Fix: check that `nvidia-smi`"):
+        discover()
+
+
+def test_no_warning_without_an_nvidia_gpu_or_when_the_cpu_is_asked_for(monkeypatch, fresh_probe,
+                                                                        fresh_warnings):
+    _reprobe(monkeypatch, lambda name: None)
+    _no_env(monkeypatch)
+    monkeypatch.setattr(devices_module, "nvidia_gpu_present", lambda: False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        discover()
+        monkeypatch.setattr(devices_module, "nvidia_gpu_present", lambda: True)
+        discover("cpu")
+
+
+def test_nvidia_gpu_present_is_a_bool():
+    assert isinstance(nvidia_gpu_present(), bool)
+
+
+def test_mps_means_the_cpu_with_one_warning_and_meta_is_refused(fresh_warnings):
+    with pytest.warns(DeviceWarning, match="mps"):
+        assert parse_device_name("mps") == ("cpu", 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert parse_device_name("mps:0") == ("cpu", 0)  # once per process
+    with pytest.raises(ValueError, match="meta device holds shapes"):
+        parse_device_name("meta")

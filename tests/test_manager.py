@@ -566,3 +566,25 @@ def test_hints_remember_iterations(tmp_path):
     path = tmp_path / "h.json"
     dm.save_hints(str(path))
     assert DeviceManager(simulate="1x1GiB", hints_path=str(path)).predict(sig).iterations == 137
+
+
+def test_a_spill_warns_once_with_the_reason_and_the_fix():
+    from managed_solve.devices import DeviceWarning, forget_warnings
+
+    forget_warnings()
+    dm = DeviceManager(simulate="1x1GiB", reserved=0.0)
+    held = dm.reserve(800 * MiB)
+    with pytest.warns(DeviceWarning, match=r"fit on no GPU \(sim:0: .* free\).*Fix: "):
+        r = dm.reserve(800 * MiB, timeout=0.0)
+    assert str(r.device) == "cpu"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert str(dm.find_device(800 * MiB)) == "cpu"  # once per process
+    cpu_only = DeviceManager(devices=["cpu"])
+    forget_warnings()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no GPU at all: running on the CPU is no spill
+        cpu_only.find_device(800 * MiB)
+    r.release()
+    held.release()
+    forget_warnings()

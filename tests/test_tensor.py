@@ -7,6 +7,7 @@ carry their placement); the same tests run on real devices on a GPU machine.
 from __future__ import annotations
 
 import logging
+import warnings
 
 import numpy as np
 import pytest
@@ -257,3 +258,24 @@ def test_example_different_device_tensors_matches_plain_tensors(capsys):
     assert out[-1].startswith("max_abs_error=") and float(out[-1].split("=")[1]) == err
     assert err <= 1e-12
     assert "result computed on sim:1" in out[-3] and "a.grad on sim:0" in out[-2]
+
+
+def test_cuda_without_gpu_warns_once_with_the_fix():
+    from managed_solve.devices import DeviceWarning, forget_warnings
+
+    forget_warnings()
+    dm = DeviceManager(devices=["cpu"])
+    t = managed(torch.arange(3.0), manager=dm)
+    with pytest.warns(DeviceWarning, match=r"ManagedTensor.cuda\(\): no GPU is managed here.*Fix: "):
+        assert t.cuda().placement == "cpu"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert t.cuda().placement == "cpu"  # once per process
+    forget_warnings()
+
+
+def test_meta_operands_are_left_to_torch():
+    dm = DeviceManager(simulate="1x1GiB")
+    a = managed(torch.empty(4, device="meta"), manager=dm)
+    out = a + managed(torch.empty(4, device="meta"), manager=dm)
+    assert out.device.type == "meta"

@@ -58,11 +58,11 @@ def gather(addresses, lengths, out):
 
     ``np.concatenate`` releases and re-takes the GIL around every input array
     it copies. With thousands of small systems a batch, each re-take waits
-    for whatever other Python thread holds the GIL (up to the 5 ms switch
-    interval): on the 2-core development machine, packing 3,143 W2 systems
-    took 154 ms alone and 15.8 s beside one busy Python thread. Here the
-    caller reads each array's address once (holding the GIL, about 1 us) and
-    the copies run in one GIL-free call.
+    for whatever other Python thread holds the GIL (up to the interpreter's
+    switch interval), so packing beside one busy Python thread can take a
+    hundred times longer than alone. Here the caller reads each array's
+    address once (holding the GIL briefly) and the copies run in one
+    GIL-free call.
 
     Parameters
     ----------
@@ -241,8 +241,8 @@ def active_rows(starts, lens, out):
 
     The batched CUDA solver's compaction list (rows of the systems still
     running), written straight into its page-locked upload buffer without
-    the GIL: NumPy's ``arange + repeat`` formulation held the GIL for 5-20 ms
-    at a few million rows, stalling the other GPUs' threads.
+    the GIL: NumPy's ``arange + repeat`` formulation holds the GIL for the
+    whole list, which at millions of rows stalls the other GPUs' threads.
 
     Parameters
     ----------

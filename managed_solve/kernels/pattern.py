@@ -24,9 +24,8 @@ for the CUDA kernel (one thread per row); the incidence is built on the GPU
 with atomics and then sorted per vertex. Per-element math (``cotan.triangle_row``,
 ``tet.tetra_row``) is a ``@numba.njit`` function called from both: Numba
 compiles an njit function for whichever target calls it, and the CUDA
-simulator calls it as a normal function. Checked on an H100 and an H200
-(numba-cuda with NumPy 2.5, through the ``_compat`` shim) and under the
-simulator. Under the simulator, device functions receive wrapped arrays an
+simulator calls it as a normal function (numba-cuda with recent NumPy goes
+through the ``_compat`` shim). Under the simulator, device functions receive wrapped arrays an
 njit function cannot type, so only scalars cross into njit functions; the
 row bodies, which index arrays, are therefore compiled twice instead of
 being njit functions themselves. On the CPU the incidence is one serial

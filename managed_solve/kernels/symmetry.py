@@ -1,8 +1,8 @@
 """Symmetry of a host CSR matrix in one pass, without building the transpose.
 
 ``managed_solve.system.is_symmetric`` decides between CG and BiCGStab for
-every distinct matrix ``solve`` and ``solve_many`` meet. Transposing a 1M-row
-2D Poisson matrix and comparing costs about 77 ms on the host; for a matrix
+every distinct matrix ``solve`` and ``solve_many`` meet. Building the
+transpose and comparing allocates a second matrix and sorts it; for a matrix
 in canonical form (sorted indices, no duplicates) this kernel matches each
 stored ``(i, j)`` with row ``j``'s entries in one O(nnz) pass (one cursor
 per row, the GIL released). CPU only: GPU matrices keep the
@@ -60,8 +60,8 @@ def csr_symmetry_rows(indptr, indices, data, limit, lo, hi):
     against its mirror. A chunk whose columns span a window of at most
     ``4 x`` its rows (plus 64; banded and mesh matrices) keeps one cursor per
     row of that window (:func:`csr_symmetry_rows_window`); a wider one looks
-    each entry up by binary search (:func:`csr_symmetry_rows_search`, about
-    2.2 x slower on a 1M-row 2D Poisson matrix).
+    each entry up by binary search (:func:`csr_symmetry_rows_search`, slower:
+    a search per entry instead of a cursor step).
     """
     if indptr[lo] == indptr[hi]:
         return SYMMETRIC

@@ -100,7 +100,8 @@ def dots3(r, u, w, out) -> None:
     if n == 0:
         return
     threads = 256
-    # Enough blocks to fill an H200 (132 SMs x 8) without a long atomic tail.
+    # Enough blocks to fill a large GPU (about 1,000: a hundred-odd SMs, 8
+    # blocks each) without a long tail of atomics.
     blocks = int(min(1024, (n + threads - 1) // threads))
     _kernels()[2]((blocks,), (threads,), (r, u, w, cp.int64(n), out))
 

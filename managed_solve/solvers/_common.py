@@ -25,8 +25,8 @@ from .engine import Outcome as Outcome
 from .engine import default_maxiter as default_maxiter
 
 # How often a generic solver reads its residual on the host when xp is CuPy:
-# each read is a device synchronisation (about 10-20 us plus the launch
-# queue draining), so reading every 8 iterations keeps the loop launch-bound
+# each read is a device synchronisation that also drains the launch queue,
+# so reading every 8 iterations keeps the loop launch-bound
 # instead of sync-bound while overshooting convergence by at most 7 iterations.
 GPU_CHECK_EVERY = 8
 

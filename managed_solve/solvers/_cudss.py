@@ -1,13 +1,13 @@
 """cuDSS (through nvmath-python) for GPU direct solves, with its analysis kept between calls.
 
-Measured on an H200 (``benchmarks/profile_direct.py``, 2D Poisson; the table
-is in ``docs/performance.md``): of a cuDSS solve, the plan phase (ordering and
-symbolic analysis, on the host) takes 95 % and more: 73 ms against 2.1 ms to
-factorise and 0.6 ms to solve at N = 40k, 1.38 s against 28 and 3.4 ms at
-N = 1M. So, per device:
+Of a cuDSS solve, the plan phase (ordering and symbolic analysis, on the
+host) dominates: it costs tens of times the numeric factorisation and the
+solve together (``benchmarks/profile_direct.py`` shows the phases). So, per
+device:
 
 - one cuDSS handle, made once, with cuDSS's OpenMP threading layer for the
-  host phases where it lies beside the library (2.9-4.2 x faster plans);
+  host phases where it lies beside the library (the plan is the host's work,
+  and it parallelises);
 - the last ``CACHE_SIZE`` analysed matrices, each with its own copy of the
   matrix (cuDSS keeps pointers into it), while the GPU keeps a quarter of its
   memory free. A later solve with the same sparsity pattern skips the plan;

@@ -116,9 +116,8 @@ def _host_symmetry(A: Any, rel: float) -> int:
     from ..kernels.symmetry import abs_max, csr_symmetry_rows, csr_symmetry_scaled
 
     workers = symmetry_workers()
-    # Chunks cost about 1.6 x the one-pass kernel in all (banded matrices, with
-    # a cursor window per chunk; 2.2 x with a binary search per entry; 1M-row
-    # 2D Poisson on the 2-core host): only worth it with several cores.
+    # Chunks cost more in all than the one-pass kernel (a cursor window per
+    # chunk, or a binary search per entry): only worth it with several cores.
     if A.nnz < config.current().symmetry_parallel_nnz or workers < 4:
         return int(csr_symmetry_scaled(A.indptr, A.indices, A.data, rel))
     pool = _backend.thread_pool("symmetry", workers)
@@ -144,9 +143,9 @@ def positive_diagonal(A: Any) -> bool:
     """Whether every diagonal entry of a square matrix is positive (CG's half of ``method="auto"``).
 
     Large host CSR matrices (``config.current().symmetry_parallel_nnz`` entries, with four or
-    more symmetry workers) are read by a Numba kernel in row ranges on helper threads: a
-    1M-row matrix's ``A.diagonal()`` took about 9 ms of one thread on an
-    H200 host, on the path before ``solve_many``'s first GPU batch. Other
+    more symmetry workers) are read by a Numba kernel in row ranges on helper threads:
+    ``A.diagonal()`` on one thread lies on the path before ``solve_many``'s first
+    GPU batch, where every millisecond leaves the GPUs idle. Other
     matrices use their own ``diagonal()`` (SciPy's is faster than the kernel
     on one thread).
 

@@ -151,3 +151,56 @@ def test_grad_source_records_what_requires_grad_and_refuses_what_cannot_have_one
     with pytest.raises(TypeError, match="layout"):
         grad_source(torch.eye(4).to_sparse_bsr((2, 2)).requires_grad_(), None, call="t")
     assert LinearSystem(csr, b).grad.A is csr
+
+
+# ------------------------------------------------------------------ torch device kinds
+def _mps_tensor(torch, values):
+    class OnMps(torch.Tensor):  # Linux has no mps device: a tensor that reports one
+        @property
+        def device(self):
+            return torch.device("mps")
+
+    return torch.as_tensor(values).as_subclass(OnMps)
+
+
+def test_mps_tensor_and_device_run_on_the_cpu_with_one_warning():
+    torch = pytest.importorskip("torch")
+    import warnings
+
+    import managed_solve as ms
+    from managed_solve.devices import DeviceWarning, forget_warnings
+
+    A = laplacian1d(40)
+    forget_warnings()
+    b = _mps_tensor(torch, np.ones(40))
+    assert b.device.type == "mps"
+    with pytest.warns(DeviceWarning, match="mps device.*solves on the CPU") as rec:
+        r = ms.solve(A, b, rtol=1e-10)
+    assert len([w for w in rec if issubclass(w.category, DeviceWarning)]) == 1
+    assert r.converged and r.device == "cpu"
+    np.testing.assert_allclose(A @ r.to_numpy(), np.ones(40), atol=1e-8)
+    forget_warnings()
+    with pytest.warns(DeviceWarning, match="mps"):
+        out = ms.solve_many([LinearSystem(A, _mps_tensor(torch, np.ones(40)))])
+    assert out[0].converged and out[0].device == "cpu"
+    forget_warnings()
+    with pytest.warns(DeviceWarning, match="mps"):
+        assert ms.solve(A, np.ones(40), device="mps").device == "cpu"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ms.solve(A, np.ones(40), device=torch.device("mps")).device == "cpu"  # once
+    forget_warnings()
+
+
+def test_meta_tensor_is_a_clear_error_never_solved():
+    torch = pytest.importorskip("torch")
+    import managed_solve as ms
+
+    A = laplacian1d(40)
+    b = torch.ones(40, dtype=torch.float64, device="meta")
+    with pytest.raises(TypeError, match="meta device.*not solved"):
+        ms.solve(A, b)
+    (r,) = ms.solve_many([(A, b)])  # solve_many reports a bad system instead of raising
+    assert r.status is ms.Status.INVALID_INPUT and r.x is None and "meta device" in r.message
+    with pytest.raises(ValueError, match="meta device holds shapes"):
+        ms.solve(A, np.ones(40), device="meta")
