@@ -5,11 +5,12 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-# The tests need torch's CPU build only: taken from PyTorch's CPU index, so an
-# ordinary Linux machine does not download the CUDA build from PyPI. On a GPU
-# machine: `make test TORCH_INDEX=https://pypi.org/simple` (or your CUDA index).
+# The tests need torch's CPU build only. On the project's development and CI
+# machines the pinned version is a CPU build the package index serves; on an
+# ordinary Linux machine pass the CPU index, so pip does not fetch the CUDA
+# build: `make test TORCH_PIP="--index-url https://download.pytorch.org/whl/cpu"`.
 TORCH       ?= torch==2.13.0
-TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_PIP   ?=
 EXTRAS      ?= test,torch,mesh,nvml,ray
 DEMO_EXTRAS ?= plot
 
@@ -26,7 +27,7 @@ $(VENV)/.installed-demo: $(BIN)/python pyproject.toml
 	touch $@
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install -q --index-url "$(TORCH_INDEX)" "$(TORCH)"
+	$(BIN)/python -m pip install -q $(TORCH_PIP) "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@ $(VENV)/.installed-demo
 
