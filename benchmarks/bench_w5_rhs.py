@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import scipy.sparse as sp
 import scipy.sparse.linalg as spla
+from bench_w2_many import poisson2d
 
 from conftest import sync
 from managed_solve import Solver, solve, solve_many
@@ -38,13 +38,6 @@ GPU_M, GPU_K = 1024, 32
 MEDIANS: dict[str, float] = {}
 
 
-def poisson2d(m: int) -> sp.csr_matrix:
-    T = sp.diags([-1.0, 4.0, -1.0], [-1, 0, 1], shape=(m, m))
-    S = sp.diags([-1.0, -1.0], [-1, 1], shape=(m, m))
-    A = (sp.kron(sp.identity(m), T) + sp.kron(S, sp.identity(m))).tocsr()
-    A.indices = A.indices.astype(np.int32)
-    A.indptr = A.indptr.astype(np.int32)
-    return A
 
 
 def rhs_block(n: int, k: int, seed: int = 0) -> np.ndarray:

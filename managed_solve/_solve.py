@@ -217,33 +217,3 @@ def _is_default(value: Any, default: Any) -> bool:
     if isinstance(value, (int, float, str)) and isinstance(default, (int, float, str)):
         return value == default
     return False
-
-
-def _as_system(A: Any, b: Any, **opts: Any) -> LinearSystem:
-    if isinstance(A, LinearSystem):
-        if b is not None:
-            raise ValueError(
-                "solve(system, b): a LinearSystem already holds b; call solve(system) or "
-                "solve(A, b)."
-            )
-        defaults = {"x0": None, "rtol": 1e-8, "atol": 0.0, "maxiter": None, "method": "auto",
-                    "M": None, "dtype": None, "nullspace": None}
-        changed = {k: v for k, v in opts.items() if not _is_default(v, defaults[k])}
-        if not changed:
-            return A
-        kw = {"x0": A.x0, "rtol": A.rtol, "atol": A.atol, "maxiter": A.maxiter,
-              "method": A.method, "M": A.M, "dtype": A.dtype, "nullspace": A.nullspace}
-        kw.update(changed)
-        return LinearSystem(A.A, A.b, name=A.name, _call="solve(system)", **kw)
-    if b is None:
-        raise TypeError("solve(A, b=None): b is missing; pass the right-hand side, "
-                        "or a LinearSystem as the only argument.")
-    return LinearSystem(A, b, _call="solve(A, b)", **opts)
-
-
-def _is_default(value: Any, default: Any) -> bool:
-    if value is default:
-        return True
-    if isinstance(value, (int, float, str)) and isinstance(default, (int, float, str)):
-        return value == default
-    return False

@@ -34,7 +34,7 @@ from . import _backend, config
 from .result import SolveResult, Status
 from .scheduling import SolveManyError
 from .scheduling import solve_many as solve_many_local
-from .scheduling.validate import as_system, check_arguments, invalid_result
+from .scheduling.validate import check_arguments, invalid_result, validate_all
 from .system import LinearSystem
 
 log = logging.getLogger("managed_solve")
@@ -356,14 +356,7 @@ def solve_many_ray(systems: Iterable[Any], *, address: str | None = None, return
 
     # 1. Validate on the driver; bad systems never travel.
     items = list(systems)
-    results: list[SolveResult | None] = [None] * len(items)
-    valid: dict[int, LinearSystem] = {}
-    memo: dict = {}  # arrays found finite, for this call
-    for i, item in enumerate(items):
-        try:
-            valid[i] = as_system(item, i, method=method, M=M, rtol=rtol, memo=memo)
-        except (TypeError, ValueError) as exc:
-            results[i] = invalid_result(exc, i, item)
+    results, valid = validate_all(items, method=method, M=M, rtol=rtol)
     for i, s in list(valid.items()):
         for what, obj in (("A", s.A if s.kind == "operator" else None),
                           ("M", s.M if not isinstance(s.M, str) else None)):

@@ -30,7 +30,7 @@ from .errors import raise_for_failures
 from .plan import SINGLE, Estimate, head_start, plan_work, select_devices
 from .routes import run_sharded
 from .runner import Runner
-from .validate import as_system, check_arguments, invalid_result
+from .validate import check_arguments, invalid_result, validate_all
 
 
 def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = None,
@@ -83,15 +83,8 @@ def _solve(systems: Iterable[Any], *, disperse: bool, devices: Any, method: str,
     """
     items = list(systems)
     mgr = manager if manager is not None else default_manager()
-    results: list[SolveResult | None] = [None] * len(items)
-    valid: list[LinearSystem | None] = [None] * len(items)
-    memo: dict = {}  # arrays found finite, for this call
-    for i, item in enumerate(items):
-        try:
-            valid[i] = as_system(item, i, method=method, M=M, rtol=rtol, memo=memo)
-        except (TypeError, ValueError) as exc:
-            results[i] = invalid_result(exc, i, item)
-    del memo
+    results, checked = validate_all(items, method=method, M=M, rtol=rtol)
+    valid: list[LinearSystem | None] = [checked.get(i) for i in range(len(items))]
     if validated is not None:
         validated[:] = valid
 

@@ -101,3 +101,21 @@ def with_x0(s: LinearSystem, x0: Any) -> LinearSystem:
     t.__dict__.update(s.__dict__)
     t.x0 = x0
     return t
+
+
+def validate_all(items: list, *, method: str, M: Any, rtol: float | None
+                 ) -> tuple[list[SolveResult | None], dict[int, LinearSystem]]:
+    """Every input as a LinearSystem (``valid``) or an INVALID_INPUT result (``results``).
+
+    One memo of the arrays found finite serves the whole call, so a matrix
+    shared by many ``(A, b)`` pairs is scanned for NaN and Inf once.
+    """
+    results: list[SolveResult | None] = [None] * len(items)
+    valid: dict[int, LinearSystem] = {}
+    memo: dict = {}
+    for i, item in enumerate(items):
+        try:
+            valid[i] = as_system(item, i, method=method, M=M, rtol=rtol, memo=memo)
+        except (TypeError, ValueError) as exc:
+            results[i] = invalid_result(exc, i, item)
+    return results, valid
