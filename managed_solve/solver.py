@@ -29,7 +29,14 @@ from .solvers.engine import BREAKDOWN, MAXITER, Options, Outcome, Prepared
 from .solvers.krylov import KrylovEngine
 from .solvers.verify import fall_back, no_worse_than_the_start, refine, stagnated, status_of
 from .system import FALLBACK, LinearSystem
-from .system.inputs import GradSource, as_operator, check_dtype, checked_finite, grad_source
+from .system.inputs import (
+    GradSource,
+    as_operator,
+    check_dtype,
+    checked_finite,
+    grad_source,
+    torch_to_array,
+)
 from .system.method import choose_method, matrix_symmetry
 
 log = logging.getLogger("managed_solve")
@@ -374,14 +381,8 @@ class Solver:
         """b or x0 as an (n,) or (n, k) array of the solver's dtype on its device."""
         system = self.system
         n = system.n
-        if _backend.is_torch_tensor(v):
-            from .system.inputs import as_vector
-
-            if v.ndim == 1:
-                v = as_vector(v, n, call="Solver.solve", arg=what)
-            else:
-                v = _backend.cupy().from_dlpack(v.detach()) if v.device.type == "cuda" \
-                    else v.detach().numpy()
+        if _backend.is_torch_tensor(v):  # a view through DLPack (mps copied, meta refused)
+            v = torch_to_array(v, call="Solver.solve", arg=what)
         elif not (isinstance(v, np.ndarray) or _backend.is_cupy_array(v)):
             v = np.asarray(v)
         if v.ndim == 2 and v.shape[1] == 1:

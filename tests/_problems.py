@@ -182,6 +182,16 @@ def on(backend, *arrays):
     return out if len(out) > 1 else out[0]
 
 
+def array_modules(backend):
+    """(xp, sparse module) of a ``backend`` parameter: NumPy/SciPy or CuPy/cupyx."""
+    if backend == "cpu":
+        return np, sp
+    import cupy
+    import cupyx.scipy.sparse as csp
+
+    return cupy, csp
+
+
 def host(x):
     """A NumPy copy of a NumPy or CuPy array."""
     return x.get() if hasattr(x, "get") else np.asarray(x)

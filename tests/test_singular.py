@@ -116,3 +116,23 @@ def test_bad_nullspace_names_the_argument():
         solve(A, np.ones(5), nullspace=np.ones(4))
     with pytest.raises(ValueError, match="linearly dependent"):
         solve(A, np.ones(5), nullspace=np.ones((5, 2)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["cg", "minres", "direct"])
+def test_nullspace_on_a_gpu(method):
+    import cupy as cp
+    import cupyx.scipy.sparse as csp
+
+    A = neumann2d(10)
+    x_true = RNG.standard_normal(100)
+    x_true -= x_true.mean()
+    b = A @ x_true
+    with Solver(csp.csr_matrix(A), method=method, nullspace="constant", device="cuda:0",
+                rtol=1e-10) as solver:
+        ok = solver.solve(cp.asarray(b))
+        off = solver.solve(cp.asarray(np.stack([b + 3.0, b], axis=1)))
+    assert ok.converged
+    np.testing.assert_allclose(ok.to_numpy(), x_true, rtol=1e-6, atol=1e-8)
+    assert off.column_status == (Status.LEAST_SQUARES, Status.CONVERGED)
+    np.testing.assert_allclose(off.to_numpy()[:, 0], x_true, rtol=1e-6, atol=1e-8)

@@ -138,3 +138,31 @@ def test_an_unrepresentable_solution_says_so():
     res = solve(A, np.full(20, 1e160), method="cg", device="cpu")
     assert res.status is Status.BREAKDOWN and "overflows" in res.message
     assert math.isnan(res.relative_residual) or res.x is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["cg", "bicgstab", "gmres", "direct"])
+def test_extreme_scales_on_a_gpu(method):
+    """The scaled norms and the power-of-two scaling with CuPy arrays."""
+    import cupy as cp
+    import cupyx.scipy.sparse as csp
+
+    for scale, b_scale in ((1e-150, 1.0), (1e150, 1e150), (1.0, 1e-170)):
+        A = laplacian1d(40) * scale
+        b = np.full(40, b_scale)
+        res = solve(csp.csr_matrix(A), cp.asarray(b), method=method, device="cuda:0")
+        assert res.status is Status.CONVERGED, (scale, b_scale, res.message)
+        assert true_relative_residual(A, b, res.to_numpy()) <= 1e-8
+
+
+@pytest.mark.gpu
+def test_solve_many_rechecks_extreme_batch_norms_on_a_gpu():
+    """A batch's squared norms underflow for b ~ 1e-170: recomputed scaled, solved again."""
+    A = laplacian1d(30)
+    systems = [LinearSystem(A, np.full(30, 1e-170), name="tiny"),
+               LinearSystem(A, np.full(30, 1e160), name="huge"),
+               LinearSystem(A, np.ones(30), name="plain")]
+    results = solve_many(systems, manager=DeviceManager(["cuda:0"]))
+    for s, r in zip(systems, results, strict=True):
+        assert r.status is Status.CONVERGED, (r.name, r.message)
+        assert true_relative_residual(s.A, s.b, r.to_numpy()) <= 1e-8

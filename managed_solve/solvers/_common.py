@@ -208,3 +208,21 @@ def outcome_from_batch(out: Any, breakdown_message: str) -> Outcome:
                    host_syncs=int(out.host_syncs),
                    info={"path": "batched", "checkpoints": int(out.checkpoints),
                          "gpu_seconds": out.gpu_seconds})
+
+
+def chebyshev_coefficients(lower: float, upper: float, degree: int) -> tuple[float, tuple]:
+    """``(theta, ((a_k, b_k), ...))`` of the Chebyshev iteration for a spectrum in [lower, upper].
+
+    The three-term recurrence of Saad's Algorithm 12.1, as host floats:
+    every step's coefficients are known before the first application, so
+    applying the polynomial reads nothing back from the device.
+    """
+    theta, delta = 0.5 * (upper + lower), 0.5 * (upper - lower)
+    sigma = theta / delta
+    coeffs = []
+    rho = 1.0 / sigma
+    for _ in range(int(degree)):
+        rho_new = 1.0 / (2.0 * sigma - rho)
+        coeffs.append((rho_new * rho, 2.0 * rho_new / delta))
+        rho = rho_new
+    return theta, tuple(coeffs)

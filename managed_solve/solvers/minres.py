@@ -155,7 +155,7 @@ def minres(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 
             if k is not None:
                 return Outcome(x, CONVERGED, it, float(h[k]), host_syncs=syncs,
                                info={"converged_at": start + k})
-            ls = first_below(_backend.to_host(normal[:it - start + 1]), ls_tol)  # sync: same read
+            ls = first_below(_backend.to_host(normal[:it - start + 1]), ls_tol)  # sync: a second read at the checkpoint
             if ls is not None:
                 return Outcome(x, LEAST_SQUARES, it, float(h[ls]), NOT_IN_RANGE,
                                host_syncs=syncs, info={"least_squares_at": start + ls})

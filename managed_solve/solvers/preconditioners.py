@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import _backend
-from ._common import as_matvec, as_preconditioner
+from ._common import as_matvec, as_preconditioner, chebyshev_coefficients
 from .amg import amg
 
 NAMES = ("jacobi", "chebyshev", "neumann", "amg")
@@ -140,15 +140,7 @@ def chebyshev(A: Any, *, degree: int = 4, ratio: float = 30.0) -> Callable[[Any]
     matvec = as_matvec(A)
     lmax = spectral_radius_bound(A, dinv)
     lmin = lmax / float(ratio)
-    theta, delta = 0.5 * (lmax + lmin), 0.5 * (lmax - lmin)
-    sigma = theta / delta
-    # Host floats: the coefficients of every step are known in advance.
-    coeffs = []
-    rho = 1.0 / sigma
-    for _ in range(int(degree)):
-        rho_new = 1.0 / (2.0 * sigma - rho)
-        coeffs.append((rho_new * rho, 2.0 * rho_new / delta))
-        rho = rho_new
+    theta, coeffs = chebyshev_coefficients(lmin, lmax, degree)
 
     def apply(r: Any) -> Any:
         f = dinv * r

@@ -51,7 +51,7 @@ def check_dtype(dtype: Any, *, call: str, arg: str) -> np.dtype:
     return dt
 
 
-def _torch_to_array(t: Any, *, call: str, arg: str) -> Any:
+def torch_to_array(t: Any, *, call: str, arg: str) -> Any:
     """A torch tensor as a NumPy (CPU) or CuPy (CUDA) view, through DLPack.
 
     An ``mps`` tensor is copied to the CPU (one warning per process); a
@@ -85,9 +85,9 @@ def _torch_sparse(t: Any, *, call: str) -> Any:
     elif layout != "torch.sparse_csr":
         raise TypeError(f"{call}: A is a torch tensor with layout {layout}; expected dense, sparse_coo or sparse_csr")
     shape = tuple(t.shape)
-    crow = _torch_to_array(t.crow_indices(), call=call, arg="A.crow_indices()")
-    col = _torch_to_array(t.col_indices(), call=call, arg="A.col_indices()")
-    val = _torch_to_array(t.values(), call=call, arg="A.values()")
+    crow = torch_to_array(t.crow_indices(), call=call, arg="A.crow_indices()")
+    col = torch_to_array(t.col_indices(), call=call, arg="A.col_indices()")
+    val = torch_to_array(t.values(), call=call, arg="A.values()")
     xp = _backend.array_module(val)
     sparse = _backend.sparse_module(xp)
     return sparse.csr_matrix((val, col, crow), shape=shape)
@@ -95,7 +95,7 @@ def _torch_sparse(t: Any, *, call: str) -> Any:
 
 def _csr_triple(A: Any, *, call: str) -> Any:
     """``(crow, col, values)`` (NumPy, CuPy or torch) as a CSR matrix of n = len(crow) - 1 rows."""
-    crow, col, val = (_torch_to_array(v, call=call, arg=f"A[{i}]") if _backend.is_torch_tensor(v)
+    crow, col, val = (torch_to_array(v, call=call, arg=f"A[{i}]") if _backend.is_torch_tensor(v)
                       else v for i, v in enumerate(A))
     xp = _backend.array_module(val) if not isinstance(val, (list, tuple)) else np
     crow, col, val = xp.asarray(crow), xp.asarray(col), xp.asarray(val)
@@ -120,7 +120,7 @@ def as_operator(A: Any, *, call: str = "solve") -> tuple[Any, str]:
     if _backend.is_torch_tensor(A):
         if A.layout != __import__("torch").strided:
             return _torch_sparse(A, call=call), "csr"
-        A = _torch_to_array(A, call=call, arg="A")
+        A = torch_to_array(A, call=call, arg="A")
     if _backend.is_scipy_sparse(A) or _backend.is_cupy_sparse(A):
         if A.ndim != 2:
             raise ValueError(f"{call}: A must be 2-D, got {A.ndim}-D")
@@ -212,7 +212,7 @@ def grad_source(A: Any, b: Any, *, call: str) -> GradSource | None:
 def as_vector(v: Any, n: int, *, call: str, arg: str, xp: Any = None) -> Any:
     """A 1-D array of length n, on the device v lies on."""
     if _backend.is_torch_tensor(v):
-        v = _torch_to_array(v, call=call, arg=arg)
+        v = torch_to_array(v, call=call, arg=arg)
     elif not (isinstance(v, np.ndarray) or _backend.is_cupy_array(v)):
         try:
             v = np.asarray(v)

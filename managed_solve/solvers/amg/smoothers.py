@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .._common import chebyshev_coefficients
 from .spectral import safe_inverse
 
 NAMES = ("chebyshev", "jacobi", "l1_jacobi")
@@ -97,14 +98,7 @@ def make_smoother(kind: str, A: Any, dinv: Any, rho: float, xp: Any, *, degree: 
     if kind == "chebyshev":
         upper = 1.1 * rho
         lower = upper / float(ratio if ratio is not None else CHEBYSHEV_RATIO)
-        theta, delta = 0.5 * (upper + lower), 0.5 * (upper - lower)
-        sigma = theta / delta
-        coeffs = []
-        r = 1.0 / sigma
-        for _ in range(int(degree)):
-            r_new = 1.0 / (2.0 * sigma - r)
-            coeffs.append((r_new * r, 2.0 * r_new / delta))
-            r = r_new
-        return Smoother(kind, xp, dinv, int(degree), theta=theta, coeffs=tuple(coeffs))
+        theta, coeffs = chebyshev_coefficients(lower, upper, degree)
+        return Smoother(kind, xp, dinv, int(degree), theta=theta, coeffs=coeffs)
     raise ValueError(f"amg(smoother={kind!r}): expected one of {', '.join(NAMES)}.")
 

@@ -8,21 +8,21 @@ import scipy.sparse as sp
 
 from managed_solve.solvers.amg.aggregate import aggregate, mis2
 from managed_solve.solvers.amg.strength import symmetric_strength
-from tests._problems import BACKENDS, elasticity, host, on, poisson2d, poisson3d, random_spd
+from tests._problems import (
+    BACKENDS,
+    array_modules,
+    elasticity,
+    host,
+    on,
+    poisson2d,
+    poisson3d,
+    random_spd,
+)
 
 
 @pytest.fixture(params=BACKENDS)
 def backend(request):
     return request.param
-
-
-def modules(backend):
-    if backend == "cpu":
-        return np, sp
-    import cupy
-    import cupyx.scipy.sparse as csp
-
-    return cupy, csp
 
 
 def graph_matrix(G):
@@ -34,7 +34,7 @@ def graph_matrix(G):
 
 def test_strength_with_theta_zero_is_the_off_diagonal_pattern(backend):
     A = poisson2d(12)
-    xp, sparse = modules(backend)
+    xp, sparse = array_modules(backend)
     S = graph_matrix(symmetric_strength(on(backend, A), 0.0, 1, xp, sparse))
     want = (A - sp.diags(A.diagonal())).tocsr()
     want.eliminate_zeros()
@@ -44,7 +44,7 @@ def test_strength_with_theta_zero_is_the_off_diagonal_pattern(backend):
 def test_strength_threshold_drops_weak_couplings(backend):
     T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(8, 8))
     A = (sp.kron(T, sp.eye(8)) + 0.01 * sp.kron(sp.eye(8), T)).tocsr()  # y couplings weak
-    xp, sparse = modules(backend)
+    xp, sparse = array_modules(backend)
     S = graph_matrix(symmetric_strength(on(backend, A), 0.25, 1, xp, sparse))
     assert S.nnz == 2 * 7 * 8  # only the strong x couplings remain
     assert (S != S.T).nnz == 0
@@ -52,7 +52,7 @@ def test_strength_threshold_drops_weak_couplings(backend):
 
 def test_block_strength_amalgamates_nodes(backend):
     A, _ = elasticity(6)
-    xp, sparse = modules(backend)
+    xp, sparse = array_modules(backend)
     G = symmetric_strength(on(backend, A.tocsr()), 0.0, 2, xp, sparse)
     assert G.n == A.shape[0] // 2
 
@@ -70,7 +70,7 @@ def distance(S, k):
                                   lambda: random_spd(600, seed=2)])
 def test_roots_are_a_maximal_distance_2_independent_set(backend, make):
     A = make()
-    xp, sparse = modules(backend)
+    xp, sparse = array_modules(backend)
     G = symmetric_strength(on(backend, A), 0.0, 1, xp, sparse)
     roots = host(mis2(xp, G, seed=4))
     S = graph_matrix(G)
@@ -86,7 +86,7 @@ def test_roots_are_a_maximal_distance_2_independent_set(backend, make):
                                   lambda: random_spd(800, seed=1)])
 def test_every_node_is_aggregated_and_aggregates_are_connected(backend, make):
     A = make()
-    xp, sparse = modules(backend)
+    xp, sparse = array_modules(backend)
     G = symmetric_strength(on(backend, A), 0.0, 1, xp, sparse)
     agg, count = aggregate(xp, G, seed=0)
     agg = host(agg)
@@ -104,7 +104,7 @@ def test_every_node_is_aggregated_and_aggregates_are_connected(backend, make):
 
 def test_isolated_nodes_are_aggregates_of_their_own(backend):
     A = sp.block_diag([poisson2d(6), sp.eye(5)]).tocsr()
-    xp, sparse = modules(backend)
+    xp, sparse = array_modules(backend)
     agg, count = aggregate(xp, symmetric_strength(on(backend, A), 0.0, 1, xp, sparse))
     agg = host(agg)
     tail = agg[-5:]
@@ -113,7 +113,7 @@ def test_isolated_nodes_are_aggregates_of_their_own(backend):
 
 def test_aggregates_are_reproducible_and_seeded(backend):
     A = poisson2d(25)
-    xp, sparse = modules(backend)
+    xp, sparse = array_modules(backend)
     G = symmetric_strength(on(backend, A), 0.0, 1, xp, sparse)
     a1, _ = aggregate(xp, G, seed=0)
     a2, _ = aggregate(xp, G, seed=0)

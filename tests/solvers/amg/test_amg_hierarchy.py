@@ -13,21 +13,12 @@ import scipy.sparse.linalg as sla
 from managed_solve.solvers.amg import hierarchy
 from managed_solve.solvers.amg.spectral import safe_inverse, spectral_radius
 from managed_solve.solvers.amg.tentative import fit_candidates
-from tests._problems import BACKENDS, elasticity, host, on, poisson2d, poisson3d
+from tests._problems import BACKENDS, array_modules, elasticity, host, on, poisson2d, poisson3d
 
 
 @pytest.fixture(params=BACKENDS)
 def backend(request):
     return request.param
-
-
-def modules(backend):
-    if backend == "cpu":
-        return np, sp
-    import cupy
-    import cupyx.scipy.sparse as csp
-
-    return cupy, csp
 
 
 def hostm(M):
@@ -36,7 +27,7 @@ def hostm(M):
 
 @pytest.mark.parametrize("K", [1, 3])
 def test_tentative_prolongator_is_orthonormal_per_aggregate_and_reproduces_B(backend, K):
-    xp, sparse = modules(backend)
+    xp, sparse = array_modules(backend)
     rng = np.random.default_rng(0)
     n, count = 200, 30
     agg = np.concatenate([np.arange(count), rng.integers(0, count, n - count)])
@@ -55,7 +46,7 @@ def test_tentative_prolongator_is_orthonormal_per_aggregate_and_reproduces_B(bac
 
 
 def test_a_vector_dependent_on_an_aggregate_gives_a_zero_column(backend):
-    xp, sparse = modules(backend)
+    xp, sparse = array_modules(backend)
     agg = np.array([0, 0, 1, 1, 1])
     B = np.array([[1.0, 2.0], [1.0, 2.0], [1.0, 0.0], [1.0, 1.0], [1.0, 5.0]])
     T, Bc = fit_candidates(xp, sparse, on(backend, agg), 2, on(backend, B))
@@ -65,7 +56,7 @@ def test_a_vector_dependent_on_an_aggregate_gives_a_zero_column(backend):
 
 
 def test_spectral_radius_estimate(backend):
-    xp, _ = modules(backend)
+    xp, _ = array_modules(backend)
     A = poisson2d(20)
     dinv = 1.0 / A.diagonal()
     exact = sla.eigsh(sp.diags(np.sqrt(dinv)) @ A @ sp.diags(np.sqrt(dinv)), k=1,
@@ -76,7 +67,7 @@ def test_spectral_radius_estimate(backend):
 
 
 def build(backend, A, B=None, **kw):
-    xp, sparse = modules(backend)
+    xp, sparse = array_modules(backend)
     B = np.ones((A.shape[0], 1)) if B is None else B
     return hierarchy.build(on(backend, A.tocsr()), on(backend, np.asarray(B, dtype=float)), xp,
                            sparse, **kw)
@@ -111,7 +102,7 @@ def test_galerkin_levels_are_symmetric_and_coarsen(backend, which):
 
 
 def test_refresh_equals_a_fresh_set_up_on_the_same_aggregates(backend):
-    xp, _ = modules(backend)
+    xp, _ = array_modules(backend)
     A = poisson2d(40)
     A2 = (A + sp.diags(np.linspace(0.1, 2.0, A.shape[0]))).tocsr()
     A2.sort_indices()
@@ -124,7 +115,7 @@ def test_refresh_equals_a_fresh_set_up_on_the_same_aggregates(backend):
 
 
 def test_coarse_inverse_handles_singular_and_empty_rows(backend):
-    xp, sparse = modules(backend)
+    xp, sparse = array_modules(backend)
     L = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(5, 5)).tolil()
     L[0, 0] = L[4, 4] = 1.0  # Neumann: singular, constants in the null space
     A = sp.block_diag([L, sp.csr_matrix((1, 1))]).tocsr()
