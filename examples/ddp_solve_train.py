@@ -19,6 +19,7 @@ print the same ``final_loss=...`` (rank 0, last line) up to rounding.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 import numpy as np
@@ -127,9 +128,15 @@ def main(argv=None) -> float:
         print(f"initial_loss={first:.10e}")
         print(f"final_loss={last:.10e}")
     if world > 1:
-        # Without this barrier a rank that finishes first tears its gloo pairs
-        # down while another is still in destroy_process_group, and that one
-        # aborts ("terminate called without an active exception").
+        # Tear down in order while the interpreter is fully alive. DDP's reducer
+        # holds the process group and its last gradient work; DDP sits in a
+        # reference cycle (its hooks), so without the explicit release it is
+        # freed only at interpreter shutdown, where gloo's threads can abort the
+        # process ("terminate called without an active exception"). The barrier
+        # keeps a rank that finishes first from closing its gloo pairs while
+        # another still uses them.
+        del net, opt
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
     return last
