@@ -212,3 +212,39 @@ def _accepts_tol(cspla):
     import inspect
 
     return "tol" in inspect.signature(cspla.cg).parameters
+
+
+# ------------------------------------------------ defaults: one call, set-up included
+
+AUTO_CASES = [(w, m) for m in (1024, 2048) for w in ("auto", "none")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("who,m", AUTO_CASES, ids=[f"{w}-{m}" for w, m in AUTO_CASES])
+def bench_auto_gpu(benchmark, machine_info, who, m):
+    """``ms.solve(A, b)`` as a user calls it (``M="auto"``) against ``M=None``, set-up included.
+
+    ``M="auto"`` sets up AMG from ``AMG_MIN_N["cuda"]`` unknowns: at 1024^2
+    both calls run Jacobi-free CG, at 2048^2 "auto" runs AMG-PCG.
+    """
+    cp = _backend.cupy()
+    import cupyx.scipy.sparse as csp
+
+    A_h = poisson2d(m)
+    b_h = np.random.default_rng(0).standard_normal(A_h.shape[0])
+    A, b = csp.csr_matrix(A_h), cp.asarray(b_h)
+    M = "auto" if who == "auto" else None
+
+    def one():
+        out = ms.solve(A, b, M=M)
+        cp.cuda.Device().synchronize()
+        return out
+
+    res = one()  # warm-up (compiles the kernels once)
+    assert res.status == ms.Status.CONVERGED
+    benchmark.group = f"auto-gpu-{m}"
+    benchmark.pedantic(one, rounds=3, iterations=1, warmup_rounds=0)
+    machine_info(benchmark, "cuda", n=A_h.shape[0], nnz=A_h.nnz, dtype="float64", who=who,
+                 iterations=int(res.iterations), preconditioner=res.info.get("preconditioner"),
+                 relres=relres(A_h, b_h, cp.asnumpy(res.x)),
+                 role="candidate" if who == "auto" else "anchor")

@@ -20,7 +20,7 @@ from .system.method import krylov_method, matrix_symmetry
 
 
 def solve(A_or_system: Any, b: Any = None, *, x0: Any = None, rtol: float = 1e-8,
-          atol: float = 0.0, maxiter: int | None = None, method: str = "auto", M: Any = None,
+          atol: float = 0.0, maxiter: int | None = None, method: str = "auto", M: Any = "auto",
           callback: Callable[[Any], None] | None = None, device: Any = None,
           dtype: Any = None, manager: Any = None, devices: Any = None,
           nullspace: Any = None) -> SolveResult:
@@ -60,8 +60,13 @@ def solve(A_or_system: Any, b: Any = None, *, x0: Any = None, rtol: float = 1e-8
         before costs only the solve, see ``info["cudss_reused"]`` and
         :func:`managed_solve.solvers.release_factorisations`), else cupyx's
         sparse QR.
-    M : {"jacobi", "chebyshev", "neumann"}, operator or callable, optional
-        Preconditioner (an approximation of ``A^-1``).
+    M : {"auto", "jacobi", "chebyshev", "neumann", "amg"}, operator, callable or None
+        Preconditioner (an approximation of ``A^-1``). ``"auto"`` (default)
+        sets up smoothed-aggregation AMG for CG on a large elliptic system (a
+        sparse symmetric matrix with a positive diagonal, at least
+        :data:`~managed_solve.system.method.AMG_MIN_N` unknowns for the
+        device's kind, whose CG iteration bound is high) and takes no
+        preconditioner otherwise; None asks for none.
     callback : callable, optional
         ``callback(xk)`` after each iteration (gmres: each restart cycle;
         direct: once). A callback moves a CSR solve off the fused batched
@@ -181,11 +186,12 @@ def _sharded(system: LinearSystem, devices: Any, mgr: Any) -> SolveResult:
     if method not in ("cg", "bicgstab"):
         raise ValueError(f"solve(A, b, devices=...): method={method!r} cannot be sharded; "
                          "use method='cg' (SPD) or 'bicgstab', or solve on one device.")
-    if system.M not in (None, "jacobi"):
+    M = None if isinstance(system.M, str) and system.M == "auto" else system.M
+    if M not in (None, "jacobi"):
         raise ValueError("solve(A, b, devices=...): sharded solves take M=None or M='jacobi', "
                          f"got {system.M!r}.")
     return solve_sharded(system.A, system.b, devices=devices, x0=system.x0, rtol=system.rtol,
-                         atol=system.atol, maxiter=system.maxiter, method=method, M=system.M,
+                         atol=system.atol, maxiter=system.maxiter, method=method, M=M,
                          manager=mgr)
 
 
@@ -197,7 +203,7 @@ def _as_system(A: Any, b: Any, **opts: Any) -> LinearSystem:
                 "solve(A, b)."
             )
         defaults = {"x0": None, "rtol": 1e-8, "atol": 0.0, "maxiter": None, "method": "auto",
-                    "M": None, "dtype": None, "nullspace": None}
+                    "M": "auto", "dtype": None, "nullspace": None}
         changed = {k: v for k, v in opts.items() if not _is_default(v, defaults[k])}
         if not changed:
             return A

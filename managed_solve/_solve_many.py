@@ -51,8 +51,11 @@ def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = 
         indefinite matrix) is solved again alone with MINRES, one on which
         BiCGStab breaks down (eigenvalues near the imaginary axis) again in a
         GMRES batch, and its result says ``info["fallback_from"]``.
-    M : {"jacobi", ...} or operator, optional
-        Preconditioner for every system (overrides theirs when given).
+    M : {"auto", "jacobi", ...} or operator, optional
+        Preconditioner for every system (overrides theirs when given). An
+        ``(A, b)`` pair without it takes ``"auto"`` as :func:`solve` does:
+        AMG for a large elliptic system, solved on its own; none for the
+        systems that batch.
     rtol : float, optional
         Relative tolerance for every system; default: each system's own
         (1e-8 for pairs).

@@ -37,7 +37,7 @@ from .system.inputs import (
     grad_source,
     torch_to_array,
 )
-from .system.method import choose_method, matrix_symmetry
+from .system.method import choose_method, choose_preconditioner, matrix_symmetry
 
 log = logging.getLogger("managed_solve")
 
@@ -106,7 +106,7 @@ class Solver:
     (True, (100, 3), True)
     """
 
-    def __init__(self, A: Any, *, method: str = "auto", M: Any = None, rtol: float = 1e-8,
+    def __init__(self, A: Any, *, method: str = "auto", M: Any = "auto", rtol: float = 1e-8,
                  atol: float = 0.0, maxiter: int | None = None,
                  callback: Callable[[Any], None] | None = None, device: Any = None,
                  dtype: Any = None, manager: Any = None, name: str | None = None,
@@ -163,6 +163,9 @@ class Solver:
             self.symmetric = symmetric
             self.callback = callback
             self.method = choose_method(self.system, dev.kind, symmetric=symmetric)
+            M = choose_preconditioner(self.system, dev.kind, self.method, symmetric=symmetric)
+            if M is not self.system.M:
+                self.system = with_preconditioner(self.system, M)
             self._engines: dict[str, Prepared | Outcome] = {}
             self._scale_matrix()
             self._set_up_now()
@@ -554,6 +557,10 @@ class Solver:
                            if status in (Status.CONVERGED, Status.MAXITER) else None)
             info = dict(out.info)
             info.setdefault("path", "generic" if used != "direct" else "direct")
+            if used != "direct":
+                M = system.M
+                info.setdefault("preconditioner", M if M is None or isinstance(M, str)
+                                else type(M).__name__)
             info["host_syncs"] = out.host_syncs
             results.append(SolveResult(x, status, out.iterations, residual, bn, str(dev), seconds,
                                        used, message, name or system.name, info))
@@ -613,6 +620,14 @@ def _check_representable(out: Outcome, scaled_x: Any) -> None:
 def _failed(setup: Outcome) -> Outcome:
     """The outcome of a solve whose engine could not be set up (a copy per column)."""
     return Outcome(None, setup.code, 0, setup.residual_norm, setup.message)
+
+
+def with_preconditioner(system: LinearSystem, M: Any) -> LinearSystem:
+    """The same validated system with preconditioner ``M`` (``"auto"`` resolved)."""
+    out = object.__new__(LinearSystem)
+    out.__dict__.update(system.__dict__)
+    out.M = M
+    return out
 
 
 def _with_matrix(system: LinearSystem, A: Any) -> LinearSystem:

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..result import SolveResult, Status
 from ..system import METHODS, PRECONDITIONERS, LinearSystem
+from ..system.method import settle_auto
 
 RETURN_ON = ("device", "host")
 ON_ERROR = ("return", "raise")
@@ -71,7 +72,7 @@ def as_system(item: Any, i: int, *, method: str, M: Any, rtol: float | None,
                                  "entries; this system's A is an operator")
             s.method = method
         if M is not None:
-            s.M = M
+            s.M = settle_auto(M, s.kind, s.n, s.method)
         if rtol is not None:
             if rtol == 0 and s.atol == 0:
                 raise ValueError(f"solve_many(rtol=0): systems[{i}] has atol=0 too, so nothing "
@@ -80,8 +81,9 @@ def as_system(item: Any, i: int, *, method: str, M: Any, rtol: float | None,
         return s
     if isinstance(item, (tuple, list)) and len(item) == 2:
         A, b = item
-        return LinearSystem(A, b, rtol=1e-8 if rtol is None else rtol, method=method, M=M,
-                            name=f"systems[{i}]", _finite_memo=memo)
+        return LinearSystem(A, b, rtol=1e-8 if rtol is None else rtol, method=method,
+                            M="auto" if M is None else M, name=f"systems[{i}]",
+                            _finite_memo=memo)
     raise TypeError(
         f"solve_many(systems[{i}]): expected a LinearSystem or an (A, b) pair, got "
         f"{type(item).__name__}. Build one with managed_solve.LinearSystem(A, b)."

@@ -22,7 +22,7 @@ from .inputs import (
     nonnegative_finite,
     result_dtype,
 )
-from .method import METHODS, PRECONDITIONERS
+from .method import METHODS, PRECONDITIONERS, settle_auto
 from .properties import is_symmetric
 
 
@@ -43,8 +43,8 @@ class LinearSystem:
     maxiter : int, optional
         Iteration limit; default ``10 * n`` (at least 100).
     method : {"auto", "cg", "bicgstab", "gmres", "minres", "direct"}
-    M : {"jacobi", "chebyshev", "neumann"} or operator, optional
-        Preconditioner.
+    M : {"auto", "jacobi", "chebyshev", "neumann", "amg"}, operator or None
+        Preconditioner, as :func:`managed_solve.solve` takes it.
     name : str, optional
         Shown in results and errors.
     nullspace : "constant", array of shape (n,) or (n, k), optional
@@ -74,7 +74,7 @@ class LinearSystem:
     grad = None  # copies made with object.__new__ that skip __init__ see None
 
     def __init__(self, A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 0.0,
-                 maxiter: int | None = None, method: str = "auto", M: Any = None,
+                 maxiter: int | None = None, method: str = "auto", M: Any = "auto",
                  name: str | None = None, dtype: Any = None, check_finite: bool = True,
                  nullspace: Any = None, _call: str | None = None,
                  _finite_memo: dict | None = None):
@@ -151,6 +151,8 @@ class LinearSystem:
         self.grad = grad
         self.rtol, self.atol = float(rtol), float(atol)
         self.maxiter = int(maxiter) if maxiter is not None else None
+        # "auto" resolves to no preconditioner at once for all but large CSR systems.
+        M = settle_auto(M, kind, n, method)
         self.method, self.M, self.name = method, M, name
         self.nullspace = nullspace_basis(nullspace, n, dt, xp, call=call)
         self.dtype = dt

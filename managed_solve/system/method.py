@@ -17,6 +17,13 @@ The rule, in order:
    BiCGStab for the rest (and for operators, whose symmetry is unknown).
 4. When "auto"'s choice breaks down, :data:`FALLBACK` names the robust
    method to run next.
+
+``M="auto"`` (:func:`choose_preconditioner`) gives CG smoothed-aggregation
+AMG on a large sparse symmetric matrix with a positive diagonal whose CG
+iteration bound is high (an elliptic operator: Poisson, diffusion, the
+Laplacian of a fine mesh), from :data:`AMG_MIN_N` unknowns on the device's
+kind. Everything else keeps no preconditioner on the generic Krylov loops
+(the batched core's Jacobi is asked for with ``M="jacobi"``).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from typing import Any
 from .properties import cg_iteration_bound, is_symmetric, positive_diagonal
 
 METHODS = ("auto", "cg", "bicgstab", "gmres", "minres", "direct")
-PRECONDITIONERS = ("jacobi", "chebyshev", "neumann", "amg")
+PRECONDITIONERS = ("auto", "jacobi", "chebyshev", "neumann", "amg")
 # What "auto" turns to when its guess breaks down: MINRES for a symmetric matrix
 # that is not definite, GMRES for a spectrum BiCGStab cannot handle.
 FALLBACK = {"cg": "minres", "bicgstab": "gmres"}
@@ -45,6 +52,64 @@ DIRECT_MAX_DENSE_N = 4_000
 #: screened Poisson problem) about tenfold, and CG then takes milliseconds
 #: where the LU's fill-in takes far longer.
 CG_PREFERRED_BOUND = 2000.0
+#: Unknowns from which ``M="auto"`` sets up AMG for CG, by device kind. On
+#: the CPU it takes over where the sparse LU stops; on a GPU, where a
+#: Jacobi-CG iteration costs tens of microseconds, the hierarchy's set-up pays
+#: from about two million unknowns of a 2D Poisson problem (its iterations
+#: drop from thousands to about 20; docs/performance.md gives the figures).
+AMG_MIN_N = {"cpu": DIRECT_MAX_N + 1, "cuda": 2_000_000}
+
+
+def amg_min_n(device_kind: str) -> int:
+    """:data:`AMG_MIN_N` for a device kind (simulated GPUs take the GPU's figure)."""
+    return AMG_MIN_N["cpu" if device_kind == "cpu" else "cuda"]
+
+
+def may_take_amg(kind: str, n: int, method: str) -> bool:
+    """Whether ``M="auto"`` could give AMG on some device: the cheap, device-free part of the rule.
+
+    :class:`~managed_solve.LinearSystem` turns ``"auto"`` into None at once
+    for every other system, so everything downstream of validation sees a
+    plain preconditioner for them.
+    """
+    return kind == "csr" and method in ("auto", "cg") and n >= min(AMG_MIN_N.values())
+
+
+def settle_auto(M: Any, kind: str, n: int, method: str) -> Any:
+    """``M`` with ``"auto"`` turned into None where :func:`may_take_amg` rules AMG out."""
+    if isinstance(M, str) and M == "auto" and not may_take_amg(kind, n, method):
+        return None
+    return M
+
+
+def choose_preconditioner(system: Any, device_kind: str, method: str, *,
+                          symmetric: bool | None = None) -> Any:
+    """The preconditioner for ``system`` solved by ``method`` on ``device_kind``.
+
+    ``system.M`` is returned unless it is ``"auto"``; ``"auto"`` gives
+    ``"amg"`` for CG on a sparse matrix of at least :func:`amg_min_n`
+    unknowns whose CG iteration bound exceeds :data:`CG_PREFERRED_BOUND`
+    (an easy system, a heat step, converges faster than AMG is set up), and
+    None otherwise.
+
+    Examples
+    --------
+    >>> import numpy as np, scipy.sparse as sp
+    >>> from managed_solve import LinearSystem
+    >>> A = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(50, 50), format="csr")
+    >>> print(choose_preconditioner(LinearSystem(A, np.ones(50)), "cuda", "cg"))
+    None
+    """
+    M = system.M
+    if not (isinstance(M, str) and M == "auto"):
+        return M
+    if method != "cg" or system.kind != "csr" or system.n < amg_min_n(device_kind):
+        return None
+    if symmetric is None:
+        symmetric = is_symmetric(system.A)
+    if not symmetric or prefers_cg(system.A, system.rtol, symmetric):
+        return None
+    return "amg"
 
 
 def prefers_cg(A: Any, rtol: float, symmetric: bool | None) -> bool:
