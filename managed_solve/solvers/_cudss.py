@@ -107,12 +107,13 @@ def release_factorisations(device: int | str | None = None) -> int:
     0
     """
     if device is not None and not isinstance(device, int):
-        from ..devices import parse_device_name
+        from ..device_args import cuda_ordinal
 
-        kind, device = parse_device_name(str(device), what="release_factorisations(device)")
-        if kind != "cuda":
-            raise ValueError(f"release_factorisations(device={kind!r}): cuDSS keeps factors on CUDA "
-                             "GPUs only; pass 'cuda:0', 'cuda:1', ... or None for every GPU")
+        ordinal = cuda_ordinal(device, what="release_factorisations(device)")
+        if ordinal is None:
+            raise ValueError(f"release_factorisations(device={str(device)!r}): cuDSS keeps factors on "
+                             "CUDA GPUs only; pass 'cuda:0', 'cuda:1', ... or None for every GPU")
+        device = ordinal
     freed = 0
     with _devices_lock:
         devs = [d for i, d in _devices.items() if device is None or i == device]
