@@ -673,8 +673,13 @@ def default_manager() -> DeviceManager:
         return _default
 
 
-def set_default_manager(manager: DeviceManager | None) -> None:
-    """Replace the process-wide manager (None: rediscover on next use)."""
+def set_default_manager(manager: DeviceManager | None) -> DeviceManager | None:
+    """Replace the process-wide manager (None: rediscover on next use); returns the one replaced.
+
+    The one replaced may be None (none made yet): giving it back restores
+    the state exactly, which a test that swaps managers needs.
+    """
     global _default
     with _default_lock:
-        _default = manager
+        previous, _default = _default, manager
+    return previous
