@@ -117,4 +117,6 @@ def test_every_entry_point_reads_a_device_the_same_way():
     # ... and a good one the same way too: a torch.device, a Device, or a name.
     assert solve(A, b, device=torch.device("cpu"), manager=dm, method="cg").device == "cpu"
     assert {r.device for r in solve_many([LinearSystem(A, b)] * 2, devices="sim:1", manager=dm)} == {"sim:1"}
+    assert {r.device for r in solve_many([LinearSystem(A, b)] * 4, devices=1, manager=dm)} == {"sim:0"}
+    assert {r.device for r in solve_many([LinearSystem(A, b)] * 4, devices="all", manager=dm)} <= {"sim:0", "sim:1"}
     assert solve_sharded(A, b, devices=dm.accelerators, manager=dm).converged
