@@ -16,6 +16,7 @@ Run: ``python3 benchmarks/profile_direct.py [--sizes 200 500 1000] [--rounds 3]`
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import time
 
@@ -45,7 +46,8 @@ def main() -> None:
 
     cd = importlib.import_module("managed_solve.solvers._cudss")
 
-    print("threading layer:", cd.threading_lib())
+    state = cd.default()  # the process's cuDSS state, which solve(method="direct") uses
+    print("threading layer:", state.threading_lib())
     # Each setting: (threading layer, kept analyses, what the timed solve gets).
     settings = {"plan, 1 thread": (False, 0, "A"), "plan, threads": (True, 0, "A"),
                 "kept: same pattern": (True, 2, "A2"), "kept: same matrix": (True, 2, "A")}
@@ -59,10 +61,10 @@ def main() -> None:
         times: dict[str, list[float]] = {k: [] for k in settings}
         for r in range(args.rounds + 1):  # the first round warms up
             for name, (threads, kept, which) in settings.items():
-                cd.THREADING, cd.CACHE_SIZE = threads, kept
-                cd.release_factorisations()
+                state.threading, state.cache_size = threads, kept
+                state.release()
                 if not threads:
-                    cd._devices.clear()  # a new handle: the layer, once set, stays on a handle
+                    state.reset()  # a new handle: the layer, once set, stays on a handle
                 if kept:
                     solve(A, b, method="direct")  # analysed (and factorised) before the timed call
                 cp.cuda.Device().synchronize()
@@ -80,18 +82,19 @@ def main() -> None:
                     times[name].append(dt)
         for name, ts in times.items():
             rows.append((A_h.shape[0], name, statistics.median(ts), min(ts), max(ts)))
-        cd.THREADING, cd.CACHE_SIZE = True, 2
-        cd.release_factorisations()
+        state.threading, state.cache_size = True, cd.CACHE_SIZE
+        state.release()
 
         # The phases, through the stateful API (threading layer on, a handle made here).
-        lib = cd.threading_lib()
+        lib = state.threading_lib()
         phases: dict[str, list[float]] = {"create handle": [], "plan": [], "factorize": [], "solve": []}
         for _ in range(args.rounds):
             t0 = time.perf_counter()
             h = cudss.create()
             phases["create handle"].append(time.perf_counter() - t0)
             opts = nva.DirectSolverOptions(sparse_system_type=nva.DirectSolverMatrixType.SYMMETRIC, handle=h,
-                                           multithreading_lib=lib, logger=cd._log)
+                                           multithreading_lib=lib,
+                                           logger=logging.getLogger("managed_solve.cudss"))
             with nva.DirectSolver(A, b, options=opts) as s:
                 for phase in ("plan", "factorize", "solve"):
                     cp.cuda.Device().synchronize()

@@ -36,9 +36,10 @@ def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = 
     disperse : bool
         Spread the work over all ``devices``; False keeps it on one device
         (the one already holding most of the inputs, else the one with most room).
-    devices : str or list, optional
-        Devices to use (``"cuda:0,cuda:1"``); default: every accelerator of
-        ``manager``, else the CPU.
+    devices : str, int or list, optional
+        Devices to use: names (``"cuda:0,cuda:1"``, a list of names, Devices
+        or torch.devices), ``"all"`` (every GPU) or a number of GPUs;
+        default: every accelerator of ``manager``, else the CPU.
     method : {"auto", "cg", "bicgstab", "gmres", "minres", "direct"}
         Overrides each system's method when not "auto". "auto" picks CG for
         symmetric matrices with a positive diagonal, BiCGStab otherwise, and

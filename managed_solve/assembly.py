@@ -59,13 +59,13 @@ def resolve_target(device: Any = "cpu", backend: str | None = None, *, call: str
     ValueError
         An unknown backend, or ``backend="cuda"`` with a host device (and vice versa).
     """
-    from .devices import parse_device_name
+    from .device_args import cuda_ordinal
 
     name = "cpu" if device is None else str(device)
-    kind, idx = parse_device_name(name, what=f"{call}(device=...)")
+    idx = cuda_ordinal(name, what=f"{call}(device=...)")
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"{call}(backend={backend!r}): expected one of {', '.join(BACKENDS)} or None")
-    if kind == "cuda":
+    if idx is not None:
         if backend not in (None, "cuda"):
             raise ValueError(f"{call}(device={name!r}, backend={backend!r}): a CUDA device "
                              "assembles with backend='cuda' (or None)")

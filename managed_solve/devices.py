@@ -16,7 +16,7 @@ import re
 import shutil
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -197,7 +197,7 @@ class Device:
     @property
     def is_cuda(self) -> bool:
         """True for a real CUDA GPU: its arrays live in device memory, work runs on its streams."""
-        return self.kind == "cuda"
+        return is_cuda_kind(self.kind)
 
     @property
     def is_simulated(self) -> bool:
@@ -232,6 +232,16 @@ class Device:
         """Raise the injected fault, if any (simulated devices only)."""
         if self.fault is not None:
             self.fault(self, nbytes)
+
+
+def is_cuda_kind(kind: str) -> bool:
+    """True when devices of ``kind`` ("cpu", "cuda", "sim") are real CUDA GPUs.
+
+    Their arrays are CuPy arrays in device memory and work there is launched
+    as CUDA kernels; ``"sim"`` devices are placed like GPUs but compute on
+    the host. Code off the backend asks this instead of comparing names.
+    """
+    return kind == "cuda"
 
 
 class _NullContext:
@@ -434,32 +444,6 @@ def parse_device_name(name: str, *, what: str = "device") -> tuple[str, int]:
         )
     kind = "cuda" if m.group(1) == "gpu" else m.group(1)
     return kind, int(m.group(2))
-
-
-def device_list(devices: Any, *, what: str = "devices") -> list:
-    """``devices=`` as a list of Devices and device names; anything whose str() is a name counts.
-
-    A ``torch.device("cuda:1")`` prints as ``cuda:1``, so it is accepted by its
-    name, as is a single device given without a list.
-
-    Raises
-    ------
-    TypeError
-        An item whose str() is no device name; the message names ``what``.
-    """
-    items = list(devices) if isinstance(devices, Iterable) and not isinstance(devices, str) else [devices]
-    for i, d in enumerate(items):
-        if isinstance(d, (Device, str)):
-            continue
-        try:
-            parse_device_name(str(d), what="device")
-        except ValueError:
-            raise TypeError(
-                f"{what}: item {i}, {d!r} ({type(d).__name__}), names no device "
-                "managed_solve can use; pass Device objects (managed_solve.devices.discover()), "
-                "names such as 'cuda:0' or 'cpu', or torch.device objects."
-            ) from None
-    return items
 
 
 def discover(devices: str | Sequence[str] | None = None, simulate: str | None = None) -> list[Device]:

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import hints as hints_file
-from .devices import Device, device_list, discover, format_bytes, parse_device_name, warn_spill
+from .device_args import device_list, resolve_device
+from .devices import Device, discover, format_bytes, warn_spill
 from .hints import Hint
 
 log = logging.getLogger("managed_solve")
@@ -265,16 +266,14 @@ class DeviceManager:
     def cpu(self) -> Device:
         return self._cpu
 
+    @property
+    def inventory(self) -> list[Device]:
+        """Every device names are looked up in: the managed ones and the CPU, each once."""
+        return self.devices if self._cpu in self.devices else [*self.devices, self._cpu]
+
     def get_device(self, device: Device | str) -> Device:
         """The managed :class:`Device` for ``"cuda:1"``, ``"cpu"`` or a Device."""
-        name = str(device)
-        kind, idx = parse_device_name(name, what="device")
-        key = "cpu" if kind == "cpu" else f"{kind}:{idx}"
-        for d in [*self.devices, self._cpu]:
-            if str(d) == key:
-                return d
-        have = ", ".join(str(d) for d in self.devices)
-        raise ValueError(f"device={name!r} is not managed here (devices: {have}).")
+        return resolve_device(device, self.inventory, call=None)
 
     # ------------------------------------------------------------------ sizing
     def size_of(self, obj: Any) -> int:
@@ -674,8 +673,13 @@ def default_manager() -> DeviceManager:
         return _default
 
 
-def set_default_manager(manager: DeviceManager | None) -> None:
-    """Replace the process-wide manager (None: rediscover on next use)."""
+def set_default_manager(manager: DeviceManager | None) -> DeviceManager | None:
+    """Replace the process-wide manager (None: rediscover on next use); returns the one replaced.
+
+    The one replaced may be None (none made yet): giving it back restores
+    the state exactly, which a test that swaps managers needs.
+    """
     global _default
     with _default_lock:
-        _default = manager
+        previous, _default = _default, manager
+    return previous

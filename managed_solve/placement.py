@@ -1,8 +1,9 @@
 """Placement of one system: the device a name means, the reservation, the move there.
 
-One home for device-name resolution of a single solve (``solve(device=...)``,
-``Solver(device=...)``): a name the manager knows, else a CUDA GPU this
-process can use, else the CPU.
+A single solve (``solve(device=...)``, ``Solver(device=...)``) reads its
+device as every call does (:mod:`managed_solve.device_args`), obeying the
+caller's explicit choice where this process can: a name the manager knows,
+else a CUDA GPU this process can use.
 """
 
 from __future__ import annotations
@@ -10,41 +11,23 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from . import _backend
-from .devices import Device, parse_device_name
+from .device_args import NOT_MANAGED_FIX, resolve_device
+from .devices import Device
 from .system import LinearSystem
 
 log = logging.getLogger("managed_solve")
 
 
 def named_device(device: Any, mgr: Any) -> Device:
-    """The Device ``device`` names (a Device, "cpu", "cuda:1", "sim:0"), for one solve."""
-    if isinstance(device, Device):
-        return device
-    kind, idx = parse_device_name(str(device), what="solve(device=...)")
-    try:
-        return mgr.get_device(device)
-    except ValueError:
-        pass
-    if kind == "cuda":
-        n, why = _backend.cuda_probe()
-        if idx >= n:
-            raise RuntimeError(
-                f"solve(device={device!r}): no such CUDA GPU here ({n} usable"
-                f"{'; ' + why if why else ''}). Use device='cpu' or device=None."
-            )
-        from .devices import discover_cuda
+    """The Device ``device`` names (a Device, "cpu", "cuda:1", "sim:0"), for one solve.
 
-        for d in discover_cuda()[0]:
-            if d.index == idx:
-                return d
-    if kind == "cpu":
-        from .devices import cpu_device
-
-        return cpu_device()
-    raise RuntimeError(f"solve(device={device!r}): the manager has no such device "
-                       f"({', '.join(str(d) for d in mgr.devices)}); pass manager=... or "
-                       "device=None.")
+    The caller's explicit choice is obeyed where this process can: a Device
+    object as given, a CUDA GPU the manager does not manage (it then runs
+    unreserved); a name that is nowhere is a RuntimeError naming the fix.
+    """
+    return resolve_device(device, mgr.inventory, call="solve", arg="device",
+                          fix=f"{NOT_MANAGED_FIX}; or device=None to let the manager choose",
+                          as_given=True, any_cuda=True)
 
 
 def reserve_for(mgr: Any, nbytes: int, dev: Device | None, system: LinearSystem, method: str):

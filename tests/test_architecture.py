@@ -132,3 +132,43 @@ def test_no_private_name_used_from_another_module():
 def test_modules_are_of_a_readable_size(module):
     lines = len(MODULES[module].read_text().splitlines())
     assert lines <= MAX_LINES, f"{module} has {lines} lines (at most {MAX_LINES}): split it on its concerns"
+
+
+#: The modules that may compare a device kind with "cuda": the backend and the Device itself.
+CUDA_KIND_MODULES = ("managed_solve._backend", "managed_solve.devices")
+
+
+def _cuda_kind_comparisons(tree: ast.AST) -> list[int]:
+    """Lines comparing something named ``*kind`` with "cuda" (``==``, ``!=``, ``in``, either side)."""
+
+    def is_cuda(node: ast.AST) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value == "cuda"
+        return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(map(is_cuda, node.elts))
+
+    def is_kind(node: ast.AST) -> bool:
+        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+        return name.endswith("kind")
+
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            if any(map(is_cuda, operands)) and any(map(is_kind, operands)):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_the_cuda_kind_check_sees_every_form():
+    found = _cuda_kind_comparisons(ast.parse(
+        'a = dev.kind == "cuda"\nb = "cuda" != kind\nc = device_kind in ("sim", "cuda")\n'
+        'd = system.kind == "csr"\ne = t.backend == "cuda"\n'))
+    assert found == [1, 2, 3]
+
+
+def test_no_cuda_kind_strings_outside_the_backend():
+    """Code asks ``Device.is_cuda``, ``devices.is_cuda_kind`` or ``device_args.cuda_ordinal`` instead."""
+    offences = [f"{module}:{line}" for module, path in MODULES.items()
+                if not module.startswith(CUDA_KIND_MODULES)
+                for line in _cuda_kind_comparisons(ast.parse(path.read_text(), str(path)))]
+    assert not offences, "device kinds compared with 'cuda' outside the backend:\n" + "\n".join(offences)

@@ -501,13 +501,17 @@ def test_constructor_validation():
 
 
 def test_default_manager_is_lazy_and_shared(monkeypatch):
-    from managed_solve import manager as mgr
+    from managed_solve.manager import set_default_manager
 
-    monkeypatch.setattr(mgr, "_default", None)
-    monkeypatch.setenv("MANAGED_SOLVE_SIMULATE", "2x1GiB")
-    a = managed_solve.device_manager
-    assert a is managed_solve.device_manager
-    assert [str(d) for d in a.accelerators] == ["sim:0", "sim:1"]
+    previous = set_default_manager(None)
+    try:
+        monkeypatch.setenv("MANAGED_SOLVE_SIMULATE", "2x1GiB")
+        a = managed_solve.device_manager
+        assert a is managed_solve.device_manager
+        assert [str(d) for d in a.accelerators] == ["sim:0", "sim:1"]
+        assert set_default_manager(None) is a
+    finally:
+        set_default_manager(previous)
 
 
 def test_explicit_device_list():

@@ -16,8 +16,7 @@ def fresh_default_manager():
     """The process-wide manager made anew on first use (from ``MANAGED_SOLVE_SIMULATE``), then restored."""
     from managed_solve import manager
 
-    previous = manager.default_manager()
-    manager.set_default_manager(None)
+    previous = manager.set_default_manager(None)
     try:
         yield
     finally:

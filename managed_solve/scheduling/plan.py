@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import _backend, config
-from ..devices import Device
+from ..device_args import resolve_devices
+from ..devices import Device, is_cuda_kind
 from ..manager import DeviceManager
 from ..sharded import choose_shard_count
 from ..system.cost import predict_iterations
@@ -122,7 +123,7 @@ def target_rows(total_rows: int, ndevices: int, kind: str = "cuda", *,
         batches_per_device = settings.batches_per_device
     floor = TARGET_ROWS.get(kind, TARGET_ROWS["cuda"])
     share = total_rows // max(1, ndevices * batches_per_device)
-    if kind == "cuda":
+    if is_cuda_kind(kind):
         # A GPU batch below ~1M rows is launch-bound; fewer, fuller batches win there.
         return max(floor, share)
     return max(1024, min(floor, share))
@@ -475,15 +476,9 @@ def select_devices(manager: DeviceManager, devices: object, disperse: bool,
     Without ``disperse``, one of them: the one already holding most of the
     input bytes (``held_bytes``, by device name), else the one with most room.
     """
-    if devices is not None:
-        names = devices.split(",") if isinstance(devices, str) else list(devices)  # type: ignore[call-overload]
-        devs: list[Device] = []
-        for d in names:
-            dev = manager.get_device(d.strip() if isinstance(d, str) else d)
-            if dev not in devs:
-                devs.append(dev)
-        if not devs:
-            raise ValueError(f"solve_many(devices={devices!r}): selects no device; e.g. 'cuda:0,cuda:1'")
+    if devices is not None:  # each once, in the order named; the manager's own (it keeps the ledger)
+        devs = list(dict.fromkeys(resolve_devices(devices, manager.inventory,
+                                                  call="solve_many", arg="devices")))
     else:
         devs = manager.accelerators or [manager.cpu]
     if disperse or len(devs) == 1:

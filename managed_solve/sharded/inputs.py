@@ -13,6 +13,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from .. import _backend
+from ..device_args import resolve_devices as resolve_devices_of
 from ..devices import Device
 from ..manager import default_manager
 
@@ -38,82 +39,29 @@ def resolve_devices(devices: Any, *, manager: Any = None, call: str = "solve_sha
     >>> [str(d) for d in resolve_devices(2, manager=dm)]
     ['sim:0', 'sim:1']
     """
-    def mgr():
-        return manager if manager is not None else default_manager()
-
     if devices is None:
         raise ValueError(
             f"{call}(devices=None): name the devices to shard over, e.g. devices='all', "
             "devices=2 or devices=['cuda:0', 'cuda:1']."
         )
-    if isinstance(devices, bool) or isinstance(devices, float):
-        raise TypeError(
-            f"{call}(devices={devices!r}): expected 'all', a number of devices or a list of "
-            "device names such as ['cuda:0', 'cuda:1']."
-        )
-    if isinstance(devices, str):
-        if devices.strip().lower() == "all":
-            chosen = list(mgr().accelerators)
-            if not chosen:
-                raise RuntimeError(
-                    f"{call}(devices='all'): no GPU (real or simulated) is available here. "
-                    "Solve on the CPU with solve(A, b, device='cpu'), or simulate GPUs with "
-                    "MANAGED_SOLVE_SIMULATE='2x1GiB' / DeviceManager(simulate='2x1GiB')."
-                )
-            return chosen
-        devices = [d for d in devices.split(",") if d.strip()]
-    if isinstance(devices, (int, np.integer)):
-        acc = list(mgr().accelerators)
-        if devices < 1 or devices > len(acc):
-            raise ValueError(
-                f"{call}(devices={devices}): expected between 1 and {len(acc)} (the "
-                f"accelerators available: {[str(d) for d in acc]}); pass devices='all' for every one."
-            )
-        return acc[: int(devices)]
-    try:
-        items = list(devices)
-    except TypeError:
-        raise TypeError(
-            f"{call}(devices=...): got a {type(devices).__name__}; expected 'all', a number of "
-            "devices or a list of device names such as ['cuda:0', 'cuda:1']."
-        ) from None
-    if not items:
-        raise ValueError(
-            f"{call}(devices=[]): the list is empty; give at least one device, e.g. "
-            "devices=['cuda:0', 'cuda:1'] or devices='all'."
-        )
-    chosen = []
-    for d in items:
-        if isinstance(d, Device):
-            dev = d
-        elif isinstance(d, str):
-            try:
-                dev = mgr().get_device(d.strip())
-            except ValueError as exc:
-                raise ValueError(
-                    f"{call}(devices={items!r}): {exc} Use names of this machine's GPUs, or pass "
-                    "manager=DeviceManager(simulate='2x1GiB') for simulated ones."
-                ) from None
-        else:
-            raise TypeError(
-                f"{call}(devices=...): entry {d!r} is a {type(d).__name__}; expected a device "
-                "name ('cuda:0') or a Device."
-            )
+    # Device objects are the caller's choice, used as given; names are the manager's
+    # (the default manager is not made for a list of Devices).
+    given = isinstance(devices, (list, tuple)) and all(isinstance(d, Device) for d in devices)
+    mgr = manager if manager is not None or given else default_manager()
+    inventory = mgr.inventory if mgr is not None else []
+    chosen = resolve_devices_of(devices, inventory, call=call, arg="devices", as_given=True)
+    named = [str(d) for d in chosen]
+    for i, dev in enumerate(chosen):
         if not dev.is_gpu:
             raise ValueError(
-                f"{call}(devices={[str(x) for x in items]!r}): {dev} is not a GPU; shards run on "
+                f"{call}(devices={named!r}): {dev} is not a GPU; shards run on "
                 "GPUs (real or simulated). For the CPU use solve(A, b, device='cpu')."
             )
-        if dev in chosen:
-            raise ValueError(
-                f"{call}(devices={[str(x) for x in items]!r}): {dev} appears twice; name each "
-                "device once."
-            )
-        chosen.append(dev)
+        if dev in chosen[:i]:
+            raise ValueError(f"{call}(devices={named!r}): {dev} appears twice; name each device once.")
     if len({d.kind for d in chosen}) > 1:
         raise ValueError(
-            f"{call}(devices={[str(x) for x in chosen]!r}): mixes real and simulated GPUs; "
-            "shard over one kind only."
+            f"{call}(devices={named!r}): mixes real and simulated GPUs; shard over one kind only."
         )
     return chosen
 

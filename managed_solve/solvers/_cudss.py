@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
+import threading as threading_module
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -43,51 +44,151 @@ CACHE_SIZE = 2  # analysed matrices kept per device (0: none, every solve plans)
 # this fraction of its memory free: kept factors must not crowd out the work
 # the DeviceManager places next.
 KEEP_MIN_FREE_FRACTION = 0.25
-THREADING = True  # use the OpenMP threading layer when found
-
-_devices: dict[int, _Device] = {}
-_devices_lock = threading.Lock()
 
 
-def solve(nvmath: Any, A: Any, b: Any, symmetric: bool | None) -> tuple[Any, str]:
-    """``x`` with ``A x = b`` on ``b``'s device, and what was reused: "none", "plan" or "factors".
+class Cudss:
+    """cuDSS solves with their analyses kept: one handle and one cache per GPU.
 
-    A symmetric A is declared ``SYMMETRIC`` (LDL^T with pivoting; positive
-    definiteness is not known here, so not ``SPD``). cuDSS reports a zero
-    pivot as a non-finite or wrong ``x``, which the caller's residual check
-    turns into ``BREAKDOWN``.
+    The process keeps one (:func:`default`), which ``solve(method="direct")``
+    uses on a GPU; a test or a benchmark makes its own, with stand-ins for the
+    library or other limits, and passes it where a ``cudss=`` is taken
+    (:func:`managed_solve.solvers.direct.gpu_sparse_solve`).
+
+    Parameters
+    ----------
+    nvmath : module, optional
+        ``nvmath.sparse.advanced`` or a stand-in; default: imported at each
+        solve when installed (:attr:`available` says whether it is).
+    make_handle : callable, optional
+        ``make_handle(device)`` -> a cuDSS handle on that GPU, made once a GPU.
+    threading_lib : callable, optional
+        ``threading_lib()`` -> the path of cuDSS's OpenMP threading layer, or
+        None; asked once (default: :func:`find_threading_lib`).
+    cache_size : int
+        Analysed matrices kept per device (0: none, every solve plans).
+    keep_min_free_fraction : float
+        Analyses are kept only while the GPU keeps this fraction of its memory free.
+    threading : bool
+        Use the threading layer when found.
+
+    Examples
+    --------
+    >>> Cudss(cache_size=0).release()  # nothing kept yet
+    0
     """
-    dev = _device(getattr(getattr(b, "device", None), "id", -1))
-    xp = _backend.array_module(b)
-    key = (A.shape[0], int(A.nnz), A.dtype.str, A.indices.dtype.str, A.indptr.dtype.str, bool(symmetric))
-    with dev.lock:
-        entry = dev.cache.pop(key, None)  # out of the cache until it solved this system
-        reused = "none"
-        try:
-            if entry is not None:
-                same_pattern, same_values = entry.compare(A, xp)  # sync: one host read
-                if not same_pattern:
+
+    def __init__(self, nvmath: Any = None, *, make_handle: Callable[[int], Any] | None = None,
+                 threading_lib: Callable[[], str | None] | None = None, cache_size: int = CACHE_SIZE,
+                 keep_min_free_fraction: float = KEEP_MIN_FREE_FRACTION, threading: bool = True):
+        self._nvmath = nvmath
+        self.make_handle = make_handle if make_handle is not None else _make_handle
+        self._find_threading_lib = threading_lib if threading_lib is not None else find_threading_lib
+        self._threading_lib: list = []  # [path or None], found once
+        self.cache_size = cache_size
+        self.keep_min_free_fraction = keep_min_free_fraction
+        self.threading = threading
+        self._devices: dict[int, _Device] = {}
+        self._lock = threading_module.Lock()
+
+    @property
+    def nvmath(self) -> Any:
+        """``nvmath.sparse.advanced`` (or the stand-in given), None when not installed."""
+        return self._nvmath if self._nvmath is not None else _backend.optional_module("nvmath.sparse.advanced")
+
+    def threading_lib(self) -> str | None:
+        """cuDSS's OpenMP threading layer (looked for once)."""
+        if not self._threading_lib:
+            self._threading_lib.append(self._find_threading_lib())
+        return self._threading_lib[0]
+
+    def solve(self, A: Any, b: Any, symmetric: bool | None) -> tuple[Any, str]:
+        """``x`` with ``A x = b`` on ``b``'s device, and what was reused: "none", "plan" or "factors".
+
+        A symmetric A is declared ``SYMMETRIC`` (LDL^T with pivoting; positive
+        definiteness is not known here, so not ``SPD``). cuDSS reports a zero
+        pivot as a non-finite or wrong ``x``, which the caller's residual check
+        turns into ``BREAKDOWN``.
+        """
+        nvmath = self.nvmath
+        dev = self._device(getattr(getattr(b, "device", None), "id", -1))
+        xp = _backend.array_module(b)
+        key = (A.shape[0], int(A.nnz), A.dtype.str, A.indices.dtype.str, A.indptr.dtype.str, bool(symmetric))
+        with dev.lock:
+            entry = dev.cache.pop(key, None)  # out of the cache until it solved this system
+            reused = "none"
+            try:
+                if entry is not None:
+                    same_pattern, same_values = entry.compare(A, xp)  # sync: one host read
+                    if not same_pattern:
+                        entry.free()
+                        entry = None
+                    elif same_values:
+                        reused = "factors"
+                    else:
+                        entry.refactor(A, xp)
+                        reused = "plan"
+                if entry is None:
+                    lib = self.threading_lib() if self.threading else None
+                    entry = _Entry(nvmath, A, b, symmetric, dev, lib)
+                x = entry.solve(b)
+            except Exception:
+                if entry is not None:  # a failed factorisation or solve: nothing half-made is kept
                     entry.free()
-                    entry = None
-                elif same_values:
-                    reused = "factors"
-                else:
-                    entry.refactor(A, xp)
-                    reused = "plan"
-            if entry is None:
-                entry = _Entry(nvmath, A, b, symmetric, dev)
-            x = entry.solve(b)
-        except Exception:
-            if entry is not None:  # a failed factorisation or solve: nothing half-made is kept
+                raise
+            if self.cache_size > 0 and _room_left(xp, self.keep_min_free_fraction):
+                dev.cache[key] = entry  # the most recent last
+                while len(dev.cache) > self.cache_size:
+                    dev.cache.popitem(last=False)[1].free()
+            else:
                 entry.free()
-            raise
-        if CACHE_SIZE > 0 and _room_left(xp):
-            dev.cache[key] = entry  # the most recent last
-            while len(dev.cache) > CACHE_SIZE:
-                dev.cache.popitem(last=False)[1].free()
-        else:
-            entry.free()
-    return x, reused
+        return x, reused
+
+    def release(self, device: int | str | None = None) -> int:
+        """Free the kept analyses and factors (of one GPU, or all); returns how many.
+
+        ``device``: ``1``, ``"cuda:1"`` or a Device; None: every GPU.
+        """
+        device = _ordinal(device)
+        freed = 0
+        with self._lock:
+            devs = [d for i, d in self._devices.items() if device is None or i == device]
+        for d in devs:
+            with d.lock:
+                while d.cache:
+                    d.cache.popitem()[1].free()
+                    freed += 1
+        return freed
+
+    def reset(self) -> int:
+        """:meth:`release` everything and forget the handles: the next solve makes new ones.
+
+        A handle keeps the threading layer it was given, so a benchmark
+        comparing ``threading`` on and off resets between the two.
+        """
+        freed = self.release()
+        with self._lock:
+            self._devices.clear()
+        return freed
+
+    def _device(self, device: int) -> _Device:
+        with self._lock:
+            d = self._devices.get(device)
+            if d is None:
+                d = self._devices[device] = _Device(self.make_handle(device))
+            return d
+
+
+_default: Cudss | None = None
+_default_lock = threading_module.Lock()
+
+
+def default() -> Cudss:
+    """The process's cuDSS state (handles live as long as the process), made on first use."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Cudss()
+        return _default
 
 
 def release_factorisations(device: int | str | None = None) -> int:
@@ -100,35 +201,32 @@ def release_factorisations(device: int | str | None = None) -> int:
 
     Examples
     --------
-    >>> from managed_solve.solvers import _cudss
-    >>> _cudss.release_factorisations()  # nothing kept on a machine that never ran cuDSS
+    >>> from managed_solve.solvers import release_factorisations
+    >>> release_factorisations()  # nothing kept on a machine that never ran cuDSS
     0
-    >>> _cudss.release_factorisations("cuda:0")
+    >>> release_factorisations("cuda:0")
     0
     """
-    if device is not None and not isinstance(device, int):
-        from ..devices import parse_device_name
+    return default().release(device)
 
-        kind, device = parse_device_name(str(device), what="release_factorisations(device)")
-        if kind != "cuda":
-            raise ValueError(f"release_factorisations(device={kind!r}): cuDSS keeps factors on CUDA "
-                             "GPUs only; pass 'cuda:0', 'cuda:1', ... or None for every GPU")
-    freed = 0
-    with _devices_lock:
-        devs = [d for i, d in _devices.items() if device is None or i == device]
-    for d in devs:
-        with d.lock:
-            while d.cache:
-                d.cache.popitem()[1].free()
-                freed += 1
-    return freed
+
+def _ordinal(device: int | str | None) -> int | None:
+    if device is None or isinstance(device, int):
+        return device
+    from ..device_args import cuda_ordinal
+
+    ordinal = cuda_ordinal(device, what="release_factorisations(device)")
+    if ordinal is None:
+        raise ValueError(f"release_factorisations(device={str(device)!r}): cuDSS keeps factors on "
+                         "CUDA GPUs only; pass 'cuda:0', 'cuda:1', ... or None for every GPU")
+    return ordinal
 
 
 class _Device:
-    def __init__(self, device: int):
-        self.lock = threading.Lock()
+    def __init__(self, handle: Any):
+        self.lock = threading_module.Lock()
         self.cache: OrderedDict = OrderedDict()
-        self.handle = _make_handle(device)  # lives as long as the process
+        self.handle = handle  # lives as long as the process
 
 
 def _make_handle(device: int) -> int:
@@ -138,21 +236,13 @@ def _make_handle(device: int) -> int:
         return cudss.create()
 
 
-def _device(device: int) -> _Device:
-    with _devices_lock:
-        d = _devices.get(device)
-        if d is None:
-            d = _devices[device] = _Device(device)
-        return d
-
-
 class _Entry:
     """One analysed matrix: nvmath's DirectSolver over our own copy of A."""
 
-    def __init__(self, nvmath: Any, A: Any, b: Any, symmetric: bool | None, dev: _Device):
+    def __init__(self, nvmath: Any, A: Any, b: Any, symmetric: bool | None, dev: _Device,
+                 lib: str | None):
         kind = nvmath.DirectSolverMatrixType
         extra = {}
-        lib = threading_lib() if THREADING else None
         if lib is not None:
             extra["multithreading_lib"] = lib
         options = nvmath.DirectSolverOptions(
@@ -194,11 +284,11 @@ class _Entry:
             solver.free()
 
 
-def _room_left(xp: Any) -> bool:
+def _room_left(xp: Any, min_free_fraction: float) -> bool:
     if xp is np:  # the host stand-in of the tests
         return True
     free, total = xp.cuda.runtime.memGetInfo()
-    return free >= KEEP_MIN_FREE_FRACTION * total
+    return free >= min_free_fraction * total
 
 
 def _stream(xp: Any) -> Any:
@@ -206,24 +296,24 @@ def _stream(xp: Any) -> Any:
     return None if xp is np else xp.cuda.get_current_stream()
 
 
-_THREADING_LIB: list = []  # [path or None], found once
+def find_threading_lib() -> str | None:
+    """cuDSS's OpenMP threading layer: $CUDSS_THREADING_LIB, else the one beside libcudss."""
+    path = os.environ.get("CUDSS_THREADING_LIB")
+    if not path:
+        try:
+            from cuda.pathfinder import load_nvidia_dynamic_lib
+
+            lib = load_nvidia_dynamic_lib("cudss").abs_path
+            path = os.path.join(os.path.dirname(lib), "libcudss_mtlayer_gomp.so.0") if lib else None
+        except Exception:  # an older pathfinder, or cuDSS found another way
+            path = None
+    found = path if path and os.path.isfile(path) else None
+    if found is None:
+        log.info("managed_solve: cuDSS's threading layer was not found (set CUDSS_THREADING_LIB); "
+                 "its host phases run on one thread")
+    return found
 
 
 def threading_lib() -> str | None:
-    """cuDSS's OpenMP threading layer: $CUDSS_THREADING_LIB, else the one beside libcudss."""
-    if not _THREADING_LIB:
-        path = os.environ.get("CUDSS_THREADING_LIB")
-        if not path:
-            try:
-                from cuda.pathfinder import load_nvidia_dynamic_lib
-
-                lib = load_nvidia_dynamic_lib("cudss").abs_path
-                path = os.path.join(os.path.dirname(lib), "libcudss_mtlayer_gomp.so.0") if lib else None
-            except Exception:  # an older pathfinder, or cuDSS found another way
-                path = None
-        found = path if path and os.path.isfile(path) else None
-        if found is None:
-            log.info("managed_solve: cuDSS's threading layer was not found (set CUDSS_THREADING_LIB); "
-                     "its host phases run on one thread")
-        _THREADING_LIB.append(found)
-    return _THREADING_LIB[0]
+    """The threading layer the process's cuDSS state uses (see :func:`find_threading_lib`)."""
+    return default().threading_lib()

@@ -141,7 +141,7 @@ class PreparedDirect(Prepared):
             return sla.lu_solve(self._lu, b, trans=1 if trans else 0, check_finite=False)
         M = A.T if trans else A
         if _is_sparse(M):
-            x, self.how, self._extra = _gpu_sparse(M.tocsr(), b, self.options.symmetric)
+            x, self.how, self._extra = gpu_sparse_solve(M.tocsr(), b, self.options.symmetric)
             return x
         self.how = "cupy.linalg.solve"
         return _dense_lu(M, b)
@@ -276,13 +276,20 @@ def _dense_lu(A: Any, b: Any) -> Any:
         raise
 
 
-def _gpu_sparse(A: Any, b: Any, symmetric: bool | None) -> tuple[Any, str, dict]:
-    nvmath = _backend.optional_module("nvmath.sparse.advanced")
-    if nvmath is not None:
-        from . import _cudss
+def gpu_sparse_solve(A: Any, b: Any, symmetric: bool | None, *,
+                     cudss: Any = None) -> tuple[Any, str, dict]:
+    """``x`` with ``A x = b`` for a cupyx CSR ``A``: cuDSS where nvmath-python is installed, else cuSOLVER.
 
+    Returns ``(x, how, info)``: the library used and what cuDSS reused.
+    ``cudss`` is the :class:`~managed_solve.solvers._cudss.Cudss` state to use
+    (default: the process's); a stand-in runs this path on the host.
+    """
+    from . import _cudss
+
+    cudss = cudss if cudss is not None else _cudss.default()
+    if cudss.nvmath is not None:
         try:
-            x, reused = _cudss.solve(nvmath, A, b, symmetric)
+            x, reused = cudss.solve(A, b, symmetric)
             return x, "cuDSS (nvmath-python)", {"cudss_reused": reused}
         except Exception as exc:  # an unsupported type or version: CuPy's path still works
             log.info("managed_solve: cuDSS through nvmath failed (%s); using cupyx spsolve", exc)

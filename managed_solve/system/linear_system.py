@@ -219,10 +219,10 @@ class LinearSystem:
 
     def to(self, device: Any) -> LinearSystem:
         """The same system with its arrays on ``device`` (``"cpu"``, ``"cuda:1"``, a Device)."""
-        from ..devices import parse_device_name
+        from ..device_args import cuda_ordinal
 
-        kind, idx = parse_device_name(str(device), what="device")
-        if kind in ("cpu", "sim"):
+        idx = cuda_ordinal(device, what="device")
+        if idx is None:  # the host: the CPU, or a simulated GPU
             if self.kind == "operator":
                 A = self.A
             elif _backend.is_cupy_sparse(self.A):  # before to_host: see the note in __init__
@@ -246,7 +246,7 @@ class LinearSystem:
         out.__dict__.update(self.__dict__)
         out.A, out.b, out.x0 = A, b, x0
         if self.nullspace is not None:
-            out.nullspace = _backend.to_host(self.nullspace) if kind in ("cpu", "sim") \
+            out.nullspace = _backend.to_host(self.nullspace) if idx is None \
                 else _backend.cupy().asarray(self.nullspace)
         return out
 

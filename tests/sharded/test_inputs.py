@@ -27,7 +27,7 @@ def test_device_argument_errors():
         sharded.solve_sharded(A, b, devices=5, manager=dm)
     with pytest.raises(TypeError, match="expected 'all'"):
         sharded.solve_sharded(A, b, devices=1.5, manager=dm)
-    with pytest.raises(TypeError, match="entry 3"):
+    with pytest.raises(TypeError, match=r"item 0, 3 \(int\), names no device"):
         sharded.solve_sharded(A, b, devices=[3], manager=dm)
     cpu_only = DeviceManager(devices=["cpu"])
     with pytest.raises(RuntimeError, match="no GPU.*MANAGED_SOLVE_SIMULATE"):

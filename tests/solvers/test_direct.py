@@ -117,6 +117,7 @@ class _FakeNvmath:
         import types
 
         self.plans = self.factorizations = self.frees = 0
+        self.broken = False  # True: factorisations raise, as cuDSS's do on a failure
         self.options = []
         self.DirectSolverMatrixType = types.SimpleNamespace(GENERAL="general", SYMMETRIC="symmetric")
         self.DirectSolverOptions = lambda **kw: types.SimpleNamespace(**kw)
@@ -131,6 +132,8 @@ class _FakeNvmath:
                 fake.plans += 1
 
             def factorize(self):
+                if fake.broken:
+                    raise RuntimeError("cuDSS factorisation failed")
                 fake.factorizations += 1
                 self.lu = sla.splu(self.a.tocsc())
 
@@ -147,43 +150,39 @@ class _FakeNvmath:
 
 
 @pytest.fixture
-def fake_cudss(monkeypatch):
-    import importlib
-
-    from managed_solve import _backend
-    from managed_solve.solvers import _cudss
+def fake_cudss():
+    """A stand-in nvmath and the cuDSS state over it: the cuDSS path runs on the host."""
+    from managed_solve.solvers._cudss import Cudss
 
     fake = _FakeNvmath()
-    real = _backend.optional_module
-    monkeypatch.setattr(_backend, "optional_module", lambda name: fake if name == "nvmath.sparse.advanced" else real(name))
-    monkeypatch.setattr(_cudss, "_devices", {})
-    monkeypatch.setattr(_cudss, "_make_handle", lambda device: 1234)
-    monkeypatch.setattr(_cudss, "_THREADING_LIB", [None])
-    return fake, importlib.import_module("managed_solve.solvers.direct"), _cudss
+    return fake, Cudss(fake, make_handle=lambda device: 1234, threading_lib=lambda: None)
 
 
 def test_gpu_sparse_path_prefers_cudss_when_nvmath_is_installed(fake_cudss):
-    fake, direct_mod, _ = fake_cudss
+    from managed_solve.solvers.direct import gpu_sparse_solve
+
+    fake, cudss = fake_cudss
     A = tridiagonal(30, -1.0, 2.5, -1.0)
     b = np.ones(30)
-    x, how, extra = direct_mod._gpu_sparse(A, b, None)
+    x, how, extra = gpu_sparse_solve(A, b, None, cudss=cudss)
     assert how == "cuDSS (nvmath-python)" and extra == {"cudss_reused": "none"}
     np.testing.assert_allclose(A @ x, b, rtol=1e-12)
     opts = fake.options[0]
     assert opts.sparse_system_type == "general" and opts.handle == 1234
     assert opts.logger.name == "managed_solve.cudss"  # nvmath's phase logs under ours
-    direct_mod._gpu_sparse(A, b, True)
+    assert not hasattr(opts, "multithreading_lib")  # no threading layer found
+    gpu_sparse_solve(A, b, True, cudss=cudss)
     assert fake.options[1].sparse_system_type == "symmetric"  # cuDSS is told the matrix type
 
 
 def test_cudss_keeps_the_analysis_of_recent_matrices(fake_cudss):
-    fake, _, cudss = fake_cudss
+    fake, cudss = fake_cudss
     rng = np.random.default_rng(3)
     A = poisson2d(8)
     b1, b2 = rng.standard_normal(64), rng.standard_normal(64)
 
     def check(M, b, reused, plans, factorizations):
-        x, how = cudss.solve(fake, M, b, True)
+        x, how = cudss.solve(M, b, True)
         np.testing.assert_allclose(M @ x, b, rtol=1e-10, atol=1e-10)
         assert (how, fake.plans, fake.factorizations) == (reused, plans, factorizations)
 
@@ -198,28 +197,45 @@ def test_cudss_keeps_the_analysis_of_recent_matrices(fake_cudss):
     assert A3.nnz == A.nnz and not np.array_equal(A3.indices, A.indices)
     check(A3, b1, "none", 2, 4)
     assert fake.frees == 1  # the old analysis, freed
-    assert cudss.release_factorisations("cuda:0") == 0  # another GPU: nothing kept there
-    assert cudss.release_factorisations() == 1 and fake.frees == 2
-    with pytest.raises(ValueError, match="CUDA GPUs only"):
-        cudss.release_factorisations("cpu")
+    assert cudss.release("cuda:0") == 0  # another GPU: nothing kept there
+    assert cudss.release() == 1 and fake.frees == 2
+    with pytest.raises(ValueError, match=r"device='cpu'\): cuDSS keeps factors on CUDA GPUs only"):
+        cudss.release("cpu")
     with pytest.raises(ValueError, match="not a device name"):
-        cudss.release_factorisations("gpu zero")
+        cudss.release("gpu zero")
     check(A, b1, "none", fake.plans + 1, fake.factorizations + 1)
 
 
-def test_cudss_cache_keeps_the_most_recent(fake_cudss, monkeypatch):
-    fake, _, cudss = fake_cudss
-    monkeypatch.setattr(cudss, "CACHE_SIZE", 2)
+def test_cudss_cache_keeps_the_most_recent(fake_cudss):
+    fake, cudss = fake_cudss
+    assert cudss.cache_size == 2
     mats = [poisson2d(m) for m in (4, 5, 6)]
     for M in mats:
-        cudss.solve(fake, M, np.ones(M.shape[0]), True)
+        cudss.solve(M, np.ones(M.shape[0]), True)
     assert fake.frees == 1  # the first, least recent
-    assert cudss.solve(fake, mats[2], np.ones(36), True)[1] == "factors"
-    assert cudss.solve(fake, mats[0], np.ones(16), True)[1] == "none"
-    monkeypatch.setattr(cudss, "CACHE_SIZE", 0)
+    assert cudss.solve(mats[2], np.ones(36), True)[1] == "factors"
+    assert cudss.solve(mats[0], np.ones(16), True)[1] == "none"
+    cudss.cache_size = 0
     before = fake.frees
-    assert cudss.solve(fake, mats[0], np.ones(16), True)[1] == "factors"  # still kept from before
-    assert fake.frees == before + 1 and cudss.release_factorisations() == 1  # not kept again
+    assert cudss.solve(mats[0], np.ones(16), True)[1] == "factors"  # still kept from before
+    assert fake.frees == before + 1 and cudss.release() == 1  # not kept again
+
+
+def test_cudss_threading_layer_is_looked_for_once_and_reset_makes_new_handles(fake_cudss):
+    from managed_solve.solvers._cudss import Cudss
+
+    fake, _ = fake_cudss
+    looked, handles = [], iter(range(100, 200))
+    cudss = Cudss(fake, make_handle=lambda device: next(handles),
+                  threading_lib=lambda: looked.append(1) or "/opt/libcudss_mtlayer_gomp.so.0")
+    cudss.solve(poisson2d(4), np.ones(16), True)
+    cudss.solve(poisson2d(5), np.ones(25), True)
+    assert looked == [1] and [o.multithreading_lib for o in fake.options] == ["/opt/libcudss_mtlayer_gomp.so.0"] * 2
+    assert [o.handle for o in fake.options] == [100, 100]  # one handle a GPU
+    assert cudss.reset() == 2 and fake.frees == 2
+    cudss.threading = False
+    cudss.solve(poisson2d(4), np.ones(16), True)
+    assert fake.options[-1].handle == 101 and not hasattr(fake.options[-1], "multithreading_lib")
 
 
 @pytest.mark.gpu
@@ -288,22 +304,17 @@ def test_cudss_reuses_analysis_and_factors():
     assert release_factorisations() >= 1
 
 
-def test_cudss_failure_frees_the_entry_and_keeps_nothing(fake_cudss, monkeypatch):
+def test_cudss_failure_frees_the_entry_and_keeps_nothing(fake_cudss):
     """A factorisation that raises on new values frees the kept analysis; the next solve starts over."""
-    fake, _, cudss = fake_cudss
+    fake, cudss = fake_cudss
     A = poisson2d(6)
-    cudss.solve(fake, A, np.ones(36), True)
+    cudss.solve(A, np.ones(36), True)
     bad = (A * 2.0).tocsr()
-    real = fake.DirectSolver.factorize
-
-    def broken(self):
-        raise RuntimeError("cuDSS factorisation failed")
-
-    monkeypatch.setattr(fake.DirectSolver, "factorize", broken)
+    fake.broken = True
     with pytest.raises(RuntimeError, match="factorisation failed"):
-        cudss.solve(fake, bad, np.ones(36), True)
-    assert fake.frees == 1 and cudss.release_factorisations() == 0  # freed, not kept
-    monkeypatch.setattr(fake.DirectSolver, "factorize", real)
-    x, how = cudss.solve(fake, bad, np.ones(36), True)
+        cudss.solve(bad, np.ones(36), True)
+    assert fake.frees == 1 and cudss.release() == 0  # freed, not kept
+    fake.broken = False
+    x, how = cudss.solve(bad, np.ones(36), True)
     assert how == "none"
     np.testing.assert_allclose(bad @ x, np.ones(36), rtol=1e-10)

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ... import _backend
-from ...devices import parse_device_name
+from ...device_args import cuda_ordinal
 from ..engine import BREAKDOWN, Options, Outcome, Prepared, default_maxiter
 from .bicgstab import bicgstab_batched
 from .cg import cg_batched
@@ -253,8 +253,8 @@ def _on_device(A: Any, device: Any, call: str) -> Any:
     A = A if A.format == "csr" else A.tocsr()
     if device is None:
         return A
-    kind, idx = parse_device_name(str(device), what=f"{call}(device=...)")
-    if kind == "cuda":
+    idx = cuda_ordinal(device, what=f"{call}(device=...)")
+    if idx is not None:
         cp = _backend.cupy()
         if _backend.is_cupy_sparse(A) and A.data.device.id == idx:
             return A

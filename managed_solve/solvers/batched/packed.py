@@ -37,10 +37,11 @@ def _index_dtype(n: int, nnz: int, index_dtype: Any = None) -> np.dtype:
     return np.dtype(np.int64) if max(n, nnz) > _INT32_MAX else np.dtype(np.int32)
 
 
-def _target(device: Any) -> tuple[str, int]:
-    from ...devices import parse_device_name
+def _target(device: Any) -> int | None:
+    """The CUDA GPU a batch packed for ``device`` goes to (None: host arrays)."""
+    from ...device_args import cuda_ordinal
 
-    return parse_device_name(str(device), what="PackedBatch.pack(device=...)")
+    return cuda_ordinal(device, what="PackedBatch.pack(device=...)")
 
 
 def _on_cuda(a: Any, idx: int) -> bool:
@@ -253,8 +254,8 @@ class PackedBatch:
             # ones when bound for a GPU, then one asynchronous copy per array).
             # A system's device follows A and b; an x0 on a GPU (solve_many's
             # warm restart of host systems solved there) takes the path below.
-            kind, idx = _target(device)
-            if kind == "cuda":
+            idx = _target(device)
+            if idx is not None:
                 return _pack_host_to_gpu(systems, jacobi=jacobi, device_id=idx, dtype=dt,
                                          index_dtype=index_dtype)
             return pack_host(systems, jacobi=jacobi, device=str(device), dtype=dt,
@@ -268,8 +269,8 @@ class PackedBatch:
         np.cumsum(nnzs, out=nnz_off[1:])
         n, nnz = int(offsets[-1]), int(nnz_off[-1])
         idt = _index_dtype(n, nnz, index_dtype)
-        kind, idx = _target(device)
-        if kind == "cuda":
+        idx = _target(device)
+        if idx is not None:
             xp = _backend.cupy()
             ctx = xp.cuda.Device(idx)
         else:
@@ -288,7 +289,7 @@ class PackedBatch:
             for k, s in enumerate(systems):
                 lo, hi, jlo, jhi = offsets[k], offsets[k + 1], nnz_off[k], nnz_off[k + 1]
                 A = s.A
-                mod = xp if (kind == "cuda" and _on_cuda(A.data, idx)) else np
+                mod = xp if (idx is not None and _on_cuda(A.data, idx)) else np
                 if mod is np:
                     A = _backend.to_host(A)
                 ip = A.indptr[:-1].astype(np.int64) + jlo if mod is np else A.indptr[:-1].astype(idt) + idt.type(jlo)
@@ -296,10 +297,10 @@ class PackedBatch:
                 ci = A.indices.astype(np.int64) + lo if mod is np else A.indices.astype(idt) + idt.type(lo)
                 _put(indices, jlo, jhi, ci.astype(idt, copy=False), xp)
                 _put(data, jlo, jhi, A.data.astype(dt, copy=False), xp)
-                bb = s.b if (kind == "cuda" and _on_cuda(s.b, idx)) else _backend.to_host(s.b)
+                bb = s.b if (idx is not None and _on_cuda(s.b, idx)) else _backend.to_host(s.b)
                 _put(b, lo, hi, bb.astype(dt, copy=False), xp)
                 if s.x0 is not None:
-                    xx = s.x0 if (kind == "cuda" and _on_cuda(s.x0, idx)) else _backend.to_host(s.x0)
+                    xx = s.x0 if (idx is not None and _on_cuda(s.x0, idx)) else _backend.to_host(s.x0)
                     _put(x0, lo, hi, xx.astype(dt, copy=False), xp)
                 if jacobi:
                     _put(dinv, lo, hi, _inverse_diagonal(A, dt, call=f"PackedBatch.pack(systems[{k}])"), xp)
@@ -310,7 +311,7 @@ class PackedBatch:
                             for s in systems], dtype=np.int64)
         return cls(indptr=indptr, indices=indices, data=data, b=b, x0=x0, offsets=offsets,
                    row_sys=row_sys, rtol=rtol, atol=atol, maxiter=maxiter, dinv=dinv,
-                   device=f"cuda:{idx}" if kind == "cuda" else str(device),
+                   device=f"cuda:{idx}" if idx is not None else str(device),
                    names=[getattr(s, "name", None) for s in systems])
 
     @classmethod
