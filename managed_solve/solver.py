@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from . import _backend, autograd
+from .device_args import cuda_ordinal
 from .devices import Device
 from .placement import move_to, named_device, reserve_for
 from .result import SolveResult, Status
@@ -140,7 +141,7 @@ class Solver:
         mgr = manager if manager is not None else default_manager()
         if device is not None:
             dev = named_device(device, mgr)
-        elif system.device.startswith("cuda"):
+        elif cuda_ordinal(system.device) is not None:
             dev = named_device(system.device, mgr)
         else:
             dev = None
