@@ -2,6 +2,7 @@
 # This release's GPU verification in two calls of at most ten minutes each.
 #   bash benchmarks/gpu_session.sh tests   OUTDIR   # GPU tests, then W1-W3 against the baseline build
 #   bash benchmarks/gpu_session.sh bench   OUTDIR   # the pytest-benchmark groups (AMG, W5, W6, W2)
+#   (BENCH_FILES and BENCH_K pick the files and a pytest -k expression)
 # BASELINE (a checkout of the previous release, default .baseline) is timed back to back
 # with this checkout by benchmarks/compare_builds.py (public API only).
 set -uo pipefail
@@ -45,6 +46,6 @@ for f in figs:
     print(f"{f:58s} {o*1e3:10.3f} {n*1e3:10.3f} {oi*1e3:10.3f} {n/o:8.3f}")
 PYEOF
 else
-    (cd benchmarks && timeout 540 "$PY" -m pytest -q -p no:cacheprovider ${BENCH_FILES:-bench_amg.py bench_w5_rhs.py bench_grad.py} \
+    (cd benchmarks && timeout 540 "$PY" -m pytest -q -p no:cacheprovider ${BENCH_FILES:-bench_amg.py bench_w5_rhs.py bench_grad.py} ${BENCH_K:+-k "$BENCH_K"} \
         --benchmark-json="$(realpath "$OUTDIR")/bench.json" 2>&1 | tee "$(realpath "$OUTDIR")/bench.log" | tail -60)
 fi
