@@ -182,7 +182,7 @@ class _Working:
         keep_d = keep if self.xp is np else self.xp.asarray(keep)
         for name, a in self.blocks.items():
             if name in SCRATCH:  # rewritten before it is read
-                self.blocks[name] = self.ops.empty(a.shape[0], keep.size, a.dtype)
+                self.blocks[name] = self.ops.zeros(a.shape[0], keep.size, a.dtype)
             elif a is not None:
                 self.blocks[name] = self.ops.take(a, keep)
         for name, a in self.scalars.items():
@@ -252,7 +252,7 @@ def _solve_slice(method: str, A: Any, B: Any, X0: Any, rtols: np.ndarray, atols:
     if X0 is None:
         R = ops.copy(B)
     else:
-        R = ops.asblock(B - ops.matmul(A, X, ops.empty(n, k, dt)), dt)
+        R = ops.asblock(B - ops.matmul(A, X, ops.zeros(n, k, dt)), dt)
     if zero.size:  # b = 0: x = 0 exactly (the single-vector kernels do the same)
         z = zero if xp is np else xp.asarray(zero)
         X[:, z] = 0
@@ -317,7 +317,8 @@ def _cg_start(w: _Working, dinv: Any, M: Any) -> None:
         P = ops.copy(R)
     s["rz"] = ops.dots(R, P, None, s["live"])[0] if (M is not None or dinv is not None) \
         else s["rr"].copy()
-    b.update(P=P, Q=ops.empty(*R.shape, R.dtype))
+    # Zeros, not empty: the SpMM writes Q with beta = 0, and stale NaN bits must never count.
+    b.update(P=P, Q=ops.zeros(*R.shape, R.dtype))
     _stop(xp, s, ~_not_zero(xp, s["rz"]))
 
 
@@ -352,7 +353,7 @@ def _bicg_start(w: _Working, dinv: Any) -> None:
     R = b["R"]
     n, k = R.shape
     b.update(Rt=ops.copy(R), P=ops.zeros(n, k, R.dtype), V=ops.zeros(n, k, R.dtype),
-             T=ops.empty(n, k, R.dtype), Z=ops.empty(n, k, R.dtype) if dinv is not None else None)
+             T=ops.zeros(n, k, R.dtype), Z=ops.zeros(n, k, R.dtype) if dinv is not None else None)
     s["rho"] = s["rr"].copy()  # rt . r with rt = r
     s["rho_prev"] = xp.ones(k)
     s["alpha"] = xp.ones(k)

@@ -151,6 +151,7 @@ __global__ void msb_bicg_direction(const long long n, T* P, const T* R, const T*
 """
 
 THREADS = 256
+ROWS_PER_THREAD = 8
 #: gridDim.y's limit: at most this many columns in one launch.
 MAX_COLUMNS = 65535
 _CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
@@ -370,9 +371,11 @@ class CupyBlockOps(NumpyBlockOps):
 
     # -- launches
     def _grid(self, n: int, m: int) -> tuple[int, int]:
-        # About eight blocks of THREADS per multiprocessor over all columns.
-        per_column = max(1, min(math.ceil(n / THREADS), math.ceil(self._sms * 8 / m)))
-        return per_column, m
+        # About ROWS_PER_THREAD rows a thread: many waves of blocks, so the last
+        # wave's idle multiprocessors cost little whatever the kernel's occupancy;
+        # at least a wave in all when the block is thin.
+        per_column = max(math.ceil(n / (THREADS * ROWS_PER_THREAD)), math.ceil(self._sms * 8 / m))
+        return max(1, min(per_column, math.ceil(n / THREADS), 65535)), m
 
     def _partials(self, gx: int, m: int) -> tuple[Any, Any]:
         key = (gx, m)
