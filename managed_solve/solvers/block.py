@@ -88,7 +88,8 @@ def block_bicgstab(A: Any, B: Any, **kw: Any) -> list[Outcome]:
 
 def block_solve(method: str, A: Any, B: Any, *, X0: Any = None, rtol: Any = 1e-8,
                 atol: Any = 0.0, maxiter: Any = None, M: Callable[[Any], Any] | None = None,
-                dinv: Any = None, check_every: int | None = None) -> list[Outcome]:
+                dinv: Any = None, check_every: int | None = None,
+                ops: NumpyBlockOps | None = None) -> list[Outcome]:
     """``method`` ("cg" or "bicgstab") on the columns of B together; one Outcome per column.
 
     Parameters
@@ -111,6 +112,9 @@ def block_solve(method: str, A: Any, B: Any, *, X0: Any = None, rtol: Any = 1e-8
         (instead of ``M``).
     check_every : int, optional
         Iterations between checkpoints (1 on the host, 8 on a GPU).
+    ops : NumpyBlockOps, optional
+        The block passes (default: :func:`~managed_solve.solvers.block_ops.block_ops`
+        of B's array module); a test runs the GPU's policy on host arrays with it.
 
     Returns
     -------
@@ -137,7 +141,8 @@ def block_solve(method: str, A: Any, B: Any, *, X0: Any = None, rtol: Any = 1e-8
     for lo in range(0, k, MAX_WIDTH):
         hi = min(k, lo + MAX_WIDTH)
         outs += _solve_slice(method, A, B[:, lo:hi], None if X0 is None else X0[:, lo:hi],
-                             rtols[lo:hi], atols[lo:hi], maxiters[lo:hi], M, dinv, check_every)
+                             rtols[lo:hi], atols[lo:hi], maxiters[lo:hi], M, dinv, check_every,
+                             ops)
     return outs
 
 
@@ -229,12 +234,13 @@ def _not_zero(xp: Any, v: Any) -> Any:
 
 # ------------------------------------------------------------------------------ the loops
 def _solve_slice(method: str, A: Any, B: Any, X0: Any, rtols: np.ndarray, atols: np.ndarray,
-                 maxiters: np.ndarray, M: Any, dinv: Any, check_every: int | None) -> list[Outcome]:
+                 maxiters: np.ndarray, M: Any, dinv: Any, check_every: int | None,
+                 ops: NumpyBlockOps | None) -> list[Outcome]:
     xp = _backend.array_module(B)
     n, k = int(B.shape[0]), int(B.shape[1])
     if k == 0:
         return []
-    ops = block_ops(xp, B)
+    ops = ops if ops is not None else block_ops(xp, B)
     dt = np.dtype(B.dtype)
     every = checkpoint_interval(xp, check_every)
     w = _Working(ops, k)

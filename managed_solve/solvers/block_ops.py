@@ -220,14 +220,14 @@ class NumpyBlockOps:
 
     def asblock(self, a: Any, dtype: Any) -> np.ndarray:
         """``a`` in this layout and dtype (a copy only where needed)."""
-        return np.ascontiguousarray(a, dtype=dtype)
+        return np.asarray(a, dtype=dtype, order=self.order)
 
     def copy(self, a: np.ndarray) -> np.ndarray:
         return a.copy(order=self.order)
 
     def take(self, a: np.ndarray, cols: Any) -> np.ndarray:
         """Columns ``cols`` of ``a`` as a new block."""
-        return np.ascontiguousarray(a[:, cols])
+        return np.asarray(a[:, cols], order=self.order)
 
     def column(self, a: np.ndarray, j: int) -> np.ndarray:
         return np.ascontiguousarray(a[:, j])
@@ -237,7 +237,7 @@ class NumpyBlockOps:
         """``A @ P`` (SciPy's SpMM walks P's rows; a dense A goes to BLAS, into ``out``)."""
         if isinstance(A, np.ndarray):
             return np.matmul(A, P, out=out)
-        return np.ascontiguousarray(A @ P, dtype=P.dtype)
+        return np.asarray(A @ P, dtype=P.dtype, order=self.order)
 
     @staticmethod
     def _running(live: np.ndarray) -> Any:
