@@ -7,11 +7,12 @@ column keeps its own scalars (alpha, beta, rho, omega as length-k float64
 vectors from column reductions), its own stopping test
 ``||r_j|| <= max(rtol_j ||b_j||, atol_j)`` (the rule of the single-vector
 engines and of the true-residual check that follows), its own iteration
-limit, count and status. A column that converges, runs out of iterations or
-breaks down stops changing at once (the passes skip it) and is compacted out
-of the block at the next checkpoint once enough columns have stopped, so the
-SpMM shrinks with the work left; a breakdown in one column does not touch
-the others.
+limit, count and status (:func:`scalar_steps`: elementwise operations on
+k-vectors, one kernel each on a GPU). A column that converges, runs out of
+iterations or breaks down stops changing at once (the passes skip it) and
+is compacted out of the block at the next checkpoint once enough columns
+have stopped, so the SpMM shrinks with the work left; a breakdown in one
+column does not touch the others.
 
 The iterates are those of the single-vector engines
 (:mod:`managed_solve.kernels.krylov`): preconditioned CG, and right-
@@ -24,8 +25,10 @@ on the device, so reading late costs idle passes, never a wrong answer.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -212,24 +215,83 @@ class _Working:
         return self.x_out
 
 
-def _stop(xp: Any, s: dict, bad: Any) -> None:
-    """The running columns' status before their next iteration (the single-vector kernels' order).
+@functools.cache
+def scalar_steps(xp: Any) -> SimpleNamespace:
+    """The per-column scalar updates of both loops, as functions of length-k arrays only.
 
-    Converged first (``rr <= tol^2``), then the iteration limit, then ``bad``
-    (a breakdown of the method).
+    ``code`` is each column's status (:data:`RUNNING` while it runs); each
+    step returns the new status and, where passes follow, the mask of the
+    columns still running for them. Every step is a few elementwise
+    operations on k-vectors, so on a GPU each compiles to one kernel
+    (:meth:`~managed_solve.solvers.block_ops.CupyBlockOps.fuse`). Divisions
+    take their divisor through ``where``, so a stopped column's stale
+    figures never raise or leak into a running one.
     """
-    live = s["live"]
-    conv = live & (s["rr"] <= s["tol2"])
-    over = live & ~conv & (s["it"] >= s["maxit"])
-    broke = live & ~conv & ~over & bad
-    s["code"] = xp.where(conv, CONVERGED, xp.where(over, MAXITER,
-                                                   xp.where(broke, BREAKDOWN, s["code"])))
-    s["live"] = live & ~(conv | over | broke)
+    where, isfinite = xp.where, xp.isfinite
 
+    def usable(v: Any) -> Any:  # finite and nonzero: a divisor
+        return isfinite(v) & (v != 0)
 
-def _not_zero(xp: Any, v: Any) -> Any:
-    """Where a column scalar is usable as a divisor: finite and nonzero."""
-    return xp.isfinite(v) & (v != 0)
+    def stop(code: Any, rr: Any, it: Any, tol2: Any, maxit: Any, bad: Any) -> Any:
+        # The single-vector kernels' order: converged, then the limit, then a breakdown.
+        new = where(rr <= tol2, CONVERGED,
+                    where(it >= maxit, MAXITER, where(bad, BREAKDOWN, RUNNING)))
+        return where(code < 0, new, code)
+
+    def start(code: Any, rr: Any, it: Any, tol2: Any, maxit: Any, first: Any) -> tuple:
+        code = stop(code, rr, it, tol2, maxit, ~usable(first))
+        return code, code < 0
+
+    def cg_alpha(code: Any, rz: Any, pq: Any) -> tuple:
+        running = code < 0
+        ok = running & (pq > 0)  # not positive (or NaN): A is not positive definite
+        return where(running & ~ok, BREAKDOWN, code), ok, where(ok, rz / where(ok, pq, 1.0), 0.0)
+
+    def cg_next(code: Any, rr_new: Any, rz_new: Any, rr: Any, rz: Any, it: Any, tol2: Any,
+                maxit: Any) -> tuple:
+        running = code < 0
+        rr = where(running, rr_new, rr)
+        it = it + running
+        beta = where(running, rz_new / where(running, rz, 1.0), 0.0)
+        code = stop(code, rr, it, tol2, maxit, ~usable(rz_new))
+        live = code < 0
+        return code, live, rr, it, where(live, rz_new, rz), beta
+
+    def bicg_beta(code: Any, it: Any, rho: Any, rho_prev: Any, alpha: Any, omega: Any) -> Any:
+        later = (code < 0) & (it > 0)
+        return where(later, (rho / where(later, rho_prev, 1.0))
+                     * (alpha / where(later, omega, 1.0)), 0.0)
+
+    def bicg_alpha(code: Any, rho: Any, rv: Any, alpha: Any) -> tuple:
+        running = code < 0
+        ok = running & usable(rv)
+        return where(running & ~ok, BREAKDOWN, code), ok, where(ok, rho / where(ok, rv, 1.0), alpha)
+
+    def bicg_half(code: Any, ss: Any, tol2: Any, it: Any, rr: Any) -> tuple:
+        half = (code < 0) & (ss <= tol2)  # converged at the half step (SciPy stops here too)
+        code = where(half, CONVERGED, code)
+        return code, code < 0, it + half, where(half, ss, rr)
+
+    def bicg_omega(code: Any, tt: Any, ts: Any, ss: Any, it: Any, rr: Any, omega: Any) -> tuple:
+        running = code < 0
+        ok = running & usable(tt)
+        broke = running & ~ok  # counts its half step, as the single-vector kernels do
+        return (where(broke, BREAKDOWN, code), ok, it + broke, where(broke, ss, rr),
+                where(ok, ts / where(ok, tt, 1.0), omega))
+
+    def bicg_next(code: Any, rr_new: Any, rho_new: Any, rr: Any, rho: Any, rho_prev: Any,
+                  it: Any, omega: Any, tol2: Any, maxit: Any) -> tuple:
+        running = code < 0
+        it = it + running
+        rr = where(running, rr_new, rr)
+        rho_prev = where(running, rho, rho_prev)
+        rho = where(running, rho_new, rho)
+        code = stop(code, rr, it, tol2, maxit, ~usable(rho) | (omega == 0))
+        return code, code < 0, rr, rho, rho_prev, it
+
+    return SimpleNamespace(start=start, cg_alpha=cg_alpha, cg_next=cg_next, bicg_beta=bicg_beta,
+                           bicg_alpha=bicg_alpha, bicg_half=bicg_half, bicg_omega=bicg_omega,
+                           bicg_next=bicg_next)
 
 
 # ------------------------------------------------------------------------------ the loops
@@ -312,8 +374,13 @@ def _apply(ops: NumpyBlockOps, M: Any, V: Any) -> Any:
     return ops.asblock(M(V), V.dtype)
 
 
+def _step(w: _Working, name: str) -> Callable[..., Any]:
+    """Scalar step ``name``, fused for the block's device."""
+    return w.ops.fuse(getattr(scalar_steps(w.xp), name))
+
+
 def _cg_start(w: _Working, dinv: Any, M: Any) -> None:
-    ops, xp, s, b = w.ops, w.xp, w.scalars, w.blocks
+    ops, s, b = w.ops, w.scalars, w.blocks
     R = b["R"]
     if M is not None:
         P = _apply(ops, M, R)
@@ -325,17 +392,16 @@ def _cg_start(w: _Working, dinv: Any, M: Any) -> None:
         else s["rr"].copy()
     # Zeros, not empty: the SpMM writes Q with beta = 0, and stale NaN bits must never count.
     b.update(P=P, Q=ops.zeros(*R.shape, R.dtype))
-    _stop(xp, s, ~_not_zero(xp, s["rz"]))
+    s["code"], s["live"] = _step(w, "start")(s["code"], s["rr"], s["it"], s["tol2"], s["maxit"],
+                                             s["rz"])
 
 
 def _cg_step(w: _Working, A: Any, M: Any, dinv: Any) -> None:
-    ops, xp, s, b = w.ops, w.xp, w.scalars, w.blocks
+    ops, s, b = w.ops, w.scalars, w.blocks
     X, R, P = b["X"], b["R"], b["P"]
     Q = b["Q"] = ops.matmul(A, P, b["Q"])
     pq = ops.dots(P, Q, None, s["live"])[0]
-    ok = s["live"] & (pq > 0)  # not positive (or NaN): A is not positive definite
-    s["code"] = xp.where(s["live"] & ~ok, BREAKDOWN, s["code"])
-    alpha = xp.where(ok, s["rz"] / xp.where(ok, pq, 1.0), 0.0)
+    s["code"], ok, alpha = _step(w, "cg_alpha")(s["code"], s["rz"], pq)
     Z = None
     if M is None:
         rr, rz = ops.update(X, R, P, Q, alpha, ok, second="dinv" if dinv is not None else None,
@@ -345,12 +411,8 @@ def _cg_step(w: _Working, A: Any, M: Any, dinv: Any) -> None:
         rr = ops.update(X, R, P, Q, alpha, ok)[0]
         Z = _apply(ops, M, R)
         rz = ops.dots(R, Z, None, ok)[0]
-    s["live"] = ok
-    s["rr"] = xp.where(ok, rr, s["rr"])
-    s["it"] = s["it"] + ok
-    beta = xp.where(ok, rz / xp.where(ok, s["rz"], 1.0), 0.0)
-    _stop(xp, s, ~_not_zero(xp, rz))
-    s["rz"] = xp.where(s["live"], rz, s["rz"])
+    s["code"], s["live"], s["rr"], s["it"], s["rz"], beta = _step(w, "cg_next")(
+        s["code"], rr, rz, s["rr"], s["rz"], s["it"], s["tol2"], s["maxit"])
     ops.cg_direction(P, R, dinv if Z is None else None, Z, beta, s["live"])
 
 
@@ -364,40 +426,30 @@ def _bicg_start(w: _Working, dinv: Any) -> None:
     s["rho_prev"] = xp.ones(k)
     s["alpha"] = xp.ones(k)
     s["omega"] = xp.ones(k)
-    _stop(xp, s, ~_not_zero(xp, s["rho"]))
+    s["code"], s["live"] = _step(w, "start")(s["code"], s["rr"], s["it"], s["tol2"], s["maxit"],
+                                             s["rho"])
 
 
 def _bicg_step(w: _Working, A: Any, M: Any, dinv: Any) -> None:
-    ops, xp, s, b = w.ops, w.xp, w.scalars, w.blocks
+    ops, s, b = w.ops, w.scalars, w.blocks
     X, R, P, Rt, Z = b["X"], b["R"], b["P"], b["Rt"], b["Z"]
-    live = s["live"]
-    later = live & (s["it"] > 0)
-    beta = xp.where(later, (s["rho"] / xp.where(later, s["rho_prev"], 1.0))
-                    * (s["alpha"] / xp.where(later, s["omega"], 1.0)), 0.0)
-    ops.bicg_direction(P, R, b["V"], dinv, Z, beta, s["omega"], live)
+    beta = _step(w, "bicg_beta")(s["code"], s["it"], s["rho"], s["rho_prev"], s["alpha"],
+                                 s["omega"])
+    ops.bicg_direction(P, R, b["V"], dinv, Z, beta, s["omega"], s["live"])
     phat = Z if dinv is not None else (_apply(ops, M, P) if M is not None else P)
     V = b["V"] = ops.matmul(A, phat, b["V"])
-    rv = ops.dots(Rt, V, None, live)[0]
-    ok = live & _not_zero(xp, rv)
-    s["code"] = xp.where(live & ~ok, BREAKDOWN, s["code"])
-    s["alpha"] = xp.where(ok, s["rho"] / xp.where(ok, rv, 1.0), s["alpha"])
+    rv = ops.dots(Rt, V, None, s["live"])[0]
+    s["code"], ok, s["alpha"] = _step(w, "bicg_alpha")(s["code"], s["rho"], rv, s["alpha"])
     # s = r - alpha v overwrites R; Z becomes s-hat (Jacobi).
     ss = ops.update(X, R, phat, V, s["alpha"], ok, dinv=dinv, Z=Z)[0]
-    half = ok & (ss <= s["tol2"])  # converged at the half step (SciPy stops here too)
-    live = ok & ~half
+    s["code"], live, s["it"], s["rr"] = _step(w, "bicg_half")(s["code"], ss, s["tol2"], s["it"],
+                                                              s["rr"])
     shat = Z if dinv is not None else (_apply(ops, M, R) if M is not None else R)
     T = b["T"] = ops.matmul(A, shat, b["T"])
     tt, ts = ops.dots(T, T, R, live)
-    ok2 = live & _not_zero(xp, tt)
-    stopped = half | (live & ~ok2)  # both count the half step as an iteration
-    s["code"] = xp.where(half, CONVERGED, xp.where(live & ~ok2, BREAKDOWN, s["code"]))
-    s["rr"] = xp.where(stopped, ss, s["rr"])
-    s["omega"] = xp.where(ok2, ts / xp.where(ok2, tt, 1.0), s["omega"])
-    rr, rho = ops.update(X, R, shat, T, s["omega"], ok2, second="rt", Rt=Rt)
-    s["it"] = s["it"] + stopped + ok2
-    s["rr"] = xp.where(ok2, rr, s["rr"])
-    s["rho_prev"] = xp.where(ok2, s["rho"], s["rho_prev"])
-    s["rho"] = xp.where(ok2, rho, s["rho"])
-    s["live"] = ok2
-    _stop(xp, s, ~_not_zero(xp, s["rho"]) | (s["omega"] == 0))
-
+    s["code"], ok, s["it"], s["rr"], s["omega"] = _step(w, "bicg_omega")(
+        s["code"], tt, ts, ss, s["it"], s["rr"], s["omega"])
+    rr, rho = ops.update(X, R, shat, T, s["omega"], ok, second="rt", Rt=Rt)
+    s["code"], s["live"], s["rr"], s["rho"], s["rho_prev"], s["it"] = _step(w, "bicg_next")(
+        s["code"], rr, rho, s["rr"], s["rho"], s["rho_prev"], s["it"], s["omega"], s["tol2"],
+        s["maxit"])

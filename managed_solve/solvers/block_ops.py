@@ -22,14 +22,17 @@ bit for bit.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from .. import _backend
 
+log = logging.getLogger("managed_solve")
 # ------------------------------------------------------------------------------ CUDA
 #: The CUDA twins of :class:`NumpyBlockOps`'s passes (compiled with NVRTC by CuPy).
 CUDA_SOURCE = r"""
@@ -190,6 +193,37 @@ def cuda_kernels(device_id: int, dtype: Any) -> dict[str, Any]:
         return _modules[key]
 
 
+class FusedOrPlain:
+    """``cupy.fuse(fn)``; ``fn`` itself, one kernel an operation, where CuPy cannot fuse it.
+
+    The fused form is an optimisation only (the operations and their order
+    are the same), so a CuPy that fails to compile it runs the plain form.
+    """
+
+    def __init__(self, fn: Callable[..., Any], cp: Any):
+        self.fn = fn
+        self.fused = cp.fuse()(fn)
+        self.works: bool | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        if self.works is not False:
+            try:
+                out = self.fused(*args)
+            except Exception as exc:
+                if self.works:  # it ran before: a real error, not one of fusing
+                    raise
+                self.works = False
+                log.warning("managed_solve: cupy.fuse could not compile %s (%s); running its "
+                            "operations one kernel each", self.fn.__name__, exc)
+            else:
+                self.works = True
+                return out
+        return self.fn(*args)
+
+
+_FUSED: dict[Callable[..., Any], FusedOrPlain] = {}
+
+
 @functools.cache
 def _sm_count(device_id: int) -> int:
     cp = _backend.cupy()
@@ -231,6 +265,10 @@ class NumpyBlockOps:
 
     def column(self, a: np.ndarray, j: int) -> np.ndarray:
         return np.ascontiguousarray(a[:, j])
+
+    def fuse(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` (elementwise operations on k-vectors) as this device runs it best: as it is here."""
+        return fn
 
     # -- products
     def matmul(self, A: Any, P: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -355,6 +393,14 @@ class CupyBlockOps(NumpyBlockOps):
 
     def column(self, a: Any, j: int) -> Any:
         return a[:, j]  # contiguous: a column of an F-ordered block
+
+    def fuse(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` compiled by ``cupy.fuse`` into one kernel (a dozen launches saved an iteration)."""
+        with _lock:
+            got = _FUSED.get(fn)
+            if got is None:
+                got = _FUSED[fn] = FusedOrPlain(fn, self.xp)
+            return got
 
     # -- products
     def matmul(self, A: Any, P: Any, out: Any) -> Any:
