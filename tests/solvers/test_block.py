@@ -372,3 +372,36 @@ def test_late_checkpoints_and_column_major_blocks_give_the_same_columns(method, 
         assert r <= 1.5 * rtol[j] * np.linalg.norm(B[:, j]), (j, r)
     assert late[0].info["checkpoints"] < every_step[0].info["checkpoints"]
     assert late[0].info["compactions"] >= 1
+
+
+@pytest.mark.gpu
+def test_fused_scalar_steps_match_the_plain_ones():
+    """cupy.fuse compiles every scalar step, and each gives the plain step's figures."""
+    import inspect
+
+    from managed_solve.solvers.block import scalar_steps
+
+    cp, _ = array_modules("cuda")
+    ops = CupyBlockOps(0)
+    code = np.array([-1, -1, -1, -1, 0, 1, 2, -1], dtype=np.int64)
+    ints = np.array([0, 3, 9, 10, 4, 10, 2, 1], dtype=np.int64)
+    floats = [np.array([1.0, 0.0, -2.0, np.nan, 1e-30, np.inf, 3.0, 1e-12]) * s
+              for s in (1.0, -0.5, 2.0, 1e-9)]
+    plain, gpu = scalar_steps(np), scalar_steps(cp)
+    for name, fn in vars(plain).items():
+        args = []
+        for i, arg in enumerate(inspect.signature(fn).parameters):
+            if arg == "code":
+                args.append(code)
+            elif arg in ("it", "maxit"):
+                args.append(ints if arg == "it" else np.full_like(ints, 10))
+            else:
+                args.append(np.roll(floats[i % len(floats)], i))
+        with np.errstate(all="ignore"):
+            want = fn(*args)
+        fused = ops.fuse(getattr(gpu, name))
+        got = fused(*[cp.asarray(a) for a in args])
+        assert fused.works, name
+        for w, g in zip(want if isinstance(want, tuple) else (want,),
+                        got if isinstance(got, tuple) else (got,), strict=True):
+            np.testing.assert_array_equal(cp.asnumpy(g), w, err_msg=name)
