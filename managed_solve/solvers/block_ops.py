@@ -404,9 +404,9 @@ class CupyBlockOps(NumpyBlockOps):
 
     # -- products
     def matmul(self, A: Any, P: Any, out: Any) -> Any:
-        """``A @ P`` into ``out``: cuSPARSE's SpMM for a sparse A (no zero fill), cuBLAS for a dense one."""
+        """``A @ P``: cuSPARSE's SpMM into ``out`` for a sparse A (no zero fill), cuBLAS for a dense one."""
         if isinstance(A, self.xp.ndarray):
-            return self.xp.matmul(A, P, out=out)
+            return self.xp.asfortranarray(A @ P)
         from cupyx import cusparse
 
         if not A.has_canonical_format:
