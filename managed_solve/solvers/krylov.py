@@ -7,6 +7,13 @@ matrix with no or a Jacobi preconditioner and no callback takes the fused
 batched core (a batch of one system); dense matrices, operators, polynomial
 or user preconditioners and callbacks take the generic loops, written once
 in ``xp.`` operations for NumPy and CuPy.
+
+Several right-hand sides, an (n, k) block, go through the block Krylov loop
+(:mod:`managed_solve.solvers.block`: one SpMM per product for all columns)
+for CG and BiCGStab where :func:`takes_block_loop` says so; on the host the
+fused core keeps a block of a CSR matrix with no or a Jacobi preconditioner
+(its per-system Numba loops, each column's vectors in cache, beat the block
+passes there).
 """
 
 from __future__ import annotations
@@ -19,11 +26,13 @@ import numpy as np
 from .. import _backend
 from .batched import BatchedEngine, BatchedPrepared
 from .bicgstab import bicgstab, bicgstab_fused
+from .block import METHODS as BLOCK_METHODS
+from .block import block_solve
 from .cg import cg, cg_fused
 from .engine import Options, Outcome, Prepared, default_maxiter
 from .gmres import gmres, gmres_fused
 from .minres import minres
-from .preconditioners import make_preconditioner
+from .preconditioners import block_preconditioner, inverse_diagonal, make_preconditioner
 
 _GENERIC: dict[str, Callable[..., Outcome]] = {
     "cg": cg, "bicgstab": bicgstab, "gmres": gmres, "minres": minres}
@@ -49,6 +58,20 @@ def takes_fused_core(A: Any, kind: str, method: str, M: Any, callback: Any, xp: 
     if method == "gmres" and xp is np:
         return False
     return M is None or is_jacobi(M)
+
+
+def takes_block_loop(kind: str, method: str, callback: Any, xp: Any, fused: bool) -> bool:
+    """Whether an (n, k) right-hand side runs as one block Krylov loop (CG, BiCGStab).
+
+    A sparse or dense matrix (the product with a block is one SpMM or GEMM)
+    and no callback (it would need each column's iterate alone). On the
+    host a CSR matrix that the fused core takes stays there: its per-column
+    Numba loops keep each column's vectors in cache and beat the block's
+    passes over the whole (n, k) block.
+    """
+    if method not in BLOCK_METHODS or callback is not None or kind not in ("csr", "dense"):
+        return False
+    return xp is not np or not fused
 
 
 class KrylovEngine:
@@ -84,17 +107,43 @@ class PreparedKrylov(Prepared):
         # the preconditioner built once here and reused by every solve.
         self.M = None if self.fused else make_preconditioner(self.options.M, A)
         self._block: BatchedPrepared | None = None  # the fused core for (n, k) blocks, made on use
+        self.block_loop = xp is not None and takes_block_loop(
+            self.kind, self.options.method, self.options.callback, xp, self.fused)
+        self._block_M: tuple[Any, Any] | None = None  # (M on blocks, Jacobi's dinv), made on use
 
     def solve(self, rhs: Any, x0: Any = None) -> Outcome | list[Outcome]:
-        """``A x = rhs``; on the fused core a (n, k) block is one batch of k systems sharing A.
+        """``A x = rhs``; a (n, k) block is solved together, k outcomes back.
 
-        The batch reads A once per iteration for all k columns, each column with
-        its own scalars and stopping test.
+        The block Krylov loop (or the fused core's batch of k systems sharing
+        A) reads A once per iteration for all k columns, each column with its
+        own scalars and stopping test.
         """
-        if self.fused and getattr(rhs, "ndim", 1) == 2:
+        if getattr(rhs, "ndim", 1) == 2:
             self._check_open()
-            return self._batched().solve(rhs, x0)
+            if self.block_loop:
+                return self._solve_block(rhs, x0)
+            if self.fused:
+                return self._batched().solve(rhs, x0)
         return super().solve(rhs, x0)
+
+    def solve_transpose(self, rhs: Any, x0: Any = None) -> Outcome | list[Outcome]:
+        """``A^T x = rhs``; a block on the transpose prepared once, solved together."""
+        if getattr(rhs, "ndim", 1) == 2 and not self.options.symmetric and \
+                (self.block_loop or self.fused):
+            self._check_open()
+            return self._transpose().solve(rhs, x0)
+        return super().solve_transpose(rhs, x0)
+
+    def _solve_block(self, B: Any, X0: Any) -> list[Outcome]:
+        o = self.options
+        if self._block_M is None:
+            if is_jacobi(o.M):
+                self._block_M = (None, inverse_diagonal(self.A))
+            else:
+                self._block_M = (block_preconditioner(o.M, self.M), None)
+        M, dinv = self._block_M
+        return block_solve(o.method, self.A, B, X0=X0, rtol=o.rtol, atol=o.atol,
+                           maxiter=self.maxiter, M=M, dinv=dinv)
 
     def _batched(self) -> BatchedPrepared:
         if self._block is None:
@@ -140,12 +189,16 @@ class PreparedKrylov(Prepared):
                 raise NotImplementedError(
                     "krylov engine: solve_transpose needs A.T; this operator has no rmatvec. "
                     "Give an operator with rmatvec (scipy.sparse.linalg.LinearOperator).")
+        return self._transpose()._solve_vector(b, x0)
+
+    def _transpose(self) -> PreparedKrylov:
+        """The method prepared on A^T (made once)."""
         if self._transposed is None:
             AT = self.A.T if self.kind != "operator" else self.A.H
             if self.kind == "csr":
                 AT = AT.tocsr()
             self._transposed = PreparedKrylov(AT, self.options, self.device, self.kind)
-        return self._transposed._solve_vector(b, x0)
+        return self._transposed
 
     def update(self, values: Any) -> None:
         """New values of a CSR matrix on the same pattern (``values`` as ``A.data``, or a matrix)."""
@@ -158,6 +211,7 @@ class PreparedKrylov(Prepared):
             # M="amg": numeric re-setup of the hierarchy (its aggregates are kept).
             self.A = A
             self.M.update(A)
+            self._block_M = None
         else:
             self._set_operator(A)
         self._transposed = None

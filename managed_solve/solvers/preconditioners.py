@@ -2,7 +2,9 @@
 
 All of them are built once before the solve and applied with ``xp.``
 operations and sparse matrix-vector products only, so they run unchanged on
-NumPy and CuPy and need no host read when applied. The polynomial ones are
+NumPy and CuPy and need no host read when applied. The named ones apply to
+a vector (n,) or to a block (n, k) of vectors at once (the block Krylov
+loop's preconditioner, :func:`block_preconditioner`). The polynomial ones are
 fixed polynomials ``p(D^-1 A) D^-1`` of the Jacobi-scaled matrix: symmetric
 when A is, and positive for any positive spectrum (see :func:`chebyshev`),
 so they are valid for CG.
@@ -56,6 +58,11 @@ def inverse_diagonal(A: Any, *, call: str = "solve(M='jacobi')") -> Any:
     return 1.0 / d
 
 
+def scale_rows(d: Any, v: Any) -> Any:
+    """``diag(d) v`` for a vector (n,) or a block (n, k)."""
+    return d[:, None] * v if v.ndim == 2 else d * v
+
+
 def jacobi(A: Any) -> Callable[[Any], Any]:
     """``r -> D^-1 r``: the inverse diagonal of A.
 
@@ -67,7 +74,7 @@ def jacobi(A: Any) -> Callable[[Any], Any]:
     [0.5, 0.25]
     """
     dinv = inverse_diagonal(A)
-    return lambda r: dinv * r
+    return lambda r: scale_rows(dinv, r)
 
 
 def spectral_radius_bound(A: Any, dinv: Any, *, steps: int = 12) -> float:
@@ -143,16 +150,16 @@ def chebyshev(A: Any, *, degree: int = 4, ratio: float = 30.0) -> Callable[[Any]
     theta, coeffs = chebyshev_coefficients(lmin, lmax, degree)
 
     def apply(r: Any) -> Any:
-        f = dinv * r
+        f = scale_rows(dinv, r)
         d = f / theta
         z = d.copy()
-        res = f - dinv * matvec(d)
+        res = f - scale_rows(dinv, matvec(d))
         for i, (a, c) in enumerate(coeffs):
             d *= a
             d += c * res
             z += d
             if i < len(coeffs) - 1:  # the last residual is never used
-                res -= dinv * matvec(d)
+                res -= scale_rows(dinv, matvec(d))
         return z
 
     return apply
@@ -179,10 +186,10 @@ def neumann(A: Any, *, degree: int = 3) -> Callable[[Any], Any]:
     omega = 1.0 / spectral_radius_bound(A, dinv)
 
     def apply(r: Any) -> Any:
-        f = omega * (dinv * r)
+        f = omega * scale_rows(dinv, r)
         z = f.copy()
         for _ in range(int(degree)):  # Horner: z <- f + (I - w D^-1 A) z
-            z = f + z - omega * (dinv * matvec(z))
+            z = f + z - omega * scale_rows(dinv, matvec(z))
         return z
 
     return apply
@@ -208,3 +215,37 @@ def make_preconditioner(M: Any, A: Any) -> Callable[[Any], Any] | None:
         raise ValueError(f"solve(M={M!r}): unknown preconditioner; use one of {', '.join(NAMES)}, "
                          "an operator with matvec, a callable, or None.")
     return as_preconditioner(M)
+
+
+def block_preconditioner(M: Any, built: Callable[[Any], Any] | None) -> Callable[[Any], Any] | None:
+    """``R -> M R`` for a block R of shape (n, k), from the option ``M`` and its built form.
+
+    The named preconditioners take blocks as they are; an operator with
+    ``matmat`` and a matrix apply to the block in one product; any other
+    callable (which may expect a vector) is applied column by column.
+
+    Examples
+    --------
+    >>> import numpy as np, scipy.sparse as sp
+    >>> A = sp.diags([2.0, 4.0]).tocsr()
+    >>> M = block_preconditioner("jacobi", make_preconditioner("jacobi", A))
+    >>> M(np.ones((2, 3)))[:, 0].tolist()
+    [0.5, 0.25]
+    >>> by_columns = block_preconditioner(lambda r: r[::-1].copy(), lambda r: r[::-1].copy())
+    >>> by_columns(np.arange(4.0).reshape(2, 2)).tolist()
+    [[2.0, 3.0], [0.0, 1.0]]
+    """
+    if built is None:
+        return None
+    if isinstance(M, str):
+        return built
+    if hasattr(M, "matmat"):
+        return M.matmat
+    if hasattr(M, "shape") and hasattr(M, "__matmul__"):
+        return lambda R: M @ R
+
+    def by_columns(R: Any) -> Any:
+        xp = _backend.array_module(R)
+        return xp.stack([built(R[:, j]) for j in range(R.shape[1])], axis=1)
+
+    return by_columns
