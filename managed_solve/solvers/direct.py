@@ -130,6 +130,18 @@ class PreparedDirect(Prepared):
                     raise Singular("the dense LU met an exactly zero pivot")
                 self.how = "LAPACK LU (scipy.linalg.lu_factor)"
 
+    @property
+    def factor_bytes(self) -> int:
+        """Host bytes the factors hold (0 on a GPU, whose libraries factorise per solve)."""
+        lu = self._lu
+        if lu is None:
+            return 0
+        if isinstance(lu, tuple):  # dense LU: the packed factors and the pivots
+            return int(sum(np.asarray(a).nbytes for a in lu))
+        item = np.dtype(self.A.dtype).itemsize
+        return int((lu.L.nnz + lu.U.nnz) * (item + 4) + 4 * (lu.L.shape[0] + lu.U.shape[0])
+                   + 8 * self.n)
+
     def _apply(self, b: Any, trans: bool = False) -> Any:
         """``A^-1 b`` (``A^-T b`` with ``trans``) from the factors."""
         A, xp = self.A, self.xp
@@ -176,15 +188,18 @@ class PreparedDirect(Prepared):
             return Outcome(None, BREAKDOWN, 0, float("nan"), f"{SINGULAR} ({exc})")
         return self._judge(b, x, trans)
 
-    def solve_to(self, b: Any, rtol: float, atol: float = 0.0) -> Outcome:
-        """One right-hand side with a tolerance of its own (systems sharing these factors)."""
+    def solve_to(self, b: Any, rtol: float, atol: float = 0.0, *, trans: bool = False) -> Outcome:
+        """One right-hand side with a tolerance of its own (systems sharing these factors).
+
+        ``trans`` solves ``A^T x = b`` on the same factors (an adjoint).
+        """
         self._check_open()
         self._extra = {}
         try:
-            x = self._apply(b).astype(b.dtype, copy=False)
+            x = self._apply(b, trans).astype(b.dtype, copy=False)
         except Singular as exc:
             return Outcome(None, BREAKDOWN, 0, float("nan"), f"{SINGULAR} ({exc})")
-        return self._judge(b, x, False, rtol=rtol, atol=atol)
+        return self._judge(b, x, trans, rtol=rtol, atol=atol)
 
     def _judge(self, b: Any, x: Any, trans: bool, *, rtol: float | None = None,
                atol: float | None = None) -> Outcome:
