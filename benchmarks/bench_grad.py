@@ -8,8 +8,8 @@ i.e. the pair at most 2.2 x):
 - ``w6-gpu``: the same at N = 1M on one GPU (default method and preconditioner);
 - ``w6-many-cpu`` / ``w6-many-gpu``: ``solve_many`` over W2's 400 systems, every
   system's b and values requiring grad, one batched adjoint call;
-- torch-sla 0.4.0's forward + backward on the same problem, where importable
-  (``pip install torch-sla``; pure Python), reported beside ours.
+- torch-sla 0.4.0's forward and forward + backward on the same problem, where
+  importable (``pip install torch-sla``; pure Python), reported beside ours.
 """
 
 from __future__ import annotations
@@ -79,26 +79,48 @@ def bench_w6_solve(benchmark, machine_info, device, who):
 
 
 @pytest.mark.parametrize("device", _devices())
-def bench_w6_torch_sla(benchmark, machine_info, device):
+@pytest.mark.parametrize("who", ["forward", "forward+backward"])
+def bench_w6_torch_sla(benchmark, machine_info, device, who):
+    """torch-sla on the same problem, through its public ``spsolve`` with its own choices.
+
+    Told what it cannot know cheaply (A is SPD) and given our tolerance as
+    its absolute one (its iterative backend stops at max(atol, 1e-10 ||b||));
+    on the CPU it factorises (SciPy's SuperLU), on a GPU without cuDSS it
+    runs its Jacobi-preconditioned CG, at 1M unknowns in any case.
+    """
     torch_sla = pytest.importorskip("torch_sla")
+    from torch_sla.backends import select_backend, select_method
+
     A = poisson2d(SIZES[device])
     C = A.tocoo()
     row = torch.tensor(C.row, dtype=torch.int64, device=device)
     col = torch.tensor(C.col, dtype=torch.int64, device=device)
     values = torch.tensor(C.data, device=device, requires_grad=True)
     b = torch.ones(A.shape[0], dtype=torch.float64, device=device, requires_grad=True)
+    atol = RTOL * float(b.detach().norm())
+    backend = select_backend(torch.device(device), n=A.shape[0])
     benchmark.group = f"w6-{'cpu' if device == 'cpu' else 'gpu'}"
 
     def run():
-        x = torch_sla.SparseTensor(values, row, col, A.shape).solve(b)
-        (x * x).sum().backward()
+        x = torch_sla.spsolve(values, row, col, A.shape, b, atol=atol, is_symmetric=True,
+                              is_spd=True)
+        if who == "forward+backward":
+            (x * x).sum().backward()
         _sync(device)
+        return x
 
-    run()
+    x = run()
+    xn = x.detach().cpu().numpy()
+    assert np.linalg.norm(A @ xn - 1.0) <= 10 * RTOL * np.sqrt(A.shape[0])
+    if who == "forward+backward":  # dL/db = A^-T (2 x), as for ours
+        g = b.grad.detach().cpu().numpy() / 2
+        assert np.linalg.norm(A.T @ g - xn) <= 10 * RTOL * np.linalg.norm(xn)
     benchmark.pedantic(run, rounds=ROUNDS, iterations=1, warmup_rounds=0)
     machine_info(benchmark, "cpu" if device == "cpu" else "cuda", dtype="float64",
-                 role="reported", n=A.shape[0], who="torch-sla forward+backward",
-                 torch_sla=getattr(torch_sla, "__version__", "?"))
+                 role="reported", n=A.shape[0], who=f"torch-sla {who}",
+                 torch_sla=getattr(torch_sla, "__version__", "?"),
+                 torch_sla_backend=backend,
+                 torch_sla_method=select_method(backend, is_symmetric=True, is_spd=True))
 
 
 @pytest.mark.parametrize("device", _devices())

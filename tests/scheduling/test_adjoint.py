@@ -109,15 +109,17 @@ ROUTES = [
 ]
 
 
-@pytest.mark.parametrize("device", ["cpu", "sim:0"])
+@pytest.mark.parametrize("device", ["cpu", "sim:0", pytest.param("cuda:0", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("name,method,build,solved_by", ROUTES, ids=[r[0] for r in ROUTES])
 def test_each_routes_backward_sets_nothing_up_and_matches_a_dense_reference(
         monkeypatch, name, method, build, solved_by, device):
-    if device == "sim:0" and solved_by == "direct":
+    if device != "cpu" and solved_by == "direct":
         pytest.skip("the host LU route is the CPU's")
-    dm = ms.DeviceManager(["cpu"]) if device == "cpu" else ms.DeviceManager(simulate="1x64MiB")
+    dm = ms.DeviceManager(simulate="1x64MiB") if device == "sim:0" else ms.DeviceManager([device])
     mats = [build(m) for m in (4, 5, 6, 5)]
-    inputs = [leaves(A, seed=k) for k, A in enumerate(mats)]
+    # On a GPU the leaves lie there too (the systems then never leave it).
+    inputs = [leaves(A, "cuda:0" if device == "cuda:0" else "cpu", seed=k)
+              for k, A in enumerate(mats)]
     systems = [ms.LinearSystem(t, b, method=method, rtol=10.0 ** -(11 + k % 2), name=f"s{k}")
                for k, (t, b) in enumerate(inputs)]
     spies = SetUps(monkeypatch)
@@ -125,13 +127,15 @@ def test_each_routes_backward_sets_nothing_up_and_matches_a_dense_reference(
     assert {r.method for r in results} == {solved_by} and all(r.converged for r in results)
     assert {r.device for r in results} == {device}
     spies.reset()
-    ws = [torch.cos(torch.arange(A.shape[0], dtype=torch.float64)) for A in mats]
-    sum((r.to_torch() * w).sum() for r, w in zip(results, ws, strict=True)).backward()
+    xs = [r.to_torch() for r in results]
+    ws = [torch.cos(torch.arange(x.shape[0], dtype=torch.float64, device=x.device)) for x in xs]
+    sum((x * w).sum() for x, w in zip(xs, ws, strict=True)).backward()
     assert spies.none(), spies.counts
     for A, ((_, _, values), b), w in zip(mats, inputs, ws, strict=True):
         gv, gb = dense_grads(A, b, w)
         close(values.grad, gv)
         close(b.grad, gb)
+    assert values.grad.device == values.device
 
 
 def test_a_batch_keeps_its_bytes_in_the_ledger_until_the_graph_is_freed():
@@ -237,3 +241,25 @@ def test_results_returned_on_the_host_differentiate_through_a_kept_batch():
     gv, gb = dense_grads(A, b, w)
     close(t[2].grad, gv)
     close(b.grad, gb)
+
+
+def test_batches_dispersed_over_two_devices_differentiate_without_set_ups(monkeypatch):
+    dm = ms.DeviceManager(simulate="2x64MiB")
+    rng = np.random.default_rng(3)
+    mats = [poisson2d(int(m)) if k % 3 else convection_diffusion(int(m))
+            for k, m in enumerate(rng.integers(3, 9, size=24))]
+    inputs = [leaves(A, seed=k) for k, A in enumerate(mats)]
+    systems = [ms.LinearSystem(t, b, rtol=1e-12, method="cg" if k % 3 else "bicgstab")
+               for k, (t, b) in enumerate(inputs)]
+    with ms.config.override(work_stealing=False):
+        results = ms.solve_many(systems, manager=dm)
+    assert {r.device for r in results} == {"sim:0", "sim:1"}
+    spies = SetUps(monkeypatch)
+    ws = [torch.cos(torch.arange(A.shape[0], dtype=torch.float64)) for A in mats]
+    sum((r.to_torch() * w).sum() for r, w in zip(results, ws, strict=True)).backward()
+    assert spies.none(), spies.counts
+    for A, ((_, _, values), b), w in zip(mats, inputs, ws, strict=True):
+        gv, gb = dense_grads(A, b, w)
+        close(values.grad, gv)
+        close(b.grad, gb)
+    assert dm.reserved_bytes("sim:0") == dm.reserved_bytes("sim:1") == 0
