@@ -81,7 +81,8 @@ def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = 
         result keeps the batch's vector alive until then. Where a system's A
         values or b are torch tensors that require grad (``backend="local"``),
         its ``to_torch()`` is attached to autograd; one backward solves every
-        adjoint with one batched ``solve_many`` call, each system with its own
+        adjoint at once on what this call prepared (LU factors, packed
+        batches, solvers; released with the graph), each system with its own
         tolerance.
 
     Raises
