@@ -282,6 +282,24 @@ class Kept:
         return got
 
 
+def attach(results: list[SolveResult], validated: Sequence[LinearSystem | None],
+           kept: Kept | None, solve_batch: Callable[[list[LinearSystem]], list[SolveResult]]
+           ) -> None:
+    """Attach the results whose systems' inputs require grad; backward is :func:`solve_adjoints`.
+
+    ``kept`` (what the forward prepared, or None) is released with the
+    graph, at once when nothing is attached.
+    """
+    if not any(s is not None and s.grad is not None for s in validated):
+        if kept is not None:
+            kept.release()
+        return
+    forward = [Forward.of(r) for r in results]  # not the results: see Forward
+    autograd.attach_many(results, validated, lambda rhs: solve_adjoints(
+        kept, validated, forward, rhs, solve_batch),
+        release=kept.release if kept is not None else None)
+
+
 def solve_adjoints(kept: Kept | None, systems: Sequence[LinearSystem | None],
                    results: Sequence[Forward], rhs: list[tuple[int, Any]],
                    solve_batch: Callable[[list[LinearSystem]], list[SolveResult]]

@@ -24,9 +24,8 @@ from .. import _backend, autograd, config
 from ..manager import DeviceManager, default_manager
 from ..result import SolveResult
 from ..system import LinearSystem
+from . import adjoint, process
 from . import estimate as estimation
-from . import process
-from .adjoint import Forward, Kept, solve_adjoints
 from .errors import raise_for_failures
 from .plan import SINGLE, Estimate, head_start, plan_work, select_devices
 from .routes import run_sharded
@@ -60,7 +59,7 @@ def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = 
     validated: list[LinearSystem | None] = []
     # Inputs that require grad (grad mode is the caller's thread's): the routes
     # keep what the adjoints reuse (.adjoint), released with the graph.
-    kept = Kept(manager if manager is not None else default_manager()) \
+    kept = adjoint.Kept(manager if manager is not None else default_manager()) \
         if autograd.recording() else None
     try:
         with process.COLLECTION.held(False, active=settings.pause_gc):
@@ -75,17 +74,11 @@ def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = 
         for r in out:
             if r.x is not None:
                 r.x = np.asarray(_backend.to_host(r.x))  # sync: copies each x to the host
-    if any(s is not None and s.grad is not None for s in validated):
-        # Inputs that require grad: attach their results. Backward solves all
-        # the adjoints at once on what this call kept; any other adjoint
-        # through one more call, placed and batched as this one was.
-        forward = [Forward.of(r) for r in out]  # not the results: see Forward
-        autograd.attach_many(out, validated, lambda rhs: solve_adjoints(
-            kept, validated, forward, rhs, lambda adjoints: solve_many(
-                adjoints, disperse=disperse, devices=devices, manager=manager)),
-            release=kept.release if kept is not None else None)
-    elif kept is not None:
-        kept.release()
+    # Inputs that require grad: their results are attached. Backward solves
+    # all the adjoints at once on what this call kept; any other adjoint
+    # through one more call, placed and batched as this one was.
+    adjoint.attach(out, validated, kept, lambda adjoints: solve_many(
+        adjoints, disperse=disperse, devices=devices, manager=manager))
     if on_error == "raise":
         raise_for_failures(out)
     return out
@@ -93,7 +86,7 @@ def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = 
 
 def _solve(systems: Iterable[Any], *, disperse: bool, devices: Any, method: str, M: Any,
            rtol: float | None, progress: bool, manager: DeviceManager | None,
-           validated: list | None = None, kept: Kept | None = None) -> list[SolveResult]:
+           validated: list | None = None, kept: adjoint.Kept | None = None) -> list[SolveResult]:
     """Validate, estimate, plan and run (arguments checked); the results in input order.
 
     ``validated`` (a list) receives each input's LinearSystem (None where
