@@ -19,8 +19,9 @@ host or factorised again. A system with nothing kept (a sharded one, a
 fallback, a batch the ledger had no room to keep) is solved as before: one
 batched ``solve_many`` of its adjoint system. What is kept is released once,
 when torch frees the graph (after a backward without ``retain_graph``, or
-when the graph is dropped); kept batches hold their bytes in the manager's
-ledger until then.
+when the graph is dropped); kept batches and factors hold their bytes in
+the manager's ledger until then (a solver holds its own reservation). The
+Ray backend keeps nothing on its nodes: its adjoints take the second way.
 """
 
 from __future__ import annotations
@@ -101,10 +102,12 @@ class KeptBatch:
             return p
         from ..solvers.batched import PackedBatch
 
+        idt = p.index_dtype
+        if p.xp is not np and idt != np.int32:  # cuSPARSE transposes int32 indices only
+            raise NotImplementedError("a batch with int64 indices is transposed on the host")
         sparse = _backend.sparse_module(p.xp)
         N = p.n
         T = sparse.csr_matrix((p.data, p.indices, p.indptr), shape=(N, N)).T.tocsr()
-        idt = p.index_dtype
         return PackedBatch(indptr=T.indptr.astype(idt, copy=False),
                            indices=T.indices.astype(idt, copy=False), data=T.data, b=None,
                            x0=None, offsets=p.offsets, row_sys=p.row_sys, rtol=p.rtol,
