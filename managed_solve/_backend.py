@@ -126,6 +126,30 @@ def thread_pool(name: str, workers: int) -> ThreadPoolExecutor:
         return pool
 
 
+_LANES = threading.local()  # per calling thread: its lane of each name
+_LANES_TAKEN: dict[str, int] = {}
+
+
+def thread_lane(name: str, lanes: int) -> ThreadPoolExecutor:
+    """The calling thread's lane of ``name``: a process-wide one-thread pool that lives on.
+
+    Lane k of ``lanes`` is given to threads in turn at their first call, so
+    threads that run at the same time mostly get lanes of their own. For
+    libraries that tie memory to the thread that allocated it: SciPy's
+    SuperLU releases a factor's memory only on the thread that made it (a
+    factor made on a worker thread that has since ended, or freed on another
+    thread, is never released), so its factors are made and freed on a lane.
+    """
+    pool = getattr(_LANES, name, None)
+    if pool is None:
+        with _POOLS_LOCK:
+            k = _LANES_TAKEN.get(name, 0)
+            _LANES_TAKEN[name] = k + 1
+        pool = thread_pool(f"{name}-{k % max(1, int(lanes))}", 1)
+        setattr(_LANES, name, pool)
+    return pool
+
+
 def pinned_empty(count: int, dtype: Any, keep: list) -> np.ndarray:
     """A NumPy array of ``count`` elements over page-locked memory from CuPy's pinned pool.
 

@@ -83,10 +83,12 @@ def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = 
         (``batch`` id and ``batch_size``). In a batch, ``x`` is a view into the
         batch's solution vector (no copy), cut when ``x`` is first read; a
         result keeps the batch's vector alive until then. Where a system's A
-        values or b are torch tensors that require grad (``backend="local"``),
-        its ``to_torch()`` is attached to autograd; one backward solves every
-        adjoint with one batched ``solve_many`` call, each system with its own
-        tolerance.
+        values or b are torch tensors that require grad, its ``to_torch()``
+        is attached to autograd; one backward solves every adjoint at once
+        on what this call prepared (LU factors, packed batches, solvers;
+        released with the graph), each system with its own tolerance. With
+        ``backend="ray"`` the backward is one more call over the cluster
+        (and ``return_on="refs"`` is refused for such systems).
 
     Raises
     ------

@@ -11,8 +11,10 @@ so backward costs one solve and keeps nothing of the forward's iterations:
 the graph holds x, the inputs' tensors and whatever solves the adjoint
 (memory O(nnz + n)). The layer that solved decides how the adjoint is solved
 and passes it in: ``solve`` (and :class:`~managed_solve.solver.Solver`) on the
-forward's prepared engine, ``solve_many`` as one batched ``solve_many`` of the
-adjoints. This module only wires the graph and computes the gradients.
+forward's prepared engine, ``solve_many`` on what each system's route
+prepared (:mod:`managed_solve.scheduling.adjoint`: kept factors, packed
+batches and solvers, all the adjoints of one backward at once). This module
+only wires the graph and computes the gradients.
 
 The adjoint solver is released when torch frees the node's saved state:
 after a backward without ``retain_graph``, or when the graph is dropped
@@ -23,6 +25,7 @@ object torch frees exactly then.
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -84,28 +87,41 @@ def attach(result: SolveResult, source: GradSource | None, adjoint: Callable[[An
 
 
 def attach_many(results: list[SolveResult], systems: Sequence[LinearSystem | None],
-                solve_batch: Callable[[list[LinearSystem]], list[SolveResult]]) -> None:
+                solve_adjoints: Callable[[list], list[SolveResult]], *,
+                release: Callable[[], None] | None = None) -> None:
     """Attach every result whose system has inputs requiring grad, with one node for them all.
 
-    Backward builds the adjoint system of each result that received a
-    gradient (A itself when symmetric, else A^T; the forward's method, rtol,
-    atol and maxiter) and solves them together with one ``solve_batch`` call.
+    Backward calls ``solve_adjoints`` once with a list of (system index,
+    ``g``) for the results that received a gradient; it returns their
+    adjoint solutions in that order (see :func:`adjoint_system` for what each
+    solves). ``release`` runs once, when the graph no longer needs what the
+    adjoints use (at once when nothing is attached).
     """
     picked = [i for i, s in enumerate(systems)
               if s is not None and s.grad is not None and results[i].x is not None]
     if not picked:
+        if release is not None:
+            release()
         return
-    chosen = [systems[i] for i in picked]
-    forward = [results[i] for i in picked]
 
     def adjoints(rhs: list) -> list[SolveResult]:
-        return solve_batch([adjoint_system(chosen[j], forward[j], g) for j, g in rhs])
+        return solve_adjoints([(picked[j], g) for j, g in rhs])
 
-    _attach(forward, [s.grad for s in chosen], adjoints)
+    _attach([results[i] for i in picked], [systems[i].grad for i in picked], adjoints,
+            release=release)
 
 
-def adjoint_system(system: LinearSystem, forward: SolveResult, g: Any) -> LinearSystem:
-    """``A^T lam = g`` for the system that ``forward`` solved (A itself when symmetric)."""
+def recording() -> bool:
+    """Whether torch records operations here (grad mode is per thread; False without torch)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and bool(torch.is_grad_enabled())
+
+
+def adjoint_system(system: LinearSystem, forward: Any, g: Any) -> LinearSystem:
+    """``A^T lam = g`` for the system that ``forward`` solved (A itself when symmetric).
+
+    ``forward``: the forward's result, or anything with its ``method`` and ``name``.
+    """
     method = forward.method if forward.method in ("cg", "bicgstab", "gmres", "minres",
                                                   "direct") else system.method
     symmetric = method in SYMMETRIC_METHODS or bool(matrix_symmetry(system))

@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _backend, config
+from . import _backend, autograd, config
 from .result import SolveResult, Status
-from .scheduling import SolveManyError
+from .scheduling import SolveManyError, adjoint
 from .scheduling import solve_many as solve_many_local
 from .scheduling.validate import check_arguments, invalid_result, validate_all
 from .system import LinearSystem
@@ -309,6 +309,9 @@ def solve_many_ray(systems: Iterable[Any], *, address: str | None = None, return
     -------
     list of SolveResult
         In input order; ``info["node"]`` names the node that solved each one.
+        Where A's values or b require grad, ``to_torch()`` is attached to
+        autograd (``return_on="host"`` only); backward solves the adjoints
+        with one more call over the cluster, with the same options.
 
     Raises
     ------
@@ -357,6 +360,12 @@ def solve_many_ray(systems: Iterable[Any], *, address: str | None = None, return
     # 1. Validate on the driver; bad systems never travel.
     items = list(systems)
     results, valid = validate_all(items, method=method, M=M, rtol=rtol)
+    grads = autograd.recording() and any(s.grad is not None for s in valid.values())
+    if grads and return_on == "refs":
+        first = next(i for i, s in valid.items() if s.grad is not None)
+        raise ValueError(f"{call}(return_on='refs'): systems[{first}]'s A or b requires grad, and "
+                         "a solution left in the object store cannot join the autograd graph; "
+                         "use return_on='host', or detach the inputs (torch.no_grad()).")
     for i, s in list(valid.items()):
         for what, obj in (("A", s.A if s.kind == "operator" else None),
                           ("M", s.M if not isinstance(s.M, str) else None)):
@@ -414,6 +423,16 @@ def solve_many_ray(systems: Iterable[Any], *, address: str | None = None, return
     if missing:  # every path delivers; this guards the promise "nothing lost"
         raise RuntimeError(f"{call}: internal error, no result for systems {missing[:10]}")
     out: list[SolveResult] = results  # type: ignore[assignment]
+    if grads:
+        # Attached as by the local backend; backward solves the adjoints with
+        # one more call over the cluster (nothing of the forward stays on the
+        # nodes), with the same nodes and options.
+        again = dict(address=address, num_nodes_hint=num_nodes_hint, nodes=nodes,
+                     max_restarts=max_restarts, max_task_retries=max_task_retries,
+                     max_attempts=max_attempts, start_timeout=start_timeout,
+                     keep_actors=keep_actors, **node_kwargs)
+        adjoint.attach(out, [valid.get(i) for i in range(len(items))], None,
+                       lambda adjoints: solve_many_ray(adjoints, **again))
     if on_error == "raise":
         failed = [i for i, r in enumerate(out) if not r.converged]
         if failed:

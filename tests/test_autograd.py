@@ -243,9 +243,10 @@ def test_solve_many_mixes_systems_with_and_without_gradients(monkeypatch, device
     real = many.solve_many
     monkeypatch.setattr(many, "solve_many",
                         lambda systems, **kw: calls.append(len(systems)) or real(systems, **kw))
+    count = spy_prepare(monkeypatch)
     ws = [torch.sin(torch.arange(x.shape[0], dtype=torch.float64, device=x.device)) for x in xs]
     sum((x * w).sum() for x, w in zip(xs, ws, strict=True)).backward()
-    assert calls == [3]  # one batched call for the three adjoints
+    assert calls == [] and count["n"] == 0  # the adjoints on what the forward prepared
     for (A, values, b), w, (_, grad) in zip(refs, ws, specs, strict=True):
         if not grad:
             continue
@@ -256,17 +257,18 @@ def test_solve_many_mixes_systems_with_and_without_gradients(monkeypatch, device
 
 
 def test_solve_many_backward_skips_systems_without_a_gradient_from_the_loss(monkeypatch):
-    from managed_solve.scheduling import many
+    from managed_solve.solvers.direct import PreparedDirect
 
     items = [(csr_tensor(poisson2d(4))[1], torch.ones(16, dtype=torch.float64))
              for _ in range(3)]
     results = ms.solve_many(items, manager=ms.DeviceManager(["cpu"]))
-    sizes = []
-    real = many.solve_many
-    monkeypatch.setattr(many, "solve_many",
-                        lambda systems, **kw: sizes.append(len(systems)) or real(systems, **kw))
+    assert {r.method for r in results} == {"direct"}
+    solves = []
+    real = PreparedDirect.solve_to
+    monkeypatch.setattr(PreparedDirect, "solve_to",
+                        lambda self, b, *a, **kw: solves.append(kw) or real(self, b, *a, **kw))
     results[1].to_torch().sum().backward()
-    assert sizes == [1]
+    assert solves == [{"trans": True}]  # one adjoint, on the forward's factors
 
 
 def test_an_operator_whose_values_require_grad_is_a_clear_error():

@@ -89,6 +89,25 @@ def test_arguments_checked_before_ray_starts():
     assert not ray.is_initialized()
 
 
+def grad_pairs(count: int, seed: int = 0) -> list:
+    """mix()'s systems as ((crow, col, values), b) torch leaves that require grad."""
+    torch = pytest.importorskip("torch")
+    out = []
+    for A, b in mix(count, seed):
+        A = A.tocsr()
+        A.sort_indices()
+        out.append(((torch.tensor(A.indptr), torch.tensor(A.indices),
+                     torch.tensor(A.data, requires_grad=True)),
+                    torch.tensor(b, requires_grad=True)))
+    return out
+
+
+def test_results_left_in_the_object_store_cannot_take_gradients():
+    with pytest.raises(ValueError, match=r"systems\[0\]'s A or b requires grad.*return_on='host'"):
+        solve_many_ray(grad_pairs(2), return_on="refs")
+    assert not ray.is_initialized()  # refused before any instance starts
+
+
 def test_only_invalid_systems_need_no_cluster():
     res = solve_many_ray([(poisson2d(3), np.ones(4)), "not a system"])
     assert [r.status for r in res] == [Status.INVALID_INPUT] * 2
@@ -311,6 +330,25 @@ def test_backend_ray_through_solve_many_equals_local(cluster):
     for r, q in zip(remote, local, strict=True):
         assert r.status is q.status and isinstance(r.x, np.ndarray)
         np.testing.assert_allclose(r.x, q.x, rtol=1e-9, atol=1e-12)
+
+
+def test_gradients_through_the_ray_backend_equal_the_local_ones(cluster, monkeypatch):
+    pairs = grad_pairs(5, seed=3)
+    local = grad_pairs(5, seed=3)
+    calls = []
+    real = cl.solve_many_ray
+    monkeypatch.setattr(cl, "solve_many_ray",
+                        lambda systems, **kw: calls.append(len(systems)) or real(systems, **kw))
+    remote = solve_many(pairs, backend="ray", devices="cpu", rtol=1e-12)
+    here = solve_many(local, manager=DeviceManager(["cpu"]), rtol=1e-12)
+    xs = [r.to_torch() for r in remote]
+    assert all(x.grad_fn is not None for x in xs)
+    sum((x ** 2).sum() for x in xs).backward()
+    sum((r.to_torch() ** 2).sum() for r in here).backward()
+    assert calls == [5, 5]  # the forward, then every adjoint in one more call
+    for (A, b), (A2, b2) in zip(pairs, local, strict=True):
+        np.testing.assert_allclose(A[2].grad.numpy(), A2[2].grad.numpy(), rtol=1e-8, atol=1e-12)
+        np.testing.assert_allclose(b.grad.numpy(), b2.grad.numpy(), rtol=1e-8, atol=1e-12)
 
 
 def test_a_retried_chunk_prefers_an_actor_it_has_not_failed_on():

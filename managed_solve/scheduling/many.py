@@ -24,8 +24,8 @@ from .. import _backend, autograd, config
 from ..manager import DeviceManager, default_manager
 from ..result import SolveResult
 from ..system import LinearSystem
+from . import adjoint, process
 from . import estimate as estimation
-from . import process
 from .errors import raise_for_failures
 from .plan import SINGLE, Estimate, head_start, plan_work, select_devices
 from .routes import run_sharded
@@ -57,18 +57,28 @@ def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = 
     check_arguments(method, M, rtol, return_on, on_error, progress)
     settings = config.current()
     validated: list[LinearSystem | None] = []
-    with process.COLLECTION.held(False, active=settings.pause_gc):
-        out = _solve(systems, disperse=disperse, devices=devices, method=method, M=M, rtol=rtol,
-                     progress=progress, manager=manager, validated=validated)
+    # Inputs that require grad (grad mode is the caller's thread's): the routes
+    # keep what the adjoints reuse (.adjoint), released with the graph.
+    kept = adjoint.Kept(manager if manager is not None else default_manager()) \
+        if autograd.recording() else None
+    try:
+        with process.COLLECTION.held(False, active=settings.pause_gc):
+            out = _solve(systems, disperse=disperse, devices=devices, method=method, M=M,
+                         rtol=rtol, progress=progress, manager=manager, validated=validated,
+                         kept=kept)
+    except BaseException:
+        if kept is not None:
+            kept.release()
+        raise
     if return_on == "host":
         for r in out:
             if r.x is not None:
                 r.x = np.asarray(_backend.to_host(r.x))  # sync: copies each x to the host
-    if any(s is not None and s.grad is not None for s in validated):
-        # Inputs that require grad: attach their results; backward solves all
-        # the adjoints with one call, placed and batched as this one was.
-        autograd.attach_many(out, validated, lambda adjoints: solve_many(
-            adjoints, disperse=disperse, devices=devices, manager=manager))
+    # Inputs that require grad: their results are attached. Backward solves
+    # all the adjoints at once on what this call kept; any other adjoint
+    # through one more call, placed and batched as this one was.
+    adjoint.attach(out, validated, kept, lambda adjoints: solve_many(
+        adjoints, disperse=disperse, devices=devices, manager=manager))
     if on_error == "raise":
         raise_for_failures(out)
     return out
@@ -76,10 +86,12 @@ def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = 
 
 def _solve(systems: Iterable[Any], *, disperse: bool, devices: Any, method: str, M: Any,
            rtol: float | None, progress: bool, manager: DeviceManager | None,
-           validated: list | None = None) -> list[SolveResult]:
+           validated: list | None = None, kept: adjoint.Kept | None = None) -> list[SolveResult]:
     """Validate, estimate, plan and run (arguments checked); the results in input order.
 
-    ``validated`` (a list) receives each input's LinearSystem (None where invalid).
+    ``validated`` (a list) receives each input's LinearSystem (None where
+    invalid); ``kept`` receives what the routes prepared for the systems
+    whose inputs require grad.
     """
     items = list(systems)
     mgr = manager if manager is not None else default_manager()
@@ -87,6 +99,10 @@ def _solve(systems: Iterable[Any], *, disperse: bool, devices: Any, method: str,
     valid: list[LinearSystem | None] = [checked.get(i) for i in range(len(items))]
     if validated is not None:
         validated[:] = valid
+    if kept is not None:
+        kept.wanted = {i for i, s in enumerate(valid) if s is not None and s.grad is not None}
+        if not kept.wanted:
+            kept = None
 
     held: dict[str, int] = {}
     for s in valid:
@@ -145,7 +161,7 @@ def _solve(systems: Iterable[Any], *, disperse: bool, devices: Any, method: str,
                 ests = estimates(head, defer=True)
                 first = plan_work(ests, devs, mgr, batch_bytes=batch_bytes, packed_rows=rows_bound)
                 runner = Runner(valid, first, devs, mgr, results, bar=bar, batch_bytes=batch_bytes,
-                                more=True, method_of=method_of)
+                                more=True, method_of=method_of, kept=kept)
                 runner.start()
                 try:
                     # The loop below is Python beside the workers' first copies and
@@ -166,7 +182,8 @@ def _solve(systems: Iterable[Any], *, disperse: bool, devices: Any, method: str,
                 plan = runner.plan
             else:
                 plan = plan_work(estimates(rest), devs, mgr, batch_bytes=batch_bytes)
-                runner = Runner(valid, plan, devs, mgr, results, bar=bar, batch_bytes=batch_bytes)
+                runner = Runner(valid, plan, devs, mgr, results, bar=bar, batch_bytes=batch_bytes,
+                                kept=kept)
                 runner.start()
             runner.join()
         # Sharded systems use every accelerator at once: after the batches.

@@ -26,6 +26,7 @@ from .. import _backend, _solve
 from ..devices import Device
 from ..manager import DeviceManager
 from ..result import SlicedResult, SolveResult, Status
+from ..solver import Solver
 from ..solvers._common import SAFE_NORM_RANGE, stable_norm
 from ..solvers.direct import SINGULAR, DirectEngine, Singular, direct
 from ..solvers.engine import BREAKDOWN, CONVERGED, Options, Outcome
@@ -206,9 +207,13 @@ def packed_results(systems: list[LinearSystem], packed: Any, method: str, device
 
 def solve_alone(s: LinearSystem, x0: Any, method: str, device: Device,
                 manager: DeviceManager) -> SolveResult:
-    """``s`` through ``solve()`` with ``method``, from ``x0`` (None: its own); ``info["polished"]``."""
+    """``s`` through ``solve()`` with ``method``, from ``x0`` (None: its own); ``info["polished"]``.
+
+    Never attached to autograd here: ``solve_many`` attaches its results itself.
+    """
     t = with_x0(s, x0 if x0 is not None else s.x0)
     t.method = method
+    t.grad = None
     res = _solve.solve(t, device=device, manager=manager)
     res.info["polished"] = True
     return res
@@ -258,30 +263,36 @@ class FactorCache:
             raise got
         return got
 
-    def close(self) -> None:
+    def close(self, keep: Any = ()) -> None:
+        """Close the factors, except those in ``keep`` (ids of engines kept for adjoints)."""
         with self._lock:
             entries, self._entries = self._entries, {}
         for _A, _lock, slot in entries.values():
-            if slot and not isinstance(slot[0], Singular):
+            if slot and not isinstance(slot[0], Singular) and id(slot[0]) not in keep:
                 slot[0].close()
 
 
 def host_lu(s: LinearSystem, symmetric: bool, manager: DeviceManager | None = None,
-            factors: FactorCache | None = None) -> SolveResult:
+            factors: FactorCache | None = None,
+            keep: Callable[[Any], None] | None = None) -> SolveResult:
     """Sparse LU on the host (the package's one, :func:`~managed_solve.solvers.direct.direct`).
 
     The LU refines its answer toward the system's tolerance; one that still
     misses it says so (MAXITER, x kept). A matrix singular for this b goes,
     under "auto", to the auto policy's Krylov method (the verify rule).
-    ``factors`` shares the factorisation among systems with the same matrix.
+    ``factors`` shares the factorisation among systems with the same matrix;
+    ``keep`` then receives the factors that gave the answer (for the adjoint
+    of a gradient: the caller closes them).
     """
     t0 = time.perf_counter()
     A = _backend.to_host(s.A)
     b = np.asarray(_backend.to_host(s.b))
     bn = float(np.linalg.norm(b))
+    engine = None
     if factors is not None:
         try:
-            out = factors.prepared(A, symmetric).solve_to(b, s.rtol, s.atol)
+            engine = factors.prepared(A, symmetric)
+            out = engine.solve_to(b, s.rtol, s.atol)
         except Singular as exc:
             out = Outcome(None, BREAKDOWN, 0, float("nan"), f"{SINGULAR} ({exc})")
     else:
@@ -292,21 +303,45 @@ def host_lu(s: LinearSystem, symmetric: bool, manager: DeviceManager | None = No
         res = solve_alone(s, None, then, manager.cpu if manager is not None else "cpu", manager)
         res.info["fallback_from"] = "direct"
         return res
-    if out.x is None:  # singular: the message names the fix
-        return SolveResult(None, Status.BREAKDOWN, 0, out.residual_norm, bn, seconds=seconds,
-                           method="direct", name=s.name, message=out.message, info=dict(out.info))
+    if out.x is not None and engine is not None and keep is not None:
+        keep(engine)
+    return lu_result(out, s.name, bn, seconds)
+
+
+def lu_result(out: Outcome, name: str | None, b_norm: float, seconds: float) -> SolveResult:
+    """The result of a host LU's outcome (singular: x None, the message names the fix)."""
+    if out.x is None:
+        return SolveResult(None, Status.BREAKDOWN, 0, out.residual_norm, b_norm, seconds=seconds,
+                           method="direct", name=name, message=out.message, info=dict(out.info))
     ok = out.code == CONVERGED
-    return SolveResult(out.x, STATUS[out.code], 1, out.residual_norm, bn, seconds=seconds,
-                       method="direct", name=s.name,
+    return SolveResult(out.x, STATUS[out.code], 1, out.residual_norm, b_norm, seconds=seconds,
+                       method="direct", name=name,
                        message=Status.CONVERGED.message if ok else out.message,
                        info=dict(out.info))
 
 
 # --------------------------------------------------------------------------- SINGLE
-def run_single(s: LinearSystem, dev: Device, manager: DeviceManager) -> SolveResult:
-    """One system through ``solve()`` on ``dev`` (its method chosen there, by the same policy)."""
+def run_single(s: LinearSystem, dev: Device, manager: DeviceManager,
+               keep: Callable[[Solver], None] | None = None) -> SolveResult:
+    """One system on ``dev`` as ``solve()`` solves it (its method chosen there, by the same policy).
+
+    ``keep`` receives the open :class:`~managed_solve.solver.Solver` (for the
+    adjoint of a gradient: the caller releases it); without it the solver
+    closes here. Never attached to autograd here: ``solve_many`` attaches its
+    results itself.
+    """
     with host_kernels(dev):
-        return _solve.solve(s, device=dev, manager=manager)
+        solver = Solver.from_system(s, device=dev, manager=manager)
+        try:
+            res = solver.solve_one(solver.system.b, solver.system.x0)
+        except BaseException:
+            solver.close()
+            raise
+        if keep is not None and res.x is not None:
+            keep(solver)
+        else:
+            solver.close()
+        return res
 
 
 def run_sharded(s: LinearSystem, devs: Sequence[Device], mgr: DeviceManager) -> SolveResult:
@@ -317,6 +352,9 @@ def run_sharded(s: LinearSystem, devs: Sequence[Device], mgr: DeviceManager) -> 
     """
     gpus = [str(d) for d in devs if d.kind != "cpu"]
     where = ", ".join(gpus)
+    if s.grad is not None:  # solve_many attaches the result; its adjoint is solved like this one
+        s = with_x0(s, s.x0)
+        s.grad = None
     try:
         try:
             res = _solve.solve(s, devices=gpus, manager=mgr)

@@ -48,7 +48,7 @@ class Runner:
     def __init__(self, systems: list[LinearSystem | None], plan: Plan, devices: Sequence[Device],
                  manager: DeviceManager, results: list[SolveResult | None], *, bar: Any,
                  batch_bytes: Callable | None, more: bool = False,
-                 method_of: Callable[[LinearSystem], str] | None = None):
+                 method_of: Callable[[LinearSystem], str] | None = None, kept: Any = None):
         self.systems = systems
         self.plan = plan
         self.manager = manager
@@ -68,6 +68,9 @@ class Runner:
         self.outstanding = sum(len(q) for q in self.queues.values()) + int(more)
         self.more = more
         self.method_of = method_of  # resolves DEFERRED methods (see _batch_method)
+        # What the routes prepared for systems whose inputs require grad
+        # (scheduling.adjoint.Kept): their adjoints reuse it.
+        self.kept = kept
         # LU factors shared by the call's systems with one matrix (host LU route).
         self.factors = routes.FactorCache()
         self.next_id = plan.next_id
@@ -210,7 +213,7 @@ class Runner:
     def join(self) -> None:
         for t in self.threads:
             t.join()
-        self.factors.close()
+        self.factors.close(keep=self.kept.engines() if self.kept is not None else ())
 
     def extend(self, plan: Plan | None) -> None:
         """Add the rest of the plan (None: nothing more comes) while the workers run.
@@ -346,6 +349,7 @@ class Runner:
         if finisher is not None:
             self._finish_split(st, dev, finisher, batch_info)
             return
+        kept = self.kept
         try:
             t0 = time.perf_counter()
             with st.reservation, dev.context():
@@ -358,16 +362,26 @@ class Runner:
                                                   info=batch_info)
                 elif b.route == DIRECT:
                     symmetric = bool(b.group[2])
-                    out = [routes.host_lu(self.systems[i], symmetric, self.manager, self.factors)
+                    out = [routes.host_lu(self.systems[i], symmetric, self.manager, self.factors,
+                                          keep=self._keeper(i, kept and kept.add_factors))
                            for i in b.indices]
                 else:
-                    out = [routes.run_single(self.systems[i], dev, self.manager)
+                    out = [routes.run_single(self.systems[i], dev, self.manager,
+                                             keep=self._keeper(i, kept and kept.add_solver))
                            for i in b.indices]
             seconds = time.perf_counter() - t0
         except BaseException as exc:  # noqa: BLE001 - every failure must end in results
             self._failed(st, dev, exc)
             return
+        if b.route == BATCH and kept is not None:
+            kept.add_batch(b.indices, packed, method, dev, out)
         self._deliver_batch(b, dev, out, seconds, batch_info)
+
+    def _keeper(self, i: int, add: Any) -> Callable[[Any], None] | None:
+        """``add(i, state)`` as a one-argument callback for system i, if it wants a gradient."""
+        if not add or i not in self.kept.wanted:
+            return None
+        return lambda state: add(i, state)
 
     def _finish_split(self, st: Staged, dev: Device, finisher: ThreadPoolExecutor,
                       batch_info: dict) -> None:
@@ -406,6 +420,8 @@ class Runner:
         except BaseException as exc:  # noqa: BLE001 - every failure must end in results
             self._failed(st, dev, exc)
             return
+        if self.kept is not None:
+            self.kept.add_batch(b.indices, packed, method, dev, out)
         self._deliver_batch(b, dev, out, seconds, batch_info)
 
     def _failed(self, st: Staged, dev: Device, exc: BaseException) -> None:

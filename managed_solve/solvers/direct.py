@@ -120,7 +120,7 @@ class PreparedDirect(Prepared):
         self._lu: Any = None
         if xp is np:
             if _is_sparse(A):
-                self._lu, self.how = _superlu(A, self.options.symmetric)
+                self._lu, self.how = _OnLane.factorise(A, self.options.symmetric)
             else:
                 import scipy.linalg as sla
 
@@ -129,6 +129,24 @@ class PreparedDirect(Prepared):
                 if not np.all(np.diagonal(self._lu[0])):
                     raise Singular("the dense LU met an exactly zero pivot")
                 self.how = "LAPACK LU (scipy.linalg.lu_factor)"
+
+    @property
+    def factor_bytes(self) -> int:
+        """Host bytes the factors hold (0 on a GPU, whose libraries factorise per solve)."""
+        lu = self._lu
+        if lu is None:
+            return 0
+        if isinstance(lu, tuple):  # dense LU: the packed factors and the pivots
+            return int(sum(np.asarray(a).nbytes for a in lu))
+        item = np.dtype(self.A.dtype).itemsize
+        return int(lu.nnz * (item + 4) + 24 * self.n)  # L and U in CSC, permutations
+
+    def close(self) -> None:
+        """Release the factors now (SuperLU's on the thread that made them)."""
+        if isinstance(self._lu, _OnLane):
+            self._lu.free()
+        self._lu = None
+        super().close()
 
     def _apply(self, b: Any, trans: bool = False) -> Any:
         """``A^-1 b`` (``A^-T b`` with ``trans``) from the factors."""
@@ -176,15 +194,18 @@ class PreparedDirect(Prepared):
             return Outcome(None, BREAKDOWN, 0, float("nan"), f"{SINGULAR} ({exc})")
         return self._judge(b, x, trans)
 
-    def solve_to(self, b: Any, rtol: float, atol: float = 0.0) -> Outcome:
-        """One right-hand side with a tolerance of its own (systems sharing these factors)."""
+    def solve_to(self, b: Any, rtol: float, atol: float = 0.0, *, trans: bool = False) -> Outcome:
+        """One right-hand side with a tolerance of its own (systems sharing these factors).
+
+        ``trans`` solves ``A^T x = b`` on the same factors (an adjoint).
+        """
         self._check_open()
         self._extra = {}
         try:
-            x = self._apply(b).astype(b.dtype, copy=False)
+            x = self._apply(b, trans).astype(b.dtype, copy=False)
         except Singular as exc:
             return Outcome(None, BREAKDOWN, 0, float("nan"), f"{SINGULAR} ({exc})")
-        return self._judge(b, x, False, rtol=rtol, atol=atol)
+        return self._judge(b, x, trans, rtol=rtol, atol=atol)
 
     def _judge(self, b: Any, x: Any, trans: bool, *, rtol: float | None = None,
                atol: float | None = None) -> Outcome:
@@ -246,6 +267,46 @@ class PreparedDirect(Prepared):
 
 def _is_sparse(A: Any) -> bool:
     return _backend.is_scipy_sparse(A) or _backend.is_cupy_sparse(A)
+
+
+class _OnLane:
+    """A SuperLU factor made, and freed, on one long-lived thread (:func:`_backend.thread_lane`).
+
+    SciPy's SuperLU frees a factor's memory only on the thread that made it:
+    factors made on ``solve_many``'s short-lived workers, or kept for a
+    gradient and freed by whichever thread frees the graph, would never be
+    released. Solves run on any thread (their work arrays come and go within
+    the call); only the factor's last reference is dropped on its lane.
+    """
+
+    __slots__ = ("_box", "_lane")
+
+    def __init__(self, lu: Any, lane: Any):
+        self._box = [lu]  # the only reference to the factor
+        self._lane = lane
+
+    @classmethod
+    def factorise(cls, A: Any, symmetric: bool | None) -> tuple[_OnLane, str]:
+        lane = _backend.thread_lane("superlu", _backend.cpu_count())
+        lu, how = lane.submit(_superlu, A, symmetric).result()
+        return cls(lu, lane), how
+
+    @property
+    def nnz(self) -> int:
+        return int(self._box[0].nnz)
+
+    def solve(self, b: Any, trans: str = "N") -> Any:
+        return self._box[0].solve(b, trans=trans)
+
+    def free(self) -> None:
+        if self._box:
+            try:
+                self._lane.submit(self._box.clear)
+            except RuntimeError:  # the interpreter is shutting down: nothing to keep
+                pass
+
+    def __del__(self) -> None:
+        self.free()
 
 
 def _superlu(A: Any, symmetric: bool | None) -> tuple[Any, str]:

@@ -318,3 +318,32 @@ def test_cudss_failure_frees_the_entry_and_keeps_nothing(fake_cudss):
     x, how = cudss.solve(bad, np.ones(36), True)
     assert how == "none"
     np.testing.assert_allclose(bad @ x, np.ones(36), rtol=1e-10)
+
+
+def test_superlu_factors_are_made_and_freed_on_a_long_lived_lane(monkeypatch):
+    """SciPy's SuperLU frees a factor only on the thread that made it: a lane makes and frees it."""
+    import importlib
+    import threading
+
+    from managed_solve.solvers.direct import DirectEngine
+    from managed_solve.solvers.engine import Options
+
+    direct_module = importlib.import_module("managed_solve.solvers.direct")  # not the function
+    made_on = []
+    real = direct_module._superlu
+    monkeypatch.setattr(direct_module, "_superlu", lambda A, symmetric: made_on.append(
+        threading.current_thread().name) or real(A, symmetric))
+    A = poisson2d(6)
+    engines = []
+    worker = threading.Thread(target=lambda: engines.append(
+        DirectEngine().prepare(A, Options("direct", symmetric=True), None)))
+    worker.start()
+    worker.join()  # the thread that asked for the factors has ended
+    (engine,) = engines
+    assert made_on and made_on[0].startswith("managed_solve-superlu")
+    x = engine.solve_transpose(np.ones(36)).x  # solves run on any thread
+    np.testing.assert_allclose(A.T @ x, np.ones(36), atol=1e-12)
+    box, lane = engine._lu._box, engine._lu._lane
+    engine.close()  # from this thread: the factor's last reference goes to its lane
+    lane.submit(lambda: None).result()  # the lane ran the release before this
+    assert box == []
