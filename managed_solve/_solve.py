@@ -60,8 +60,9 @@ def solve(A_or_system: Any, b: Any = None, *, x0: Any = None, rtol: float = 1e-8
         before costs only the solve, see ``info["cudss_reused"]`` and
         :func:`managed_solve.solvers.release_factorisations`), else cupyx's
         sparse QR.
-    M : {"jacobi", "chebyshev", "neumann"}, operator or callable, optional
-        Preconditioner (an approximation of ``A^-1``).
+    M : {"jacobi", "neumann", "amg"}, operator or callable, optional
+        Preconditioner (an approximation of ``A^-1``); see the preconditioner
+        guide for which to pick (and why ``"chebyshev"`` is refused).
     callback : callable, optional
         ``callback(xk)`` after each iteration (gmres: each restart cycle;
         direct: once). A callback moves a CSR solve off the fused batched
