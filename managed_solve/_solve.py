@@ -185,6 +185,13 @@ def _sharded(system: LinearSystem, devices: Any, mgr: Any) -> SolveResult:
     if system.M not in (None, "jacobi"):
         raise ValueError("solve(A, b, devices=...): sharded solves take M=None or M='jacobi', "
                          f"got {system.M!r}.")
+    if system.nullspace is not None:
+        # The sharded loops neither project b nor x: a singular system there
+        # would come back with an arbitrary null-space part, or not converge.
+        raise ValueError("solve(A, b, devices=...): a singular system with a null space "
+                         "(nullspace=, set by pde.laplacian and pde.poisson without Dirichlet "
+                         "vertices) cannot be sharded; solve it on one device, or give every "
+                         "connected component a Dirichlet vertex.")
     return solve_sharded(system.A, system.b, devices=devices, x0=system.x0, rtol=system.rtol,
                          atol=system.atol, maxiter=system.maxiter, method=method, M=system.M,
                          manager=mgr)
