@@ -60,13 +60,14 @@ def solve(A_or_system: Any, b: Any = None, *, x0: Any = None, rtol: float = 1e-8
         before costs only the solve, see ``info["cudss_reused"]`` and
         :func:`managed_solve.solvers.release_factorisations`), else cupyx's
         sparse QR.
-    M : {"auto", "jacobi", "chebyshev", "neumann", "amg"}, operator, callable or None
+    M : {"auto", "jacobi", "neumann", "amg"}, operator, callable or None
         Preconditioner (an approximation of ``A^-1``). ``"auto"`` (default)
         sets up smoothed-aggregation AMG for CG on a large elliptic system (a
         sparse symmetric matrix with a positive diagonal, at least
         :data:`~managed_solve.system.method.AMG_MIN_N` unknowns for the
         device's kind, whose CG iteration bound is high) and takes no
-        preconditioner otherwise; None asks for none.
+        preconditioner otherwise; None asks for none. The preconditioner
+        guide says which to pick (and why ``"chebyshev"`` is refused).
     callback : callable, optional
         ``callback(xk)`` after each iteration (gmres: each restart cycle;
         direct: once). A callback moves a CSR solve off the fused batched
@@ -190,6 +191,13 @@ def _sharded(system: LinearSystem, devices: Any, mgr: Any) -> SolveResult:
     if M not in (None, "jacobi"):
         raise ValueError("solve(A, b, devices=...): sharded solves take M=None or M='jacobi', "
                          f"got {system.M!r}.")
+    if system.nullspace is not None:
+        # The sharded loops neither project b nor x: a singular system there
+        # would come back with an arbitrary null-space part, or not converge.
+        raise ValueError("solve(A, b, devices=...): a singular system with a null space "
+                         "(nullspace=, set by pde.laplacian and pde.poisson without Dirichlet "
+                         "vertices) cannot be sharded; solve it on one device, or give every "
+                         "connected component a Dirichlet vertex.")
     return solve_sharded(system.A, system.b, devices=devices, x0=system.x0, rtol=system.rtol,
                          atol=system.atol, maxiter=system.maxiter, method=method, M=M,
                          manager=mgr)

@@ -330,7 +330,25 @@ def assemble(mesh: Mesh, *, stiffness: float = 1.0, mass: float = 0.0, lumped_ma
 
 
 def assemble_laplacian(mesh: Mesh, **kwargs: Any) -> Any:
-    """The cotangent Laplacian (P1 stiffness on tetrahedra), positive semi-definite; see :func:`assemble`."""
+    """The cotangent Laplacian (P1 stiffness on tetrahedra), positive semi-definite; see :func:`assemble`.
+
+    Singular: the constants (one per connected component) are its null
+    space. Solve with it through ``solve(L, b, nullspace="constant")`` (a
+    connected mesh) or ``nullspace=managed_solve.pde.laplacian_nullspace(mesh)``,
+    or build the system with :func:`managed_solve.pde.laplacian`, which
+    carries it.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from managed_solve import mesh, solve
+    >>> from managed_solve.assembly import assemble_laplacian, lumped_mass
+    >>> m = mesh.icosphere(3)
+    >>> z = m.vertices[:, 2]
+    >>> r = solve(assemble_laplacian(m), lumped_mass(m) * 2 * z, nullspace="constant")
+    >>> r.status.name, bool(np.abs(r.x - z).max() < 1e-2)    # -Laplace(z) = 2 z on the sphere
+    ('CONVERGED', True)
+    """
     return assemble(mesh, stiffness=1.0, **kwargs)
 
 

@@ -217,6 +217,41 @@ class Mesh:
         """True for a surface without boundary edges (tetrahedral meshes always have a boundary)."""
         return self.kind == "triangle" and len(self.boundary_faces()) == 0
 
+    def connected_components(self) -> np.ndarray:
+        """The connected component of every vertex, int64 (n,), numbered 0, 1, ... in vertex order.
+
+        Faces sharing a vertex are connected (a P1 function is continuous
+        there). The Laplacian of a mesh has one null vector per component,
+        the component's indicator: see :func:`managed_solve.pde.laplacian_nullspace`.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from managed_solve.mesh import Mesh
+        >>> two = Mesh(np.eye(3).tolist() * 2, [[0, 1, 2], [3, 4, 5]])  # two triangles, apart
+        >>> two.connected_components().tolist()
+        [0, 0, 0, 1, 1, 1]
+        """
+        labels = self._cache.get("components")
+        if labels is None:
+            import scipy.sparse as sp
+            from scipy.sparse.csgraph import connected_components
+
+            f = self._faces.astype(np.int64)
+            n = self.n_vertices
+            # Each face joins its first vertex to the others: enough for connectivity.
+            rows = np.repeat(f[:, 0], f.shape[1] - 1)
+            cols = f[:, 1:].ravel()
+            graph = sp.csr_matrix((np.ones(rows.size, dtype=np.int8), (rows, cols)), shape=(n, n))
+            _, raw = connected_components(graph, directed=False)
+            # Renumber by first vertex, so component 0 holds vertex 0.
+            _, first, inverse = np.unique(raw, return_index=True, return_inverse=True)
+            order = np.argsort(np.argsort(first))
+            labels = order[inverse].astype(np.int64)
+            labels.setflags(write=False)
+            self._cache["components"] = labels
+        return labels
+
     def vertex_normals(self) -> np.ndarray:
         """Unit normals of a surface at its vertices (area-weighted face normals)."""
         if self.kind != "triangle":

@@ -5,7 +5,11 @@ so CG applies):
 
 - ``L`` is the cotangent Laplacian (P1 stiffness on tetrahedra) with
   ``L = -Laplacian``: positive semi-definite, zero row sums, constants in
-  its null space. ``L u = M f`` discretises ``-Laplace(u) = f``.
+  its null space (one constant per connected component). ``L u = M f``
+  discretises ``-Laplace(u) = f``. The builders whose matrix keeps that null
+  space (:func:`laplacian`, :func:`poisson` without enough Dirichlet
+  vertices) give it to their :class:`~managed_solve.system.LinearSystem`
+  (``nullspace=``), so ``solve`` needs no more from the caller.
 - ``M`` is the mass matrix: lumped (diagonal, the default, what the
   cotangent literature uses) or consistent (``lumped=False``).
 
@@ -35,7 +39,8 @@ from .assembly import (
 from .mesh import Mesh
 from .system import LinearSystem
 
-__all__ = ["laplacian", "mass", "poisson", "screened_poisson", "heat_step", "poisson_grid"]
+__all__ = ["laplacian", "laplacian_nullspace", "mass", "poisson", "screened_poisson", "heat_step",
+           "poisson_grid"]
 
 
 # ----------------------------------------------------------------- helpers
@@ -144,6 +149,61 @@ def _dirichlet(dirichlet: Any, n: int, call: str) -> tuple[np.ndarray, Any]:
     return index, values
 
 
+def laplacian_nullspace(mesh: Mesh, fixed: Any = None) -> Any:
+    """The null space of the mesh Laplacian ``L``, as :class:`LinearSystem`'s ``nullspace=`` takes it.
+
+    ``L`` annihilates the functions that are constant on each connected
+    component (:meth:`Mesh.connected_components`). With ``fixed`` vertices
+    (Dirichlet ones, eliminated by :func:`apply_dirichlet`) a component
+    holding one of them is no longer singular.
+
+    Parameters
+    ----------
+    mesh : Mesh
+    fixed : array of int, optional
+        Vertex indices whose values are prescribed.
+
+    Returns
+    -------
+    None, "constant" or numpy array (n, k)
+        None when no component is free, ``"constant"`` for one free component
+        covering the mesh, else the indicator vectors of the free components.
+
+    Examples
+    --------
+    >>> from managed_solve import mesh, pde
+    >>> m = mesh.grid(4, 4)
+    >>> pde.laplacian_nullspace(m), pde.laplacian_nullspace(m, fixed=[0])
+    ('constant', None)
+    """
+    labels = mesh.connected_components()
+    count = int(labels.max()) + 1
+    free = np.ones(count, dtype=bool)
+    if fixed is not None:
+        free[labels[np.asarray(fixed, dtype=np.int64).reshape(-1)]] = False
+    if not free.any():
+        return None
+    if count == 1:
+        return "constant"
+    ids = np.flatnonzero(free)
+    return (labels[:, None] == ids[None, :]).astype(np.float64)
+
+
+def _compatible(b: Any, w: Any, nullspace: Any, xp: Any) -> Any:
+    """``b`` minus a multiple of the lumped mass ``w`` on each free component, so it sums to 0 there.
+
+    The discrete form of the compatibility condition of a pure Neumann
+    problem (``f`` with zero mean on each closed piece): ``f`` loses its
+    area-weighted mean, so ``b = M f`` lies in the range of ``L``.
+    """
+    if nullspace is None:
+        return b
+    if isinstance(nullspace, str):
+        return b - w * (b.sum() / w.sum())
+    N = xp.asarray(nullspace, dtype=b.dtype)
+    return b - w * (N @ ((N.T @ b) / (N.T @ w)))
+
+
 def _system(A: Any, b: Any, dt: np.dtype, name: str, **kwargs: Any) -> LinearSystem:
     return LinearSystem(A, b, dtype=dt, name=name, **kwargs)
 
@@ -153,15 +213,25 @@ def laplacian(mesh: Mesh, *, device: Any = None, dtype: Any = np.float64, manage
               index_dtype: Any = None, backend: str | None = None, b: Any = None) -> LinearSystem:
     """The cotangent Laplacian ``L`` (positive semi-definite) as ``LinearSystem(L, b)``.
 
-    ``b`` defaults to zeros: take ``.A`` for the matrix. Singular (constants
-    are in its null space); for a solvable problem use :func:`poisson`.
+    ``b`` defaults to zeros: take ``.A`` for the matrix. Singular: the
+    system carries its null space (:func:`laplacian_nullspace`: the constants,
+    one per connected component), so solving it projects ``b`` onto the
+    range of ``L`` and returns the solution orthogonal to the null space;
+    a ``b`` that does not sum to zero on each component gets the
+    least-squares answer and the status ``LEAST_SQUARES``. For the Poisson
+    problem with ``f`` made compatible use :func:`poisson`.
 
     Examples
     --------
-    >>> from managed_solve import mesh, pde
-    >>> s = pde.laplacian(mesh.icosphere(1), device="cpu")
-    >>> s.n, s.nnz, round(float(abs(s.A.sum(axis=1)).max()), 12)
-    (42, 282, 0.0)
+    >>> import numpy as np
+    >>> from managed_solve import mesh, pde, solve
+    >>> m = mesh.icosphere(2)
+    >>> s = pde.laplacian(m, device="cpu", b=m.vertices[:, 2])
+    >>> s.n, s.nnz, s.nullspace.shape, round(float(abs(s.A.sum(axis=1)).max()), 12)
+    (162, 1122, (162, 1), 0.0)
+    >>> r = solve(s, method="cg")
+    >>> r.status.name, bool(abs(r.x.sum()) < 1e-10)
+    ('CONVERGED', True)
     """
     call = "laplacian"
     _check_mesh(mesh, call)
@@ -169,7 +239,7 @@ def laplacian(mesh: Mesh, *, device: Any = None, dtype: Any = np.float64, manage
     t = _target(device, manager, estimate_nbytes(mesh, dt), backend, call)
     A = assemble(mesh, device=t.device, dtype=dt, index_dtype=index_dtype, backend=t.backend)
     rhs = t.xp.zeros(mesh.n_vertices, dtype=dt) if b is None else _vertex_values(b, mesh, t, dt, call, "b")
-    return _system(A, rhs, dt, "laplacian")
+    return _system(A, rhs, dt, "laplacian", nullspace=laplacian_nullspace(mesh))
 
 
 def mass(mesh: Mesh, lumped: bool = True, *, device: Any = None, dtype: Any = np.float64,
@@ -198,7 +268,11 @@ def mass(mesh: Mesh, lumped: bool = True, *, device: Any = None, dtype: Any = np
 def poisson(mesh: Mesh, f: Any, *, dirichlet: Any = None, lumped: bool = True, device: Any = None,
             dtype: Any = np.float64, manager: Any = None, index_dtype: Any = None,
             backend: str | None = None, rtol: float = 1e-8) -> LinearSystem:
-    """``-Laplace(u) = f``: the system ``L u = M f``, made solvable and SPD.
+    """``-Laplace(u) = f``: the system ``L u = M f``, made solvable.
+
+    SPD when every connected component has a Dirichlet vertex; otherwise
+    positive semi-definite, with ``f`` made compatible and the null space
+    carried by the system (see ``dirichlet``).
 
     Parameters
     ----------
@@ -208,13 +282,14 @@ def poisson(mesh: Mesh, f: Any, *, dirichlet: Any = None, lumped: bool = True, d
     dirichlet : (indices, values), optional
         Vertices (indices or a boolean mask) where ``u = values`` (a number
         or one value per index); eliminated symmetrically, so A stays SPD.
-        Without it (closed surfaces, or a pure Neumann problem), the
-        constant null space is handled so the system is SPD and its solution
-        meaningful: ``f`` is replaced by ``f - mean(f)`` (area-weighted; the
-        compatibility condition of the singular problem), and vertex 0 is
-        pinned to ``u = 0`` by the same symmetric elimination. The solution is
-        then the exact solution of the singular problem that vanishes at
-        vertex 0; subtract its mean for the zero-mean one.
+        Without it (closed surfaces, or a pure Neumann problem), and on any
+        connected component without a Dirichlet vertex, ``L`` keeps the
+        constants in its null space: ``f`` is replaced by ``f - mean(f)``
+        there (area-weighted; the compatibility condition of the singular
+        problem) and the system carries the null space
+        (:func:`laplacian_nullspace`), so ``solve`` returns the solution
+        orthogonal to it: vertex values summing to zero on each free
+        component.
     lumped : bool
         Lumped (default) or consistent mass on the right-hand side.
     device, manager, dtype, index_dtype, backend
@@ -232,6 +307,15 @@ def poisson(mesh: Mesh, f: Any, *, dirichlet: Any = None, lumped: bool = True, d
     >>> s = pde.poisson(m, 0.0, dirichlet=(m.boundary_vertices(), 1.0), device="cpu")
     >>> bool(np.allclose(sla.spsolve(s.A.tocsc(), s.b), 1.0))   # harmonic: constant
     True
+
+    A closed surface (pure Neumann): ``-Laplace(z) = 2 z`` on the unit sphere.
+
+    >>> from managed_solve import solve
+    >>> sphere = mesh.icosphere(4)
+    >>> z = sphere.vertices[:, 2]
+    >>> r = solve(pde.poisson(sphere, 2 * z + 3.0, device="cpu"))  # the constant 3 is dropped
+    >>> r.status.name, bool(np.abs(r.x - z).max() < 5e-3)
+    ('CONVERGED', True)
     """
     call = "poisson"
     _check_mesh(mesh, call)
@@ -241,14 +325,15 @@ def poisson(mesh: Mesh, f: Any, *, dirichlet: Any = None, lumped: bool = True, d
         A = assemble(mesh, device=t.device, dtype=dt, index_dtype=index_dtype, backend=t.backend)
         fv = _vertex_values(f, mesh, t, dt, call, "f")
         b = _mass_times(mesh, fv, lumped, t, dt, t.backend)
-        if dirichlet is None:
-            w = lumped_mass(mesh, device=t.device, dtype=dt, backend=t.backend)
-            b = b - w * (b.sum() / w.sum())
-            A, b = apply_dirichlet(A, b, [0], 0.0)
-        else:
+        index = None
+        if dirichlet is not None:
             index, values = _dirichlet(dirichlet, mesh.n_vertices, call)
             A, b = apply_dirichlet(A, b, index, values)
-        return _system(A, b, dt, "poisson", rtol=rtol)
+        nullspace = laplacian_nullspace(mesh, fixed=index)
+        if nullspace is not None:
+            w = lumped_mass(mesh, device=t.device, dtype=dt, backend=t.backend)
+            b = _compatible(b, w, nullspace, t.xp)
+        return _system(A, b, dt, "poisson", rtol=rtol, nullspace=nullspace)
 
 
 def screened_poisson(mesh: Mesh, f: Any, alpha: float, *, lumped: bool = True, device: Any = None,

@@ -86,6 +86,31 @@ def test_grid_and_torus():
         icosphere(0).volume()
 
 
+def test_connected_components_against_scipy_on_the_edge_graph():
+    import scipy.sparse as sp
+    from scipy.sparse.csgraph import connected_components
+
+    a, b, c = icosphere(2), grid(4, 5), grid(2, 3, 2)
+    m = Mesh(np.vstack([a.vertices, b.vertices + 3.0]), np.vstack([a.faces, b.faces + a.n_vertices]))
+    labels = m.connected_components()
+    assert labels.tolist() == [0] * a.n_vertices + [1] * b.n_vertices
+    assert not labels.flags.writeable and m.connected_components() is labels  # cached
+    # Against SciPy on the edge graph, with three pieces (shuffled vertex order).
+    m4 = Mesh(np.vstack([a.vertices, b.vertices + 3, a.vertices - 5]),
+              np.vstack([a.faces, b.faces + a.n_vertices, a.faces + a.n_vertices + b.n_vertices]))
+    perm = np.random.default_rng(0).permutation(m4.n_vertices)
+    inv = np.argsort(perm)
+    shuffled = Mesh(m4.vertices[perm], inv[m4.faces])
+    e = shuffled.edges()
+    g = sp.coo_matrix((np.ones(len(e)), (e[:, 0], e[:, 1])), shape=(shuffled.n_vertices,) * 2)
+    count, ref = connected_components(g, directed=False)
+    got = shuffled.connected_components()
+    assert count == 3 and got.max() == 2 and got[0] == 0
+    # The same partition: labels agree up to renaming.
+    assert len(set(zip(got.tolist(), ref.tolist(), strict=True))) == 3
+    assert c.connected_components().tolist() == [0] * c.n_vertices  # tetrahedra
+
+
 def test_read_round_trip_and_errors(tmp_path):
     meshio = pytest.importorskip("meshio")
     m = icosphere(1)

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import scipy.sparse.linalg as sla
 
-from managed_solve import assembly, pde
+import managed_solve as ms
+from managed_solve import Status, assembly, pde
 from managed_solve.manager import DeviceManager
-from managed_solve.mesh import grid, icosphere, torus
+from managed_solve.mesh import Mesh, grid, icosphere, torus
 from managed_solve.system import LinearSystem
 
 DEVICES = ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)]
@@ -87,19 +88,103 @@ def test_poisson_grid_3d_with_array_rhs():
     assert 0 < v.max() < 0.0563  # below the 3-D torsion-function bound 1/(2*d) * (1/2)^2 * ...
 
 
+def two_pieces(a, b, shift=3.0):
+    """One mesh holding meshes ``a`` and ``b`` side by side, apart (two connected components)."""
+    return Mesh(np.vstack([a.vertices, b.vertices + shift]), np.vstack([a.faces, b.faces + a.n_vertices]))
+
+
+def pinv_solution(A, b):
+    """The least-squares solution of least norm (orthogonal to A's null space), dense."""
+    return np.linalg.pinv(host(A).toarray(), hermitian=True) @ host(b)
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_poisson_on_closed_surface_pins_the_null_space(device):
+def test_poisson_on_closed_surface_carries_the_null_space(device):
     m = icosphere(4)
     z = m.vertices[:, 2]
     s = pde.poisson(m, lambda v: v[:, 2] + 3.0, device=device)  # the constant 3 is incompatible
+    assert s.nullspace.shape == (m.n_vertices, 1)
     A = host(s.A)
     assert abs(A - A.T).max() <= 1e-14 * abs(A).max()
-    assert sla.eigsh(A, k=1, which="SA", return_eigenvectors=False)[0] > 0  # SPD after pinning
-    u = solve(s)
-    assert abs(u[0]) < 1e-12
-    w = assembly.lumped_mass(m)
-    u0 = u - (w @ u) / w.sum()
-    assert np.abs(u0 - z / 2).max() < 2e-3  # -Laplace(z) = 2 z on the unit sphere
+    assert abs(host(s.b).sum()) <= 1e-12 * abs(host(s.b)).sum()  # b made compatible
+    r = ms.solve(s)
+    assert r.status is Status.CONVERGED, r.message
+    u = host(r.x)
+    assert abs(u.sum()) <= 1e-10 * abs(u).sum()  # orthogonal to the constants
+    assert np.abs(u - z / 2).max() < 2e-3  # -Laplace(z) = 2 z on the unit sphere
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("method", ["auto", "cg", "minres", "direct"])
+def test_pure_neumann_poisson_matches_the_pseudo_inverse(device, method):
+    m = grid(14, 12)  # open square: natural (Neumann) boundary everywhere
+    s = pde.poisson(m, lambda v: np.cos(np.pi * v[:, 0]) + v[:, 1], device=device)
+    assert s.nullspace.shape == (m.n_vertices, 1)
+    r = ms.solve(s, method=method, rtol=1e-10)
+    assert r.status is Status.CONVERGED, r.message
+    np.testing.assert_allclose(host(r.x), pinv_solution(s.A, s.b), atol=1e-8)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_laplacian_solves_consistent_and_inconsistent_b(device):
+    m = torus(nu=16, nv=8)
+    rng = np.random.default_rng(3)
+    g = rng.standard_normal(m.n_vertices)
+    for b, status in ((g - g.mean(), Status.CONVERGED), (g + 1.0, Status.LEAST_SQUARES)):
+        s = pde.laplacian(m, b=b, device=device)
+        r = ms.solve(s, rtol=1e-10)
+        assert r.status is status, r.message
+        np.testing.assert_allclose(host(r.x), pinv_solution(s.A, b), atol=1e-8)
+        x_lsqr = sla.lsqr(host(s.A), b, atol=1e-14, btol=1e-14, iter_lim=20_000)[0]
+        np.testing.assert_allclose(host(r.x), x_lsqr, atol=1e-6)
+
+
+def test_every_connected_component_is_in_the_null_space():
+    m = two_pieces(icosphere(2), grid(6, 5))
+    n1 = icosphere(2).n_vertices
+    s = pde.laplacian(m, device="cpu")
+    N = s.nullspace
+    assert N.shape == (m.n_vertices, 2)
+    np.testing.assert_allclose(s.A @ N, 0, atol=1e-12)
+    # A b summing to zero over the whole mesh but not on each piece is inconsistent.
+    b = np.r_[np.ones(n1), -np.ones(m.n_vertices - n1) * n1 / (m.n_vertices - n1)]
+    assert ms.solve(pde.laplacian(m, b=b, device="cpu")).status is Status.LEAST_SQUARES
+    # Poisson makes f compatible piece by piece: each piece's solution sums to zero.
+    f = lambda v: v[:, 0] + 2.0  # noqa: E731
+    p = pde.poisson(m, f, device="cpu")
+    r = ms.solve(p, method="cg", rtol=1e-10)
+    assert r.status is Status.CONVERGED, r.message
+    x = r.x
+    assert abs(x[:n1].sum()) < 1e-9 and abs(x[n1:].sum()) < 1e-9
+    np.testing.assert_allclose(x, pinv_solution(p.A, p.b), atol=1e-8)
+
+
+def test_dirichlet_on_one_component_leaves_the_other_singular():
+    a, b = grid(7, 7), icosphere(2)
+    m = two_pieces(a, b)
+    bnd = a.boundary_vertices()
+    s = pde.poisson(m, 1.0, dirichlet=(bnd, 0.0), device="cpu")
+    ind = s.nullspace[:, 0] != 0
+    assert s.nullspace.shape == (m.n_vertices, 1) and ind.tolist() == [False] * a.n_vertices + [True] * b.n_vertices
+    r = ms.solve(s, rtol=1e-10)
+    assert r.status is Status.CONVERGED, r.message
+    alone = pde.poisson(a, 1.0, dirichlet=(bnd, 0.0), device="cpu")
+    assert alone.nullspace is None  # every component has a Dirichlet vertex: SPD
+    np.testing.assert_allclose(r.x[: a.n_vertices], ms.solve(alone).x, atol=1e-9)
+    np.testing.assert_allclose(r.x[a.n_vertices:], 0.0, atol=1e-9)  # f = 1 made compatible: 0
+
+
+def test_singular_builders_through_solve_many_and_a_sharded_refusal():
+    m = icosphere(3)
+    z = m.vertices[:, 2]
+    systems = [pde.poisson(m, k * z, device="cpu") for k in (1.0, 2.0, 4.0)]
+    results = ms.solve_many(systems, manager=DeviceManager(simulate="2x1GiB"))
+    for k, r in zip((1.0, 2.0, 4.0), results, strict=True):
+        assert r.status is Status.CONVERGED, r.message
+        u = host(r.x)
+        assert abs(u.sum()) < 1e-8 and np.abs(u - k * z / 2).max() < 1e-2
+    with pytest.raises(ValueError, match="null space.*cannot be sharded"):
+        ms.solve(systems[0], devices="all", manager=DeviceManager(simulate="2x1GiB"))
 
 
 def test_poisson_dirichlet_reproduces_linear_functions_on_grids():

@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 from ..result import SolveResult, Status
-from ..system import METHODS, PRECONDITIONERS, LinearSystem
+from ..system import METHODS, LinearSystem, check_preconditioner
 from ..system.method import settle_auto
 
 RETURN_ON = ("device", "host")
@@ -33,9 +33,7 @@ def check_arguments(method: str, M: Any, rtol: float | None, return_on: str, on_
     call = "solve_many"
     if method not in METHODS:
         raise ValueError(f"{call}(method={method!r}): expected one of {', '.join(METHODS)}")
-    if isinstance(M, str) and M not in PRECONDITIONERS:
-        raise ValueError(f"{call}(M={M!r}): expected one of {', '.join(PRECONDITIONERS)}, "
-                         "an operator, or None")
+    check_preconditioner(M, call)
     if rtol is not None and not (isinstance(rtol, (int, float)) and math.isfinite(rtol) and rtol >= 0):
         raise ValueError(f"{call}(rtol={rtol!r}): expected a finite number >= 0, e.g. 1e-8, or None "
                          "to keep each system's own")

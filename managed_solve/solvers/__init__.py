@@ -14,7 +14,6 @@ from .cg import cg as cg
 from .direct import direct as direct
 from .gmres import gmres as gmres
 from .minres import minres as minres
-from .preconditioners import chebyshev as chebyshev
 from .preconditioners import jacobi as jacobi
 from .preconditioners import make_preconditioner as make_preconditioner
 from .preconditioners import neumann as neumann

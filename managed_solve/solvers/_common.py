@@ -126,7 +126,7 @@ def as_preconditioner(M: Any) -> Callable[[Any], Any] | None:
     if callable(M):
         return M
     raise TypeError(
-        f"M is a {type(M).__name__}; expected 'jacobi', 'chebyshev', 'neumann', an object with "
+        f"M is a {type(M).__name__}; expected 'jacobi', 'neumann', 'amg', an object with "
         "matvec, a matrix, or a callable r -> M r."
     )
 
@@ -209,20 +209,3 @@ def outcome_from_batch(out: Any, breakdown_message: str) -> Outcome:
                    info={"path": "batched", "checkpoints": int(out.checkpoints),
                          "gpu_seconds": out.gpu_seconds})
 
-
-def chebyshev_coefficients(lower: float, upper: float, degree: int) -> tuple[float, tuple]:
-    """``(theta, ((a_k, b_k), ...))`` of the Chebyshev iteration for a spectrum in [lower, upper].
-
-    The three-term recurrence of Saad's Algorithm 12.1, as host floats:
-    every step's coefficients are known before the first application, so
-    applying the polynomial reads nothing back from the device.
-    """
-    theta, delta = 0.5 * (upper + lower), 0.5 * (upper - lower)
-    sigma = theta / delta
-    coeffs = []
-    rho = 1.0 / sigma
-    for _ in range(int(degree)):
-        rho_new = 1.0 / (2.0 * sigma - rho)
-        coeffs.append((rho_new * rho, 2.0 * rho_new / delta))
-        rho = rho_new
-    return theta, tuple(coeffs)

@@ -1,13 +1,20 @@
-"""Preconditioners: Jacobi, Chebyshev and Neumann polynomials, AMG, user operators.
+"""Preconditioners: Jacobi, a Neumann polynomial, AMG, user operators.
 
 All of them are built once before the solve and applied with ``xp.``
 operations and sparse matrix-vector products only, so they run unchanged on
 NumPy and CuPy and need no host read when applied. The named ones apply to
 a vector (n,) or to a block (n, k) of vectors at once (the block Krylov
-loop's preconditioner, :func:`block_preconditioner`). The polynomial ones are
-fixed polynomials ``p(D^-1 A) D^-1`` of the Jacobi-scaled matrix: symmetric
-when A is, and positive for any positive spectrum (see :func:`chebyshev`),
-so they are valid for CG.
+loop's preconditioner, :func:`block_preconditioner`). The Neumann polynomial is
+a fixed polynomial ``p(D^-1 A) D^-1`` of the Jacobi-scaled matrix: symmetric
+when A is, and positive on the spectrum (see :func:`neumann`), so it is
+valid for CG.
+
+No Chebyshev polynomial is offered as ``M``: with CG a polynomial in
+``D^-1 A`` cannot need fewer matrix-vector products than Jacobi-CG, since CG
+is optimal over the same Krylov space (see docs/guide/preconditioners.md and
+``benchmarks/bench_polynomial.py``). The Chebyshev recurrence serves as the
+AMG smoother (:mod:`managed_solve.solvers.amg.smoothers`), where damping the
+upper half of the spectrum is the whole job.
 """
 
 from __future__ import annotations
@@ -17,10 +24,9 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import _backend
-from ._common import as_matvec, as_preconditioner, chebyshev_coefficients
+from ..system.method import check_preconditioner
+from ._common import as_matvec, as_preconditioner
 from .amg import amg
-
-NAMES = ("jacobi", "chebyshev", "neumann", "amg")
 
 
 def diagonal(A: Any) -> Any:
@@ -83,7 +89,8 @@ def spectral_radius_bound(A: Any, dinv: Any, *, steps: int = 12) -> float:
     Power iteration (``steps`` SpMVs, one host read at the end) times 1.1 for
     safety, capped by the Gershgorin bound ``max_i sum_j |a_ij / a_ii|`` when
     A's entries are available. Overestimating only costs a little convergence
-    speed; underestimating stays safe for both polynomials (see their notes).
+    speed; any estimate above half the largest eigenvalue keeps
+    :func:`neumann` positive definite.
     """
     xp = _backend.array_module(dinv)
     n = dinv.shape[0]
@@ -107,62 +114,6 @@ def spectral_radius_bound(A: Any, dinv: Any, *, steps: int = 12) -> float:
     if not math.isfinite(bound) or bound <= 0:
         bound = 2.0  # D^-1 A of a diagonally dominant matrix lies in (0, 2]
     return bound
-
-
-def chebyshev(A: Any, *, degree: int = 4, ratio: float = 30.0) -> Callable[[Any], Any]:
-    """Chebyshev polynomial preconditioner of ``D^-1 A`` on ``[lmax / ratio, lmax]``.
-
-    Applying it runs ``degree`` steps of the Chebyshev semi-iteration for
-    ``D^-1 A z = D^-1 r`` from ``z = 0``: ``degree`` SpMVs and vector updates,
-    no inner products and no host reads, which is what GPUs do well. The
-    implied polynomial is positive at every positive eigenvalue (inside the
-    interval its residual polynomial has magnitude below 1; below it the
-    residual lies between 0 and 1; above it the residual is negative), so
-    ``M`` is SPD whenever A is.
-
-    Parameters
-    ----------
-    A : sparse matrix, dense array or operator with ``diagonal()``
-    degree : int
-        SpMVs per application (3-4 is the usual balance of cost and effect).
-    ratio : float
-        ``lmax / lmin`` of the interval targeted (the smooth end of the
-        spectrum is left to the outer Krylov method).
-
-    Examples
-    --------
-    >>> import numpy as np, scipy.sparse as sp
-    >>> from managed_solve.solvers.preconditioners import chebyshev
-    >>> A = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(20, 20)).tocsr()
-    >>> M = chebyshev(A)
-    >>> r = np.ones(20)
-    >>> bool(r @ M(r) > 0)
-    True
-    """
-    if int(degree) < 1:
-        raise ValueError(f"chebyshev(degree={degree!r}): expected a positive integer, e.g. 4")
-    if not ratio > 1:
-        raise ValueError(f"chebyshev(ratio={ratio!r}): expected a number > 1, e.g. 30")
-    dinv = inverse_diagonal(A, call="solve(M='chebyshev')")
-    matvec = as_matvec(A)
-    lmax = spectral_radius_bound(A, dinv)
-    lmin = lmax / float(ratio)
-    theta, coeffs = chebyshev_coefficients(lmin, lmax, degree)
-
-    def apply(r: Any) -> Any:
-        f = scale_rows(dinv, r)
-        d = f / theta
-        z = d.copy()
-        res = f - scale_rows(dinv, matvec(d))
-        for i, (a, c) in enumerate(coeffs):
-            d *= a
-            d += c * res
-            z += d
-            if i < len(coeffs) - 1:  # the last residual is never used
-                res -= scale_rows(dinv, matvec(d))
-        return z
-
-    return apply
 
 
 def neumann(A: Any, *, degree: int = 3) -> Callable[[Any], Any]:
@@ -196,24 +147,23 @@ def neumann(A: Any, *, degree: int = 3) -> Callable[[Any], Any]:
 
 
 def make_preconditioner(M: Any, A: Any) -> Callable[[Any], Any] | None:
-    """``r -> M r`` from a name (``"jacobi"``, ``"chebyshev"``, ``"neumann"``, ``"amg"``), an operator or None.
+    """``r -> M r`` from a name (``"jacobi"``, ``"neumann"``, ``"amg"``), an operator or None.
 
     ``"amg"`` is a smoothed-aggregation V-cycle (:func:`managed_solve.solvers.amg.amg`),
-    symmetric for a symmetric A, so CG may use it.
+    symmetric for a symmetric A, so CG may use it. Another name is a
+    ValueError naming the alternatives (:func:`managed_solve.system.method.check_preconditioner`).
     """
-    if M is None:
+    if M is None or (isinstance(M, str) and M == "auto"):
+        # "auto" is resolved where the device is known (system.method.choose_preconditioner);
+        # an engine prepared without that step takes no preconditioner.
         return None
     if isinstance(M, str):
+        check_preconditioner(M, "solve")
         if M == "jacobi":
             return jacobi(A)
-        if M == "chebyshev":
-            return chebyshev(A)
         if M == "neumann":
             return neumann(A)
-        if M == "amg":
-            return amg(A)
-        raise ValueError(f"solve(M={M!r}): unknown preconditioner; use one of {', '.join(NAMES)}, "
-                         "an operator with matvec, a callable, or None.")
+        return amg(A)
     return as_preconditioner(M)
 
 

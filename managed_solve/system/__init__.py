@@ -8,6 +8,7 @@ from .linear_system import LinearSystem as LinearSystem
 from .method import FALLBACK as FALLBACK
 from .method import METHODS as METHODS
 from .method import PRECONDITIONERS as PRECONDITIONERS
+from .method import check_preconditioner as check_preconditioner
 from .method import choose_method as choose_method
 from .method import krylov_method as krylov_method
 from .method import prefers_cg as prefers_cg

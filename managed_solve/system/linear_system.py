@@ -22,7 +22,7 @@ from .inputs import (
     nonnegative_finite,
     result_dtype,
 )
-from .method import METHODS, PRECONDITIONERS, settle_auto
+from .method import METHODS, check_preconditioner, settle_auto
 from .properties import is_symmetric
 
 
@@ -43,7 +43,7 @@ class LinearSystem:
     maxiter : int, optional
         Iteration limit; default ``10 * n`` (at least 100).
     method : {"auto", "cg", "bicgstab", "gmres", "minres", "direct"}
-    M : {"auto", "jacobi", "chebyshev", "neumann", "amg"}, operator or None
+    M : {"auto", "jacobi", "neumann", "amg"}, operator or None
         Preconditioner, as :func:`managed_solve.solve` takes it.
     name : str, optional
         Shown in results and errors.
@@ -107,9 +107,7 @@ class LinearSystem:
             raise ValueError(f"{call}: maxiter must be a positive integer, got {maxiter!r}")
         if method not in METHODS:
             raise ValueError(f"{call}: method={method!r} is not known; choose one of {', '.join(METHODS)}")
-        if isinstance(M, str) and M not in PRECONDITIONERS:
-            raise ValueError(f"{call}: M={M!r} is not a known preconditioner; use one of "
-                             f"{', '.join(PRECONDITIONERS)}, an operator, or None")
+        check_preconditioner(M, call)
         if kind == "operator" and method == "direct":
             raise ValueError(f"{call}: method='direct' needs the matrix entries; A is an operator. "
                              "Use method='gmres' or pass A as a sparse matrix.")

@@ -33,7 +33,42 @@ from typing import Any
 from .properties import cg_iteration_bound, is_symmetric, positive_diagonal
 
 METHODS = ("auto", "cg", "bicgstab", "gmres", "minres", "direct")
-PRECONDITIONERS = ("auto", "jacobi", "chebyshev", "neumann", "amg")
+PRECONDITIONERS = ("auto", "jacobi", "neumann", "amg")
+#: Preconditioner names other libraries offer that we do not, with the reason
+#: and what to use instead (see docs/guide/preconditioners.md). A Chebyshev
+#: polynomial in ``D^-1 A`` cannot make CG take fewer matrix-vector products
+#: than Jacobi-CG (CG is optimal over the same Krylov space), and our
+#: Jacobi-CG runs in fused kernels that a polynomial's extra vector passes
+#: cannot beat; on non-normal matrices it can stall GMRES altogether.
+NOT_OFFERED = {
+    "chebyshev": (
+        "a Chebyshev polynomial preconditioner is not offered: with CG it cannot need "
+        "fewer matrix-vector products than M='jacobi' and only adds work per product. "
+        "Use M='jacobi' (a cheap scaling, fused kernels), M='amg' for large elliptic "
+        "problems whose iteration count grows with the mesh, or pass your own operator as M"
+    ),
+}
+
+
+def check_preconditioner(M: Any, call: str) -> None:
+    """A ValueError naming ``call``, the argument and the alternatives for an unknown name ``M``.
+
+    Operators, callables and None pass; so do the names in :data:`PRECONDITIONERS`.
+
+    Examples
+    --------
+    >>> check_preconditioner("jacobi", "solve")
+    >>> check_preconditioner("ilu", "solve")
+    Traceback (most recent call last):
+    ...
+    ValueError: solve: M='ilu' is not a known preconditioner; use one of jacobi, neumann, amg, an operator, or None
+    """
+    if not isinstance(M, str) or M in PRECONDITIONERS:
+        return
+    if M in NOT_OFFERED:
+        raise ValueError(f"{call}: M={M!r}: {NOT_OFFERED[M]}.")
+    raise ValueError(f"{call}: M={M!r} is not a known preconditioner; use one of "
+                     f"{', '.join(PRECONDITIONERS)}, an operator, or None")
 # What "auto" turns to when its guess breaks down: MINRES for a symmetric matrix
 # that is not definite, GMRES for a spectrum BiCGStab cannot handle.
 FALLBACK = {"cg": "minres", "bicgstab": "gmres"}

@@ -14,7 +14,7 @@ from managed_solve.solvers.block import block_bicgstab, block_cg, block_solve
 from managed_solve.solvers.block_ops import CupyBlockOps, NumpyBlockOps
 from managed_solve.solvers.cg import cg, cg_fused
 from managed_solve.solvers.engine import BREAKDOWN, CONVERGED, MAXITER
-from managed_solve.solvers.preconditioners import chebyshev
+from managed_solve.solvers.preconditioners import neumann
 from tests._problems import (
     BACKENDS,
     array_modules,
@@ -70,7 +70,7 @@ def test_block_matches_splu_per_column(backend, method, dtype, rtol):
 
 
 @pytest.mark.parametrize("method", list(METHODS))
-@pytest.mark.parametrize("precond", [None, "jacobi", "chebyshev"])
+@pytest.mark.parametrize("precond", [None, "jacobi", "neumann"])
 def test_iterations_per_column_equal_the_single_vector_engine(backend, method, precond):
     """The same iterates as the single-vector engines, each column on its own (within one)."""
     run, matrix = METHODS[method]
@@ -84,12 +84,12 @@ def test_iterations_per_column_equal_the_single_vector_engine(backend, method, p
     if precond == "jacobi":
         kw["dinv"] = 1.0 / Ad.diagonal()
         single_kw["jacobi"] = True
-    elif precond == "chebyshev":
-        kw["M"] = chebyshev(Ad)
+    elif precond == "neumann":
+        kw["M"] = neumann(Ad)
     outs = run(Ad, Bd, rtol=1e-9, **kw)
     for j, out in enumerate(outs):
         b = Bd[:, j].copy()
-        if precond == "chebyshev":  # the generic loop, reading every iteration
+        if precond == "neumann":  # the generic loop, reading every iteration
             one = (cg if method == "cg" else bicgstab)(Ad, b, rtol=1e-9, M=kw["M"], check_every=1)
         else:
             one = _single(method, Ad, b, rtol=1e-9, **single_kw)
@@ -216,7 +216,7 @@ def test_solver_takes_the_block_loop_on_the_host_for_a_polynomial_preconditioner
     """On the host the generic path's block goes through the loop (the fused core keeps its own)."""
     A = poisson2d(20)
     B = _rhs(A.shape[0], 6, seed=8)
-    with Solver(A, method="cg", M="chebyshev", rtol=1e-9, device="cpu") as solver:
+    with Solver(A, method="cg", M="neumann", rtol=1e-9, device="cpu") as solver:
         res = solver.solve(B)
         one = [solver.solve(B[:, j]) for j in range(6)]
     assert res.info["path"] == "block" and res.converged
@@ -246,7 +246,7 @@ def test_solver_block_transpose_solves_the_transposed_system(backend):
     A = convection_diffusion(12)
     B = _rhs(A.shape[0], 4, seed=10)
     Ad, Bd = on(backend, A, B)
-    M = "chebyshev" if backend == "cpu" else None  # the block loop on both
+    M = "neumann" if backend == "cpu" else None  # the block loop on both
     with Solver(Ad, method="bicgstab", M=M, rtol=1e-10) as solver:
         res = solver.solve_transpose(Bd)
     assert res.converged and res.info["path"] == "block"
@@ -261,7 +261,7 @@ def test_solver_block_honours_the_null_space(backend):
     B = _rhs(n, 3, seed=11)
     B[:, 1] -= B[:, 1].mean()  # consistent; the others have a constant part no x reaches
     Ad, Bd = on(backend, A, B)
-    M = "chebyshev" if backend == "cpu" else None
+    M = "neumann" if backend == "cpu" else None
     with Solver(Ad, method="cg", M=M, rtol=1e-9, nullspace="constant") as solver:
         res = solver.solve(Bd)
     assert res.info["path"] == "block"

@@ -23,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .._common import chebyshev_coefficients
 from .spectral import safe_inverse
 
 NAMES = ("chebyshev", "jacobi", "l1_jacobi")
@@ -32,6 +31,24 @@ JACOBI_OMEGA = 4.0 / 3.0
 #: leaves the low end to the coarse grid; 8 beat 4, 15 and 30 on 2D and 3D
 #: Poisson V-cycles (degrees 2 and 3).
 CHEBYSHEV_RATIO = 8.0
+
+
+def chebyshev_coefficients(lower: float, upper: float, degree: int) -> tuple[float, tuple]:
+    """``(theta, ((a_k, b_k), ...))`` of the Chebyshev iteration for a spectrum in [lower, upper].
+
+    The three-term recurrence of Saad's Algorithm 12.1, as host floats:
+    every step's coefficients are known before the first application, so
+    applying the polynomial reads nothing back from the device.
+    """
+    theta, delta = 0.5 * (upper + lower), 0.5 * (upper - lower)
+    sigma = theta / delta
+    coeffs = []
+    rho = 1.0 / sigma
+    for _ in range(int(degree)):
+        rho_new = 1.0 / (2.0 * sigma - rho)
+        coeffs.append((rho_new * rho, 2.0 * rho_new / delta))
+        rho = rho_new
+    return theta, tuple(coeffs)
 
 
 @dataclass
