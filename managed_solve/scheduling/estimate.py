@@ -31,7 +31,7 @@ from ..devices import Device
 from ..manager import DeviceManager
 from ..system import LinearSystem, is_symmetric
 from ..system.cost import bytes_per_iteration, predict_iterations, solve_bytes
-from ..system.method import choose_method
+from ..system.method import amg_min_n, choose_method
 from .plan import BATCH, DEFERRED, DIRECT, SINGLE, Estimate
 
 #: Methods the batched core runs (an "auto" system whose method is another runs alone).
@@ -55,9 +55,17 @@ def is_jacobi(M: Any) -> bool:
     return isinstance(M, str) and M == "jacobi"
 
 
-def batched_preconditioner(s: LinearSystem) -> bool:
-    """Whether the batched core takes the system's preconditioner (none, or Jacobi)."""
-    return s.M is None or is_jacobi(s.M)
+def batched_preconditioner(s: LinearSystem, device_kind: str) -> bool:
+    """Whether the batched core takes the system's preconditioner (none, or Jacobi).
+
+    ``M="auto"`` below the AMG threshold of ``device_kind`` means none
+    (:func:`managed_solve.system.method.choose_preconditioner`); above it the
+    system is solved alone, where the policy may set up AMG.
+    """
+    M = s.M
+    if isinstance(M, str) and M == "auto":
+        return s.n < amg_min_n(device_kind)
+    return M is None or is_jacobi(M)
 
 
 def dtype_name(dt: np.dtype) -> str:
@@ -71,7 +79,7 @@ def dtype_name(dt: np.dtype) -> str:
 def route(s: LinearSystem, device_kind: str, cache: dict | None = None) -> tuple[str, tuple]:
     """(route, group) of a system; batches mix systems of one group only."""
     dt = dtype_name(s.dtype)
-    if s.kind != "csr" or s.method in ("minres", "direct") or not batched_preconditioner(s) \
+    if s.kind != "csr" or s.method in ("minres", "direct") or not batched_preconditioner(s, device_kind) \
             or s.nullspace is not None:  # a projected singular system: solve() handles it
         return SINGLE, (s.method, dt)
     method = resolve_method(s, device_kind, cache)
@@ -112,7 +120,7 @@ def estimate_system(s: LinearSystem, i: int, *, device_kind: str,
     >>> e.route, e.n, e.nnz, round(e.iterations)
     ('batch', 100, 100, 19)
     """
-    if cache is None or s.kind != "csr" or not batched_preconditioner(s):
+    if cache is None or s.kind != "csr" or not batched_preconditioner(s, device_kind):
         return _estimate(s, i, device_kind, manager, reference, cache)
     # What a batched or host-LU estimate depends on besides the matrix (x0 counts in
     # a host LU's bytes); other routes are not kept (they ask the manager's hints).

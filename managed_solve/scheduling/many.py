@@ -130,7 +130,7 @@ def _solve(systems: Iterable[Any], *, disperse: bool, devices: Any, method: str,
                 if early and s.kind == "csr":
                     pending = early.get(id(s.A))
                     if pending is not None and defer and not pending.done() and s.method == "auto" \
-                            and estimation.batched_preconditioner(s):
+                            and estimation.batched_preconditioner(s, kind):
                         out.append(estimation.deferred_estimate(s, i))  # found while it is copied
                         continue
                     if pending is not None:

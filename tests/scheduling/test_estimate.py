@@ -380,3 +380,18 @@ def test_gpu_peak_memory_within_10_percent_of_the_reservation(method):
     reserved = res[0].info["reserved_bytes"]
     used = peak[0] - base
     assert 0.9 * reserved <= used <= 1.1 * reserved, (used, reserved)
+
+
+def test_m_auto_batches_below_the_devices_amg_threshold_and_runs_alone_above():
+    """A large Poisson system with M="auto" batches on a GPU (AMG from 2M unknowns there)
+    and is solved alone on the CPU, where the policy may set up AMG."""
+    from managed_solve.scheduling.estimate import BATCH, SINGLE, route
+    from managed_solve.system.method import amg_min_n
+    from tests._problems import poisson2d
+
+    A = poisson2d(450)
+    s = LinearSystem(A, np.ones(A.shape[0]))
+    assert s.M == "auto" and amg_min_n("cpu") <= s.n < amg_min_n("cuda")
+    assert route(s, "cuda")[0] == BATCH
+    assert route(s, "sim")[0] == BATCH
+    assert route(s, "cpu")[0] == SINGLE
