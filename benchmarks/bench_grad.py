@@ -149,14 +149,19 @@ def bench_w6_torch_sla(benchmark, machine_info, device, who):
     x = run()
     xn = x.detach().cpu().numpy()
     assert np.linalg.norm(A @ xn - 1.0) <= 10 * RTOL * np.sqrt(A.shape[0])
+    grad_relres = None
     if who == "forward+backward":  # dL/db = A^-T (2 x), as for ours
+        # torch-sla's adjoint solve keeps its own tolerance (on a GPU looser than
+        # the forward's): its accuracy is reported beside its time, and only a
+        # gradient of no use (relative residual above 1e-3) fails the case.
         g = b.grad.detach().cpu().numpy() / 2
-        assert np.linalg.norm(A.T @ g - xn) <= 10 * RTOL * np.linalg.norm(xn)
+        grad_relres = float(np.linalg.norm(A.T @ g - xn) / np.linalg.norm(xn))
+        assert grad_relres <= 1e-3
     benchmark.pedantic(run, rounds=ROUNDS, iterations=1, warmup_rounds=0)
     machine_info(benchmark, "cpu" if device == "cpu" else "cuda", dtype="float64",
                  role="reported", n=A.shape[0], who=f"torch-sla {who}",
                  torch_sla=getattr(torch_sla, "__version__", "?"),
-                 torch_sla_backend=backend,
+                 torch_sla_backend=backend, grad_relres=grad_relres,
                  torch_sla_method=select_method(backend, is_symmetric=True, is_spd=True))
 
 
