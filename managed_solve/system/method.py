@@ -61,7 +61,7 @@ def check_preconditioner(M: Any, call: str) -> None:
     >>> check_preconditioner("ilu", "solve")
     Traceback (most recent call last):
     ...
-    ValueError: solve: M='ilu' is not a known preconditioner; use one of jacobi, neumann, amg, an operator, or None
+    ValueError: solve: M='ilu' is not a known preconditioner; use one of auto, jacobi, neumann, amg, an operator, or None
     """
     if not isinstance(M, str) or M in PRECONDITIONERS:
         return
