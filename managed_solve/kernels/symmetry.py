@@ -14,7 +14,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["abs_max", "csr_positive_diagonal", "csr_symmetry", "csr_symmetry_rows",
+__all__ = ["abs_max", "csr_gershgorin", "csr_positive_diagonal", "csr_symmetry", "csr_symmetry_rows",
            "csr_symmetry_rows_search", "csr_symmetry_rows_window", "csr_symmetry_scaled"]
 
 SYMMETRIC, DIFFERENT_VALUES, DIFFERENT_PATTERN = 1, 0, -1
@@ -154,3 +154,36 @@ def csr_positive_diagonal(indptr, indices, data, lo, hi):
         if not d > 0.0:  # also a NaN
             return False
     return True
+
+
+@numba.njit(nogil=True, cache=True)
+def csr_gershgorin(indptr, indices, data):
+    """``(lo, hi, dmin, dmax)`` of a square CSR matrix in one pass (duplicates summed, as SciPy does).
+
+    ``lo = min(a_ii - r_i)`` and ``hi = max(a_ii + r_i)`` with ``r_i`` the
+    absolute off-diagonal sum of row ``i`` bound the eigenvalues of a
+    symmetric A (Gershgorin); ``dmin``, ``dmax`` are the extreme diagonal
+    entries. A NaN diagonal makes ``dmin`` NaN (every comparison with it fails).
+    """
+    n = indptr.shape[0] - 1
+    lo, hi = np.inf, -np.inf
+    dmin, dmax = np.inf, -np.inf
+    nan = False
+    for i in range(n):
+        d = 0.0
+        r = 0.0
+        for p in range(indptr[i], indptr[i + 1]):
+            if indices[p] == i:
+                d += data[p]
+            else:
+                r += abs(data[p])
+        nan = nan or d != d
+        lo = min(lo, d - r)
+        hi = max(hi, d + r)
+        dmin = min(dmin, d)
+        dmax = max(dmax, d)
+    if n == 0:
+        return 0.0, 0.0, 0.0, 0.0
+    if nan:
+        return np.nan, np.nan, np.nan, np.nan
+    return lo, hi, dmin, dmax

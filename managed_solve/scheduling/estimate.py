@@ -44,10 +44,37 @@ def resolve_method(s: LinearSystem, device_kind: str, cache: dict | None) -> str
     """The method that solves ``s`` on devices of ``device_kind``: the auto policy's choice.
 
     The same as ``solve()`` makes for that system on such a device (the
-    policy is :func:`managed_solve.system.method.choose_method`); ``cache``
-    (one dict per call) keeps the symmetry and diagonal tests by matrix.
+    policy is :func:`managed_solve.system.method.choose_method`), except
+    that the systems of the call sharing its matrix (:func:`count_shared`)
+    count as right-hand sides of one factorisation; ``cache`` (one dict per
+    call) keeps the symmetry and diagonal tests by matrix.
     """
-    return choose_method(s, device_kind, cache=cache)
+    return choose_method(s, device_kind, cache=cache, rhs=shared_count(s, cache))
+
+
+def count_shared(systems: Sequence[LinearSystem | None], cache: dict) -> None:
+    """Count, into ``cache``, the "auto" CSR systems without a preconditioner that share each matrix.
+
+    Systems sharing a matrix object share its host LU (:class:`.routes.FactorCache`),
+    so the auto policy weighs one factorisation against their CG solves.
+    """
+    counts: dict[int, list] = {}
+    for s in systems:
+        if s is not None and s.kind == "csr" and s.method == "auto" and s.M is None:
+            entry = counts.get(id(s.A))
+            if entry is None:
+                counts[id(s.A)] = [s.A, 1]
+            else:
+                entry[1] += 1
+    for key, (A, count) in counts.items():
+        if count > 1:
+            cache[("rhs", key)] = (A, count)
+
+
+def shared_count(s: LinearSystem, cache: dict | None) -> int:
+    """The systems sharing ``s``'s matrix (:func:`count_shared`), 1 when not counted."""
+    hit = cache.get(("rhs", id(s.A))) if cache is not None else None
+    return hit[1] if hit is not None and hit[0] is s.A else 1
 
 
 def is_jacobi(M: Any) -> bool:
