@@ -73,6 +73,23 @@ def precondition(dinv, v, i):
     return v[i] * 1.0
 
 
+@numba.njit(cache=True, inline="always")
+def residual_sums(lo, hi, indptr, indices, data, b, x):
+    """``(||b - A x||^2, ||b||^2)`` over rows ``lo:hi``, accumulated in float64.
+
+    The true residual of a system just solved, while its rows are still in
+    cache (the check the verify rule reads).
+    """
+    rr = 0.0
+    bb = 0.0
+    for i in range(np.uint64(lo), np.uint64(hi)):
+        bi = b[i] * 1.0
+        ri = bi - row_product(indptr, indices, data, x, i)
+        rr += ri * ri
+        bb += bi * bi
+    return rr, bb
+
+
 @numba.njit(cache=True)
 def stop_tolerance2(bb, rtol, atol):
     """Squared stopping tolerance ``max(rtol * ||b||, atol)**2`` (SciPy's rule)."""
@@ -150,19 +167,23 @@ def _cg_segment(lo, hi, indptr, indices, data, b, x, dinv, r, z, p, q,
 
 @numba.njit(nogil=True, cache=True)
 def cg_some(order, start, stop, indptr, indices, data, b, x, dinv, r, z, p, q, offsets,
-            rtol, atol, maxiter, has_x0, out_iterations, out_rr, out_status):
+            rtol, atol, maxiter, has_x0, out_iterations, out_rr, out_status, out_true, out_bb):
     """CG on systems ``order[start:stop]`` of a packed batch, one after another.
 
     Serial and without the GIL: host threads each call it on the systems
-    they claim (:mod:`managed_solve.solvers.batched.threads`).
+    they claim (:mod:`managed_solve.solvers.batched.threads`). Besides the
+    recurrence's ``out_rr``, each system's true ``||b - A x||^2`` and
+    ``||b||^2`` go to ``out_true`` and ``out_bb`` (:func:`residual_sums`).
     """
     for k in range(start, stop):
         s = order[k]
-        it, rr, st = _cg_segment(offsets[s], offsets[s + 1], indptr, indices, data, b, x,
+        lo, hi = offsets[s], offsets[s + 1]
+        it, rr, st = _cg_segment(lo, hi, indptr, indices, data, b, x,
                                  dinv, r, z, p, q, rtol[s], atol[s], maxiter[s], has_x0)
         out_iterations[s] = it
         out_rr[s] = rr
         out_status[s] = st
+        out_true[s], out_bb[s] = residual_sums(lo, hi, indptr, indices, data, b, x)
 
 
 @numba.njit(parallel=True, cache=True)
@@ -318,16 +339,22 @@ def _bicgstab_segment(lo, hi, indptr, indices, data, b, x, dinv, r, rt, p, v, t,
 
 @numba.njit(nogil=True, cache=True)
 def bicgstab_some(order, start, stop, indptr, indices, data, b, x, dinv, r, rt, p, v, t, z,
-                  offsets, rtol, atol, maxiter, has_x0, out_iterations, out_rr, out_status):
-    """BiCGStab on systems ``order[start:stop]`` of a packed batch (serial, without the GIL)."""
+                  offsets, rtol, atol, maxiter, has_x0, out_iterations, out_rr, out_status,
+                  out_true, out_bb):
+    """BiCGStab on systems ``order[start:stop]`` of a packed batch (serial, without the GIL).
+
+    The true residual sums as in :func:`cg_some`.
+    """
     for k in range(start, stop):
         s = order[k]
-        it, rr, st = _bicgstab_segment(offsets[s], offsets[s + 1], indptr, indices, data, b, x,
+        lo, hi = offsets[s], offsets[s + 1]
+        it, rr, st = _bicgstab_segment(lo, hi, indptr, indices, data, b, x,
                                        dinv, r, rt, p, v, t, z, rtol[s], atol[s], maxiter[s],
                                        has_x0)
         out_iterations[s] = it
         out_rr[s] = rr
         out_status[s] = st
+        out_true[s], out_bb[s] = residual_sums(lo, hi, indptr, indices, data, b, x)
 
 
 @numba.njit(parallel=True, cache=True)
@@ -614,10 +641,15 @@ def _gmres_segment(lo, hi, indptr, indices, data, b, x, dinv, rtol, atol, maxite
 
 @numba.njit(nogil=True, cache=True)
 def gmres_some(order, start, stop, indptr, indices, data, b, x, dinv, offsets, rtol, atol,
-               maxiter, restart, has_x0, its, res, st):
-    """Restarted GMRES on systems ``order[start:stop]`` of a batch (serial, without the GIL)."""
+               maxiter, restart, has_x0, its, res, st, out_true, out_bb):
+    """Restarted GMRES on systems ``order[start:stop]`` of a batch (serial, without the GIL).
+
+    The true residual sums as in :func:`cg_some`.
+    """
     for k in range(start, stop):
         s = order[k]
-        its[s], res[s], st[s] = _gmres_segment(offsets[s], offsets[s + 1], indptr, indices, data,
+        lo, hi = offsets[s], offsets[s + 1]
+        its[s], res[s], st[s] = _gmres_segment(lo, hi, indptr, indices, data,
                                                b, x, dinv, rtol[s], atol[s], maxiter[s], restart,
                                                has_x0)
+        out_true[s], out_bb[s] = residual_sums(lo, hi, indptr, indices, data, b, x)

@@ -54,6 +54,7 @@ def solve_fused(batch: PackedBatch, method: str) -> BatchOutcome:
     its = np.zeros(nsys, dtype=np.int64)
     rr = np.zeros(nsys, dtype=np.float64)
     st = np.zeros(nsys, dtype=np.int8)
+    true, bb = np.zeros(nsys), np.zeros(nsys)
     rows = row_threads(n) if nsys == 1 else 1
     if method == "cg":
         r, p, q = (np.empty(n, dtype=dt) for _ in range(3))
@@ -73,10 +74,13 @@ def solve_fused(batch: PackedBatch, method: str) -> BatchOutcome:
                                                float(batch.atol[0]), int(batch.maxiter[0]), has_x0)
         finally:
             numba.set_num_threads(before)
+        norms = None
     else:
         run_systems(kernel_some, batch, method, (*A, *vecs, batch.offsets, batch.rtol, batch.atol,
-                                                 batch.maxiter, has_x0, its, rr, st))
-    return BatchOutcome(x=x, iterations=its, residual_norms=np.sqrt(rr), status=st, host_syncs=0)
+                                                 batch.maxiter, has_x0, its, rr, st, true, bb))
+        norms = (np.sqrt(true), np.sqrt(bb))
+    return BatchOutcome(x=x, iterations=its, residual_norms=np.sqrt(rr), status=st, host_syncs=0,
+                        true_norms=norms)
 
 
 def solve_gmres(batch: PackedBatch, restart: int) -> BatchOutcome:
@@ -89,10 +93,13 @@ def solve_gmres(batch: PackedBatch, restart: int) -> BatchOutcome:
     its = np.zeros(nsys, dtype=np.int64)
     res = np.zeros(nsys, dtype=np.float64)
     st = np.zeros(nsys, dtype=np.int8)
+    true, bb = np.zeros(nsys), np.zeros(nsys)
     run_systems(_k.gmres_some, batch, "gmres",
                 (batch.indptr, batch.indices, batch.data, batch.b, x, dinv, batch.offsets,
-                 batch.rtol, batch.atol, batch.maxiter, restart, batch.x0 is not None, its, res, st))
-    return BatchOutcome(x=x, iterations=its, residual_norms=res, status=st, host_syncs=0)
+                 batch.rtol, batch.atol, batch.maxiter, restart, batch.x0 is not None, its, res, st,
+                 true, bb))
+    return BatchOutcome(x=x, iterations=its, residual_norms=res, status=st, host_syncs=0,
+                        true_norms=(np.sqrt(true), np.sqrt(bb)))
 
 
 def _gmres_large(batch: PackedBatch, restart: int) -> BatchOutcome:
