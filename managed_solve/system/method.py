@@ -11,8 +11,10 @@ The rule, in order:
    2D-like sparsity (at most :data:`DIRECT_MAX_ROW_NNZ` entries a row on
    average) and no preconditioner goes to the sparse LU, unless it is a CG
    matrix (symmetric, positive diagonal) that CG is predicted to solve
-   sooner (:func:`cg_beats_lu`: predicted times, not a size); a dense matrix
-   of at most :data:`DIRECT_MAX_DENSE_N` unknowns goes to LAPACK's LU.
+   sooner (:func:`cg_beats_lu`: predicted times, not a size; where the
+   count of right-hand sides is unknown, a reused ``Solver``, unless CG's
+   Gershgorin bound is low); a dense matrix of at most
+   :data:`DIRECT_MAX_DENSE_N` unknowns goes to LAPACK's LU.
 3. Otherwise a Krylov method (:func:`krylov_method`): CG for a symmetric
    matrix with a positive diagonal, MINRES for another symmetric one,
    BiCGStab for the rest (and for operators, whose symmetry is unknown).
@@ -245,11 +247,13 @@ def krylov_method(A: Any, symmetric: bool | None, *, cache: dict | None = None) 
 
 
 def wants_direct(kind: str, n: int, nnz: int, *, A: Any = None, rtol: float = 1e-8,
-                 M: Any = None, symmetric: bool | None = None, rhs: int = 1,
+                 M: Any = None, symmetric: bool | None = None, rhs: int | None = 1,
                  cache: dict | None = None) -> bool:
     """Whether "auto" on the CPU factorises this system (rule 2 of the module docstring).
 
-    ``rhs``: systems sharing the matrix (their LU is shared).
+    ``rhs``: the right-hand sides one factorisation would serve; None when
+    unknown (a :class:`~managed_solve.Solver` kept for reuse), where the LU
+    is kept unless CG's Gershgorin bound is low (:func:`prefers_cg`).
     """
     if M is not None:  # a preconditioner asks for an iterative solve
         return False
@@ -257,12 +261,17 @@ def wants_direct(kind: str, n: int, nnz: int, *, A: Any = None, rtol: float = 1e
         return n <= DIRECT_MAX_DENSE_N
     if kind != "csr":
         return False
-    return n <= DIRECT_MAX_N and nnz <= DIRECT_MAX_ROW_NNZ * n \
-        and not (A is not None and symmetric and cg_beats_lu(A, rtol, rhs=rhs, cache=cache))
+    if not (n <= DIRECT_MAX_N and nnz <= DIRECT_MAX_ROW_NNZ * n):
+        return False
+    if A is None or not symmetric:
+        return True
+    if rhs is None:
+        return not prefers_cg(A, rtol, symmetric, cache)
+    return not cg_beats_lu(A, rtol, rhs=rhs, cache=cache)
 
 
 def choose_method(system: Any, device_kind: str, *, symmetric: bool | None = None,
-                  cache: dict | None = None, rhs: int = 1) -> str:
+                  cache: dict | None = None, rhs: int | None = 1) -> str:
     """The method that solves ``system`` on a device of ``device_kind`` ("cpu", "cuda", "sim").
 
     Parameters
@@ -276,10 +285,11 @@ def choose_method(system: Any, device_kind: str, *, symmetric: bool | None = Non
         or taken as unknown (dense matrices and operators).
     cache : dict, optional
         Per-call memo of symmetry and diagonal tests, by matrix object.
-    rhs : int
-        Systems sharing ``system``'s matrix that one factorisation would
-        serve (``solve_many`` counts them; 1 for ``solve``): the LU's set-up
-        is paid once for all of them.
+    rhs : int or None
+        Right-hand sides one factorisation would serve (``solve_many`` counts
+        the systems sharing a matrix; 1 for ``solve``): the LU's set-up is
+        paid once for all of them. None: unknown (a ``Solver`` kept for
+        reuse; see :func:`wants_direct`).
 
     Examples
     --------

@@ -121,7 +121,7 @@ def is_symmetric(A: Any, cache: dict | None = None) -> bool:
         if xp is np and A.has_canonical_format:
             from ..kernels.symmetry import DIFFERENT_PATTERN
 
-            code = _host_symmetry(A, 1e-12)
+            code = _host_symmetry(A, 1e-12, cache)
             result = None if code == DIFFERENT_PATTERN else bool(code)
         if result is None:
             scale = float(xp.abs(A.data).max())  # sync: one read per distinct matrix
@@ -141,15 +141,22 @@ def is_symmetric(A: Any, cache: dict | None = None) -> bool:
 
 
 
-def _host_symmetry(A: Any, rel: float) -> int:
-    """The symmetry code of a canonical host CSR matrix (``kernels.symmetry``), chunked when large."""
-    from ..kernels.symmetry import abs_max, csr_symmetry_rows, csr_symmetry_scaled
+def _host_symmetry(A: Any, rel: float, cache: dict | None = None) -> int:
+    """The symmetry code of a canonical host CSR matrix (``kernels.symmetry``), chunked when large.
+
+    The one-pass kernel finds :func:`gershgorin`'s bounds in the same walk;
+    they go to ``cache`` for the auto policy, which reads them next.
+    """
+    from ..kernels.symmetry import abs_max, csr_symmetry_gershgorin, csr_symmetry_rows
 
     workers = symmetry_workers()
     # Chunks cost more in all than the one-pass kernel (a cursor window per
     # chunk, or a binary search per entry): only worth it with several cores.
     if A.nnz < config.current().symmetry_parallel_nnz or workers < 4:
-        return int(csr_symmetry_scaled(A.indptr, A.indices, A.data, rel))
+        code, *bounds = csr_symmetry_gershgorin(A.indptr, A.indices, A.data, rel)
+        if cache is not None:
+            cache[("gershgorin", id(A))] = (A, tuple(float(v) for v in bounds))
+        return int(code)
     pool = _backend.thread_pool("symmetry", workers)
     nnz = A.nnz
     chunks = _row_chunks(A, 2 * workers)
