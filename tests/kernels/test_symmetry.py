@@ -105,7 +105,11 @@ def test_row_chunks_give_the_one_pass_codes(dtype):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_symmetry_and_gershgorin_in_one_pass_give_the_two_kernels_answers(dtype):
-    from managed_solve.kernels.symmetry import csr_gershgorin, csr_symmetry_gershgorin, csr_symmetry_scaled
+    from managed_solve.kernels.symmetry import (
+        csr_gershgorin,
+        csr_symmetry_gershgorin,
+        csr_symmetry_scaled,
+    )
 
     rng = np.random.default_rng(4)
     for trial in range(60):
