@@ -147,14 +147,14 @@ def _host_symmetry(A: Any, rel: float, cache: dict | None = None) -> int:
     The one-pass kernel finds :func:`gershgorin`'s bounds in the same walk;
     they go to ``cache`` for the auto policy, which reads them next.
     """
-    from ..kernels.symmetry import abs_max, csr_symmetry_gershgorin, csr_symmetry_rows
+    from ..kernels.symmetry import abs_max, csr_symmetry_rows
 
     workers = symmetry_workers()
     # Chunks cost more in all than the one-pass kernel (a cursor window per
     # chunk, or a binary search per entry): only worth it with several cores.
     if A.nnz < config.current().symmetry_parallel_nnz or workers < 4:
-        code, *bounds = csr_symmetry_gershgorin(A.indptr, A.indices, A.data, rel)
-        if cache is not None:
+        code, bounds = _one_pass(A, rel, cache)
+        if cache is not None and bounds is not None:
             cache[("gershgorin", id(A))] = (A, tuple(float(v) for v in bounds))
         return int(code)
     pool = _backend.thread_pool("symmetry", workers)
@@ -167,6 +167,35 @@ def _host_symmetry(A: Any, rel: float, cache: dict | None = None) -> int:
     codes = [f.result() for f in [pool.submit(csr_symmetry_rows, A.indptr, A.indices, A.data, limit, lo, hi)
                                   for lo, hi in chunks]]
     return min(codes)  # DIFFERENT_PATTERN (-1) < DIFFERENT_VALUES (0) < SYMMETRIC (1)
+
+
+def _one_pass(A: Any, rel: float, cache: dict | None) -> tuple[int, tuple | None]:
+    """``csr_symmetry_gershgorin``'s code and bounds, through the pattern's mirror map when shared.
+
+    Matrices of one call that share their index arrays (a sweep's systems on
+    one mesh share the symbolic phase's) share the map of each entry to its
+    mirror: the first matrix walks the cursors, the second builds the map,
+    the rest read their values through it (no cursors).
+    """
+    from ..kernels.symmetry import csr_mirror, csr_mirror_gershgorin, csr_symmetry_gershgorin
+
+    key = ("pattern", id(A.indptr), id(A.indices))
+    hit = cache.get(key) if cache is not None else None
+    if hit is None or hit[0] is not A.indptr or hit[1] is not A.indices:
+        if cache is not None:
+            cache[key] = (A.indptr, A.indices, None)
+        code, *bounds = csr_symmetry_gershgorin(A.indptr, A.indices, A.data, rel)
+        return code, tuple(bounds)
+    mirror = hit[2]
+    if mirror is None:
+        mirror = csr_mirror(A.indptr, A.indices)
+        cache[key] = (A.indptr, A.indices, mirror)
+    if A.nnz and not mirror.size:  # a pattern without its mirror: the caller compares A - A.T
+        from ..kernels.symmetry import DIFFERENT_PATTERN
+
+        return DIFFERENT_PATTERN, None
+    code, *bounds = csr_mirror_gershgorin(A.indptr, A.indices, A.data, mirror, rel)
+    return code, tuple(bounds)
 
 
 def _row_chunks(A: Any, parts: int) -> list[tuple[int, int]]:

@@ -142,3 +142,37 @@ def test_gershgorin_of_an_empty_matrix_and_a_nan_diagonal():
     A.data[0] = np.nan
     assert all(np.isnan(csr_gershgorin(A.indptr, A.indices, A.data)))
     assert all(np.isnan(csr_symmetry_gershgorin(A.indptr, A.indices, A.data, 1e-12)[1:]))
+
+
+def test_matrices_sharing_a_pattern_are_checked_through_its_mirror_map():
+    """A sweep's matrices share index arrays: the answers equal the one-pass kernel's, by matrix."""
+    from managed_solve.kernels.symmetry import (
+        csr_mirror,
+        csr_mirror_gershgorin,
+        csr_symmetry_gershgorin,
+    )
+
+    rng = np.random.default_rng(9)
+    P = (sp.random(40, 40, density=0.2, random_state=rng) + sp.identity(40)).tocsr()
+    P = (P + P.T).tocsr()
+    P.sort_indices()
+    mirror = csr_mirror(P.indptr, P.indices)
+    assert mirror.size == P.nnz
+    np.testing.assert_array_equal(P.indices[mirror], np.repeat(np.arange(40), np.diff(P.indptr)))
+    cache: dict = {}
+    for k in range(5):
+        values = P.data * rng.uniform(0.5, 2.0) + (k == 3) * rng.uniform(0, 1e-3, P.nnz)
+        A = P.copy()  # new values on the same index arrays, as the assembly's numeric phase makes
+        A.data, A.indices, A.indptr = values, P.indices, P.indptr
+        want = csr_symmetry_gershgorin(A.indptr, A.indices, A.data, 1e-12)
+        got = csr_mirror_gershgorin(A.indptr, A.indices, A.data, mirror, 1e-12)
+        assert got[0] == want[0] == (DIFFERENT_VALUES if k == 3 else SYMMETRIC)
+        np.testing.assert_allclose(got[1:], want[1:], rtol=1e-14)
+        assert is_symmetric(A, cache) == (k != 3)  # the third and later go through the map
+    upper = sp.diags([2.0, -1.0], [0, 1], shape=(5, 5), format="csr")
+    assert csr_mirror(upper.indptr, upper.indices).size == 0
+    cache = {}
+    for _ in range(3):  # a non-symmetric pattern shared: every matrix still answered right
+        B = upper.copy()
+        B.indices, B.indptr = upper.indices, upper.indptr
+        assert not is_symmetric(B, cache)
