@@ -123,8 +123,9 @@ class Settings:
         instead of the per-system Numba kernel (for comparing the two).
     host_threads : int or None
         Threads a batch on the CPU uses at most (the calling thread
-        included; None: one per core). 1 keeps every host kernel of a batch
-        on the calling thread.
+        included; None: one per core this process may run on, at most
+        ``NUMBA_NUM_THREADS``). 1 keeps every host kernel of a batch on the
+        calling thread.
     host_parallel_min_work : float
         Predicted work of a CPU batch (stored entries plus rows, times
         predicted iterations; about a nanosecond each on one core) below

@@ -37,9 +37,11 @@ from .validate import with_x0
 
 log = logging.getLogger("managed_solve")
 
-# Numba's default (workqueue) threading layer aborts when two threads launch
-# parallel kernels at once, so host-side Krylov work (CPU and simulated
-# devices, which compute with NumPy/Numba on the host) runs one batch at a time.
+# Host-side Krylov work (CPU and simulated devices, which compute with
+# NumPy/Numba on the host) runs one batch at a time: each batch already
+# shares its systems out over every core (solvers/batched/threads.py), and
+# Numba's workqueue threading layer aborts when two threads launch parallel
+# kernels (one large system's row-parallel sweeps) at once.
 _HOST_KERNEL_LOCK = threading.Lock()
 
 

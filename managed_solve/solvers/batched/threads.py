@@ -30,9 +30,11 @@ kernels, so they never compete with BLAS threads of their own.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from collections.abc import Callable
 
+import numba
 import numpy as np
 
 from ... import _backend, config
@@ -45,9 +47,21 @@ TASK_FRACTION = 0.25
 
 
 def host_cores() -> int:
-    """Threads the host kernels may use: the setting ``host_threads``, else every core."""
+    """Threads the host kernels may use: the setting ``host_threads``, else every core allowed.
+
+    Without the setting: the cores this process may run on (its CPU
+    affinity), and no more than ``NUMBA_NUM_THREADS`` (a process told to
+    keep Numba to fewer threads, one of several on a host, is not
+    oversubscribed here either).
+    """
     limit = config.current().host_threads
-    return max(1, int(limit)) if limit else _backend.cpu_count()
+    if limit:
+        return max(1, int(limit))
+    cores = _backend.cpu_count()
+    affinity = getattr(os, "sched_getaffinity", None)
+    if affinity is not None:
+        cores = min(cores, len(affinity(0)))
+    return max(1, min(cores, int(numba.config.NUMBA_NUM_THREADS)))
 
 
 def threads_for(work: float, tasks: int, *, cores: int | None = None) -> int:

@@ -39,6 +39,17 @@ def test_policy_one_thread_for_small_work_or_one_task_else_a_thread_per_core():
         assert threads.host_cores() == 3
 
 
+def test_host_cores_keep_to_numba_s_thread_limit(monkeypatch):
+    """A process told to keep Numba to one thread (one of several on a host) is not oversubscribed."""
+    import numba
+
+    monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", 1)
+    assert threads.host_cores() == 1
+    assert threads.threads_for(1e12, 100) == 1
+    with config.override(host_threads=2):  # the setting says so explicitly
+        assert threads.host_cores() == 2
+
+
 def test_policy_one_system_sweeps_serially_on_small_hosts():
     settings = config.current()
     big = settings.host_row_parallel_min_rows
