@@ -109,6 +109,20 @@ def test_the_cpu_policy_sends_a_10k_mesh_system_to_cg_not_the_lu():
         assert estimate_system(s, 0, device_kind="cpu", cache={}).route == "batch"
 
 
+def test_host_matrix_tests_of_a_cpu_call_run_first_on_every_core_and_agree():
+    """The tests run on the host threads beforehand give the estimates the loop finds alone."""
+    systems = [s for s in policy_systems() + mesh_sweep(2) if s.kind != "operator"]
+    cache: dict = {}
+    with ms.config.override(host_parallel_min_work=0.0):  # threads even for these small ones
+        estimation.test_host_matrices(systems, cache)
+    tested = [s for s in systems if s.kind == "csr" and s.method == "auto"]
+    assert tested and all(cache[id(s.A)][1] == is_symmetric(s.A) for s in tested)
+    assert all(("gershgorin", id(s.A)) in cache for s in tested if is_symmetric(s.A))
+    ahead = [estimate_system(s, i, device_kind="cpu", cache=cache) for i, s in enumerate(systems)]
+    alone = [estimate_system(s, i, device_kind="cpu") for i, s in enumerate(systems)]
+    assert ahead == alone
+
+
 def test_auto_minres_systems_run_alone_through_solve():
     """The batched core has no MINRES: such "auto" systems take the SINGLE route."""
     dm = DeviceManager(simulate="1x1GiB")
