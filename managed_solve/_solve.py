@@ -131,7 +131,7 @@ def solve(A_or_system: Any, b: Any = None, *, x0: Any = None, rtol: float = 1e-8
                              "solve the columns one by one, or on one device.")
         solver = Solver(A_or_system, method=method, M=M, rtol=rtol, atol=atol, maxiter=maxiter,
                         callback=callback, device=device, dtype=dtype, manager=manager,
-                        nullspace=nullspace)
+                        nullspace=nullspace, rhs=int(np.shape(b)[1]))
         try:
             return solver.solve(b, x0)
         finally:
@@ -147,7 +147,7 @@ def solve(A_or_system: Any, b: Any = None, *, x0: Any = None, rtol: float = 1e-8
             raise ValueError("solve(A, b, devices=...): a sharded solve gives no gradient, and A "
                              "or b requires grad; solve on one device, or detach the inputs.")
         return _sharded(system, many, mgr)
-    solver = Solver.from_system(system, device=device, manager=mgr, callback=callback)
+    solver = Solver.from_system(system, device=device, manager=mgr, callback=callback, rhs=1)
     try:
         # Attached to autograd when A's values or b require grad: the solver
         # then stays open for the one adjoint solve of backward.

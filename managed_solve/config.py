@@ -121,6 +121,25 @@ class Settings:
     batched_gmres_vectorised_on_host : bool
         Batched engine: NumPy batches run GMRES's whole-batch device loop
         instead of the per-system Numba kernel (for comparing the two).
+    host_threads : int or None
+        Threads a batch on the CPU uses at most (the calling thread
+        included; None: one per core this process may run on, at most
+        ``NUMBA_NUM_THREADS``). 1 keeps every host kernel of a batch on the
+        calling thread.
+    host_parallel_min_work : float
+        Predicted work of a CPU batch (stored entries plus rows, times
+        predicted iterations; about a nanosecond each on one core) below
+        which it runs on the calling thread alone: waking a helper costs
+        tens of microseconds.
+    host_row_parallel_min_rows : int
+        Rows from which one system alone on the CPU sweeps its rows on
+        several threads (on hosts of ``host_row_parallel_min_cores`` cores
+        or more); below, or on fewer cores, its sweeps are serial.
+    host_row_parallel_min_cores : int
+        Cores a host needs for the row-parallel sweeps of one system: each
+        sweep ends at a barrier that waits for the slowest thread, which on
+        a small host shared with other processes costs more than the second
+        core gives.
     """
 
     work_stealing: bool = True
@@ -155,6 +174,11 @@ class Settings:
     batched_vector_min_nnz_per_row: int = 32
     batched_gmres_graphs: bool = True
     batched_gmres_vectorised_on_host: bool = False
+    # -- host kernels of the batched engine (solvers/batched/threads.py)
+    host_threads: int | None = None
+    host_parallel_min_work: float = 2e5
+    host_row_parallel_min_rows: int = 1 << 18
+    host_row_parallel_min_cores: int = 4
 
     def replace(self, **changes) -> Settings:
         """A copy with ``changes`` applied (names checked, see :func:`override`)."""

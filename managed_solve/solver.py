@@ -81,6 +81,13 @@ class Solver:
         As for :func:`managed_solve.solve`.
     name : str, optional
         Shown in results.
+    rhs : int, optional
+        Right-hand sides this solver is expected to solve, for ``method="auto"``
+        on the CPU (:func:`managed_solve.system.method.choose_method`): with a
+        count, a factorisation is weighed against that many CG solves by
+        predicted time (``solve`` passes 1); without one, the solver is taken
+        to be reused, and a small 2D-like matrix is factorised unless CG's
+        Gershgorin bound says it is easy.
 
     Notes
     -----
@@ -111,7 +118,7 @@ class Solver:
                  atol: float = 0.0, maxiter: int | None = None,
                  callback: Callable[[Any], None] | None = None, device: Any = None,
                  dtype: Any = None, manager: Any = None, name: str | None = None,
-                 nullspace: Any = None):
+                 nullspace: Any = None, rhs: int | None = None):
         grad = grad_source(A, None, call="Solver(A)")
         op, kind = as_operator(A, call="Solver(A)")
         n = int(op.shape[0]) if len(op.shape) == 2 else 0
@@ -123,19 +130,21 @@ class Solver:
         system = LinearSystem(op, zeros[:n] if n else zeros, rtol=rtol, atol=atol,
                               maxiter=maxiter, method=method, M=M, name=name, dtype=dtype,
                               nullspace=nullspace, _call="Solver(A)")
-        self._open(system, device=device, manager=manager, callback=callback)
+        self._open(system, device=device, manager=manager, callback=callback, rhs=rhs)
         self.grad = grad
 
     @classmethod
     def from_system(cls, system: LinearSystem, *, device: Any = None, manager: Any = None,
-                    callback: Callable[[Any], None] | None = None) -> Solver:
+                    callback: Callable[[Any], None] | None = None,
+                    rhs: int | None = None) -> Solver:
         """A Solver for a validated :class:`LinearSystem` (its b and x0 count in the reservation)."""
         self = object.__new__(cls)
-        self._open(system, device=device, manager=manager, callback=callback)
+        self._open(system, device=device, manager=manager, callback=callback, rhs=rhs)
         return self
 
     # ------------------------------------------------------------------ set-up
-    def _open(self, system: LinearSystem, *, device: Any, manager: Any, callback: Any) -> None:
+    def _open(self, system: LinearSystem, *, device: Any, manager: Any, callback: Any,
+              rhs: int | None = None) -> None:
         from .manager import default_manager
 
         mgr = manager if manager is not None else default_manager()
@@ -149,7 +158,7 @@ class Solver:
         # resolved as for an accelerator (no direct), then again once placed.
         symmetric = matrix_symmetry(system) if system.method in ("auto", "direct") else None
         planned = choose_method(system, dev.kind if dev is not None else "cuda",
-                                symmetric=symmetric)
+                                symmetric=symmetric, rhs=rhs)
         # Through the manager's size heuristic (managed_solve.USE_HEURISTIC), as
         # every reservation of an object is.
         nbytes = mgr.size_of(system.nbytes + system.workspace_bytes(planned))
@@ -163,7 +172,7 @@ class Solver:
             self.manager = mgr
             self.symmetric = symmetric
             self.callback = callback
-            self.method = choose_method(self.system, dev.kind, symmetric=symmetric)
+            self.method = choose_method(self.system, dev.kind, symmetric=symmetric, rhs=rhs)
             M = choose_preconditioner(self.system, dev.kind, self.method, symmetric=symmetric)
             if M is not self.system.M:
                 self.system = with_preconditioner(self.system, M)

@@ -6,13 +6,15 @@ The CPU twins of the fused CUDA kernels in
 global), its own scalars and its own stopping rule
 ``||r_s|| <= max(rtol_s * ||b_s||, atol_s)`` (SciPy's rule).
 
-Two parallel layouts, chosen by the caller:
+Two layouts, chosen by the caller:
 
-- ``*_systems``: ``prange`` over systems, each system's rows serially. Many
-  systems keep both cores busy without any per-iteration thread start.
+- ``*_some``: systems one after another, each system's rows serially,
+  without the GIL. Host threads each run it on the systems they claim, so
+  many systems keep every core busy with no thread start or barrier while
+  they iterate.
 - ``*_rows``: one system, ``prange`` over rows with reductions, three (CG)
-  or five (BiCGStab) parallel sweeps per iteration. Only worth its thread
-  starts for large systems.
+  or five (BiCGStab) parallel sweeps per iteration, each ending at a
+  barrier. Only worth its thread starts for large systems on idle cores.
 
 Status codes: 0 converged, 1 maxiter, 2 breakdown. Scalars (alpha, beta,
 rho, omega and every dot product) are accumulated in float64 whatever the
@@ -33,16 +35,15 @@ from numba import prange
 
 __all__ = [
     "bicgstab_rows",
-    "bicgstab_systems",
+    "bicgstab_some",
     "cg_rows",
-    "cg_systems",
+    "cg_some",
     "back_substitute",
     "gmres_coefficients",
     "givens_columns",
-    "gmres_systems",
+    "gmres_some",
     "rotate_column",
     "row_product",
-    "run_systems",
 ]
 
 
@@ -70,6 +71,23 @@ def precondition(dinv, v, i):
     if dinv.shape[0] > 0:
         return dinv[i] * v[i]
     return v[i] * 1.0
+
+
+@numba.njit(cache=True, inline="always")
+def residual_sums(lo, hi, indptr, indices, data, b, x):
+    """``(||b - A x||^2, ||b||^2)`` over rows ``lo:hi``, accumulated in float64.
+
+    The true residual of a system just solved, while its rows are still in
+    cache (the check the verify rule reads).
+    """
+    rr = 0.0
+    bb = 0.0
+    for i in range(np.uint64(lo), np.uint64(hi)):
+        bi = b[i] * 1.0
+        ri = bi - row_product(indptr, indices, data, x, i)
+        rr += ri * ri
+        bb += bi * bi
+    return rr, bb
 
 
 @numba.njit(cache=True)
@@ -147,16 +165,25 @@ def _cg_segment(lo, hi, indptr, indices, data, b, x, dinv, r, z, p, q,
         it += 1
 
 
-@numba.njit(parallel=True, cache=True)
-def cg_systems(indptr, indices, data, b, x, dinv, r, z, p, q, offsets,
-               rtol, atol, maxiter, has_x0, out_iterations, out_rr, out_status):
-    """CG on every system of a packed batch, one system per parallel task."""
-    for s in prange(offsets.shape[0] - 1):
-        it, rr, st = _cg_segment(offsets[s], offsets[s + 1], indptr, indices, data, b, x,
+@numba.njit(nogil=True, cache=True)
+def cg_some(order, start, stop, indptr, indices, data, b, x, dinv, r, z, p, q, offsets,
+            rtol, atol, maxiter, has_x0, out_iterations, out_rr, out_status, out_true, out_bb):
+    """CG on systems ``order[start:stop]`` of a packed batch, one after another.
+
+    Serial and without the GIL: host threads each call it on the systems
+    they claim (:mod:`managed_solve.solvers.batched.threads`). Besides the
+    recurrence's ``out_rr``, each system's true ``||b - A x||^2`` and
+    ``||b||^2`` go to ``out_true`` and ``out_bb`` (:func:`residual_sums`).
+    """
+    for k in range(start, stop):
+        s = order[k]
+        lo, hi = offsets[s], offsets[s + 1]
+        it, rr, st = _cg_segment(lo, hi, indptr, indices, data, b, x,
                                  dinv, r, z, p, q, rtol[s], atol[s], maxiter[s], has_x0)
         out_iterations[s] = it
         out_rr[s] = rr
         out_status[s] = st
+        out_true[s], out_bb[s] = residual_sums(lo, hi, indptr, indices, data, b, x)
 
 
 @numba.njit(parallel=True, cache=True)
@@ -310,17 +337,24 @@ def _bicgstab_segment(lo, hi, indptr, indices, data, b, x, dinv, r, rt, p, v, t,
         it += 1
 
 
-@numba.njit(parallel=True, cache=True)
-def bicgstab_systems(indptr, indices, data, b, x, dinv, r, rt, p, v, t, z, offsets,
-                     rtol, atol, maxiter, has_x0, out_iterations, out_rr, out_status):
-    """BiCGStab on every system of a packed batch, one system per parallel task."""
-    for s in prange(offsets.shape[0] - 1):
-        it, rr, st = _bicgstab_segment(offsets[s], offsets[s + 1], indptr, indices, data, b, x,
+@numba.njit(nogil=True, cache=True)
+def bicgstab_some(order, start, stop, indptr, indices, data, b, x, dinv, r, rt, p, v, t, z,
+                  offsets, rtol, atol, maxiter, has_x0, out_iterations, out_rr, out_status,
+                  out_true, out_bb):
+    """BiCGStab on systems ``order[start:stop]`` of a packed batch (serial, without the GIL).
+
+    The true residual sums as in :func:`cg_some`.
+    """
+    for k in range(start, stop):
+        s = order[k]
+        lo, hi = offsets[s], offsets[s + 1]
+        it, rr, st = _bicgstab_segment(lo, hi, indptr, indices, data, b, x,
                                        dinv, r, rt, p, v, t, z, rtol[s], atol[s], maxiter[s],
                                        has_x0)
         out_iterations[s] = it
         out_rr[s] = rr
         out_status[s] = st
+        out_true[s], out_bb[s] = residual_sums(lo, hi, indptr, indices, data, b, x)
 
 
 @numba.njit(parallel=True, cache=True)
@@ -414,19 +448,6 @@ def bicgstab_rows(indptr, indices, data, b, x, dinv, r, rt, p, v, t, z,
 def empty_dinv(dtype) -> np.ndarray:
     """The "no preconditioner" marker: an empty array of the vector dtype."""
     return np.empty(0, dtype=dtype)
-
-
-def run_systems(kernel, *args):
-    """Call a ``*_systems`` kernel with dynamic scheduling, one system per chunk.
-
-    Systems of a batch differ in size and iteration count; Numba's default
-    static split would leave one core idle while the other finishes the big ones.
-    """
-    old = numba.set_parallel_chunksize(1)
-    try:
-        kernel(*args)
-    finally:
-        numba.set_parallel_chunksize(old)
 
 
 # ---------------------------------------------------------------------------
@@ -618,11 +639,17 @@ def _gmres_segment(lo, hi, indptr, indices, data, b, x, dinv, rtol, atol, maxite
         total += k
 
 
-@numba.njit(parallel=True, cache=True)
-def gmres_systems(indptr, indices, data, b, x, dinv, offsets, rtol, atol, maxiter, restart,
-                  has_x0, its, res, st):
-    """Restarted GMRES on every system of a batch, ``prange`` over systems."""
-    for s in prange(offsets.size - 1):
-        its[s], res[s], st[s] = _gmres_segment(offsets[s], offsets[s + 1], indptr, indices, data,
+@numba.njit(nogil=True, cache=True)
+def gmres_some(order, start, stop, indptr, indices, data, b, x, dinv, offsets, rtol, atol,
+               maxiter, restart, has_x0, its, res, st, out_true, out_bb):
+    """Restarted GMRES on systems ``order[start:stop]`` of a batch (serial, without the GIL).
+
+    The true residual sums as in :func:`cg_some`.
+    """
+    for k in range(start, stop):
+        s = order[k]
+        lo, hi = offsets[s], offsets[s + 1]
+        its[s], res[s], st[s] = _gmres_segment(lo, hi, indptr, indices, data,
                                                b, x, dinv, rtol[s], atol[s], maxiter[s], restart,
                                                has_x0)
+        out_true[s], out_bb[s] = residual_sums(lo, hi, indptr, indices, data, b, x)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["abs_max", "csr_positive_diagonal", "csr_symmetry", "csr_symmetry_rows",
+__all__ = ["abs_max", "csr_gershgorin", "csr_mirror", "csr_mirror_gershgorin",
+           "csr_positive_diagonal", "csr_symmetry", "csr_symmetry_gershgorin", "csr_symmetry_rows",
            "csr_symmetry_rows_search", "csr_symmetry_rows_window", "csr_symmetry_scaled"]
 
 SYMMETRIC, DIFFERENT_VALUES, DIFFERENT_PATTERN = 1, 0, -1
@@ -154,3 +155,151 @@ def csr_positive_diagonal(indptr, indices, data, lo, hi):
         if not d > 0.0:  # also a NaN
             return False
     return True
+
+
+@numba.njit(nogil=True, cache=True)
+def csr_gershgorin(indptr, indices, data):
+    """``(lo, hi, dmin, dmax)`` of a square CSR matrix in one pass (duplicates summed, as SciPy does).
+
+    ``lo = min(a_ii - r_i)`` and ``hi = max(a_ii + r_i)`` with ``r_i`` the
+    absolute off-diagonal sum of row ``i`` bound the eigenvalues of a
+    symmetric A (Gershgorin); ``dmin``, ``dmax`` are the extreme diagonal
+    entries. A NaN diagonal makes ``dmin`` NaN (every comparison with it fails).
+    """
+    n = indptr.shape[0] - 1
+    lo, hi = np.inf, -np.inf
+    dmin, dmax = np.inf, -np.inf
+    nan = False
+    for i in range(n):
+        d = 0.0
+        r = 0.0
+        for p in range(indptr[i], indptr[i + 1]):
+            if indices[p] == i:
+                d += data[p]
+            else:
+                r += abs(data[p])
+        nan = nan or d != d
+        lo = min(lo, d - r)
+        hi = max(hi, d + r)
+        dmin = min(dmin, d)
+        dmax = max(dmax, d)
+    if n == 0:
+        return 0.0, 0.0, 0.0, 0.0
+    if nan:
+        return np.nan, np.nan, np.nan, np.nan
+    return lo, hi, dmin, dmax
+
+
+@numba.njit(nogil=True, cache=True)
+def csr_symmetry_gershgorin(indptr, indices, data, rel):
+    """:func:`csr_symmetry_scaled`'s code and :func:`csr_gershgorin`'s bounds in one pass.
+
+    Returns ``(code, lo, hi, dmin, dmax)``. The auto policy needs both for
+    every distinct matrix; one walk over the entries reads each once (the
+    mirror look-ups of the cursors dominate either pass). ``indices`` must
+    be sorted within each row, without duplicates. The largest mirror
+    difference and ``max |a_ij|`` are tracked to the end, so a matrix whose
+    values differ is read whole (its Gershgorin bounds are wanted too); one
+    whose pattern differs stops comparing mirrors at the first miss.
+    """
+    n = indptr.shape[0] - 1
+    cursor = indptr[:-1].copy()
+    same_pattern = True
+    worst = 0.0
+    scale = 0.0
+    lo, hi = np.inf, -np.inf
+    dmin, dmax = np.inf, -np.inf
+    nan = False
+    for i in range(n):
+        d = 0.0
+        r = 0.0
+        for p in range(indptr[i], indptr[i + 1]):
+            j = indices[p]
+            a = data[p]
+            scale = max(scale, abs(a))
+            if j == i:
+                d += a
+            else:
+                r += abs(a)
+            if same_pattern:
+                q = cursor[j]
+                if q == indptr[j + 1] or indices[q] != i:
+                    same_pattern = False
+                else:
+                    cursor[j] = q + 1
+                    worst = max(worst, abs(a - data[q]))
+        nan = nan or d != d
+        lo = min(lo, d - r)
+        hi = max(hi, d + r)
+        dmin = min(dmin, d)
+        dmax = max(dmax, d)
+    if not same_pattern:
+        code = DIFFERENT_PATTERN
+    else:
+        code = SYMMETRIC if worst <= rel * scale else DIFFERENT_VALUES
+    if n == 0:
+        return code, 0.0, 0.0, 0.0, 0.0
+    if nan:
+        return code, np.nan, np.nan, np.nan, np.nan
+    return code, lo, hi, dmin, dmax
+
+
+@numba.njit(nogil=True, cache=True)
+def csr_mirror(indptr, indices):
+    """The position of each stored entry's mirror: ``mirror[p]`` holds ``(j, i)`` for ``(i, j)`` at ``p``.
+
+    An empty array when some mirror is not stored (a non-symmetric pattern).
+    ``indices`` sorted within each row, without duplicates. Matrices sharing
+    one pattern (a sweep over time steps on one mesh) share this map, and
+    each then checks its values in one pass without the cursors
+    (:func:`csr_mirror_gershgorin`).
+    """
+    n = indptr.shape[0] - 1
+    cursor = indptr[:-1].copy()
+    mirror = np.empty(indices.shape[0], dtype=np.int64)
+    for i in range(n):
+        for p in range(indptr[i], indptr[i + 1]):
+            j = indices[p]
+            q = cursor[j]
+            if q == indptr[j + 1] or indices[q] != i:
+                return np.empty(0, dtype=np.int64)
+            cursor[j] = q + 1
+            mirror[p] = q
+    return mirror
+
+
+@numba.njit(nogil=True, cache=True)
+def csr_mirror_gershgorin(indptr, indices, data, mirror, rel):
+    """:func:`csr_symmetry_gershgorin`'s answer for a pattern whose :func:`csr_mirror` map is known.
+
+    The pattern is symmetric (the map exists), so the code is
+    ``SYMMETRIC`` or ``DIFFERENT_VALUES``.
+    """
+    n = indptr.shape[0] - 1
+    worst = 0.0
+    scale = 0.0
+    lo, hi = np.inf, -np.inf
+    dmin, dmax = np.inf, -np.inf
+    nan = False
+    for i in range(n):
+        d = 0.0
+        r = 0.0
+        for p in range(indptr[i], indptr[i + 1]):
+            a = data[p]
+            scale = max(scale, abs(a))
+            worst = max(worst, abs(a - data[mirror[p]]))
+            if indices[p] == i:
+                d += a
+            else:
+                r += abs(a)
+        nan = nan or d != d
+        lo = min(lo, d - r)
+        hi = max(hi, d + r)
+        dmin = min(dmin, d)
+        dmax = max(dmax, d)
+    code = SYMMETRIC if worst <= rel * scale else DIFFERENT_VALUES
+    if n == 0:
+        return code, 0.0, 0.0, 0.0, 0.0
+    if nan:
+        return code, np.nan, np.nan, np.nan, np.nan
+    return code, lo, hi, dmin, dmax

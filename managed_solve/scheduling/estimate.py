@@ -44,10 +44,73 @@ def resolve_method(s: LinearSystem, device_kind: str, cache: dict | None) -> str
     """The method that solves ``s`` on devices of ``device_kind``: the auto policy's choice.
 
     The same as ``solve()`` makes for that system on such a device (the
-    policy is :func:`managed_solve.system.method.choose_method`); ``cache``
-    (one dict per call) keeps the symmetry and diagonal tests by matrix.
+    policy is :func:`managed_solve.system.method.choose_method`), except
+    that the systems of the call sharing its matrix (:func:`count_shared`)
+    count as right-hand sides of one factorisation; ``cache`` (one dict per
+    call) keeps the symmetry and diagonal tests by matrix.
     """
-    return choose_method(s, device_kind, cache=cache)
+    return choose_method(s, device_kind, cache=cache, rhs=shared_count(s, cache))
+
+
+def count_shared(systems: Sequence[LinearSystem | None], cache: dict) -> None:
+    """Count, into ``cache``, the "auto" CSR systems without a preconditioner that share each matrix.
+
+    Systems sharing a matrix object share its host LU (:class:`.routes.FactorCache`),
+    so the auto policy weighs one factorisation against their CG solves.
+    """
+    counts: dict[int, list] = {}
+    for s in systems:
+        if s is not None and s.kind == "csr" and s.method == "auto" and s.M is None:
+            entry = counts.get(id(s.A))
+            if entry is None:
+                counts[id(s.A)] = [s.A, 1]
+            else:
+                entry[1] += 1
+    for key, (A, count) in counts.items():
+        if count > 1:
+            cache[("rhs", key)] = (A, count)
+
+
+def test_host_matrices(systems: Sequence[LinearSystem | None], cache: dict) -> None:
+    """Run the auto policy's matrix tests of a CPU-only call on every core, before the estimates.
+
+    Each distinct host CSR matrix of an "auto" system gets its one-pass
+    symmetry and Gershgorin test (:func:`managed_solve.system.is_symmetric`,
+    which leaves both in ``cache``); the kernels release the GIL, so the
+    calling thread and the host-kernel helpers share them out, largest
+    first, as a batch's systems are (:mod:`managed_solve.solvers.batched.threads`).
+    The estimate loop then finds every answer in ``cache``. Matrices large
+    enough for the chunked test are left to it.
+    """
+    from ..solvers.batched.threads import claim_order, run_claimed, threads_for
+
+    least = config.current().symmetry_parallel_nnz
+    found: dict[int, Any] = {}
+    for s in systems:
+        if s is None or s.kind != "csr" or s.method != "auto" or id(s.A) in found:
+            continue
+        A = s.A
+        if type(s.b) is np.ndarray and _backend.is_scipy_sparse(A) and A.nnz < least \
+                and A.has_canonical_format:
+            found[id(A)] = A
+    if not found:
+        return
+    mats = list(found.values())
+    work = np.fromiter((4.0 * A.nnz for A in mats), np.float64, len(mats))  # ~4 ns an entry
+    order, bounds = claim_order(work)
+    picks, starts, stops = order.tolist(), bounds[:-1].tolist(), bounds[1:].tolist()
+
+    def test(k: int) -> None:
+        for j in picks[starts[k]:stops[k]]:
+            is_symmetric(mats[j], cache)
+
+    run_claimed(test, len(starts), threads_for(float(work.sum()), len(starts)))
+
+
+def shared_count(s: LinearSystem, cache: dict | None) -> int:
+    """The systems sharing ``s``'s matrix (:func:`count_shared`), 1 when not counted."""
+    hit = cache.get(("rhs", id(s.A))) if cache is not None else None
+    return hit[1] if hit is not None and hit[0] is s.A else 1
 
 
 def is_jacobi(M: Any) -> bool:

@@ -113,6 +113,9 @@ def _solve(systems: Iterable[Any], *, disperse: bool, devices: Any, method: str,
     kind = "cpu" if host_only else next(d.kind for d in devs if d.kind != "cpu")
     ref = devs[0]
     cache: dict = {}  # symmetry per matrix object, for this call
+    if host_only:
+        estimation.count_shared(valid, cache)  # one LU serves every system of a shared matrix
+        estimation.test_host_matrices(valid, cache)  # on every core, before the estimate loop
     early = estimation.prefetch_methods(valid, kind, cache)
 
     def method_of(s: LinearSystem) -> str:

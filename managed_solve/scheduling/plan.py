@@ -36,10 +36,13 @@ DIRECT = "direct"  # sparse LU on the host, many systems over a thread pool (CPU
 DEFERRED = "auto"
 
 # Rows per batch that keep a device busy. On a GPU a 2D 5-point product of 1M
-# rows is long enough that kernel launch latency stops dominating; host and
-# simulated devices run NumPy/Numba on a few cores, where smaller batches
-# balance better and cost nothing in efficiency (docs/performance.md).
-TARGET_ROWS = {"cuda": 1 << 20, "sim": 1 << 15, "cpu": 1 << 15}
+# rows is long enough that kernel launch latency stops dominating. Simulated
+# devices run NumPy/Numba on a few cores, where smaller batches balance
+# better. The CPU shares each batch's systems out over its cores, one system
+# per thread at a time: a batch should hold many systems (a 10,000-row mesh
+# system must not run alone, on one core), and fewer batches leave fewer
+# tails where one thread finishes before the other.
+TARGET_ROWS = {"cuda": 1 << 20, "sim": 1 << 15, "cpu": 1 << 18}
 # A system of at least this many rows, or a quarter of the target batch rows,
 # is a batch of its own: a batch cannot be split between devices, so one
 # large system must be free to go to any of them (lumped with many small

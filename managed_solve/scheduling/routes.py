@@ -38,9 +38,11 @@ from .validate import with_x0
 
 log = logging.getLogger("managed_solve")
 
-# Numba's default (workqueue) threading layer aborts when two threads launch
-# parallel kernels at once, so host-side Krylov work (CPU and simulated
-# devices, which compute with NumPy/Numba on the host) runs one batch at a time.
+# Host-side Krylov work (CPU and simulated devices, which compute with
+# NumPy/Numba on the host) runs one batch at a time: each batch already
+# shares its systems out over every core (solvers/batched/threads.py), and
+# Numba's workqueue threading layer aborts when two threads launch parallel
+# kernels (one large system's row-parallel sweeps) at once.
 _HOST_KERNEL_LOCK = threading.Lock()
 
 
@@ -67,7 +69,9 @@ def run_packed(packed: Any, method: str) -> tuple:
     out = core(packed)
     seconds = time.perf_counter() - t0
     xp = packed.xp
-    if xp is np:
+    if out.true_norms is not None:  # the host kernels computed them as each system stopped
+        rn, bn = out.true_norms
+    elif xp is np:
         N = int(packed.n)
         A = _backend.sparse_module(xp).csr_matrix((packed.data, packed.indices, packed.indptr),
                                                   shape=(N, N))

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 # Work vectors of each method besides A and b (x included); GMRES(30) keeps
 # its basis of 30 vectors plus three.
 _WORK_VECTORS = {"cg": 4, "bicgstab": 7, "gmres": 30 + 3, "minres": 8, "direct": 0}
@@ -39,6 +41,26 @@ def predict_iterations(n: int, *, rtol: float = 1e-8, method: str = "cg",
     its = max(its, 1.0)
     if maxiter is not None:
         its = min(its, float(maxiter))
+    return its
+
+
+def predict_iterations_array(n: np.ndarray, rtol: np.ndarray, *, method: str = "cg",
+                             maxiter: np.ndarray | None = None) -> np.ndarray:
+    """:func:`predict_iterations` of many systems at once (arrays of sizes and tolerances).
+
+    Examples
+    --------
+    >>> predict_iterations_array(np.array([96 * 96, 100]), np.array([1e-8, 1e-8]),
+    ...                          maxiter=np.array([1000, 5])).round().tolist()
+    [183.0, 5.0]
+    """
+    rtol = np.clip(np.asarray(rtol, dtype=np.float64), 1e-16, 0.5)
+    its = 0.1 * np.log(2.0 / rtol) * np.sqrt(np.maximum(np.asarray(n, dtype=np.float64), 1.0))
+    if method == "bicgstab":
+        its *= 0.7
+    its = np.maximum(its, 1.0)
+    if maxiter is not None:
+        its = np.minimum(its, np.asarray(maxiter, dtype=np.float64))
     return its
 
 

@@ -9,14 +9,25 @@ The rule, in order:
 1. A method given by the caller is kept.
 2. On the CPU, a sparse matrix of at most :data:`DIRECT_MAX_N` unknowns with
    2D-like sparsity (at most :data:`DIRECT_MAX_ROW_NNZ` entries a row on
-   average) and no preconditioner goes to the sparse LU, unless CG's
-   Gershgorin bound says CG is cheap (:func:`prefers_cg`); a dense matrix of at
-   most :data:`DIRECT_MAX_DENSE_N` unknowns goes to LAPACK's LU.
+   average) and no preconditioner goes to the sparse LU, unless it is a CG
+   matrix (symmetric, positive diagonal) that CG is predicted to solve
+   sooner (:func:`cg_beats_lu`: predicted times, not a size; where the
+   count of right-hand sides is unknown, a reused ``Solver``, unless CG's
+   Gershgorin bound is low); a dense matrix of at most
+   :data:`DIRECT_MAX_DENSE_N` unknowns goes to LAPACK's LU.
 3. Otherwise a Krylov method (:func:`krylov_method`): CG for a symmetric
    matrix with a positive diagonal, MINRES for another symmetric one,
    BiCGStab for the rest (and for operators, whose symmetry is unknown).
 4. When "auto"'s choice breaks down, :data:`FALLBACK` names the robust
    method to run next.
+
+The times of rule 2 come from models measured on the 2-core development
+machine (the host's serial CG kernel and SciPy's SuperLU with a
+minimum-degree ordering, on 2D Poisson grids and triangle meshes of 1,000
+to 65,000 unknowns): on such systems at rtol 1e-8 CG took a third of the
+LU's time, so CG is chosen wherever its iteration count is predictable,
+and the LU where it is not or where its factors serve many right-hand
+sides (``solve_many``'s systems sharing one matrix).
 
 ``M="auto"`` (:func:`choose_preconditioner`) gives CG smoothed-aggregation
 AMG on a large sparse symmetric matrix with a positive diagonal whose CG
@@ -30,7 +41,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .properties import cg_iteration_bound, is_symmetric, positive_diagonal
+import numpy as np
+
+from .cost import predict_iterations
+from .properties import cg_iteration_bound, gershgorin, is_symmetric, positive_diagonal
 
 METHODS = ("auto", "cg", "bicgstab", "gmres", "minres", "direct")
 PRECONDITIONERS = ("auto", "jacobi", "neumann", "amg")
@@ -82,11 +96,23 @@ DIRECT_MAX_N = 200_000
 DIRECT_MAX_ROW_NNZ = 12
 #: Largest dense matrix "auto" factorises with LAPACK's LU on the CPU.
 DIRECT_MAX_DENSE_N = 4_000
-#: Below this Gershgorin bound on CG's iterations, CG is preferred to a
-#: sparse LU on the CPU: the bound overestimates easy systems (a heat step, a
-#: screened Poisson problem) about tenfold, and CG then takes milliseconds
-#: where the LU's fill-in takes far longer.
+#: Below this Gershgorin bound on CG's iterations ``M="auto"`` keeps plain CG
+#: rather than setting up AMG: the bound overestimates easy systems (a heat
+#: step, a screened Poisson problem) about tenfold, and CG then converges
+#: sooner than a hierarchy is built.
 CG_PREFERRED_BOUND = 2000.0
+#: Seconds per (stored entry + row) and iteration of the host's serial CG
+#: kernel (0.75 ns measured on 2D grids and triangle meshes held in cache).
+HOST_CG_SECONDS = 0.75e-9
+#: SuperLU on the host: a fixed cost per factorisation, and seconds per unit
+#: of ``nnz * n**0.25`` (a 2D-like matrix's factors hold about 0.75 of that
+#: many entries) to factorise and, per right-hand side, to solve with them.
+HOST_LU_FIXED_SECONDS = 60e-6
+HOST_LU_SECONDS = 45e-9
+HOST_LU_SOLVE_SECONDS = 1.0e-9
+#: Average entries a row up to which a matrix counts as a chain (1D-like):
+#: its LU has no fill, and CG's iterations grow like n.
+CHAIN_MAX_ROW_NNZ = 3
 #: Unknowns from which ``M="auto"`` sets up AMG for CG, by device kind. On
 #: the CPU it takes over where the sparse LU stops; on a GPU, where a
 #: Jacobi-CG iteration costs tens of microseconds, the hierarchy's set-up pays
@@ -147,9 +173,69 @@ def choose_preconditioner(system: Any, device_kind: str, method: str, *,
     return "amg"
 
 
-def prefers_cg(A: Any, rtol: float, symmetric: bool | None) -> bool:
-    """Whether CG's Gershgorin iteration bound is low enough to skip a sparse LU on the CPU."""
-    return bool(symmetric) and cg_iteration_bound(A, rtol) <= CG_PREFERRED_BOUND
+def prefers_cg(A: Any, rtol: float, symmetric: bool | None, cache: dict | None = None) -> bool:
+    """Whether CG's Gershgorin iteration bound is low: an easy system for plain CG (no AMG)."""
+    return bool(symmetric) and cg_iteration_bound(A, rtol, cache) <= CG_PREFERRED_BOUND
+
+
+def predict_cg_iterations(A: Any, rtol: float, cache: dict | None = None) -> float:
+    """CG's predicted iterations on a symmetric CSR matrix with a positive diagonal.
+
+    The smaller of Gershgorin's bound (:func:`cg_iteration_bound`, finite for
+    a strictly diagonally dominant A) and, for a weakly diagonally dominant
+    A (a second-order PDE operator: Poisson, diffusion, a cotangent
+    Laplacian, a heat step), the cost model's Poisson-like count
+    (:func:`~managed_solve.system.cost.predict_iterations`) scaled by
+    ``sqrt(dmax / dmin)`` (a badly scaled diagonal slows CG down), or ``n``
+    for a chain (1D-like, :data:`CHAIN_MAX_ROW_NNZ`). Infinite for other
+    matrices (a fourth-order operator, an indefinite one): nothing predicts
+    their count.
+
+    Examples
+    --------
+    >>> import scipy.sparse as sp
+    >>> T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(30, 30))
+    >>> A = sp.kronsum(T, T, format="csr")  # 2D Poisson, 900 unknowns
+    >>> round(predict_cg_iterations(A, 1e-8))
+    57
+    """
+    n, nnz = A.shape[0], A.nnz
+    lo, _hi, dmin, dmax = gershgorin(A, cache)
+    its = cg_iteration_bound(A, rtol, cache)
+    if not dmin > 0 or not lo >= -1e-12 * abs(dmax):
+        return its
+    if nnz <= CHAIN_MAX_ROW_NNZ * n:
+        return min(its, float(n))
+    return min(its, predict_iterations(n, rtol=rtol) * float(np.sqrt(dmax / dmin)))
+
+
+def cg_beats_lu(A: Any, rtol: float, *, rhs: int = 1, cache: dict | None = None) -> bool:
+    """Whether CG is predicted to solve ``rhs`` systems of the symmetric CSR ``A`` sooner than a sparse LU.
+
+    Host times (:data:`HOST_CG_SECONDS`, :data:`HOST_LU_SECONDS` and
+    friends): CG's predicted iterations (:func:`predict_cg_iterations`)
+    times its work per iteration, for each right-hand side, against one
+    factorisation plus a solve with the factors for each. A chain's LU has
+    no fill. A matrix without a positive diagonal is not CG's.
+
+    Examples
+    --------
+    >>> import scipy.sparse as sp
+    >>> T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(64, 64))
+    >>> A = sp.kronsum(T, T, format="csr")  # 2D Poisson, 4,096 unknowns
+    >>> cg_beats_lu(A, 1e-8), cg_beats_lu(A, 1e-8, rhs=50)
+    (True, False)
+    """
+    n, nnz = A.shape[0], A.nnz
+    if n == 0:
+        return False
+    its = predict_cg_iterations(A, rtol, cache)
+    if not np.isfinite(its):
+        return False
+    cg = rhs * HOST_CG_SECONDS * its * (nnz + n)
+    factors = nnz if nnz <= CHAIN_MAX_ROW_NNZ * n else nnz * n ** 0.25
+    lu = HOST_LU_FIXED_SECONDS + (HOST_LU_SECONDS + rhs * HOST_LU_SOLVE_SECONDS) * factors
+    return cg < lu
 
 
 def krylov_method(A: Any, symmetric: bool | None, *, cache: dict | None = None) -> str:
@@ -185,27 +271,42 @@ def krylov_method(A: Any, symmetric: bool | None, *, cache: dict | None = None) 
     if hit is not None and hit[0] is A:
         positive = hit[1]
     else:
-        positive = positive_diagonal(A)  # sync: one read per matrix
+        seen = cache.get(("gershgorin", id(A))) if cache is not None else None
+        if seen is not None and seen[0] is A:  # the CPU policy read the diagonal already
+            positive = bool(seen[1][2] > 0)
+        else:
+            positive = positive_diagonal(A)  # sync: one read per matrix
         if cache is not None:
             cache[key] = (A, positive)
     return "cg" if positive else "minres"
 
 
 def wants_direct(kind: str, n: int, nnz: int, *, A: Any = None, rtol: float = 1e-8,
-                 M: Any = None, symmetric: bool | None = None) -> bool:
-    """Whether "auto" on the CPU factorises this system (rule 2 of the module docstring)."""
+                 M: Any = None, symmetric: bool | None = None, rhs: int | None = 1,
+                 cache: dict | None = None) -> bool:
+    """Whether "auto" on the CPU factorises this system (rule 2 of the module docstring).
+
+    ``rhs``: the right-hand sides one factorisation would serve; None when
+    unknown (a :class:`~managed_solve.Solver` kept for reuse), where the LU
+    is kept unless CG's Gershgorin bound is low (:func:`prefers_cg`).
+    """
     if M is not None:  # a preconditioner asks for an iterative solve
         return False
     if kind == "dense":
         return n <= DIRECT_MAX_DENSE_N
     if kind != "csr":
         return False
-    return n <= DIRECT_MAX_N and nnz <= DIRECT_MAX_ROW_NNZ * n \
-        and not (A is not None and prefers_cg(A, rtol, symmetric))
+    if not (n <= DIRECT_MAX_N and nnz <= DIRECT_MAX_ROW_NNZ * n):
+        return False
+    if A is None or not symmetric:
+        return True
+    if rhs is None:
+        return not prefers_cg(A, rtol, symmetric, cache)
+    return not cg_beats_lu(A, rtol, rhs=rhs, cache=cache)
 
 
 def choose_method(system: Any, device_kind: str, *, symmetric: bool | None = None,
-                  cache: dict | None = None) -> str:
+                  cache: dict | None = None, rhs: int | None = 1) -> str:
     """The method that solves ``system`` on a device of ``device_kind`` ("cpu", "cuda", "sim").
 
     Parameters
@@ -219,15 +320,23 @@ def choose_method(system: Any, device_kind: str, *, symmetric: bool | None = Non
         or taken as unknown (dense matrices and operators).
     cache : dict, optional
         Per-call memo of symmetry and diagonal tests, by matrix object.
+    rhs : int or None
+        Right-hand sides one factorisation would serve (``solve_many`` counts
+        the systems sharing a matrix; 1 for ``solve``): the LU's set-up is
+        paid once for all of them. None: unknown (a ``Solver`` kept for
+        reuse; see :func:`wants_direct`).
 
     Examples
     --------
     >>> import numpy as np, scipy.sparse as sp
     >>> from managed_solve import LinearSystem
-    >>> A = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(50, 50), format="csr")
-    >>> s = LinearSystem(A, np.ones(50))
-    >>> choose_method(s, "cpu"), choose_method(s, "cuda")
-    ('direct', 'cg')
+    >>> T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(40, 40))
+    >>> s = LinearSystem(sp.kronsum(T, T, format="csr"), np.ones(1600))  # 2D Poisson
+    >>> choose_method(s, "cpu"), choose_method(s, "cpu", rhs=40), choose_method(s, "cuda")
+    ('cg', 'direct', 'cg')
+    >>> chain = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(2000, 2000), format="csr")
+    >>> choose_method(LinearSystem(chain, np.ones(2000)), "cpu")  # 1D: an LU without fill
+    'direct'
     """
     if system.method != "auto":
         return system.method
@@ -235,7 +344,8 @@ def choose_method(system: Any, device_kind: str, *, symmetric: bool | None = Non
         symmetric = matrix_symmetry(system, cache)
     if device_kind == "cpu" and wants_direct(system.kind, system.n, system.nnz,
                                              A=system.A if system.kind == "csr" else None,
-                                             rtol=system.rtol, M=system.M, symmetric=symmetric):
+                                             rtol=system.rtol, M=system.M, symmetric=symmetric,
+                                             rhs=rhs, cache=cache):
         return "direct"
     return krylov_method(system.A, symmetric, cache=cache) if system.kind != "operator" \
         else "bicgstab"

@@ -18,7 +18,43 @@ def symmetry_workers() -> int:
     return int(workers) if workers else min(8, _backend.cpu_count())
 
 
-def cg_iteration_bound(A: Any, rtol: float) -> float:
+def gershgorin(A: Any, cache: dict | None = None) -> tuple[float, float, float, float]:
+    """``(lo, hi, dmin, dmax)`` of a square CSR matrix: Gershgorin's interval and the diagonal's range.
+
+    ``lo = min(a_ii - r_i)``, ``hi = max(a_ii + r_i)`` (``r_i`` the absolute
+    off-diagonal row sums) hold the eigenvalues of a symmetric A; ``dmin``
+    and ``dmax`` are its extreme diagonal entries. One pass over a host
+    matrix (a Numba kernel, no temporaries); on a GPU, on the device, with
+    one host read. ``cache`` (one dict per call) keeps the answer by matrix object.
+
+    Examples
+    --------
+    >>> import scipy.sparse as sp
+    >>> gershgorin(sp.diags([-1.0, 3.0, -1.0], [-1, 0, 1], shape=(4, 4), format="csr"))
+    (1.0, 5.0, 3.0, 3.0)
+    """
+    key = ("gershgorin", id(A))
+    hit = cache.get(key) if cache is not None else None
+    if hit is not None and hit[0] is A:
+        return hit[1]
+    if _backend.is_scipy_sparse(A) and A.format == "csr":
+        from ..kernels.symmetry import csr_gershgorin
+
+        out = tuple(float(v) for v in csr_gershgorin(A.indptr, A.indices, A.data))
+    else:
+        xp = _backend.array_module(A.data)
+        d = xp.asarray(A.diagonal())
+        rows = xp.asarray(abs(A).sum(axis=1)).ravel()
+        off = rows - xp.abs(d)
+        both = xp.stack([(d - off).min(), (d + off).max(), d.min(), d.max()]) if d.size \
+            else xp.zeros(4)
+        out = tuple(float(v) for v in _backend.to_host(both).tolist())  # sync: one read
+    if cache is not None:
+        cache[key] = (A, out)
+    return out  # type: ignore[return-value]
+
+
+def cg_iteration_bound(A: Any, rtol: float, cache: dict | None = None) -> float:
     """Upper bound on the CG iterations a symmetric CSR matrix needs, from Gershgorin discs.
 
     The eigenvalues of A lie in ``[min(a_ii - r_i), max(a_ii + r_i)]`` with
@@ -26,9 +62,8 @@ def cg_iteration_bound(A: Any, rtol: float) -> float:
     dominant A with a positive diagonal ``kappa <= hi / lo`` and CG needs at
     most about ``0.5 * sqrt(kappa) * ln(2 / rtol)`` iterations. Infinite when
     A is not strictly diagonally dominant (a Poisson matrix: its bound says
-    nothing). Used to prefer CG over a sparse LU on the CPU for systems that are
-    easy for CG (a heat step with a small time step, a strongly screened
-    Poisson problem), where the LU's fill-in costs more than a few sweeps.
+    nothing). Easy systems for CG (a heat step with a small time step, a
+    strongly screened Poisson problem) have a low bound.
 
     Examples
     --------
@@ -39,14 +74,9 @@ def cg_iteration_bound(A: Any, rtol: float) -> float:
     >>> cg_iteration_bound(sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(50, 50), format="csr"), 1e-8)
     inf
     """
-    xp = _backend.array_module(A.data)
-    d = xp.asarray(A.diagonal())
-    rows = xp.asarray(abs(A).sum(axis=1)).ravel()
-    off = rows - xp.abs(d)
-    lo = float((d - off).min())  # sync: one read for the bound
+    lo, hi, _dmin, _dmax = gershgorin(A, cache)
     if not lo > 0:
         return float("inf")
-    hi = float((d + off).max())  # sync: as above
     return 0.5 * float(np.sqrt(hi / lo)) * float(np.log(2.0 / max(rtol, 1e-300)))
 
 
@@ -91,7 +121,7 @@ def is_symmetric(A: Any, cache: dict | None = None) -> bool:
         if xp is np and A.has_canonical_format:
             from ..kernels.symmetry import DIFFERENT_PATTERN
 
-            code = _host_symmetry(A, 1e-12)
+            code = _host_symmetry(A, 1e-12, cache)
             result = None if code == DIFFERENT_PATTERN else bool(code)
         if result is None:
             scale = float(xp.abs(A.data).max())  # sync: one read per distinct matrix
@@ -111,15 +141,22 @@ def is_symmetric(A: Any, cache: dict | None = None) -> bool:
 
 
 
-def _host_symmetry(A: Any, rel: float) -> int:
-    """The symmetry code of a canonical host CSR matrix (``kernels.symmetry``), chunked when large."""
-    from ..kernels.symmetry import abs_max, csr_symmetry_rows, csr_symmetry_scaled
+def _host_symmetry(A: Any, rel: float, cache: dict | None = None) -> int:
+    """The symmetry code of a canonical host CSR matrix (``kernels.symmetry``), chunked when large.
+
+    The one-pass kernel finds :func:`gershgorin`'s bounds in the same walk;
+    they go to ``cache`` for the auto policy, which reads them next.
+    """
+    from ..kernels.symmetry import abs_max, csr_symmetry_rows
 
     workers = symmetry_workers()
     # Chunks cost more in all than the one-pass kernel (a cursor window per
     # chunk, or a binary search per entry): only worth it with several cores.
     if A.nnz < config.current().symmetry_parallel_nnz or workers < 4:
-        return int(csr_symmetry_scaled(A.indptr, A.indices, A.data, rel))
+        code, bounds = _one_pass(A, rel, cache)
+        if cache is not None and bounds is not None:
+            cache[("gershgorin", id(A))] = (A, tuple(float(v) for v in bounds))
+        return int(code)
     pool = _backend.thread_pool("symmetry", workers)
     nnz = A.nnz
     chunks = _row_chunks(A, 2 * workers)
@@ -130,6 +167,35 @@ def _host_symmetry(A: Any, rel: float) -> int:
     codes = [f.result() for f in [pool.submit(csr_symmetry_rows, A.indptr, A.indices, A.data, limit, lo, hi)
                                   for lo, hi in chunks]]
     return min(codes)  # DIFFERENT_PATTERN (-1) < DIFFERENT_VALUES (0) < SYMMETRIC (1)
+
+
+def _one_pass(A: Any, rel: float, cache: dict | None) -> tuple[int, tuple | None]:
+    """``csr_symmetry_gershgorin``'s code and bounds, through the pattern's mirror map when shared.
+
+    Matrices of one call that share their index arrays (a sweep's systems on
+    one mesh share the symbolic phase's) share the map of each entry to its
+    mirror: the first matrix walks the cursors, the second builds the map,
+    the rest read their values through it (no cursors).
+    """
+    from ..kernels.symmetry import csr_mirror, csr_mirror_gershgorin, csr_symmetry_gershgorin
+
+    key = ("pattern", id(A.indptr), id(A.indices))
+    hit = cache.get(key) if cache is not None else None
+    if hit is None or hit[0] is not A.indptr or hit[1] is not A.indices:
+        if cache is not None:
+            cache[key] = (A.indptr, A.indices, None)
+        code, *bounds = csr_symmetry_gershgorin(A.indptr, A.indices, A.data, rel)
+        return code, tuple(bounds)
+    mirror = hit[2]
+    if mirror is None:
+        mirror = csr_mirror(A.indptr, A.indices)
+        cache[key] = (A.indptr, A.indices, mirror)
+    if A.nnz and not mirror.size:  # a pattern without its mirror: the caller compares A - A.T
+        from ..kernels.symmetry import DIFFERENT_PATTERN
+
+        return DIFFERENT_PATTERN, None
+    code, *bounds = csr_mirror_gershgorin(A.indptr, A.indices, A.data, mirror, rel)
+    return code, tuple(bounds)
 
 
 def _row_chunks(A: Any, parts: int) -> list[tuple[int, int]]:

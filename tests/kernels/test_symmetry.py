@@ -101,3 +101,78 @@ def test_row_chunks_give_the_one_pass_codes(dtype):
             else:
                 assert min(codes) == whole
         assert abs_max(A.data, 0, A.nnz) == (abs(A.data).max() if A.nnz else 0.0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_symmetry_and_gershgorin_in_one_pass_give_the_two_kernels_answers(dtype):
+    from managed_solve.kernels.symmetry import (
+        csr_gershgorin,
+        csr_symmetry_gershgorin,
+        csr_symmetry_scaled,
+    )
+
+    rng = np.random.default_rng(4)
+    for trial in range(60):
+        n = int(rng.integers(1, 50))
+        R = sp.random(n, n, density=rng.uniform(0.05, 0.6), random_state=rng, format="csr")
+        A = (R + R.T + sp.diags(rng.uniform(-1, 3, n))).tocsr() if trial % 3 else R.tocsr()
+        if trial % 5 == 0 and A.nnz:
+            A = A.copy()
+            A.data[int(rng.integers(A.nnz))] += 1e-3 * (1 + trial % 2)
+        A = A.astype(dtype)
+        A.sort_indices()
+        code, *bounds = csr_symmetry_gershgorin(A.indptr, A.indices, A.data, 1e-12)
+        scaled = csr_symmetry_scaled(A.indptr, A.indices, A.data, 1e-12)
+        # The scaled kernel stops at the first difference it meets; the fused one
+        # reads on (for the bounds), and may meet a pattern miss after it.
+        assert code == scaled or (scaled == DIFFERENT_VALUES and code == DIFFERENT_PATTERN)
+        np.testing.assert_allclose(bounds, csr_gershgorin(A.indptr, A.indices, A.data), rtol=1e-12)
+        d = A.diagonal().astype(np.float64)
+        off = np.asarray(abs(A).sum(axis=1), dtype=np.float64).ravel() - np.abs(d)
+        np.testing.assert_allclose(bounds, [(d - off).min(), (d + off).max(), d.min(), d.max()],
+                                   rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-6)
+
+
+def test_gershgorin_of_an_empty_matrix_and_a_nan_diagonal():
+    from managed_solve.kernels.symmetry import csr_gershgorin, csr_symmetry_gershgorin
+
+    E = sp.csr_matrix((0, 0))
+    assert csr_gershgorin(E.indptr, E.indices, E.data) == (0.0, 0.0, 0.0, 0.0)
+    A = laplacian1d(4).astype(np.float64)
+    A.data[0] = np.nan
+    assert all(np.isnan(csr_gershgorin(A.indptr, A.indices, A.data)))
+    assert all(np.isnan(csr_symmetry_gershgorin(A.indptr, A.indices, A.data, 1e-12)[1:]))
+
+
+def test_matrices_sharing_a_pattern_are_checked_through_its_mirror_map():
+    """A sweep's matrices share index arrays: the answers equal the one-pass kernel's, by matrix."""
+    from managed_solve.kernels.symmetry import (
+        csr_mirror,
+        csr_mirror_gershgorin,
+        csr_symmetry_gershgorin,
+    )
+
+    rng = np.random.default_rng(9)
+    P = (sp.random(40, 40, density=0.2, random_state=rng) + sp.identity(40)).tocsr()
+    P = (P + P.T).tocsr()
+    P.sort_indices()
+    mirror = csr_mirror(P.indptr, P.indices)
+    assert mirror.size == P.nnz
+    np.testing.assert_array_equal(P.indices[mirror], np.repeat(np.arange(40), np.diff(P.indptr)))
+    cache: dict = {}
+    for k in range(5):
+        values = P.data * rng.uniform(0.5, 2.0) + (k == 3) * rng.uniform(0, 1e-3, P.nnz)
+        A = P.copy()  # new values on the same index arrays, as the assembly's numeric phase makes
+        A.data, A.indices, A.indptr = values, P.indices, P.indptr
+        want = csr_symmetry_gershgorin(A.indptr, A.indices, A.data, 1e-12)
+        got = csr_mirror_gershgorin(A.indptr, A.indices, A.data, mirror, 1e-12)
+        assert got[0] == want[0] == (DIFFERENT_VALUES if k == 3 else SYMMETRIC)
+        np.testing.assert_allclose(got[1:], want[1:], rtol=1e-14)
+        assert is_symmetric(A, cache) == (k != 3)  # the third and later go through the map
+    upper = sp.diags([2.0, -1.0], [0, 1], shape=(5, 5), format="csr")
+    assert csr_mirror(upper.indptr, upper.indices).size == 0
+    cache = {}
+    for _ in range(3):  # a non-symmetric pattern shared: every matrix still answered right
+        B = upper.copy()
+        B.indices, B.indptr = upper.indices, upper.indptr
+        assert not is_symmetric(B, cache)

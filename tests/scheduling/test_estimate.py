@@ -72,6 +72,57 @@ def test_solve_many_chooses_the_method_solve_chooses(spec):
     assert methods["convection+jacobi"] == "bicgstab"  # a preconditioner: no host LU
 
 
+def mesh_sweep(level: int) -> list[LinearSystem]:
+    """Heat steps and screened Poisson problems on an icosphere, as the demo's sweep builds them."""
+    from managed_solve import pde
+    from managed_solve.mesh import icosphere
+
+    mesh = icosphere(level)
+    v = mesh.vertices
+    u0 = np.exp(-((v - v[0]) ** 2).sum(axis=1) / 0.1)
+    f = v[:, 0] * v[:, 1] + 0.5 * v[:, 2]
+    out = [pde.heat_step(mesh, u0, dt=dt, device="cpu") for dt in (1e-3, 1e-2, 3e-2)]
+    out += [pde.screened_poisson(mesh, f, alpha=a, device="cpu") for a in (0.1, 1.0, 100.0)]
+    for k, s in enumerate(out):
+        s.name = f"mesh{level}-{k}"
+    return out
+
+
+@pytest.mark.parametrize("spec", [["cpu"], "1x1GiB"])
+def test_solve_many_chooses_the_method_solve_chooses_on_mesh_systems(spec):
+    """The demo's sweep: solve_many and solve agree, and on the CPU CG is predicted sooner than an LU."""
+    dm = DeviceManager(spec) if isinstance(spec, list) else DeviceManager(simulate=spec)
+    systems = mesh_sweep(3)
+    many = solve_many(systems, manager=dm)
+    one = [ms.solve(s, manager=dm) for s in systems]
+    assert [r.method for r in many] == [r.method for r in one] == ["cg"] * len(systems)
+    assert_converged(systems, many, rtol=1e-8)
+
+
+def test_the_cpu_policy_sends_a_10k_mesh_system_to_cg_not_the_lu():
+    """icosphere(5), 10,242 unknowns: CG takes a few milliseconds, SuperLU tens."""
+    from managed_solve.system.method import choose_method
+
+    for s in mesh_sweep(5):
+        assert s.n == 10_242
+        assert choose_method(s, "cpu") == "cg", s.name
+        assert estimate_system(s, 0, device_kind="cpu", cache={}).route == "batch"
+
+
+def test_host_matrix_tests_of_a_cpu_call_run_first_on_every_core_and_agree():
+    """The tests run on the host threads beforehand give the estimates the loop finds alone."""
+    systems = [s for s in policy_systems() + mesh_sweep(2) if s.kind != "operator"]
+    cache: dict = {}
+    with ms.config.override(host_parallel_min_work=0.0):  # threads even for these small ones
+        estimation.test_host_matrices(systems, cache)
+    tested = [s for s in systems if s.kind == "csr" and s.method == "auto"]
+    assert tested and all(cache[id(s.A)][1] == is_symmetric(s.A) for s in tested)
+    assert all(("gershgorin", id(s.A)) in cache for s in tested if is_symmetric(s.A))
+    ahead = [estimate_system(s, i, device_kind="cpu", cache=cache) for i, s in enumerate(systems)]
+    alone = [estimate_system(s, i, device_kind="cpu") for i, s in enumerate(systems)]
+    assert ahead == alone
+
+
 def test_auto_minres_systems_run_alone_through_solve():
     """The batched core has no MINRES: such "auto" systems take the SINGLE route."""
     dm = DeviceManager(simulate="1x1GiB")

@@ -83,3 +83,67 @@ def test_solve_many_m_auto_on_small_systems_batches_as_none():
     assert [valid[i].M for i in range(2)] == [None, None]  # both batch, unpreconditioned
     out = ms.solve_many(items, devices=["cpu"], method="cg", M="auto")
     assert [r.converged for r in out] == [True, True]
+
+
+# -- the CPU's CG-or-LU choice by predicted time
+def test_cpu_policy_weighs_cg_against_the_lu_by_predicted_time_and_right_hand_sides():
+    A = poisson2d(40)
+    s = _system(A)
+    assert method_policy.choose_method(s, "cpu") == "cg"  # one solve: CG, predicted sooner
+    assert method_policy.choose_method(s, "cpu", rhs=50) == "direct"  # one LU serves fifty
+    assert method_policy.choose_method(s, "cpu", rhs=None) == "direct"  # a reused Solver
+    assert method_policy.choose_method(s, "cuda", rhs=50) == "cg"  # never the LU off the CPU
+    # What is not predictable stays with the LU: non-symmetric, a negative diagonal,
+    # not diagonally dominant (a fourth-order operator), a long chain.
+    assert method_policy.choose_method(_system(convection_diffusion(40)), "cpu") == "direct"
+    assert method_policy.choose_method(_system((-A).tocsr()), "cpu") == "direct"
+    biharmonic = (A @ A).tocsr()  # 13 entries a row: Krylov (past the 2D-like row test) anyway
+    assert method_policy.predict_cg_iterations(biharmonic, 1e-8) == np.inf
+    chain = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(3000, 3000), format="csr")
+    assert method_policy.choose_method(_system(chain), "cpu") == "direct"
+    # An easy system (a heat step) is CG's even for a reused Solver.
+    heat = (sp.identity(A.shape[0], format="csr") + 0.05 * A).tocsr()
+    assert method_policy.choose_method(_system(heat), "cpu", rhs=None) == "cg"
+
+
+def variable_diffusion(m: int, contrast: float, seed: int = 2) -> sp.csr_matrix:
+    """2D diffusion with a random coefficient on each grid edge (1 to ``contrast``), Dirichlet sides."""
+    P = poisson2d(m).tocoo()
+    upper = P.row < P.col
+    w = np.random.default_rng(seed).uniform(1.0, contrast, int(upper.sum()))
+    off = sp.coo_matrix((-w, (P.row[upper], P.col[upper])), shape=P.shape)
+    off = (off + off.T).tocsr()
+    degree = np.diff(sp.triu(P, 1).tocsr().indptr) + np.diff(sp.tril(P, -1).tocsr().indptr)
+    return (off + sp.diags(-np.asarray(off.sum(axis=1)).ravel() + (4 - degree))).tocsr()
+
+
+def test_predicted_cg_iterations_follow_2d_problems_within_a_factor_two():
+    """SciPy's count on Poisson grids and high-contrast diffusion, within a factor 2 (CG's lead
+    over the LU on such systems is 3x or more); infinite where nothing predicts it."""
+    import scipy.sparse.linalg as spla
+
+    from tests._problems import symmetrically_scaled
+
+    for A in (poisson2d(24), poisson2d(48), variable_diffusion(32, 2.0),
+              variable_diffusion(48, 100.0), variable_diffusion(48, 1000.0)):
+        iterates: list = []
+        spla.cg(A, np.ones(A.shape[0]), rtol=1e-8, maxiter=10_000, callback=iterates.append)
+        predicted = method_policy.predict_cg_iterations(A, 1e-8)
+        assert len(iterates) / 2 <= predicted <= 2 * len(iterates), (len(iterates), predicted)
+    # D A D with a spread-out D is not diagonally dominant: no prediction, so the LU.
+    rng = np.random.default_rng(2)
+    scaled = symmetrically_scaled(poisson2d(32), rng.uniform(1, 10, 32 * 32))
+    assert method_policy.predict_cg_iterations(scaled, 1e-8) == np.inf
+    assert method_policy.choose_method(_system(scaled), "cpu") == "direct"
+
+
+def test_solve_and_solver_pass_their_right_hand_side_counts():
+    A = poisson2d(30)
+    n = A.shape[0]
+    assert ms.solve(A, np.ones(n), device="cpu").method == "cg"
+    B = np.ones((n, 40))
+    assert ms.solve(A, B, device="cpu").method == "direct"  # 40 columns: one LU
+    with ms.Solver(A, device="cpu") as solver:  # reused: the LU, as before
+        assert solver.method == "direct"
+    with ms.Solver(A, device="cpu", rhs=1) as solver:
+        assert solver.method == "cg"

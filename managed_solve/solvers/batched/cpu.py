@@ -1,8 +1,11 @@
-"""The batched methods on the CPU: Numba kernels over systems, or over rows for one large system.
+"""The batched methods on the CPU: serial Numba kernels shared out over host threads.
 
-CG and BiCGStab run the kernels of :mod:`managed_solve.kernels.krylov`
-(parallel over systems, or over rows for one large system); GMRES runs one
-Numba GMRES per system, or for one large system a loop whose basis products
+CG and BiCGStab run the kernels of :mod:`managed_solve.kernels.krylov`: many
+systems are claimed one by one (largest first) by the calling thread and
+helpers, each solving its systems serially without the GIL
+(:mod:`.threads` holds the policy and its reasons); one large system on a
+large host sweeps its rows in parallel. GMRES runs one Numba GMRES per
+system the same way, or for one large system a loop whose basis products
 are BLAS calls (:func:`gmres_one`). All workspace is allocated before the
 kernels run.
 """
@@ -11,17 +14,33 @@ from __future__ import annotations
 
 from typing import Any
 
+import numba
 import numpy as np
 
 from ...kernels import krylov as _k
 from ..engine import BREAKDOWN, CONVERGED, MAXITER
 from .outcome import BatchOutcome
 from .packed import PackedBatch
+from .threads import claim_order, row_threads, run_claimed, system_work, threads_for
 
-# One system on the CPU: below this many rows the three (CG) or five
-# (BiCGStab) thread starts per iteration of the row-parallel layout cost more
-# than they save; the serial layout runs instead.
+# GMRES of one system on the CPU: from this many rows its basis products go
+# to BLAS (:func:`gmres_one`), below it the per-system kernel runs.
 ROWS_LAYOUT_MIN = 10_000
+
+
+def run_systems(kernel: Any, batch: PackedBatch, method: str, args: tuple) -> int:
+    """Run a ``*_some`` kernel over every system of a host batch; returns the threads used.
+
+    ``args`` are the kernel's arguments after ``(order, start, stop)``. Tasks
+    are claimed largest predicted work first (:func:`.threads.claim_order`).
+    """
+    work = system_work(batch.offsets, batch.indptr, batch.rtol, batch.maxiter, method)
+    order, bounds = claim_order(work)
+    tasks = len(bounds) - 1
+    threads = threads_for(float(work.sum()), tasks)
+    starts, stops = bounds[:-1].tolist(), bounds[1:].tolist()
+    run_claimed(lambda k: kernel(order, starts[k], stops[k], *args), tasks, threads)
+    return threads
 
 
 def solve_fused(batch: PackedBatch, method: str) -> BatchOutcome:
@@ -35,28 +54,37 @@ def solve_fused(batch: PackedBatch, method: str) -> BatchOutcome:
     its = np.zeros(nsys, dtype=np.int64)
     rr = np.zeros(nsys, dtype=np.float64)
     st = np.zeros(nsys, dtype=np.int8)
-    rows = nsys == 1 and n >= ROWS_LAYOUT_MIN
+    true, bb = np.zeros(nsys), np.zeros(nsys)
+    rows = row_threads(n) if nsys == 1 else 1
     if method == "cg":
         r, p, q = (np.empty(n, dtype=dt) for _ in range(3))
         z = np.empty(n, dtype=dt) if jac else r
         vecs = (batch.b, x, dinv, r, z, p, q)
-        kernel_rows, kernel_sys = _k.cg_rows, _k.cg_systems
+        kernel_rows, kernel_some = _k.cg_rows, _k.cg_some
     else:
         r, rt, p, v, t = (np.empty(n, dtype=dt) for _ in range(5))
         z = np.empty(n, dtype=dt) if jac else p
         vecs = (batch.b, x, dinv, r, rt, p, v, t, z)
-        kernel_rows, kernel_sys = _k.bicgstab_rows, _k.bicgstab_systems
-    if rows:
-        its[0], rr[0], st[0] = kernel_rows(*A, *vecs, float(batch.rtol[0]), float(batch.atol[0]),
-                                           int(batch.maxiter[0]), has_x0)
+        kernel_rows, kernel_some = _k.bicgstab_rows, _k.bicgstab_some
+    if rows > 1:
+        before = numba.get_num_threads()
+        numba.set_num_threads(min(rows, numba.config.NUMBA_NUM_THREADS))  # this thread's launches
+        try:
+            its[0], rr[0], st[0] = kernel_rows(*A, *vecs, float(batch.rtol[0]),
+                                               float(batch.atol[0]), int(batch.maxiter[0]), has_x0)
+        finally:
+            numba.set_num_threads(before)
+        norms = None
     else:
-        _k.run_systems(kernel_sys, *A, *vecs, batch.offsets, batch.rtol, batch.atol,
-                       batch.maxiter, has_x0, its, rr, st)
-    return BatchOutcome(x=x, iterations=its, residual_norms=np.sqrt(rr), status=st, host_syncs=0)
+        run_systems(kernel_some, batch, method, (*A, *vecs, batch.offsets, batch.rtol, batch.atol,
+                                                 batch.maxiter, has_x0, its, rr, st, true, bb))
+        norms = (np.sqrt(true), np.sqrt(bb))
+    return BatchOutcome(x=x, iterations=its, residual_norms=np.sqrt(rr), status=st, host_syncs=0,
+                        true_norms=norms)
 
 
 def solve_gmres(batch: PackedBatch, restart: int) -> BatchOutcome:
-    """GMRES: one Numba GMRES per system (in parallel over systems), or :func:`gmres_one`."""
+    """GMRES: one Numba GMRES per system (systems shared out over host threads), or :func:`gmres_one`."""
     n, dt, nsys = batch.n, batch.dtype, batch.nsys
     if nsys == 1 and n >= ROWS_LAYOUT_MIN:
         return _gmres_large(batch, restart)
@@ -65,10 +93,13 @@ def solve_gmres(batch: PackedBatch, restart: int) -> BatchOutcome:
     its = np.zeros(nsys, dtype=np.int64)
     res = np.zeros(nsys, dtype=np.float64)
     st = np.zeros(nsys, dtype=np.int8)
-    _k.run_systems(_k.gmres_systems, batch.indptr, batch.indices, batch.data, batch.b, x, dinv,
-                   batch.offsets, batch.rtol, batch.atol, batch.maxiter, restart,
-                   batch.x0 is not None, its, res, st)
-    return BatchOutcome(x=x, iterations=its, residual_norms=res, status=st, host_syncs=0)
+    true, bb = np.zeros(nsys), np.zeros(nsys)
+    run_systems(_k.gmres_some, batch, "gmres",
+                (batch.indptr, batch.indices, batch.data, batch.b, x, dinv, batch.offsets,
+                 batch.rtol, batch.atol, batch.maxiter, restart, batch.x0 is not None, its, res, st,
+                 true, bb))
+    return BatchOutcome(x=x, iterations=its, residual_norms=res, status=st, host_syncs=0,
+                        true_norms=(np.sqrt(true), np.sqrt(bb)))
 
 
 def _gmres_large(batch: PackedBatch, restart: int) -> BatchOutcome:

@@ -34,6 +34,10 @@ class BatchOutcome:
         Device time from the solve's first kernel to the checkpoint that saw
         every system finished (CUDA events; None on the CPU). Wall time far
         above it means the host kept the GPU waiting.
+    true_norms : tuple of two numpy float64 arrays, or None
+        ``(||b_s - A_s x_s||, ||b_s||)`` of each system, computed by the host
+        kernels as each system stopped (None where they were not: GPU
+        batches, one large system alone).
     """
 
     x: Any
@@ -44,6 +48,7 @@ class BatchOutcome:
     checkpoints: int = 0
     compactions: int = 0
     gpu_seconds: float | None = None
+    true_norms: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def converged(self) -> np.ndarray:

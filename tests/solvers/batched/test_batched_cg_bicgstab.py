@@ -218,6 +218,15 @@ def test_int64_indices_give_the_same_answer(device, method):
     np.testing.assert_allclose(host(c.x), host(a.x), rtol=1e-12, atol=1e-14)
 
 
+@pytest.fixture
+def row_parallel():
+    """The row-parallel CPU layout for one system, whatever this host's size (the policy keeps
+    it for large systems on hosts of four cores or more)."""
+    with config.override(host_row_parallel_min_rows=0, host_row_parallel_min_cores=1):
+        yield
+
+
+@pytest.mark.usefixtures("row_parallel")
 def test_from_csr_single_system_row_layout(device):
     """One large system takes the row-parallel CPU layout; same iterates as SciPy."""
     m = int(np.ceil(np.sqrt(ROWS_LAYOUT_MIN))) + 1
@@ -415,6 +424,7 @@ def test_gpu_warp_per_row_products(settings, method, force):
         np.testing.assert_allclose(x, x_ref, atol=1e-7 * np.linalg.norm(x_ref))
 
 
+@pytest.mark.usefixtures("row_parallel")
 @pytest.mark.parametrize("method", ["cg", "bicgstab"])
 def test_row_layout_with_jacobi_and_x0(device, method):
     """The row-parallel CPU layout (one large system) with both options, against SciPy."""
