@@ -14,7 +14,13 @@ import scipy.sparse.linalg as sla
 import managed_solve as ms
 from managed_solve.solvers.direct import DirectEngine
 from managed_solve.solvers.krylov import KrylovEngine
-from tests._problems import convection_diffusion, laplacian1d, poisson2d, random_spd
+from tests._problems import (
+    convection_diffusion,
+    high_contrast_poisson,
+    laplacian1d,
+    poisson2d,
+    random_spd,
+)
 
 torch = pytest.importorskip("torch")
 
@@ -259,8 +265,9 @@ def test_solve_many_mixes_systems_with_and_without_gradients(monkeypatch, device
 def test_solve_many_backward_skips_systems_without_a_gradient_from_the_loss(monkeypatch):
     from managed_solve.solvers.direct import PreparedDirect
 
-    items = [(csr_tensor(poisson2d(4))[1], torch.ones(16, dtype=torch.float64))
-             for _ in range(3)]
+    # A high-contrast coefficient: the CPU's auto policy factorises it (host LU route).
+    A = high_contrast_poisson(8)
+    items = [(csr_tensor(A)[1], torch.ones(A.shape[0], dtype=torch.float64)) for _ in range(3)]
     results = ms.solve_many(items, manager=ms.DeviceManager(["cpu"]))
     assert {r.method for r in results} == {"direct"}
     solves = []
