@@ -144,6 +144,51 @@ def test_a_block_of_right_hand_sides_differentiates(method, device):
     close(B.grad, Bc.grad)
 
 
+MIXED = [pytest.param("cuda:0", marks=pytest.mark.gpu),
+         pytest.param("cuda:1", marks=pytest.mark.multi_gpu)]
+
+
+@pytest.mark.parametrize("solve_on", MIXED)
+@pytest.mark.parametrize("method", ["cg", "gmres", "direct"])
+def test_leaves_on_the_cpu_get_their_gradients_on_the_cpu_from_a_gpu_solve(method, solve_on):
+    """A system whose leaves live on the CPU, solved on a GPU: x on the GPU, gradients on the CPU."""
+    A = poisson2d(5) if method == "cg" else convection_diffusion(5)
+    n = A.shape[0]
+    values, At, _ = csr_tensor(A, "cpu")
+    b = torch.rand(n, dtype=torch.float64, requires_grad=True)
+    x = ms.solve(At, b, method=method, rtol=1e-12, device=solve_on).to_torch()
+    assert x.device == torch.device(solve_on) and x.grad_fn is not None
+    w = torch.sin(torch.arange(n, dtype=torch.float64))
+    (x * w.to(x.device)).sum().backward()
+    assert values.grad.device.type == "cpu" and b.grad.device.type == "cpu"
+    rows, cols, _ = triplets(A)
+    gv, gb = dense_reference(rows, cols, values, b, n, w)
+    close(values.grad, gv)
+    close(b.grad, gb)
+
+
+@pytest.mark.parametrize("solve_on", MIXED)
+def test_solve_many_on_a_gpu_gives_cpu_leaves_their_gradients_on_the_cpu(solve_on):
+    specs = [poisson2d(4), convection_diffusion(5), poisson2d(6)]
+    items, refs = [], []
+    for A in specs:
+        values, At, _ = csr_tensor(A, "cpu")
+        b = torch.rand(A.shape[0], dtype=torch.float64, requires_grad=True)
+        items.append(ms.LinearSystem(At, b, rtol=1e-12))
+        refs.append((A, values, b))
+    results = ms.solve_many(items, manager=ms.DeviceManager([solve_on]))
+    xs = [r.to_torch() for r in results]
+    assert all(x.device == torch.device(solve_on) for x in xs)
+    ws = [torch.cos(torch.arange(x.shape[0], dtype=torch.float64)) for x in xs]
+    sum((x * w.to(x.device)).sum() for x, w in zip(xs, ws, strict=True)).backward()
+    for (A, values, b), w in zip(refs, ws, strict=True):
+        assert values.grad.device.type == "cpu" and b.grad.device.type == "cpu"
+        rows, cols, _ = triplets(A)
+        gv, gb = dense_reference(rows, cols, values, b, A.shape[0], w)
+        close(values.grad, gv)
+        close(b.grad, gb)
+
+
 def test_coo_gradients_come_back_in_the_callers_order_with_duplicates():
     A = convection_diffusion(5)
     n = A.shape[0]
