@@ -25,6 +25,7 @@ arrays, the mesh and the slot map.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -104,7 +105,11 @@ def _launch(kernel: Any, nthreads: int, args: tuple, t: Target) -> None:
     # was exported on (CUDA Array Interface v3); ordering comes from the shared stream.
     args = tuple(cuda.as_cuda_array(a, sync=False) if hasattr(a, "__cuda_array_interface__") else a
                  for a in args)
-    kernel[blocks, tpb, stream](*args)
+    with warnings.catch_warnings():
+        # A small mesh gives a grid too small to fill the GPU; that is expected
+        # here, and Numba's low-occupancy warning would only alarm the user.
+        warnings.filterwarnings("ignore", message=".*under-utilization.*")
+        kernel[blocks, tpb, stream](*args)
 
 
 def _kernels_for(mesh: Mesh) -> ModuleType:

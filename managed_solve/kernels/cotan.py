@@ -110,7 +110,7 @@ def assemble_cpu(vertices, faces, inc_ptr, inc_elem, inc_local, inc_slot, indptr
                           a, b, c, data)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def assemble_cuda(vertices, faces, inc_ptr, inc_elem, inc_local, inc_slot, indptr, a, b, c, data):
     """CUDA twin of :func:`assemble_cpu` (one thread per row)."""
     i = cuda.grid(1)
@@ -126,7 +126,7 @@ def lumped_mass_cpu(vertices, faces, inc_ptr, inc_elem, inc_local, out):
         _lumped_row_cpu(i, vertices, faces, inc_ptr, inc_elem, inc_local, out)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def lumped_mass_cuda(vertices, faces, inc_ptr, inc_elem, inc_local, out):
     """CUDA twin of :func:`lumped_mass_cpu`."""
     i = cuda.grid(1)

@@ -67,7 +67,7 @@ def incidence_cpu(elements, inc_ptr, inc_elem, inc_local):
             cursor[v] = p + 1
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def incidence_count_cuda(elements, inc_ptr):
     """Counting pass of the incidence on the GPU (one thread per element, atomics).
 
@@ -82,7 +82,7 @@ def incidence_count_cuda(elements, inc_ptr):
             cuda.atomic.add(inc_ptr, elements[e, j] + 1, 1)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def incidence_fill_cuda(elements, cursor, inc_elem, inc_local):
     """Scatter (element, local index) into each vertex's range; ``cursor`` starts at ``inc_ptr[:-1]``."""
     e = cuda.grid(1)
@@ -111,7 +111,7 @@ def _sort_incidence_row(i, inc_ptr, inc_elem, inc_local):
 _sort_incidence_row_dev = cuda.jit(device=True)(_sort_incidence_row)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def incidence_sort_cuda(inc_ptr, inc_elem, inc_local):
     """Sort each vertex's incidences by element (one thread per vertex)."""
     i = cuda.grid(1)
@@ -203,7 +203,7 @@ def slot_map_cpu(elements, inc_ptr, inc_elem, indptr, indices, inc_slot):
         _slots_row_cpu(i, elements, inc_ptr, inc_elem, indptr, indices, inc_slot)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def unique_neighbours_cuda(elements, inc_ptr, inc_elem, cand, row_nnz):
     """CUDA twin of :func:`unique_neighbours_cpu` (one thread per row)."""
     i = cuda.grid(1)
@@ -211,7 +211,7 @@ def unique_neighbours_cuda(elements, inc_ptr, inc_elem, cand, row_nnz):
         _unique_neighbours_row_dev(i, elements, inc_ptr, inc_elem, cand, row_nnz)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def copy_pattern_cuda(inc_ptr, k, cand, indptr, indices):
     """CUDA twin of :func:`copy_pattern_cpu`."""
     i = cuda.grid(1)
@@ -219,7 +219,7 @@ def copy_pattern_cuda(inc_ptr, k, cand, indptr, indices):
         _copy_row_dev(i, inc_ptr, k, cand, indptr, indices)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def slot_map_cuda(elements, inc_ptr, inc_elem, indptr, indices, inc_slot):
     """CUDA twin of :func:`slot_map_cpu`."""
     i = cuda.grid(1)

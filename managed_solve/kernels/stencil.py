@@ -99,7 +99,7 @@ def row_counts_cpu(nx, ny, nz, row_nnz):
         _count_row_cpu(i, nx, ny, nz, row_nnz)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def row_counts_cuda(nx, ny, nz, row_nnz):
     """CUDA twin of :func:`row_counts_cpu`."""
     i = cuda.grid(1)
@@ -114,7 +114,7 @@ def fill_cpu(nx, ny, nz, cx, cy, cz, ihx2, ihy2, ihz2, indptr, indices, data):
         _fill_row_cpu(i, nx, ny, nz, cx, cy, cz, ihx2, ihy2, ihz2, indptr, indices, data)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def fill_cuda(nx, ny, nz, cx, cy, cz, ihx2, ihy2, ihz2, indptr, indices, data):
     """CUDA twin of :func:`fill_cpu` (one thread per row)."""
     i = cuda.grid(1)
