@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import pickle
-import warnings
 
 import numpy as np
 import pytest
@@ -27,15 +26,11 @@ torch = pytest.importorskip("torch")
 DEVICES = ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)]
 
 # An adjoint solve that did not converge warns: here, that fails a test that did not expect it.
-pytestmark = pytest.mark.filterwarnings("error:managed_solve.*:RuntimeWarning")
-
-
-@pytest.fixture(autouse=True)
-def _quiet_torch_sparse():
-    with warnings.catch_warnings():
-        # torch's notes that sparse CSR is beta and invariant checks are off
-        warnings.filterwarnings("ignore", category=UserWarning, message=".*[Ss]parse.*")
-        yield
+pytestmark = [
+    pytest.mark.filterwarnings("error:managed_solve.*:RuntimeWarning"),
+    # torch's notes that sparse CSR is beta and invariant checks are off
+    pytest.mark.filterwarnings("ignore:.*[Ss]parse.*:UserWarning"),
+]
 
 
 def triplets(A, device="cpu", *, grad=True):
