@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 from typing import Any
@@ -55,16 +56,19 @@ def optional_module(name: str) -> ModuleType | None:
         return None
 
 
-@functools.lru_cache(maxsize=1)
-def cuda_probe() -> tuple[int, str]:
-    """(number of usable CUDA GPUs, reason when 0). Never raises.
+def probe_cuda(import_module: Callable[[str], ModuleType] = importlib.import_module
+               ) -> tuple[int, str]:
+    """(number of usable CUDA GPUs, reason when 0), asked now. Never raises.
 
     CuPy installs and imports on machines without a driver: then
     ``getDeviceCount`` raises ``CUDARuntimeError`` and
     ``import cupyx.scipy.sparse.linalg`` raises ImportError. Both mean "no GPU".
+    ``import_module`` imports ``cupy`` and ``cupyx`` by name (a stand-in
+    simulates a machine: no CuPy, a broken driver, a broken CUDA library).
     """
-    cp = optional_module("cupy")
-    if cp is None:
+    try:
+        cp = import_module("cupy")
+    except Exception:  # ImportError, or a broken CUDA library raising at import
         return 0, "CuPy is not installed"
     try:
         n = int(cp.cuda.runtime.getDeviceCount())
@@ -73,10 +77,16 @@ def cuda_probe() -> tuple[int, str]:
     if n == 0:
         return 0, "CuPy reports no CUDA devices"
     try:
-        importlib.import_module("cupyx.scipy.sparse.linalg")
+        import_module("cupyx.scipy.sparse.linalg")
     except Exception as exc:
         return 0, f"cupyx.scipy.sparse.linalg failed to import ({exc})"
     return n, ""
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_probe() -> tuple[int, str]:
+    """:func:`probe_cuda` of this machine, asked once per process."""
+    return probe_cuda()
 
 
 def cuda_usable() -> bool:

@@ -10,6 +10,7 @@ allocator pool, so memory held by other processes counts.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import re
@@ -294,10 +295,11 @@ def cpu_device() -> Device:
     return _cpu_singleton
 
 
-def _nvml():
+def _nvml(import_module: Callable[[str], ModuleType] = importlib.import_module):
     """pynvml initialised, or None (no package, no driver)."""
-    mod = _backend.optional_module("pynvml")
-    if mod is None:
+    try:
+        mod = import_module("pynvml")
+    except Exception:  # ImportError, or a broken library raising at import
         return None
     try:
         mod.nvmlInit()
@@ -328,13 +330,48 @@ def cuda_free_bytes_including_pool(dev: Device) -> int:
         return free + int(cp.get_default_memory_pool().free_bytes())
 
 
-def discover_cuda() -> tuple[list[Device], str]:
+@dataclass(frozen=True)
+class Discovery:
+    """Where device discovery looks: this machine by default, stand-ins in tests.
+
+    Parameters
+    ----------
+    import_module : callable
+        ``import_module(name)`` imports ``cupy``, ``cupyx`` and ``pynvml``,
+        raising when one cannot be imported (default: :func:`importlib.import_module`).
+    gpu_present : callable
+        ``gpu_present()`` says whether the machine has an NVIDIA GPU, usable
+        or not (default: :func:`nvidia_gpu_present`); then a CPU-only
+        inventory warns.
+
+    Examples
+    --------
+    >>> def no_cupy(name):
+    ...     raise ImportError(name)
+    >>> Discovery(import_module=no_cupy).probe()
+    (0, 'CuPy is not installed')
+    >>> [str(d) for d in discover(discovery=Discovery(import_module=no_cupy))]
+    ['cpu']
+    """
+
+    import_module: Callable[[str], ModuleType] = importlib.import_module
+    gpu_present: Callable[[], bool] = nvidia_gpu_present
+
+    def probe(self) -> tuple[int, str]:
+        """(usable CUDA GPUs, reason when 0); this machine's is asked once per process."""
+        if self.import_module is importlib.import_module:
+            return _backend.cuda_probe()
+        return _backend.probe_cuda(self.import_module)
+
+
+def discover_cuda(discovery: Discovery | None = None) -> tuple[list[Device], str]:
     """CUDA GPUs visible to CuPy, with names, memory and NVML handles. Never raises."""
-    n, why = _backend.cuda_probe()
+    discovery = discovery if discovery is not None else Discovery()
+    n, why = discovery.probe()
     if n == 0:
         return [], why
-    cp = _backend.cupy()
-    nvml = _nvml()
+    cp = discovery.import_module("cupy")
+    nvml = _nvml(discovery.import_module)
     out = []
     for i in range(n):
         try:
@@ -446,7 +483,8 @@ def parse_device_name(name: str, *, what: str = "device") -> tuple[str, int]:
     return kind, int(m.group(2))
 
 
-def discover(devices: str | Sequence[str] | None = None, simulate: str | None = None) -> list[Device]:
+def discover(devices: str | Sequence[str] | None = None, simulate: str | None = None, *,
+             discovery: Discovery | None = None) -> list[Device]:
     """The device inventory: accelerators first, the CPU last (always present).
 
     Parameters
@@ -456,6 +494,8 @@ def discover(devices: str | Sequence[str] | None = None, simulate: str | None = 
     simulate : str, optional
         Simulated GPUs (``"4x2GiB"``) instead of real ones. Default:
         ``$MANAGED_SOLVE_SIMULATE``.
+    discovery : Discovery, optional
+        Where to look for GPUs; default: this machine.
 
     Examples
     --------
@@ -473,11 +513,12 @@ def discover(devices: str | Sequence[str] | None = None, simulate: str | None = 
         accel = parse_simulate(simulate, var=var_sim)
         mode = "simulated"
     else:
-        accel, why = discover_cuda()
+        discovery = discovery if discovery is not None else Discovery()
+        accel, why = discover_cuda(discovery)
         mode = "GPU" if accel else "CPU-only"
         if not accel:
             log.info("managed_solve: CPU-only inventory: %s", why)
-            if _wants_gpu(devices) and nvidia_gpu_present():
+            if _wants_gpu(devices) and discovery.gpu_present():
                 warn_cpu_fallback(why)
     cpu = cpu_device()
     inventory = [*accel, cpu]

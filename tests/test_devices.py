@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 import time
@@ -12,14 +13,15 @@ import numpy as np
 import pytest
 
 from managed_solve import _backend
-from managed_solve import devices as devices_module
 from managed_solve.devices import (
     ENV_DEVICES,
     ENV_SIMULATE,
     Device,
     DeviceWarning,
+    Discovery,
     cpu_device,
     discover,
+    discover_cuda,
     forget_warnings,
     format_bytes,
     nvidia_gpu_present,
@@ -152,54 +154,58 @@ def test_device_equality_and_hash():
 
 
 # -------------------------------------------------------------- never-crashing discovery
-def _reprobe(monkeypatch, fake_maybe):
-    monkeypatch.setattr(_backend, "optional_module", fake_maybe)
-    _backend.cuda_probe.cache_clear()
+# Discovery takes the machine it looks at as a Discovery: an importer of the
+# optional packages and a "is an NVIDIA GPU present" test, stand-ins here.
+def _importer(cupy=None, fail=()):
+    """``import_module`` of a machine with ``cupy`` (None: not installed) whose ``fail`` imports raise."""
+    def import_module(name):
+        if name == "cupy" and cupy is not None:
+            return cupy
+        if name.startswith(tuple(fail)) or name in ("cupy", "pynvml"):
+            raise ImportError(f"No module named {name!r}")
+        return importlib.import_module(name)
+
+    return import_module
 
 
-@pytest.fixture
-def fresh_probe():
-    _backend.cuda_probe.cache_clear()
-    yield
-    _backend.cuda_probe.cache_clear()
+def _cupy_with(get_count):
+    return types.SimpleNamespace(cuda=types.SimpleNamespace(
+        runtime=types.SimpleNamespace(getDeviceCount=get_count)))
 
 
-def test_discovery_without_cupy(monkeypatch, fresh_probe, caplog):
-    _reprobe(monkeypatch, lambda name: None)
+def _broken_driver():
+    raise RuntimeError("cudaErrorInsufficientDriver")
+
+
+def test_discovery_without_cupy(monkeypatch, caplog):
     monkeypatch.delenv(ENV_SIMULATE, raising=False)
     monkeypatch.delenv(ENV_DEVICES, raising=False)
+    machine = Discovery(import_module=_importer(), gpu_present=lambda: False)
     with caplog.at_level("INFO", logger="managed_solve"):
-        inv = discover()
+        inv = discover(discovery=machine)
     assert [str(d) for d in inv] == ["cpu"]
     assert any("CuPy is not installed" in r.getMessage() for r in caplog.records)
 
 
-def test_discovery_with_broken_driver(monkeypatch, fresh_probe):
-    def get_count():
-        raise RuntimeError("cudaErrorInsufficientDriver")
-
-    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=get_count)))
-    _reprobe(monkeypatch, lambda name: fake if name == "cupy" else None)
-    n, why = _backend.cuda_probe()
+def test_discovery_with_broken_driver(monkeypatch):
+    machine = Discovery(import_module=_importer(_cupy_with(_broken_driver)), gpu_present=lambda: False)
+    n, why = machine.probe()
     assert n == 0 and "cudaErrorInsufficientDriver" in why
     monkeypatch.delenv(ENV_SIMULATE, raising=False)
     monkeypatch.delenv(ENV_DEVICES, raising=False)
-    assert [str(d) for d in discover()] == ["cpu"]
+    assert [str(d) for d in discover(discovery=machine)] == ["cpu"]
 
 
-def test_discovery_with_failing_cupyx(monkeypatch, fresh_probe):
-    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=lambda: 2)))
-    _reprobe(monkeypatch, lambda name: fake if name == "cupy" else None)
-    real_import = _backend.importlib.import_module
-
-    def fail_cupyx(name, *a):
-        if name.startswith("cupyx"):
-            raise ImportError("libcusparse.so not found")
-        return real_import(name, *a)
-
-    monkeypatch.setattr(_backend.importlib, "import_module", fail_cupyx)
-    n, why = _backend.cuda_probe()
+def test_discovery_with_failing_cupyx():
+    machine = Discovery(import_module=_importer(_cupy_with(lambda: 2), fail=("cupyx",)))
+    n, why = machine.probe()
     assert n == 0 and "cupyx" in why
+    assert discover_cuda(machine) == ([], why)
+
+
+def test_discovery_with_no_cuda_devices():
+    n, why = Discovery(import_module=_importer(_cupy_with(lambda: 0))).probe()
+    assert n == 0 and "no CUDA devices" in why
 
 
 def test_optional_dependency_error_names_extra():
@@ -269,39 +275,29 @@ def _no_env(monkeypatch):
     monkeypatch.delenv(ENV_DEVICES, raising=False)
 
 
-def test_gpu_present_without_cupy_warns_once_with_the_fix(monkeypatch, fresh_probe, fresh_warnings):
-    _reprobe(monkeypatch, lambda name: None)
-    monkeypatch.setattr(devices_module, "nvidia_gpu_present", lambda: True)
+def test_gpu_present_without_cupy_warns_once_with_the_fix(monkeypatch, fresh_warnings):
     _no_env(monkeypatch)
+    machine = Discovery(import_module=_importer(), gpu_present=lambda: True)
     with pytest.warns(DeviceWarning, match=r"NVIDIA GPU is present.*CuPy is not installed.*cuda12"):
-        assert [str(d) for d in discover()] == ["cpu"]
+        assert [str(d) for d in discover(discovery=machine)] == ["cpu"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        discover()  # once per process: the second inventory is quiet
+        discover(discovery=machine)  # once per process: the second inventory is quiet
 
 
-def test_gpu_present_with_broken_cupy_warns(monkeypatch, fresh_probe, fresh_warnings):
-    def get_count():
-        raise RuntimeError("cudaErrorInsufficientDriver")
-
-    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=get_count)))
-    _reprobe(monkeypatch, lambda name: fake if name == "cupy" else None)
-    monkeypatch.setattr(devices_module, "nvidia_gpu_present", lambda: True)
+def test_gpu_present_with_broken_cupy_warns(monkeypatch, fresh_warnings):
     _no_env(monkeypatch)
+    machine = Discovery(import_module=_importer(_cupy_with(_broken_driver)), gpu_present=lambda: True)
     with pytest.warns(DeviceWarning, match=r"cudaErrorInsufficientDriver.*Fix: check that `nvidia-smi`"):
-        discover()
+        discover(discovery=machine)
 
 
-def test_no_warning_without_an_nvidia_gpu_or_when_the_cpu_is_asked_for(monkeypatch, fresh_probe,
-                                                                        fresh_warnings):
-    _reprobe(monkeypatch, lambda name: None)
+def test_no_warning_without_an_nvidia_gpu_or_when_the_cpu_is_asked_for(monkeypatch, fresh_warnings):
     _no_env(monkeypatch)
-    monkeypatch.setattr(devices_module, "nvidia_gpu_present", lambda: False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        discover()
-        monkeypatch.setattr(devices_module, "nvidia_gpu_present", lambda: True)
-        discover("cpu")
+        discover(discovery=Discovery(import_module=_importer(), gpu_present=lambda: False))
+        discover("cpu", discovery=Discovery(import_module=_importer(), gpu_present=lambda: True))
 
 
 def test_nvidia_gpu_present_is_a_bool():

@@ -12,6 +12,7 @@ is delivered exactly once.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -309,23 +310,11 @@ class Runner:
             fut = None
             if b.route == BATCH:
                 systems = [self.systems[i] for i in b.indices]
-                _method, _dt, jacobi = b.group
-                target = str(dev)  # PackedBatch puts "sim:k" batches on the host
-
-                def stage(systems=systems, jacobi=jacobi, target=target, dev=dev, b=b):
-                    packed = staging.pack_batch(systems, jacobi, target)
-                    if dev.is_cuda:
-                        # The solver's workspace too (its bytes are in the batch's
-                        # reservation): off the worker's path between two batches.
-                        # A deferred method is waited for here, after the copy.
-                        from ..solvers.batched import prepare
-
-                        method = self._batch_method(b)
-                        if method in ("cg", "bicgstab"):  # the fused core's; GMRES has none
-                            prepare(packed, method)
-                    return packed
-
-                fut = stager.submit(stage) if stager is not None else done_future(stage)
+                method, _dt, jacobi = b.group
+                if method == DEFERRED:
+                    method = functools.partial(self._batch_method, b)
+                args = (staging.pack_batch, systems, jacobi, dev, method)
+                fut = stager.submit(*args) if stager is not None else done_future(*args)
             return Staged(b, res, fut)
         except BaseException as exc:  # noqa: BLE001 - every failure must end in results
             if res is not None:

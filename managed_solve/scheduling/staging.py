@@ -31,20 +31,30 @@ class Staged:
     packed: Future | None  # the PackedBatch on its device (BATCH route only)
 
 
-def pack_batch(systems: list[LinearSystem], jacobi: bool, target: str) -> Any:
+def pack_batch(systems: list[LinearSystem], jacobi: bool, dev: Device,
+               method: str | Callable[[], str]) -> Any:
     """A batch on its device (host systems go over in bulk: see ``PackedBatch.pack``).
 
-    ``target`` is the device's name; the packer puts ``"sim:k"`` batches on the host.
+    On a GPU the solver's workspace is built here too (its bytes are in the
+    batch's reservation), off the worker's path between two batches.
+    ``method`` is the batch's method, or a function that finds it (a
+    deferred method: waited for here, after the copy). Simulated devices
+    (``"sim:k"``) get their batches on the host.
     """
-    from ..solvers.batched import PackedBatch
+    from ..solvers.batched import PackedBatch, prepare
 
-    return PackedBatch.pack(systems, device=target, jacobi=jacobi)
+    packed = PackedBatch.pack(systems, device=str(dev), jacobi=jacobi)
+    if dev.is_cuda:
+        method = method() if callable(method) else method
+        if method in ("cg", "bicgstab"):  # the fused core's; GMRES has none
+            prepare(packed, method)
+    return packed
 
 
-def done_future(fn: Callable[[], Any]) -> Future:
-    """``fn()`` run now, as a finished future (staging without a stager: the CPU)."""
+def done_future(fn: Callable[..., Any], *args: Any) -> Future:
+    """``fn(*args)`` run now, as a finished future (staging without a stager: the CPU)."""
     fut: Future = Future()
-    fut.set_result(fn())
+    fut.set_result(fn(*args))
     return fut
 
 
@@ -59,16 +69,17 @@ class Stager:
         self.dev = dev
         self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"stage-{dev}")
 
-    def submit(self, fn: Callable[[], Any]) -> Future:
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """``fn(*args)`` on the helper thread (on a GPU: on its copy stream)."""
         if not self.dev.is_cuda:
-            return self.pool.submit(fn)
+            return self.pool.submit(fn, *args)
 
         def staged():
             cp = _backend.cupy()
             with self.dev.context():
                 stream = copy_stream(cp, self.dev)
                 with stream:
-                    out = fn()
+                    out = fn(*args)
                 stream.synchronize()  # sync: the copy is complete before the compute stream reads it
                 return out
 

@@ -9,17 +9,14 @@ import numpy as np
 from .packed import PackedBatch
 
 
-def check_batch(batch: Any, call: str, check_every: int | None) -> None:
-    """``batch`` must be a :class:`PackedBatch`; ``check_every`` None or positive."""
+def check_batch(batch: Any, call: str, check_every: int | None,
+                first_check: int | None = None) -> None:
+    """``batch`` a :class:`PackedBatch`; ``check_every`` and ``first_check`` None or positive."""
     if not isinstance(batch, PackedBatch):
         raise TypeError(f"{call}: batch must be a PackedBatch, got {type(batch).__name__}; "
                         "build one with PackedBatch.pack(systems) or PackedBatch.from_csr(A, b)")
     if check_every is not None and int(check_every) < 1:
         raise ValueError(f"{call}: check_every must be a positive integer or None, got {check_every!r}")
-
-
-def check_first(call: str, first_check: int | None) -> None:
-    """``first_check`` None or a positive integer."""
     if first_check is not None and (int(first_check) != first_check or first_check < 1):
         raise ValueError(f"{call}: first_check must be a positive integer or None, got {first_check!r}")
 

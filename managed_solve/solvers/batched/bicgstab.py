@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import gpu
-from .arguments import check_batch, check_first
+from .arguments import check_batch
 from .cpu import solve_fused
 from .outcome import BatchOutcome
 from .packed import PackedBatch
@@ -37,8 +37,7 @@ def bicgstab_batched(batch: PackedBatch, *, check_every: int | None = None,
     >>> int(out.status[0]), bool(np.allclose(A @ out.x, 1.0))
     (0, True)
     """
-    check_batch(batch, "bicgstab_batched(batch)", check_every)
-    check_first("bicgstab_batched(batch)", first_check)
+    check_batch(batch, "bicgstab_batched(batch)", check_every, first_check)
     if batch.xp is not np:
         return BatchOutcome(*gpu.solve(batch, "bicgstab", check_every, first_check))
     return solve_fused(batch, "bicgstab")

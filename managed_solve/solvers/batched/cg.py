@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import gpu
-from .arguments import check_batch, check_first
+from .arguments import check_batch
 from .cpu import solve_fused
 from .outcome import BatchOutcome
 from .packed import PackedBatch
@@ -60,8 +60,7 @@ def cg_batched(batch: PackedBatch, *, check_every: int | None = None,
     >>> bool(np.allclose(A @ batch.unpack(out.x)[0], 1.0))
     True
     """
-    check_batch(batch, "cg_batched(batch)", check_every)
-    check_first("cg_batched(batch)", first_check)
+    check_batch(batch, "cg_batched(batch)", check_every, first_check)
     if batch.xp is not np:
         return BatchOutcome(*gpu.solve(batch, "cg", check_every, first_check))
     return solve_fused(batch, "cg")

@@ -21,26 +21,11 @@ from ...kernels import krylov as _k
 from ..engine import BREAKDOWN, CONVERGED, MAXITER
 from .outcome import BatchOutcome
 from .packed import PackedBatch
-from .threads import claim_order, row_threads, run_claimed, system_work, threads_for
+from .threads import row_threads, run_systems
 
 # GMRES of one system on the CPU: from this many rows its basis products go
 # to BLAS (:func:`gmres_one`), below it the per-system kernel runs.
 ROWS_LAYOUT_MIN = 10_000
-
-
-def run_systems(kernel: Any, batch: PackedBatch, method: str, args: tuple) -> int:
-    """Run a ``*_some`` kernel over every system of a host batch; returns the threads used.
-
-    ``args`` are the kernel's arguments after ``(order, start, stop)``. Tasks
-    are claimed largest predicted work first (:func:`.threads.claim_order`).
-    """
-    work = system_work(batch.offsets, batch.indptr, batch.rtol, batch.maxiter, method)
-    order, bounds = claim_order(work)
-    tasks = len(bounds) - 1
-    threads = threads_for(float(work.sum()), tasks)
-    starts, stops = bounds[:-1].tolist(), bounds[1:].tolist()
-    run_claimed(lambda k: kernel(order, starts[k], stops[k], *args), tasks, threads)
-    return threads
 
 
 def solve_fused(batch: PackedBatch, method: str) -> BatchOutcome:

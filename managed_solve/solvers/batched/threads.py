@@ -33,6 +33,7 @@ import itertools
 import os
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import numba
 import numpy as np
@@ -188,3 +189,19 @@ def run_claimed(task: Callable[[int], None], count: int, threads: int) -> list[i
     if errors:
         raise errors[0]
     return ran
+
+
+def run_systems(kernel: Any, batch: Any, method: str, args: tuple) -> int:
+    """Run a ``*_some`` kernel over every system of a host batch; returns the threads used.
+
+    ``args`` are the kernel's arguments after ``(order, start, stop)``. Tasks
+    are claimed largest predicted work first (:func:`claim_order`), over the
+    threads :func:`threads_for` grants (:func:`run_claimed`).
+    """
+    work = system_work(batch.offsets, batch.indptr, batch.rtol, batch.maxiter, method)
+    order, bounds = claim_order(work)
+    tasks = len(bounds) - 1
+    threads = threads_for(float(work.sum()), tasks)
+    starts, stops = bounds[:-1].tolist(), bounds[1:].tolist()
+    run_claimed(lambda k: kernel(order, starts[k], stops[k], *args), tasks, threads)
+    return threads

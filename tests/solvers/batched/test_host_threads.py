@@ -23,7 +23,6 @@ from managed_solve.solvers.batched import (
     gmres_batched,
     threads,
 )
-from managed_solve.solvers.batched import cpu as batched_cpu
 from tests._problems import poisson2d, upwind
 
 
@@ -160,7 +159,7 @@ def test_run_systems_uses_the_threads_the_policy_grants(monkeypatch):
         granted.append((count, n))
         return real(task, count, n)
 
-    monkeypatch.setattr(batched_cpu, "run_claimed", spy)
+    monkeypatch.setattr(threads, "run_claimed", spy)
     small = PackedBatch.pack([LinearSystem(poisson2d(5), np.ones(25)) for _ in range(4)])
     big = PackedBatch.pack([LinearSystem(poisson2d(40), np.ones(1600)) for _ in range(6)])
     with config.override(host_threads=2):
