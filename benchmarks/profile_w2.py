@@ -92,7 +92,7 @@ def install():
     timed(staging, "pack_batch", note=_rows)
     timed(routes, "solve_packed", note=lambda a, k: _rows(a, k))
     timed(many, "plan_work")
-    timed(many, "as_system", label="validate (per system)")
+    timed(many, "validate_all", label="validate (all systems)")
     timed(estimation, "estimate_system", label="estimate (per system)")
     timed(many, "run_sharded")
     timed(packed, "pack_host", note=_rows)
