@@ -7,7 +7,7 @@ once per device, (value, index) dtype pair and method family ("cg",
 launches. C++ templates are instantiated through CuPy's name expressions
 (:func:`instantiations`); CuPy keeps each compiled module in its on-disk
 cache (``CUPY_CACHE_DIR``, by default ``~/.cupy/kernel_cache``), so a later
-process loads it instead of compiling. :func:`prefetch` compiles (or loads)
+process loads it instead of compiling. :func:`prefetch_kernels` compiles (or loads)
 on a helper thread: NVRTC runs without the GIL, beside the caller's
 validation and packing.
 
@@ -168,7 +168,7 @@ def loaded(device_id: int, dtype: Any, index_dtype: Any, family: str) -> bool:
     return fut is not None and fut.done() and fut.exception() is None
 
 
-def prefetch(device_ids: Any, dtype: Any, index_dtype: Any,
+def prefetch_kernels(device_ids: Any, dtype: Any, index_dtype: Any,
              families: tuple[str, ...] = ("cg",)) -> threading.Thread | None:
     """Compile (or load) modules on a helper thread, so a later :func:`kernels` finds them ready.
 

@@ -109,7 +109,7 @@ def test_kernels_compile_each_module_once_across_threads_and_retry_a_failure(mon
 
     monkeypatch.setattr(cuda, "compile_module", fake_compile)
     monkeypatch.setattr(cuda, "_modules", {})
-    t = cuda.prefetch(7, np.float64, np.int32, ("cg", "bicgstab"))
+    t = cuda.prefetch_kernels(7, np.float64, np.int32, ("cg", "bicgstab"))
     got = []
     asker = threading.Thread(target=lambda: got.append(cuda.kernels(7, np.float64, np.int32, "cg")))
     asker.start()
@@ -118,8 +118,8 @@ def test_kernels_compile_each_module_once_across_threads_and_retry_a_failure(mon
     assert got == [{"family": "cg"}]
     assert sorted(calls) == ["bicgstab", "cg"]  # once each
     assert cuda.loaded(7, np.float64, np.int32, "bicgstab")
-    assert cuda.prefetch(7, np.float64, np.int32, ("cg", "bicgstab")) is None  # nothing left to do
-    cuda.prefetch(7, np.float64, np.int32, ("gmres",)).join()  # the error is dropped there ...
+    assert cuda.prefetch_kernels(7, np.float64, np.int32, ("cg", "bicgstab")) is None  # nothing left to do
+    cuda.prefetch_kernels(7, np.float64, np.int32, ("gmres",)).join()  # the error is dropped there ...
     assert not cuda.loaded(7, np.float64, np.int32, "gmres")
     with pytest.raises(RuntimeError, match="boom"):  # ... and raised by the call that needs it
         cuda.kernels(7, np.float64, np.int32, "gmres")
