@@ -168,6 +168,15 @@ def loaded(device_id: int, dtype: Any, index_dtype: Any, family: str) -> bool:
     return fut is not None and fut.done() and fut.exception() is None
 
 
+def loaded_modules() -> list[str]:
+    """The modules this process has, as ``"cg double/int on cuda:0"``."""
+    names = {"<f4": "float", "<f8": "double", "<i4": "int", "<i8": "long long"}
+    with _lock:
+        done = [k for k, f in _modules.items() if f.done() and f.exception() is None]
+    return sorted(f"{fam} {names.get(dt, dt)}/{names.get(it, it)} on cuda:{dev}"
+                  for dev, dt, it, fam in done)
+
+
 def prefetch_kernels(device_ids: Any, dtype: Any, index_dtype: Any,
              families: tuple[str, ...] = ("cg",)) -> threading.Thread | None:
     """Compile (or load) modules on a helper thread, so a later :func:`kernels` finds them ready.
