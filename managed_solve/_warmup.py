@@ -96,7 +96,6 @@ def _poisson(m: int, dtype: Any) -> Any:
 
 def _convection(m: int, dtype: Any) -> Any:
     """The Laplacian plus an upwind convection term (non-symmetric): BiCGStab's and GMRES's case."""
-    import scipy.sparse as sp
 
     A = _poisson(m, np.float64).tolil()
     n = m * m

@@ -31,8 +31,8 @@ import time
 import numpy as np
 
 from . import _backend
-from .config import ENV_DEVICES, ENV_SIMULATE
 from ._warmup import compiled_since, cupy_cache_dir, jit_snapshot
+from .config import ENV_DEVICES, ENV_SIMULATE
 from .devices import format_bytes
 
 
