@@ -105,3 +105,15 @@ def test_the_docs_and_the_help_name_warmup():
     section = page[page.index("## What the first run compiles"):]
     assert "managed-solve warmup" in section and "ms.warmup()" in section
     assert "managed_solve._warmup.warmup" in (ROOT / "docs" / "api.md").read_text()
+
+
+@pytest.mark.gpu
+def test_warmup_on_a_gpu_loads_the_batched_cuda_modules():
+    from managed_solve.solvers.batched import cuda
+
+    steps = ms.warmup("cuda:0", methods=["cg", "gmres"])
+    modules = [s for s in steps if s.get("cuda_module")]
+    assert [s["step"] for s in modules] == ["CUDA module cg (float64)", "CUDA module gmres (float64)"]
+    assert all(s["cuda_module"] in ("compiled", "loaded from cache") for s in modules)
+    assert cuda.loaded(0, np.float64, np.int32, "cg") and cuda.loaded(0, np.float64, np.int32, "gmres")
+    assert [s["step"] for s in steps if not s.get("cuda_module")] == ["cg (float64)", "gmres (float64)"]
