@@ -9,6 +9,7 @@ from __future__ import annotations
 from . import config as config
 from ._solve import solve as solve
 from ._solve_many import solve_many as solve_many
+from ._warmup import warmup as warmup
 from .devices import Device as Device
 from .devices import discover as discover
 from .manager import DeviceManager as DeviceManager

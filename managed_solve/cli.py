@@ -1,4 +1,4 @@
-"""Command line: ``managed-solve info`` and ``managed-solve demo``."""
+"""Command line: ``managed-solve info``, ``managed-solve demo`` and ``managed-solve warmup``."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ commands:
          versions of the libraries in use
   demo   a sweep of PDE systems on a surface solved with solve_many, timed
          against a plain loop of SciPy's (or on a GPU, cupyx's) cg
+  warmup compile (or load from the disk caches) the kernels the default
+         solve paths use, e.g. when a container or cluster worker starts
 
 environment:
   MANAGED_SOLVE_DEVICES   devices to use, e.g. cuda:1,cpu
@@ -59,11 +61,39 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo.main(args)
 
 
+def cmd_warmup(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from . import _warmup
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    stream = sys.stderr if args.json else sys.stdout
+    print(f"managed-solve {_package_version()} warmup: compiling (or loading from the disk "
+          "caches) the default paths' kernels", file=stream, flush=True)
+    t0 = time.perf_counter()
+    steps = _warmup.warmup(args.device, methods, dtypes=args.dtypes.split(","),
+                           progress=lambda s: print("  " + _warmup.describe(s), file=stream,
+                                                    flush=True))
+    total = time.perf_counter() - t0
+    compiled = sorted({k for s in steps for k in s["compiled"]})
+    modules = [s["step"] for s in steps if s.get("cuda_module") == "compiled"]
+    print(f"done in {total:.1f} s: compiled {len(compiled)} Numba kernels"
+          + (f" and {len(modules)} CUDA modules" if modules else "")
+          + f". Numba's cache: {_warmup.numba_cache_dir() or 'none'}"
+          + (f"; CuPy's: {_warmup.cupy_cache_dir()}" if any(s.get("cuda_module") for s in steps)
+             else "") + ". Later processes load them from there.", file=stream, flush=True)
+    if args.json:
+        print(json.dumps({"seconds": total, "steps": steps,
+                          "numba_cache": _warmup.numba_cache_dir()}, indent=1))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="managed-solve", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"managed-solve {_package_version()}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{info,demo}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{info,demo,warmup}")
     info = sub.add_parser("info", help="devices, mode and library versions",
                           description="Print the devices found, the mode and library versions.")
     info.add_argument("--simulate", default=None, metavar="SPEC",
@@ -89,6 +119,22 @@ def build_parser() -> argparse.ArgumentParser:
                       help="print a JSON summary on stdout (the text goes to stderr)")
     demo.add_argument("--small", action="store_true", help="a quick run on smaller meshes")
     demo.set_defaults(func=cmd_demo)
+    warm = sub.add_parser(
+        "warmup", help="compile the kernels the default solve paths use, ahead of need",
+        description="Compile (or load from Numba's and CuPy's disk caches) the kernels the "
+                    "default solve and solve_many paths use on the given devices, and print "
+                    "what was compiled and how long it took. For container images and "
+                    "cluster workers: later processes load the kernels instead of compiling.")
+    warm.add_argument("--device", default=None,
+                      help="cpu, cuda:N, cuda (every GPU) or a comma-separated list "
+                           "(default: the CPU and every usable GPU)")
+    warm.add_argument("--methods", default="cg,bicgstab,gmres", metavar="LIST",
+                      help="batched methods to prepare (default cg,bicgstab,gmres)")
+    warm.add_argument("--dtypes", default="float64", metavar="LIST",
+                      help="value dtypes, float64 and/or float32 (default float64)")
+    warm.add_argument("--json", action="store_true",
+                      help="print a JSON summary on stdout (the text goes to stderr)")
+    warm.set_defaults(func=cmd_warmup)
     return p
 
 

@@ -4,7 +4,8 @@ A tessellated surface (an icosphere at three resolutions by default, or the
 user's mesh), a sweep of heat steps and screened Poisson problems on it, one
 ``solve_many`` over every device present, then:
 
-- what the first run compiled (Numba kernels, cached on disk afterwards) and
+- what the first run compiled (Numba kernels; on a GPU the batched CUDA modules
+  and CuPy's kernels; all cached on disk afterwards) and
   how long that took, apart from the solve;
 - the solve time (median of ``--repeat`` runs) against the loop a user would
   write without this package, timed on the same systems the same number of
@@ -30,6 +31,7 @@ import time
 import numpy as np
 
 from . import _backend
+from ._warmup import compiled_since, cupy_cache_dir, jit_snapshot
 from .config import ENV_DEVICES, ENV_SIMULATE
 from .devices import format_bytes
 
@@ -78,40 +80,17 @@ def build_sweep(meshes, n_systems: int):
 
 
 # ------------------------------------------------------------------ compilation
-def _jit_functions() -> dict:
-    """Numba dispatchers of the package by name, with their compiled-signature counts."""
-    out = {}
-    for modname, mod in list(sys.modules.items()):
-        if not modname.startswith("managed_solve") or mod is None:
-            continue
-        for name, obj in list(vars(mod).items()):
-            if hasattr(obj, "py_func") and hasattr(obj, "signatures"):
-                out[f"{modname.rsplit('.', 1)[-1]}.{name}"] = obj
-    return out
+def _cuda_modules() -> list[str]:
+    """The batched core's CUDA modules this process has (none without a GPU)."""
+    if "managed_solve.solvers.batched.cuda" not in sys.modules:
+        return []
+    from .solvers.batched import cuda
+
+    return cuda.loaded_modules()
 
 
-def _jit_counts(funcs: dict) -> dict:
-    counts = {}
-    for name, d in funcs.items():
-        stats = getattr(d, "stats", None)
-        hits = sum(stats.cache_hits.values()) if stats is not None else 0
-        counts[name] = (len(d.signatures), hits)
-    return counts
-
-
-def _compiled_since(before: dict) -> dict:
-    """The package's Numba kernels typed since ``before``: compiled, or loaded from Numba's cache.
-
-    Numba compiles each kernel for its argument types on first use and keeps
-    the machine code in its on-disk cache (``cache=True``), so later runs load
-    instead of compiling; the dispatchers' cache statistics tell the two apart.
-    """
-    compiled, loaded = [], []
-    for name, (sigs, hits) in _jit_counts(_jit_functions()).items():
-        sigs0, hits0 = before.get(name, (0, 0))
-        if sigs > sigs0:
-            (loaded if hits > hits0 else compiled).append(name)
-    return {"compiled": sorted(compiled), "loaded_from_cache": sorted(loaded)}
+def _count_files(path: str) -> int:
+    return sum(len(f) for _, _, f in os.walk(path)) if os.path.isdir(path) else 0
 
 
 def _names(names: list[str], most: int = 5) -> str:
@@ -270,7 +249,9 @@ def main(args: argparse.Namespace) -> int:
     say("devices: " + "; ".join(f"{d} ({d.name}, {format_bytes(d.total_bytes)})"
                                 for d in manager.devices))
 
-    jit_before = _jit_counts(_jit_functions())
+    jit_before = jit_snapshot()
+    cuda_before = set(_cuda_modules())
+    cupy_files = _count_files(cupy_cache_dir()) if gpu else 0
     t0 = time.perf_counter()
     meshes = _meshes(args)
     build_sweep(meshes, n_systems)  # the first assembly compiles its kernels
@@ -289,21 +270,28 @@ def main(args: argparse.Namespace) -> int:
         t, results = _solve_once(systems, manager)
         times.append(t)
     t_ours = statistics.median(times)
-    first = _compiled_since(jit_before)
+    first = compiled_since(jit_before)
     first["seconds"] = max(0.0, t_build_first - t_build) + max(0.0, t_first - t_ours)
+    first["cuda_modules"] = sorted(set(_cuda_modules()) - cuda_before)
+    if gpu:
+        first["cupy_cache_new_files"] = _count_files(cupy_cache_dir()) - cupy_files
     if first["compiled"]:
         what = f"compiled {len(first['compiled'])} Numba kernels ({_names(first['compiled'])})"
         if first["loaded_from_cache"]:
             what += f" and loaded {len(first['loaded_from_cache'])} from Numba's cache"
-        say(f"first run: {what}: about {first['seconds']:.1f} s on top of the work. Numba keeps "
-            "them in its on-disk cache: later runs load them. Not counted in the times below.")
     else:
-        loaded = len(first["loaded_from_cache"])
-        say(f"first run: nothing to compile (loaded {loaded} kernels from Numba's cache); "
-            f"about {first['seconds']:.2f} s on top of the work.")
-    if gpu:
-        say("  (on a GPU the first run also compiles CuPy's CUDA kernels, which CuPy caches in "
-            "~/.cupy/kernel_cache)")
+        what = f"nothing to compile in Numba (loaded {len(first['loaded_from_cache'])} kernels " \
+            "from its cache)"
+    if first["cuda_modules"]:
+        fresh = first.get("cupy_cache_new_files", 0) > 0
+        what += (f"; {'compiled' if fresh else 'loaded from CuPy cache'} "
+                 f"{len(first['cuda_modules'])} CUDA modules ({_names(first['cuda_modules'])})")
+        if fresh:
+            what += " and CuPy's kernels"
+    say(f"first run: {what}: about {first['seconds']:.1f} s on top of the work, not counted in "
+        "the times below. The disk caches keep them (Numba's"
+        + (", and CuPy's in " + cupy_cache_dir() if gpu else "")
+        + "): later runs load them. `managed-solve warmup` does this ahead of need.")
     say("solve_many runs: " + ", ".join(f"{t:.3f} s" for t in times))
 
     rows: dict = {}

@@ -75,7 +75,14 @@ def gather(addresses, lengths, out):
     pos = 0
     for k in range(addresses.shape[0]):
         n = lengths[k]
-        out[pos:pos + n] = numba.carray(_pointer(addresses[k]), (n,), out.dtype)
+        src = numba.carray(_pointer(addresses[k]), (n,), out.dtype)
+        # An element loop rather than ``out[pos:pos + n] = src``: the same machine
+        # code (a vectorised copy), but a slice assignment also compiles its
+        # shape-mismatch error message (string formatting), which made this
+        # small kernel take about two seconds to compile on a cold cache.
+        dst = out[pos:pos + n]
+        for i in range(n):
+            dst[i] = src[i]
         pos += n
 
 

@@ -28,7 +28,7 @@ from . import adjoint, process
 from . import estimate as estimation
 from .errors import raise_for_failures
 from .plan import SINGLE, Estimate, head_start, plan_work, select_devices
-from .routes import run_sharded
+from .routes import prefetch_cuda_modules, run_sharded
 from .runner import Runner
 from .validate import check_arguments, invalid_result, validate_all
 
@@ -110,6 +110,8 @@ def _solve(systems: Iterable[Any], *, disperse: bool, devices: Any, method: str,
             held[s.device] = held.get(s.device, 0) + s.nbytes
     devs = select_devices(mgr, devices, disperse, held)
     host_only = all(d.kind == "cpu" for d in devs)
+    if not host_only:
+        prefetch_cuda_modules(valid, devs, method)  # compiles beside what follows
     kind = "cpu" if host_only else next(d.kind for d in devs if d.kind != "cpu")
     ref = devs[0]
     cache: dict = {}  # symmetry per matrix object, for this call

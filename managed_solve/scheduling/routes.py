@@ -52,6 +52,31 @@ def host_kernels(dev: Device) -> Any:
 
 
 # --------------------------------------------------------------------------- BATCH
+def prefetch_cuda_modules(systems: Sequence[LinearSystem | None], devs: Sequence[Device],
+                          method: str) -> None:
+    """Start compiling (or loading) the batched CUDA modules this call will launch, on helper threads.
+
+    On a cold cache the modules take seconds to compile; NVRTC runs without
+    the GIL, so the call's validation, symmetry tests and packing go on
+    meanwhile. The family follows ``method`` ("auto" mostly ends in CG: its
+    module first, BiCGStab's when a system turns out non-symmetric);
+    systems' value dtypes with int32 indices (a batch's unless it has more
+    than 2**31 rows or entries; others compile when met).
+    """
+    family = {"auto": "cg", "cg": "cg", "bicgstab": "bicgstab", "gmres": "gmres"}.get(method)
+    gpus = [d.index for d in devs if d.is_cuda]
+    if family is None or not gpus:
+        return
+    dtypes = {s.dtype for s in systems if s is not None and s.kind == "csr"
+              and s.dtype in (np.dtype(np.float32), np.dtype(np.float64))}
+    if not dtypes:
+        return
+    from ..solvers.batched import prefetch_kernels
+
+    for dt in sorted(dtypes, key=str):
+        prefetch_kernels(gpus, dt, np.int32, (family,))
+
+
 def batched_solver(method: str) -> Callable[..., Any]:
     """The batched core's solver of ``method`` ("cg", "bicgstab" or "gmres")."""
     from ..solvers.batched import bicgstab_batched, cg_batched, gmres_batched
@@ -82,7 +107,7 @@ def run_packed(packed: Any, method: str) -> tuple:
     else:
         from ..solvers.batched import residual_norms
 
-        rn, bn = residual_norms(packed, out.x)  # sync: one host read of per-system norms
+        rn, bn = residual_norms(packed, out.x, method)  # sync: one host read of per-system norms
     rescale_extreme_norms(packed, out.x, rn, bn)
     return out, rn, bn, seconds
 

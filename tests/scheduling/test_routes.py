@@ -168,3 +168,27 @@ def test_systems_sharing_a_matrix_are_factorised_once_on_the_host(monkeypatch):
     assert sorted(made) == sorted([id(A), id(other)])
     for (M, b), r in zip(pairs, res, strict=True):
         assert np.linalg.norm(b - M @ r.x) <= 1e-10 * np.linalg.norm(b)
+
+
+def test_solve_many_on_gpus_starts_the_cuda_modules_it_will_launch(monkeypatch):
+    """The batched CUDA modules start compiling as a GPU call begins: the method's family,
+    each value dtype, every GPU; nothing for host-only devices or non-batched methods."""
+    import managed_solve.solvers.batched as batched
+    from managed_solve.devices import Device, cpu_device
+
+    calls = []
+    monkeypatch.setattr(batched, "prefetch_kernels",
+                        lambda ids, dt, it, fams: calls.append((list(ids), np.dtype(dt).name,
+                                                                np.dtype(it).name, fams)))
+    gpus = [Device("cuda", 0, "gpu0", 1 << 30), Device("cuda", 1, "gpu1", 1 << 30)]
+    systems = [LinearSystem(poisson2d(5), np.ones(25)),
+               LinearSystem(poisson2d(4).astype(np.float32), np.ones(16, np.float32)), None]
+    routes.prefetch_cuda_modules(systems, [cpu_device(), *gpus], "auto")
+    assert calls == [([0, 1], "float32", "int32", ("cg",)), ([0, 1], "float64", "int32", ("cg",))]
+    calls.clear()
+    routes.prefetch_cuda_modules(systems, gpus[1:], "gmres")
+    assert calls == [([1], "float32", "int32", ("gmres",)), ([1], "float64", "int32", ("gmres",))]
+    calls.clear()
+    routes.prefetch_cuda_modules(systems, [cpu_device(), Device("sim", 0, "sim", 1 << 30)], "cg")
+    routes.prefetch_cuda_modules(systems, gpus, "direct")
+    assert calls == []

@@ -18,6 +18,7 @@ work.
 from .bicgstab import bicgstab_batched as bicgstab_batched
 from .cg import cg_batched as cg_batched
 from .cpu import ROWS_LAYOUT_MIN as ROWS_LAYOUT_MIN
+from .cuda import prefetch_kernels as prefetch_kernels
 from .cuda import release_done as release_done
 from .engine import BatchedEngine as BatchedEngine
 from .engine import BatchedPrepared as BatchedPrepared

@@ -2,8 +2,14 @@
 
 The kernels live in ``common.cuh`` (device helpers), ``cg_bicgstab.cu`` and
 ``gmres.cu`` beside this module; they are compiled as one translation unit,
-once per device and (value, index) dtype pair. C++ templates are
-instantiated through CuPy's name expressions (:func:`instantiations`).
+once per device, (value, index) dtype pair and method family ("cg",
+"bicgstab" or "gmres"), so a call compiles only the templates its method
+launches. C++ templates are instantiated through CuPy's name expressions
+(:func:`instantiations`); CuPy keeps each compiled module in its on-disk
+cache (``CUPY_CACHE_DIR``, by default ``~/.cupy/kernel_cache``), so a later
+process loads it instead of compiling. :func:`prefetch_kernels` compiles (or loads)
+on a helper thread: NVRTC runs without the GIL, beside the caller's
+validation and packing.
 
 Also here: what a GPU solve keeps alive for work still queued when it
 returns (:class:`RetiredQueue`, :func:`release_done`).
@@ -15,6 +21,7 @@ import functools
 import math
 import threading
 from collections import deque
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +56,23 @@ def compile_options(*, contiguous_rows: bool = True) -> tuple[str, ...]:
     return ("-std=c++17", f"-DMS_CONTIGUOUS={int(contiguous_rows)}")
 
 
-def instantiations(T: str, I: str) -> dict[str, str]:  # noqa: E741 - the C++ template's name
-    """Kernel name -> C++ name expression for one (value, index) type pair."""
+#: The method families, each compiled as its own module (:func:`instantiations`).
+FAMILIES = ("cg", "bicgstab", "gmres")
+
+
+def family_of(method: str) -> str:
+    """The module family whose kernels a batched ``method`` launches ("cg" for unknown ones)."""
+    return method if method in FAMILIES else "cg"
+
+
+def instantiations(T: str, I: str, family: str | None = None) -> dict[str, str]:  # noqa: E741
+    """Kernel name -> C++ name expression for one (value, index) type pair.
+
+    ``family`` ("cg", "bicgstab" or "gmres") keeps the kernels that method
+    launches, plus the residual kernel every batch's check uses; None keeps
+    all of them. NVRTC compiles only the templates named here, so one
+    family costs a fraction of the whole set.
+    """
     names: dict[str, str] = {}
     for s in (0, 1):
         for j in (0, 1):
@@ -74,7 +96,14 @@ def instantiations(T: str, I: str) -> dict[str, str]:  # noqa: E741 - the C++ te
     # extern "C" kernels go through name expressions too: their lowered name is their own.
     names["init_status"] = "ms_init_status"
     names["bicg_check"] = "ms_bicg_check"
-    return names
+    if family is None:
+        return names
+    if family not in FAMILIES:
+        raise ValueError(f"instantiations(family={family!r}): expected one of {FAMILIES} or None")
+    prefixes = {"cg": ("init", "cg_", "zero_x", "residual"),
+                "bicgstab": ("init", "bicg_", "zero_x", "residual"),
+                "gmres": ("gmres_", "residual")}[family]
+    return {k: v for k, v in names.items() if k.startswith(prefixes)}
 
 
 def type_names(dtype: Any, index_dtype: Any) -> tuple[str, str]:
@@ -83,10 +112,13 @@ def type_names(dtype: Any, index_dtype: Any) -> tuple[str, str]:
 
 
 def compile_module(device_id: int, dtype: Any, index_dtype: Any, *,
-                   contiguous_rows: bool = True) -> dict[str, Any]:
-    """Compile the kernels for one device and dtype pair (uncached; see :func:`kernels`)."""
+                   contiguous_rows: bool = True, family: str | None = None) -> dict[str, Any]:
+    """Compile the kernels for one device and dtype pair (uncached; see :func:`kernels`).
+
+    ``family`` as in :func:`instantiations` (None: every kernel).
+    """
     cp = _backend.cupy()
-    names = instantiations(*type_names(dtype, index_dtype))
+    names = instantiations(*type_names(dtype, index_dtype), family)
     with cp.cuda.Device(device_id):
         mod = cp.RawModule(code=source(), options=compile_options(contiguous_rows=contiguous_rows),
                            name_expressions=list(names.values()))
@@ -94,16 +126,83 @@ def compile_module(device_id: int, dtype: Any, index_dtype: Any, *,
 
 
 _lock = threading.Lock()
-_modules: dict[tuple, dict[str, Any]] = {}
+# One future per (device, dtype, index dtype, family): a thread asking for a
+# module another thread is compiling waits for that compilation only.
+_modules: dict[tuple, Future] = {}
 
 
-def kernels(device_id: int, dtype: Any, index_dtype: Any) -> dict[str, Any]:
-    """Compiled kernels for one device and (value, index) dtype pair; compiled once, cached."""
-    key = (int(device_id), np.dtype(dtype).str, np.dtype(index_dtype).str)
+def _key(device_id: int, dtype: Any, index_dtype: Any, family: str) -> tuple:
+    if family not in FAMILIES:
+        raise ValueError(f"kernels(family={family!r}): expected one of {FAMILIES}")
+    return (int(device_id), np.dtype(dtype).str, np.dtype(index_dtype).str, family)
+
+
+def kernels(device_id: int, dtype: Any, index_dtype: Any, family: str = "cg") -> dict[str, Any]:
+    """Compiled kernels of one method family for one device and (value, index) dtype pair.
+
+    Compiled (or loaded from CuPy's disk cache) once per process; a thread
+    asking while another compiles the same module waits for it. A failed
+    compilation is not kept: the next call tries again and raises.
+    """
+    key = _key(device_id, dtype, index_dtype, family)
     with _lock:
-        if key not in _modules:
-            _modules[key] = compile_module(device_id, dtype, index_dtype)
-        return _modules[key]
+        fut = _modules.get(key)
+        owner = fut is None
+        if owner:
+            fut = _modules[key] = Future()
+    if owner:
+        try:
+            fut.set_result(compile_module(device_id, dtype, index_dtype, family=family))
+        except BaseException as exc:
+            with _lock:
+                _modules.pop(key, None)
+            fut.set_exception(exc)
+            raise
+    return fut.result()
+
+
+def loaded(device_id: int, dtype: Any, index_dtype: Any, family: str) -> bool:
+    """Whether this process has the module already (compiled or loaded, not in progress)."""
+    with _lock:
+        fut = _modules.get(_key(device_id, dtype, index_dtype, family))
+    return fut is not None and fut.done() and fut.exception() is None
+
+
+def loaded_modules() -> list[str]:
+    """The modules this process has, as ``"cg double/int on cuda:0"``."""
+    names = {"<f4": "float", "<f8": "double", "<i4": "int", "<i8": "long long"}
+    with _lock:
+        done = [k for k, f in _modules.items() if f.done() and f.exception() is None]
+    return sorted(f"{fam} {names.get(dt, dt)}/{names.get(it, it)} on cuda:{dev}"
+                  for dev, dt, it, fam in done)
+
+
+def prefetch_kernels(device_ids: Any, dtype: Any, index_dtype: Any,
+             families: tuple[str, ...] = ("cg",)) -> threading.Thread | None:
+    """Compile (or load) modules on a helper thread, so a later :func:`kernels` finds them ready.
+
+    NVRTC and the module load run without the GIL, so the caller's
+    validation, symmetry tests and packing go on meanwhile. Devices (an id
+    or a list) go one after another: the first compiles, the others (of the
+    same architecture) load what CuPy's disk cache then holds. Errors are
+    dropped here: the solve that needs the module compiles it again and
+    reports them. Returns the thread, or None when every module is loaded.
+    """
+    ids = [int(device_ids)] if np.ndim(device_ids) == 0 else [int(d) for d in device_ids]
+    wanted = [(d, f) for d in ids for f in families if not loaded(d, dtype, index_dtype, f)]
+    if not wanted:
+        return None
+
+    def run() -> None:
+        for d, f in wanted:
+            try:
+                kernels(d, dtype, index_dtype, f)
+            except Exception:  # reported by the solve that needs it
+                continue
+
+    t = threading.Thread(target=run, name="managed_solve-cuda-prefetch", daemon=True)
+    t.start()
+    return t
 
 
 @functools.cache

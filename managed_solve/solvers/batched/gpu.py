@@ -67,8 +67,11 @@ AHEAD_SECONDS = 0.012
 AHEAD_FRACTION = 0.2
 
 
-def residual_norms(batch: Any, x: Any) -> tuple[np.ndarray, np.ndarray]:
+def residual_norms(batch: Any, x: Any, method: str = "cg") -> tuple[np.ndarray, np.ndarray]:
     """Per-system ``||b_s - A_s x_s||`` and ``||b_s||`` of a CuPy batch, as host float64 arrays.
+
+    ``method``: the batch's method, whose kernel module (already loaded by
+    its solve) holds the residual kernel too.
 
     One fused pass (products, squares and per-system sums in float64) and one
     device -> host copy, instead of a cuSPARSE product, two weighted bincounts
@@ -78,7 +81,7 @@ def residual_norms(batch: Any, x: Any) -> tuple[np.ndarray, np.ndarray]:
     dev = batch.data.device.id
     ns = batch.nsys
     with cp.cuda.Device(dev):
-        k = cuda.kernels(dev, batch.dtype, batch.index_dtype)
+        k = cuda.kernels(dev, batch.dtype, batch.index_dtype, cuda.family_of(method))
         sums = cp.zeros(2 * ns, dtype=np.float64)
         k[f"residual{int(ns == 1)}"]((cuda.grid_rows(batch.n, dev),), (cuda.THREADS,), (
             batch.indptr, batch.indices, batch.data, batch.b, x, batch.row_sys, sums[:ns],

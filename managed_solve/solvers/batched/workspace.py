@@ -87,7 +87,7 @@ class FusedWorkspace:
         self.cp, self.batch, self.method, self.dev = cp, batch, method, dev
         n, nsys, dt = batch.n, batch.nsys, batch.dtype
         self.n, self.nsys = n, nsys
-        self.k = cuda.kernels(dev, dt, batch.index_dtype)
+        self.k = cuda.kernels(dev, dt, batch.index_dtype, cuda.family_of(method))
         self.single = int(nsys == 1)
         self.jac = int(batch.dinv is not None)
         # A warp per row once rows are long enough to give most lanes work.
@@ -161,7 +161,7 @@ class GmresWorkspace:
         self.compactions = 0
         if self.gpu:
             dev = int(batch.data.device.id)
-            self.k = cuda.kernels(dev, dt, batch.index_dtype)
+            self.k = cuda.kernels(dev, dt, batch.index_dtype, "gmres")
             self.grid = (cuda.grid_rows(n, dev),)
             self.block = (cuda.THREADS,)
             self.nn, self.nsys32 = np.int64(n), np.int32(ns)

@@ -64,3 +64,66 @@ def test_retired_work_is_released_once_its_event_is_done():
     queue.release_done()
     assert not queue.held() and len(queue) == 0
     cuda.release_done()  # the process's queue: a no-op with nothing kept
+
+
+def test_each_method_family_holds_the_kernels_its_loop_launches():
+    """A family is the subset its method launches (plus the residual check); together they are all."""
+    T, I = cuda.type_names(np.float64, np.int32)  # noqa: E741
+    every = cuda.instantiations(T, I)
+    fams = {f: cuda.instantiations(T, I, f) for f in cuda.FAMILIES}
+    assert set().union(*fams.values()) == set(every)
+    launched = {
+        "cg": {"init000", "init111", "zero_x", "init_status", "cg_spmv01", "cg_update10",
+               "cg_direction1", "residual0", "residual1"},
+        "bicgstab": {"init100", "zero_x", "init_status", "bicg_check", "bicg_direction01",
+                     "bicg_spmv_v11", "bicg_update_s00", "bicg_spmv_t10", "bicg_update_r01",
+                     "residual1"},
+        "gmres": {"gmres_spmv0", "gmres_spmv1", "gmres_dots1", "gmres_combine0", "gmres_scale",
+                  "residual0"},
+    }
+    for fam, names in fams.items():
+        assert launched[fam] <= set(names), fam
+        assert all(every[k] == v for k, v in names.items())
+        assert len(names) < len(every) * 0.7, fam  # the point: a fraction of the templates
+    assert not any(k.startswith("bicg") for k in fams["cg"])
+    assert not any(k.startswith("cg_") for k in fams["bicgstab"])
+    assert cuda.family_of("bicgstab") == "bicgstab" and cuda.family_of("minres") == "cg"
+    with pytest.raises(ValueError, match="family"):
+        cuda.instantiations(T, I, "lu")
+
+
+def test_kernels_compile_each_module_once_across_threads_and_retry_a_failure(monkeypatch):
+    """A prefetch and a solve asking for one module share one compilation; a failure is not kept."""
+    import threading
+    import time
+
+    calls = []
+    fail = {"on": True}
+
+    def fake_compile(device_id, dtype, index_dtype, *, contiguous_rows=True, family=None):
+        calls.append(family)
+        time.sleep(0.05)  # long enough for the other thread to ask meanwhile
+        if family == "gmres" and fail["on"]:
+            raise RuntimeError("nvrtc: boom")
+        return {"family": family}
+
+    monkeypatch.setattr(cuda, "compile_module", fake_compile)
+    monkeypatch.setattr(cuda, "_modules", {})
+    t = cuda.prefetch_kernels(7, np.float64, np.int32, ("cg", "bicgstab"))
+    got = []
+    asker = threading.Thread(target=lambda: got.append(cuda.kernels(7, np.float64, np.int32, "cg")))
+    asker.start()
+    asker.join()
+    t.join()
+    assert got == [{"family": "cg"}]
+    assert sorted(calls) == ["bicgstab", "cg"]  # once each
+    assert cuda.loaded(7, np.float64, np.int32, "bicgstab")
+    assert cuda.prefetch_kernels(7, np.float64, np.int32, ("cg", "bicgstab")) is None  # nothing left to do
+    cuda.prefetch_kernels(7, np.float64, np.int32, ("gmres",)).join()  # the error is dropped there ...
+    assert not cuda.loaded(7, np.float64, np.int32, "gmres")
+    with pytest.raises(RuntimeError, match="boom"):  # ... and raised by the call that needs it
+        cuda.kernels(7, np.float64, np.int32, "gmres")
+    fail["on"] = False
+    assert cuda.kernels(7, np.float64, np.int32, "gmres") == {"family": "gmres"}
+    with pytest.raises(ValueError, match="family"):
+        cuda.kernels(7, np.float64, np.int32, "lu")

@@ -1,0 +1,119 @@
+"""``ms.warmup`` and ``managed-solve warmup``: the default paths' kernels compiled ahead of need."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import managed_solve as ms
+from managed_solve.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A fresh process on an empty Numba cache: no kernel compiled before warmup,
+# each batched kernel of the methods warmed compiled after it, and the report
+# names them as compiled (not loaded).
+_FRESH = """
+import json, sys
+import managed_solve as ms
+from managed_solve.kernels import krylov, packing, symmetry
+kernels = {"cg_some": krylov.cg_some, "gmres_some": krylov.gmres_some,
+           "bicgstab_some": krylov.bicgstab_some, "gather_blocks": packing.gather_blocks,
+           "symmetry": symmetry.csr_symmetry_gershgorin}
+before = {k: len(d.signatures) for k, d in kernels.items()}
+steps = ms.warmup("cpu", methods=["cg", "gmres"])
+after = {k: len(d.signatures) for k, d in kernels.items()}
+print(json.dumps({"before": before, "after": after, "steps": steps}))
+"""
+
+
+@pytest.mark.slow
+def test_warmup_compiles_the_batched_kernels_of_the_methods_asked_for(tmp_path):
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"),
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", _FRESH], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert all(v == 0 for v in out["before"].values()), out["before"]
+    after = out["after"]
+    assert after["cg_some"] >= 1 and after["gmres_some"] >= 1
+    assert after["gather_blocks"] >= 1 and after["symmetry"] >= 1
+    assert after["bicgstab_some"] == 0  # not asked for: not compiled
+    steps = out["steps"]
+    assert [s["step"] for s in steps] == ["cg (float64)", "gmres (float64)"]
+    assert "krylov.cg_some" in steps[0]["compiled"] and not steps[0]["loaded_from_cache"]
+    assert "krylov.gmres_some" in steps[1]["compiled"]
+    assert list((tmp_path / "numba").rglob("*.nbi")), "nothing written to Numba's cache"
+
+
+def test_warmup_then_solve_many_compiles_nothing_more():
+    """What warmup prepared is what the default path of a W2-like call runs."""
+    from managed_solve._warmup import compiled_since, jit_snapshot
+
+    ms.warmup("cpu", methods=["cg"])
+    before = jit_snapshot()
+    dm = ms.DeviceManager(["cpu"])
+    import scipy.sparse as sp
+
+    def poisson(m):
+        T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(m, m))
+        return sp.kronsum(T, T, format="csr")
+
+    res = ms.solve_many([(poisson(m), np.ones(m * m)) for m in (33, 47, 61)], manager=dm)
+    assert all(r.converged and r.method == "cg" for r in res)
+    assert compiled_since(before) == {"compiled": [], "loaded_from_cache": []}
+
+
+def test_warmup_rejects_unknown_methods_and_dtypes():
+    with pytest.raises(ValueError, match="bicgstab"):
+        ms.warmup("cpu", methods=["lu"])
+    with pytest.raises(ValueError, match="float32"):
+        ms.warmup("cpu", methods=["cg"], dtypes=["int32"])
+
+
+def test_cli_warmup_reports_what_and_how_long(capsys):
+    assert main(["warmup", "--device", "cpu", "--methods", "cg"]) == 0
+    out = capsys.readouterr().out
+    assert "cpu" in out and "cg (float64)" in out and " s " in out
+    assert "done in" in out and "Numba's cache" in out
+
+
+def test_cli_warmup_json_and_bad_method(capsys):
+    assert main(["warmup", "--device", "cpu", "--methods", "cg", "--json"]) == 0
+    cap = capsys.readouterr()
+    summary = json.loads(cap.out)
+    assert summary["steps"][0]["device"] == "cpu" and summary["seconds"] >= 0
+    assert "done in" in cap.err
+    assert main(["warmup", "--device", "cpu", "--methods", "lu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "lu" in err and "Traceback" not in err
+
+
+def test_the_docs_and_the_help_name_warmup():
+    from managed_solve.cli import build_parser
+
+    assert "warmup" in build_parser().format_help()
+    assert "managed-solve warmup" in (ROOT / "README.md").read_text()
+    page = (ROOT / "docs" / "getting-started.md").read_text()
+    section = page[page.index("## What the first run compiles"):]
+    assert "managed-solve warmup" in section and "ms.warmup()" in section
+    assert "managed_solve._warmup.warmup" in (ROOT / "docs" / "api.md").read_text()
+
+
+@pytest.mark.gpu
+def test_warmup_on_a_gpu_loads_the_batched_cuda_modules():
+    from managed_solve.solvers.batched import cuda
+
+    steps = ms.warmup("cuda:0", methods=["cg", "gmres"])
+    modules = [s for s in steps if s.get("cuda_module")]
+    assert [s["step"] for s in modules] == ["CUDA module cg (float64)", "CUDA module gmres (float64)"]
+    assert all(s["cuda_module"] in ("compiled", "loaded from cache") for s in modules)
+    assert cuda.loaded(0, np.float64, np.int32, "cg") and cuda.loaded(0, np.float64, np.int32, "gmres")
+    assert [s["step"] for s in steps if not s.get("cuda_module")] == ["cg (float64)", "gmres (float64)"]
