@@ -10,10 +10,15 @@ seconds per system, and ``extra_info["metric"]`` says so):
   to the same rtol (target: at least 2 x faster than both); also ours on one
   host thread (``extra_info["threads_speedup"]``: the second thread's gain,
   never below 1) and, labelled, ours with one matrix object per size;
-- ``w2-gpu``: ``solve_many`` on one GPU vs a loop of cupyx ``cg`` (timed on 40
-  of the 400 systems, every tenth, and scaled; target at most 1/100) and vs one
-  cupyx ``cg`` over the block-diagonal matrix of all 400 (one global residual;
-  target at most 0.5 x);
+- ``w2-gpu``: ``solve_many`` on one GPU, each system with its own matrix
+  object (and, labelled, one matrix object per size), vs a loop of cupyx
+  ``cg`` (timed on 40 of the 400 systems, every tenth, and scaled; target at
+  most 1/100), vs one cupyx ``cg`` over the block-diagonal matrix of all 400
+  (one global residual; target at most 0.5 x) and vs JAX's
+  ``jax.jit(jax.vmap(cg))`` over the systems padded to the largest, each at its
+  own rtol (``jax_anchor.py``; target at most 0.2 x, recorded as
+  ``extra_info["ours_vs_jax"]``). The CPU group runs the same JAX code on
+  JAX's CPU device, so the anchor's path runs without a GPU;
 - ``w2-large``: 10,000 systems plus four of 1M unknowns on one GPU vs two
   (target: two at least 1.8 x faster).
 """
@@ -21,11 +26,20 @@ seconds per system, and ``extra_info["metric"]`` says so):
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
 import scipy.sparse as sp
 import scipy.sparse.linalg as spla
+from jax_anchor import (
+    jax_device,
+    pad_systems,
+    relative_residuals,
+    scipy_cg_iterations,
+    solve_padded,
+    unpad,
+)
 
 from conftest import GPU_COUNT, sync
 from managed_solve import LinearSystem, config, solve_many
@@ -183,6 +197,55 @@ def bench_w2_cpu_solve_many_shared_matrices(benchmark, w2_cpu, machine_info):
               "ours, shared matrices (labelled variant)", methods=sorted({r.method for r in first}))
 
 
+def time_jax_vmap_cg(benchmark, pairs, kind: str) -> dict:
+    """Time JAX's ``jit(vmap(cg))`` anchor on ``pairs`` (each at RTOL) on JAX's first ``kind`` device.
+
+    Counted like the cupyx anchors: set-up is not timed. Padding on the host
+    (``pad_s``), the host-to-device transfer of the padded arrays
+    (``transfer_s``) and the first call, with tracing and XLA compilation
+    (``first_call_s``), are recorded apart; the timed call is the jitted solve
+    on device-resident arrays, solutions left on the device. Afterwards every
+    system's true relative residual, in float64 with SciPy on the host, must
+    meet its own rtol. Returns the extra_info entries.
+    """
+    jax = pytest.importorskip("jax")
+    device = jax_device(kind)
+    if device is None:
+        pytest.skip(f"JAX has no {kind} device")
+    t0 = time.perf_counter()
+    padded = pad_systems(pairs, RTOL)
+    pad_s = time.perf_counter() - t0
+    run, _args, _x, timings = solve_padded(padded, device)
+    x = benchmark.pedantic(run, rounds=ROUNDS, iterations=1, warmup_rounds=1)
+    relres = relative_residuals(pairs, unpad(padded, np.asarray(x)))
+    worst = int(np.argmax(relres / padded.tol))
+    assert np.all(relres <= padded.tol), (
+        f"system {worst} (n={padded.sizes[worst]}): relres {relres[worst]:.3e} > rtol {padded.tol[worst]:.1e}")
+    iters = scipy_cg_iterations(pairs, padded.tol)
+    S, nnz_max = padded.values.shape
+    return {
+        "jax": jax.__version__, "jax_device": str(device), "pad_s": pad_s, **timings,
+        "first_call_minus_warm_s": timings["first_call_s"] - benchmark.stats.stats.median,
+        "max_relres": float(relres.max()), "max_relres_over_rtol": float(relres[worst] / padded.tol[worst]),
+        "iterations_max": int(iters.max()), "iterations_min": int(iters.min()),
+        "iterations_source": "SciPy cg from zero with the same stopping rule (JAX's cg returns no count); "
+                             "vmap steps every system until the last one stops",
+        "n_max": int(padded.b.shape[1]), "nnz_max": int(nnz_max),
+        "padded_fraction": float(1 - sum(sp.csr_matrix(A).nnz for A, _b in pairs) / (S * nnz_max)),
+        "timed": "jit(vmap(cg)) on device-resident padded arrays; padding, transfer, compilation apart",
+    }
+
+
+@pytest.mark.benchmark(group="w2-cpu")
+def bench_w2_cpu_jax_vmap_cg(benchmark, w2_cpu, machine_info):
+    """JAX's ``jit(vmap(cg))`` on JAX's CPU device: the GPU anchor's code, run where it can be tested."""
+    sizes, pairs = w2_cpu
+    extra = time_jax_vmap_cg(benchmark, pairs, "cpu")
+    if "ours" in MEDIANS:
+        extra["ours_vs_jax"] = MEDIANS["ours"] / benchmark.stats.stats.median
+    cpu_entry(benchmark, machine_info, "jax_vmap_cg", pairs, sizes, "jax-vmap-cg", **extra)
+
+
 # ------------------------------------------------------------------------------ one GPU
 def _gpu_modules():
     from managed_solve import _backend
@@ -240,10 +303,19 @@ def bench_w2_gpu_cupyx_cg_block_diagonal(benchmark, w2_gpu, machine_info):
     per_system(benchmark, len(pairs))
 
 
+@pytest.fixture(scope="module")
+def w2_own(w2):
+    """W2's systems, each with its own matrix object, as users have them."""
+    sizes, _shared = w2
+    return sizes, [(poisson2d(m), np.ones(m * m)) for m in sizes]
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("matrices", ["per-system", "shared"])
 @pytest.mark.benchmark(group="w2-gpu")
-def bench_w2_gpu_solve_many(benchmark, w2_gpu, machine_info):
-    sizes, pairs, _dev = w2_gpu
+def bench_w2_gpu_solve_many(benchmark, w2, w2_own, matrices, machine_info):
+    """Ours; "shared" (one matrix object per size) measures a cache, not users' inputs, and is labelled."""
+    sizes, pairs = w2_own if matrices == "per-system" else w2
     dm = DeviceManager(["cuda:0"])
     check_own_rtol(pairs, solve_many(pairs, manager=dm, rtol=RTOL))  # warm-up and answer check
 
@@ -253,10 +325,34 @@ def bench_w2_gpu_solve_many(benchmark, w2_gpu, machine_info):
         return out
 
     benchmark.pedantic(run, rounds=ROUNDS, iterations=1, warmup_rounds=1)
+    MEDIANS[f"gpu_ours_{matrices}"] = benchmark.stats.stats.median
     res = run()
-    machine_info(benchmark, "cuda", role="ours", dtype="float64", systems=len(pairs),
+    machine_info(benchmark, "cuda", role="ours" if matrices == "per-system" else "ours, shared matrices",
+                 dtype="float64", systems=len(pairs), matrices=matrices,
                  batches=len({r.info["batch"] for r in res}),
-                 target="<= 1/100 of the cupyx loop and <= 0.5 x block-diagonal cupyx cg")
+                 target="<= 1/100 of the cupyx loop, <= 0.5 x block-diagonal cupyx cg, <= 0.2 x JAX vmap(cg)")
+    per_system(benchmark, len(pairs))
+
+
+@pytest.mark.gpu
+@pytest.mark.benchmark(group="w2-gpu")
+def bench_w2_gpu_jax_vmap_cg(benchmark, w2_own, machine_info):
+    """JAX's ``jax.jit(jax.vmap(cg))`` over the 400 systems padded to 96^2, each at its own rtol.
+
+    Skipped without JAX or a JAX GPU device. Set-up is counted as for the
+    block-diagonal cupyx anchor (matrix built and moved before timing):
+    padding, transfer and the first call with XLA compilation are in
+    extra_info, the timed call is the jitted solve on the device. Ours, timed
+    before it in this run, is recorded as ``ours_vs_jax`` (target <= 0.2).
+    """
+    _sizes, pairs = w2_own
+    extra = time_jax_vmap_cg(benchmark, pairs, "gpu")
+    median = benchmark.stats.stats.median
+    for matrices, key in (("per-system", "ours_vs_jax"), ("shared", "ours_shared_vs_jax")):
+        if f"gpu_ours_{matrices}" in MEDIANS:
+            extra[key] = MEDIANS[f"gpu_ours_{matrices}"] / median
+    machine_info(benchmark, "cuda", role="jax-vmap-cg", dtype="float64", systems=len(pairs),
+                 target="ours <= 0.2 x this", **extra)
     per_system(benchmark, len(pairs))
 
 

@@ -2,7 +2,10 @@
 
 Defined in benchmarks/README.md (W2 is Poisson, where CG applies); it follows W2's
 method. 400 upwind convection-diffusion systems of 32^2..96^2 unknowns, each
-to rtol 1e-8, GMRES(30) everywhere, seconds per system compared in one run:
+with its own matrix object and to rtol 1e-8, GMRES(30) everywhere, seconds per
+system compared in one run (``solve_many`` also, labelled "shared", with one
+matrix object per size and Peclet number, which measures a cache rather than
+users' inputs):
 
 - ``w2n-cpu``: ``solve_many(method="gmres")`` on the CPU only vs a loop of
   ``scipy.sparse.linalg.gmres`` (timed on every tenth system);
@@ -36,18 +39,30 @@ def upwind(m: int, peclet: float) -> sp.csr_matrix:
     return A
 
 
+def w2n_draw() -> list[tuple[int, float]]:
+    """W2's sizes, each with its cell Peclet number (seed 2)."""
+    rng = np.random.default_rng(2)
+    return [(m, float(rng.choice([0.3, 0.6, 0.9]))) for m in w2_sizes()]
+
+
 @pytest.fixture(scope="module")
 def w2n():
-    sizes = w2_sizes()
-    rng = np.random.default_rng(2)
+    """Each system with its own matrix object, as users have them."""
+    draw = w2n_draw()
+    return [m for m, _pe in draw], [(upwind(m, pe), np.ones(m * m)) for m, pe in draw]
+
+
+@pytest.fixture(scope="module")
+def w2n_shared():
+    """The same systems with one matrix object per (size, Peclet): the labelled variant."""
+    draw = w2n_draw()
     cache: dict[tuple[int, float], sp.csr_matrix] = {}
     pairs = []
-    for m in sizes:
-        pe = float(rng.choice([0.3, 0.6, 0.9]))
+    for m, pe in draw:
         if (m, pe) not in cache:
             cache[m, pe] = upwind(m, pe)
         pairs.append((cache[m, pe], np.ones(m * m)))
-    return sizes, pairs
+    return [m for m, _pe in draw], pairs
 
 
 def check(pairs, results) -> None:
@@ -67,14 +82,17 @@ def bench_w2n_cpu_scipy_gmres_loop(benchmark, w2n, machine_info):
     time_solver_loop(benchmark, machine_info, "cpu", loop, len(pairs), len(subset))
 
 
+@pytest.mark.parametrize("matrices", ["per-system", "shared"])
 @pytest.mark.benchmark(group="w2n-cpu")
-def bench_w2n_cpu_solve_many(benchmark, w2n, machine_info):
-    _sizes, pairs = w2n
+def bench_w2n_cpu_solve_many(benchmark, w2n, w2n_shared, matrices, machine_info):
+    """Ours; "shared" (one matrix object per size and Peclet number) measures a cache and is labelled."""
+    _sizes, pairs = w2n if matrices == "per-system" else w2n_shared
     dm = DeviceManager(["cpu"])
     check(pairs, solve_many(pairs, manager=dm, rtol=RTOL, method="gmres"))  # also warms up
     benchmark.pedantic(lambda: solve_many(pairs, manager=dm, rtol=RTOL, method="gmres"),
                        rounds=ROUNDS, iterations=1, warmup_rounds=0)
-    machine_info(benchmark, "cpu", role="ours", dtype="float64", systems=len(pairs))
+    machine_info(benchmark, "cpu", role="ours" if matrices == "per-system" else "ours, shared matrices",
+                 dtype="float64", systems=len(pairs), matrices=matrices)
     per_system(benchmark, len(pairs))
 
 
@@ -98,10 +116,12 @@ def bench_w2n_gpu_cupyx_gmres_loop(benchmark, w2n, machine_info):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["gmres", "auto"])
+@pytest.mark.parametrize("method, matrices", [("gmres", "per-system"), ("auto", "per-system"),
+                                              ("gmres", "shared")])
 @pytest.mark.benchmark(group="w2n-gpu")
-def bench_w2n_gpu_solve_many(benchmark, w2n, method, machine_info):
-    _sizes, pairs = w2n
+def bench_w2n_gpu_solve_many(benchmark, w2n, w2n_shared, method, matrices, machine_info):
+    """Ours; "shared" (one matrix object per size and Peclet number) measures a cache and is labelled."""
+    _sizes, pairs = w2n if matrices == "per-system" else w2n_shared
     dm = DeviceManager(["cuda:0"])
     check(pairs, solve_many(pairs, manager=dm, rtol=RTOL, method=method))  # warm-up, answers
 
@@ -112,7 +132,8 @@ def bench_w2n_gpu_solve_many(benchmark, w2n, method, machine_info):
 
     benchmark.pedantic(run, rounds=ROUNDS, iterations=1, warmup_rounds=0)
     res = run()
-    machine_info(benchmark, "cuda", role="ours", dtype="float64", systems=len(pairs),
+    machine_info(benchmark, "cuda", role="ours" if matrices == "per-system" else "ours, shared matrices",
+                 dtype="float64", systems=len(pairs), matrices=matrices,
                  methods=sorted({r.method for r in res}),
                  batches=len({r.info.get("batch") for r in res}))
     per_system(benchmark, len(pairs))
