@@ -244,9 +244,13 @@ def main():
     dm = DeviceManager(["cuda:0"] + (["cuda:1"] if ngpu > 1 else []) if ngpu else ["cpu"])
     if not args.skip_w2:
         run("W2", w2, first, dm, args.rounds)
-    if ngpu and not args.skip_w2:  # exactly the benchmark's call: (A, b) pairs, rtol given, a manager of one GPU
-        run("W2 as bench_w2_gpu_solve_many", w2_pairs(sizes), first, DeviceManager(["cuda:0"]),
+    if ngpu and not args.skip_w2:
+        run("W2 shared matrices", w2_pairs(sizes), first, DeviceManager(["cuda:0"]),
             args.rounds, rtol=RTOL)
+        # exactly the benchmark's call: one matrix per system, rtol given, a manager of one GPU
+        own = [(poisson2d(m), np.ones(m * m)) for m in sizes]
+        run("W2 one matrix per system (bench_w2_gpu_solve_many)", own, first,
+            DeviceManager(["cuda:0"]), args.rounds, rtol=RTOL)
     if args.large:
         m = args.big_m
         big = poisson2d(m)
