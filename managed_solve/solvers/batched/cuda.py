@@ -97,6 +97,24 @@ _lock = threading.Lock()
 _modules: dict[tuple, dict[str, Any]] = {}
 
 
+def raw_kernels(device_id: int, code: str, names: dict[str, str],
+                options: tuple[str, ...] = ("-std=c++17",)) -> dict[str, Any]:
+    """Kernels of another CUDA source (e.g. the AMG cycle's), compiled once per device, cached.
+
+    ``names`` maps a key to a C++ name expression (template instantiations
+    included); the result maps the same keys to CuPy ``RawKernel`` objects.
+    """
+    key = (int(device_id), code, tuple(sorted(names.items())), tuple(options))
+    with _lock:
+        if key not in _modules:
+            cp = _backend.cupy()
+            with cp.cuda.Device(device_id):
+                mod = cp.RawModule(code=code, options=options,
+                                   name_expressions=list(names.values()))
+                _modules[key] = {k: mod.get_function(v) for k, v in names.items()}
+        return _modules[key]
+
+
 def kernels(device_id: int, dtype: Any, index_dtype: Any) -> dict[str, Any]:
     """Compiled kernels for one device and (value, index) dtype pair; compiled once, cached."""
     key = (int(device_id), np.dtype(dtype).str, np.dtype(index_dtype).str)
