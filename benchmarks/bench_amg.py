@@ -6,9 +6,11 @@ Cases (fp64, rtol 1e-8 on the true residual, anchors in the same run):
   V-cycle and CG; ``amg-native``: our own set-up) against our CG without a
   preconditioner and PyAMG's own ``smoothed_aggregation_solver(A).solve(b,
   accel="cg")``.
-- GPU, N = 2048^2 and 4096^2: our set-up on the device and the V-cycle (a
-  CUDA graph) against our CG without a preconditioner, ``cupyx``'s CG and,
-  at 2048^2, PyAMG on the host.
+- GPU, 2D N = 2048^2 and 4096^2, 3D 7-point 256^3: our set-up on the device
+  and the fused V-cycle (a CUDA graph) against our CG without a
+  preconditioner and, at 2048^2, ``cupyx``'s CG and PyAMG on the host. Each
+  problem is prepared once and shared by its cases; large ones time one
+  round.
 
 ``phase`` is ``setup`` (building the hierarchy, ``amg(A)``), ``solve`` (one
 right-hand side on a prepared ``Solver``, the residual check included) or
@@ -20,6 +22,7 @@ its bytes per second on a streamed-bytes model against the copy bandwidth.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
@@ -42,15 +45,25 @@ def matrix_bytes(A):
 
 
 def cycle_bytes(M):
-    """Bytes one V-cycle streams: each level's matrix once per SpMV, P and R once, ~12 vectors."""
+    """Bytes one fused V-cycle streams at least, each array read or written once per kernel.
+
+    Per level (Chebyshev of degree k): the matrix in 2k + 2 kernels (k
+    pre-smoothing steps, the residual-restriction, k + 1 post-smoothing
+    steps), P twice (restriction, prolongation), and about 6 vectors a
+    product kernel (b, dinv, x read and written, d read and written) plus 5 in
+    the first scaling and 3 in the prolongation; the coarse inverse once.
+    """
     total = 0
-    spmvs = 2 * M.degree + 2 if M.smoother == "chebyshev" else 2 * M.sweeps + 1
-    for A, P, R in M._cycle.mats:  # noqa: SLF001 - the matrices the cycle runs on
+    c = M._cycle  # noqa: SLF001 - the arrays the cycle runs on
+    steps = 2 * M.degree + 1 if M.smoother == "chebyshev" else 2 * M.sweeps - 1
+    for A, P in c.mats:
         if P is None:
-            total += M._cycle.coarse_inv.nbytes  # noqa: SLF001
+            total += c.coarse_inv.nbytes
             continue
-        total += spmvs * matrix_bytes(A) + matrix_bytes(P) + matrix_bytes(R)
-        total += 12 * A.shape[0] * A.data.itemsize
+        item = A[2].itemsize
+        n = A[0].shape[0] - 1
+        total += (steps + 1) * sum(a.nbytes for a in A) + 2 * sum(a.nbytes for a in P)
+        total += (6 * steps + 5 + 3 + 2) * n * item
     return total
 
 
@@ -116,15 +129,76 @@ def bench_amg_cpu(benchmark, machine_info, who, phase):
 
 # ---------------------------------------------------------------- GPU
 
-GPU_CASES = [(w, p, m) for m in (2048, 4096) for w, p in
-             [("amg", "setup"), ("amg", "solve"), ("amg", "update"), ("amg32", "solve"),
-              ("cg", "solve"), ("cupyx", "solve")]] + [("pyamg", "setup", 2048),
-                                                       ("pyamg", "solve", 2048)]
+# (problem, who, phase): 2D Poisson 2048^2 and 4096^2, 3D 7-point Poisson 256^3.
+# Each problem's matrix, preconditioner and solver are prepared once and shared by
+# its cases (functools.cache), so a large hierarchy is set up once for the solve,
+# update and cycle figures; the "setup" case times fresh set-ups.
+GPU_CASES = (
+    [("2d-2048", w, p) for w, p in [("amg", "setup"), ("amg", "solve"), ("amg", "update"),
+                                     ("amg32", "solve"), ("cg", "solve"), ("cupyx", "solve"),
+                                     ("pyamg", "setup"), ("pyamg", "solve")]]
+    + [("2d-4096", w, p) for w, p in [("amg", "setup"), ("amg", "solve"), ("amg", "update"),
+                                       ("amg32", "solve"), ("cg", "solve")]]
+    + [("3d-256", w, p) for w, p in [("amg", "setup"), ("amg", "solve"), ("cg", "solve")]])
+
+
+def poisson3d(m):
+    t = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(m, m))
+    return sp.kronsum(sp.kronsum(t, t), t).tocsr()
+
+
+@functools.cache
+def gpu_problem(problem):
+    """(A and b on the host, A and b on the GPU) of a problem name."""
+    cp = _backend.cupy()
+    import cupyx.scipy.sparse as csp
+
+    kind, m = problem.split("-")
+    A_h = poisson2d(int(m)) if kind == "2d" else poisson3d(int(m))
+    b_h = np.random.default_rng(0).standard_normal(A_h.shape[0])
+    return A_h, b_h, csp.csr_matrix(A_h), cp.asarray(b_h)
+
+
+@functools.cache
+def gpu_prepared(problem, who):
+    """A solver (and its AMG preconditioner) for a problem, its first solve checked; extras."""
+    cp = _backend.cupy()
+    from managed_solve.solvers.amg import amg
+
+    A_h, b_h, A, b = gpu_problem(problem)
+    M = None if who == "cg" else amg(A, dtype="float32" if who == "amg32" else None)
+    solver = ms.Solver(A, method="cg", M=M, rtol=RTOL if who != "amg32" else 1e-10)
+    res = solver.solve(b)
+    cp.cuda.Device().synchronize()
+    assert res.status == ms.Status.CONVERGED
+    extra = {"iterations": int(res.iterations), "relres": relres(A_h, b_h, cp.asnumpy(res.x)),
+             "fine_matrix_bytes": matrix_bytes(A_h)}
+    if M is not None:
+        extra.update(cycle_figures(cp, M, b))
+    return M, solver, extra
+
+
+def cycle_figures(cp, M, b):
+    """Time of one V-cycle (20 back to back), its GB/s on the streamed-bytes model, memory."""
+    def sync():
+        cp.cuda.Device().synchronize()
+
+    M(b)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        M(b)
+    sync()
+    per = (time.perf_counter() - t0) / 20
+    return dict(operator_complexity=M.operator_complexity, grid_complexity=M.grid_complexity,
+                hierarchy_bytes=M.nbytes, levels=len(M.levels), cycle_seconds=per,
+                cycle_GBs=cycle_bytes(M) / per / 1e9, copy_GBs=copy_bandwidth(cp, sync) / 1e9,
+                cuda_graph=M._cycle.graph is not None)  # noqa: SLF001
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("who,phase,m", GPU_CASES, ids=[f"{w}-{p}-{m}" for w, p, m in GPU_CASES])
-def bench_amg_gpu(benchmark, machine_info, who, phase, m):
+@pytest.mark.parametrize("problem,who,phase", GPU_CASES, ids=["-".join(c) for c in GPU_CASES])
+def bench_amg_gpu(benchmark, machine_info, problem, who, phase):
     cp = _backend.cupy()
     import cupyx.scipy.sparse as csp
     import cupyx.scipy.sparse.linalg as cspla
@@ -134,78 +208,64 @@ def bench_amg_gpu(benchmark, machine_info, who, phase, m):
     def sync():
         cp.cuda.Device().synchronize()
 
-    A_h = poisson2d(m)
-    b_h = np.random.default_rng(0).standard_normal(A_h.shape[0])
-    A, b = csp.csr_matrix(A_h), cp.asarray(b_h)
-    A2 = csp.csr_matrix((A.data * 1.001, A.indices, A.indptr), shape=A.shape)
+    A_h, b_h, A, b = gpu_problem(problem)
+    large = A_h.shape[0] > 5_000_000
+    rounds = 1 if large else 3
     extra = {"fine_matrix_bytes": matrix_bytes(A_h)}
-    rounds = 3 if m <= 2048 else 2
-
     if who in ("amg", "amg32", "cg"):
-        M = None if who == "cg" else amg(A, dtype="float32" if who == "amg32" else None)
-        solver = ms.Solver(A, method="cg", M=M, rtol=RTOL if who != "amg32" else 1e-10)
-        res = solver.solve(b)
-        sync()
-        x = cp.asnumpy(res.x)
-        assert res.status == ms.Status.CONVERGED
-        extra.update(iterations=int(res.iterations), relres=relres(A_h, b_h, x))
-        if M is not None:
-            r = cp.asarray(b_h)
-            M(r)
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(20):
-                M(r)
-            sync()
-            per = (time.perf_counter() - t0) / 20
-            bw = copy_bandwidth(cp, sync)
-            extra.update(operator_complexity=M.operator_complexity,
-                         grid_complexity=M.grid_complexity, hierarchy_bytes=M.nbytes,
-                         levels=len(M.levels), cycle_seconds=per,
-                         cycle_GBs=cycle_bytes(M) / per / 1e9, copy_GBs=bw / 1e9,
-                         cuda_graph=M._cycle.graph is not None)  # noqa: SLF001
+        if phase == "setup":
+            def fn():  # the set-up: the hierarchy (the Solver prepares its engine lazily)
+                h = amg(A)
+                sync()
+                return h
 
-        def make():  # the set-up: the hierarchy (the Solver prepares its engine lazily)
-            h = amg(A)
-            sync()
-            return h
+            M, _, extra = gpu_prepared(problem, who)
+        else:
+            M, solver, extra = gpu_prepared(problem, who)
+            A2 = csp.csr_matrix((A.data * 1.001, A.indices, A.indptr), shape=A.shape)
 
-        def one():
-            out = solver.solve(b)
+            def one():
+                out = solver.solve(b)
+                sync()
+                return out
+
+            def upd():
+                M.update(A2.data)
+                sync()
+
+            fn = {"solve": one, "update": upd}[phase]
+    elif who == "cupyx":
+        def fn():
+            out = cspla.cg(A, b, tol=RTOL, maxiter=20 * A_h.shape[0]) if _accepts_tol(cspla) \
+                else cspla.cg(A, b, rtol=RTOL, maxiter=20 * A_h.shape[0])
             sync()
             return out
 
-        def upd():
-            M.update(A2.data)
-            sync()
-
-        fn = {"setup": make, "solve": one, "update": upd}[phase]
-    elif who == "cupyx":
-        x, info = cspla.cg(A, b, tol=RTOL, maxiter=20 * m) if _accepts_tol(cspla) else \
-            cspla.cg(A, b, rtol=RTOL, maxiter=20 * m)
-        sync()
+        x, info = fn()
         assert info == 0
         extra.update(relres=relres(A_h, b_h, cp.asnumpy(x)))
-
-        def fn():
-            out = cspla.cg(A, b, tol=RTOL, maxiter=20 * m) if _accepts_tol(cspla) else \
-                cspla.cg(A, b, rtol=RTOL, maxiter=20 * m)
-            sync()
-            return out
+        rounds = 1
     else:
         pyamg = pytest.importorskip("pyamg")
-        ml = pyamg.smoothed_aggregation_solver(A_h)
+        ml = pyamg_prepared(problem)
         resid = []
         x = ml.solve(b_h, tol=RTOL, accel="cg", residuals=resid)
         extra.update(iterations=len(resid) - 1, relres=relres(A_h, b_h, x))
         fn = {"setup": lambda: pyamg.smoothed_aggregation_solver(A_h),
               "solve": lambda: ml.solve(b_h, tol=RTOL, accel="cg")}[phase]
         rounds = 1
-    benchmark.group = f"amg-gpu-{m}"
+    benchmark.group = f"amg-gpu-{problem}"
     benchmark.pedantic(fn, rounds=rounds, iterations=1, warmup_rounds=0)
     machine_info(benchmark, "cpu" if who == "pyamg" else "cuda", n=A_h.shape[0], nnz=A_h.nnz,
                  dtype="float64", who=who, phase=phase,
                  role="candidate" if who.startswith("amg") else "anchor", **extra)
+
+
+@functools.cache
+def pyamg_prepared(problem):
+    import pyamg
+
+    return pyamg.smoothed_aggregation_solver(gpu_problem(problem)[0])
 
 
 def _accepts_tol(cspla):

@@ -3,9 +3,10 @@
 Every level owns its solution, right-hand side and two work vectors,
 allocated once; the cycle writes into them with ``out=`` forms, so only
 the sparse products allocate (NumPy and cupyx give them no output
-argument). Nothing in a cycle reads a device value on the host, so on a
-GPU a whole cycle queues without waiting and can be captured as a CUDA
-graph (:meth:`VCycle.capture`), replayed by one launch.
+argument). The restriction is ``P^T`` applied through the transposed view
+of ``P`` (no ``R`` is stored). This is the host's cycle and the reference of
+the GPU's fused one (:mod:`.fused`), which allocates nothing and is captured
+as a CUDA graph (:meth:`CapturedCycle.capture`), replayed by one launch.
 """
 
 from __future__ import annotations
@@ -16,20 +17,97 @@ from typing import Any
 log = logging.getLogger("managed_solve")
 
 # Largest difference, relative to the result, between a captured cycle's
-# replay and the same cycle run eagerly before the graph is trusted.
-_GRAPH_CHECK = 1e-6
+# replay and the same cycle run eagerly before the graph is trusted, in units
+# of the cycle's machine epsilon: the restriction's atomic additions run in
+# no fixed order, so two runs differ by rounding (float32: about 1e-7 a level).
+_GRAPH_CHECK_EPS = 1000.0
 
 
-class VCycle:
-    """One V-cycle over ``levels`` (matrices ``A``, ``P``, ``R`` in ``dtype``) and smoothers."""
+class CapturedCycle:
+    """What a cycle needs to be captured as a CUDA graph: ``run``, ``b[0]``, ``result``.
 
-    def __init__(self, xp: Any, mats: list[tuple[Any, Any, Any]], smoothers: list[Any],
+    Subclasses set ``xp``, ``b`` (right-hand sides, ``b[0]`` the input),
+    ``graph`` and ``_graph_keep``, and define :meth:`run` and :meth:`result`.
+    """
+
+    xp: Any
+    b: list
+    graph: Any = None
+    _graph_keep: tuple = ()
+
+    def run(self) -> None:  # pragma: no cover - defined by the subclasses
+        raise NotImplementedError
+
+    def result(self) -> Any:  # pragma: no cover - defined by the subclasses
+        raise NotImplementedError
+
+    def apply(self, r: Any, dtype: Any = None) -> Any:
+        """``M r`` for one vector, as a new array of ``dtype`` (the hierarchy's by default)."""
+        xp = self.xp
+        xp.copyto(self.b[0], r, casting="unsafe")
+        if self.graph is not None:
+            self.graph.launch()  # on the current stream, after the copy above
+        else:
+            self.run()
+        out = self.result()
+        return out.astype(dtype if dtype is not None else out.dtype)  # a copy: one kernel
+
+    def capture(self, cp: Any) -> bool:
+        """Capture one cycle as a CUDA graph (CuPy only); False, logged, where that fails.
+
+        Anything the cycle allocates inside the capture (library sparse
+        products do) must stay the graph's alone: such blocks come from a
+        private memory pool, kept with the graph and never used by anything
+        else, warmed by one eager cycle so that the capture itself allocates
+        from cached blocks. The replay is then checked once against an eager
+        cycle.
+        """
+        pool = cp.cuda.MemoryPool()
+        stream = cp.cuda.Stream(non_blocking=True)
+        probe = cp.cos(cp.arange(self.b[0].shape[0], dtype=self.b[0].dtype) * 0.7)
+        # sync: the capture stream is non-blocking, so it would not wait for the
+        # set-up's work and the probe still queued on the current stream.
+        cp.cuda.Device().synchronize()
+        try:
+            with cp.cuda.using_allocator(pool.malloc), stream:
+                cp.copyto(self.b[0], probe)
+                self.run()
+                expect = self.result().copy()
+                stream.synchronize()
+                stream.begin_capture()
+                try:
+                    self.run()
+                finally:
+                    graph = stream.end_capture()
+                self.result().fill(0)
+                cp.copyto(self.b[0], probe)
+                graph.launch(stream)
+                err = cp.linalg.norm(self.result() - expect) / max(
+                    float(cp.linalg.norm(expect)), 1e-300)
+                tol = max(1e-9, _GRAPH_CHECK_EPS * float(cp.finfo(self.b[0].dtype).eps))
+                ok = float(err) <= tol  # sync: once, when the graph is made
+        except Exception as exc:  # capture unsupported by a library call: run eagerly
+            log.info("managed_solve: AMG V-cycle not captured as a CUDA graph (%s)", exc)
+            return False
+        if not ok:
+            log.warning("managed_solve: the captured AMG V-cycle disagrees with the eager one "
+                        "(relative difference %.2e); running it eagerly", float(err))
+            return False
+        self.graph = graph
+        self._graph_keep = (pool, stream)
+        return True
+
+
+class VCycle(CapturedCycle):
+    """One V-cycle over ``levels`` (matrices ``A`` and ``P`` in ``dtype``) and smoothers."""
+
+    def __init__(self, xp: Any, mats: list[tuple[Any, Any]], smoothers: list[Any],
                  coarse_inv: Any, dtype: Any):
         self.xp = xp
-        self.mats = mats  # (A, P, R) per level; P and R are None on the coarsest
+        self.mats = mats  # (A, P) per level; P is None on the coarsest
         self.smoothers = smoothers  # one per level but the coarsest
         self.coarse_inv = coarse_inv
-        sizes = [A.shape[0] for A, _, _ in mats]
+        sizes = [A.shape[0] for A, _ in mats]
         self.x = [xp.zeros(n, dtype=dtype) for n in sizes]
         self.b = [xp.zeros(n, dtype=dtype) for n in sizes]
         self.res = [xp.zeros(n, dtype=dtype) for n in sizes]
@@ -42,63 +120,23 @@ class VCycle:
         xp = self.xp
         last = len(self.mats) - 1
         for lv in range(last):
-            A, _, R = self.mats[lv]
+            A, P = self.mats[lv]
             self.smoothers[lv].apply(A, self.b[lv], self.x[lv], self.res[lv], self.d[lv],
                                      zero=True)
             xp.subtract(self.b[lv], A @ self.x[lv], out=self.res[lv])
-            xp.copyto(self.b[lv + 1], R @ self.res[lv])
+            xp.copyto(self.b[lv + 1], P.T @ self.res[lv])
         xp.dot(self.coarse_inv, self.b[last], out=self.x[last])
         for lv in range(last - 1, -1, -1):
-            A, P, _ = self.mats[lv]
+            A, P = self.mats[lv]
             self.x[lv] += P @ self.x[lv + 1]
             self.smoothers[lv].apply(A, self.b[lv], self.x[lv], self.res[lv], self.d[lv],
                                      zero=False)
 
-    def apply(self, r: Any) -> Any:
-        """``M r`` for one vector, in the hierarchy's dtype (a new array)."""
-        xp = self.xp
-        xp.copyto(self.b[0], r, casting="unsafe")
-        if self.graph is not None:
-            self.graph.launch()  # on the current stream, after the copy above
-        else:
-            self.run()
-        return self.x[0].copy()
+    def result(self) -> Any:
+        """The vector that holds ``M b[0]`` after :meth:`run`."""
+        return self.x[0]
 
-    def capture(self, cp: Any) -> bool:
-        """Capture one cycle as a CUDA graph (CuPy only); False, logged, where that fails.
-
-        The sparse products allocate their results inside the captured cycle.
-        Those blocks must stay the graph's alone: they come from a private
-        memory pool, kept with the graph and never used by anything else,
-        warmed by one eager cycle so that the capture itself allocates from
-        cached blocks. The replay is then checked once against an eager cycle.
-        """
-        pool = cp.cuda.MemoryPool()
-        stream = cp.cuda.Stream(non_blocking=True)
-        probe = cp.cos(cp.arange(self.b[0].shape[0], dtype=self.b[0].dtype) * 0.7)
-        try:
-            with cp.cuda.using_allocator(pool.malloc), stream:
-                cp.copyto(self.b[0], probe)
-                self.run()
-                expect = self.x[0].copy()
-                stream.synchronize()
-                stream.begin_capture()
-                try:
-                    self.run()
-                finally:
-                    graph = stream.end_capture()
-                self.x[0].fill(0)
-                cp.copyto(self.b[0], probe)
-                graph.launch(stream)
-                err = cp.linalg.norm(self.x[0] - expect) / max(float(cp.linalg.norm(expect)), 1e-300)
-                ok = float(err) <= _GRAPH_CHECK  # sync: once, when the graph is made
-        except Exception as exc:  # capture unsupported by a library call: run eagerly
-            log.info("managed_solve: AMG V-cycle not captured as a CUDA graph (%s)", exc)
-            return False
-        if not ok:
-            log.warning("managed_solve: the captured AMG V-cycle disagrees with the eager one "
-                        "(relative difference %.2e); running it eagerly", float(err))
-            return False
-        self.graph = graph
-        self._graph_keep = (pool, stream)
-        return True
+    def nbytes(self) -> int:
+        """Bytes of the cycle's own vectors and coarse inverse."""
+        return int(self.coarse_inv.nbytes + sum(v.nbytes for v in (*self.x, *self.b, *self.res,
+                                                                       *self.d)))

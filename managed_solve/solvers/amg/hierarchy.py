@@ -8,10 +8,17 @@ prolongator (:mod:`.tentative`), one damped-Jacobi smoothing step of it,
 Galerkin product ``A_c = P^T A P`` by two SpGEMMs; the coarsest matrix is
 inverted densely.
 
+A level keeps what the cycle and the numeric re-setup need, and no more:
+``A``, ``P`` (no ``R = P^T``: the cycles apply ``P^T`` through P), the
+aggregates as int32 and the near-null space (None on the finest level for
+the default constants). The tentative prolongator, ``P^T`` and ``D^-1`` are
+set-up temporaries.
+
 :func:`refresh` is the numeric re-setup: the aggregates and the tentative
 prolongators depend on the pattern and on the near-null space only, so new
 values of the fine matrix redo the damping, the smoothing of ``P`` and the
-Galerkin products, not the aggregation.
+Galerkin products, not the aggregation (``T`` is refitted from the kept
+aggregates, a cheap segmented pass).
 """
 
 from __future__ import annotations
@@ -38,22 +45,31 @@ class Level:
     A: Any
     blocksize: int = 1
     P: Any = None
-    R: Any = None
-    T: Any = None  # the tentative prolongator (kept for the numeric re-setup)
-    B: Any = None  # the near-null space on this level
-    agg: Any = None  # the aggregate of every unknown
-    dinv: Any = None
+    T: Any = None  # the tentative prolongator: only where no aggregates are kept (see tentative)
+    B: Any = None  # the near-null space on this level (None: the constants)
+    agg: Any = None  # the aggregate of every unknown (int32)
+    count: int = 0  # the number of aggregates
+    dinv: Any = None  # set-up temporary (the smoothers keep their own scaling)
     rho: float = 0.0  # estimate of rho(D^-1 A)
 
-    def nbytes(self) -> int:
-        total = 0
-        for M in (self.A, self.P, self.R, self.T):
+    def arrays(self) -> list:
+        """The arrays this level holds (matrices as their three arrays)."""
+        out = []
+        for M in (self.A, self.P, self.T):
             if M is not None:
-                total += M.data.nbytes + M.indices.nbytes + M.indptr.nbytes
-        for v in (self.B, self.agg, self.dinv):
-            if v is not None:
-                total += v.nbytes
-        return int(total)
+                out += [M.data, M.indices, M.indptr]
+        return out + [v for v in (self.B, self.agg, self.dinv) if v is not None]
+
+    def nbytes(self) -> int:
+        return int(sum(v.nbytes for v in self.arrays()))
+
+    def tentative(self, xp: Any, sparse: Any) -> Any:
+        """The tentative prolongator: kept, or refitted from the aggregates and ``B``."""
+        if self.T is not None:
+            return self.T
+        n = self.A.shape[0]
+        B = self.B if self.B is not None else xp.ones((n, 1), dtype=xp.float64)
+        return fit_candidates(xp, sparse, self.agg, self.count, B)[0]
 
 
 def as_csr(A: Any) -> Any:
@@ -72,16 +88,17 @@ def damping(level: Level, xp: Any) -> None:
     level.rho = spectral_radius(level.A, level.dinv, xp)
 
 
-def smooth_and_coarsen(level: Level, xp: Any) -> Any:
-    """``P = (I - omega D^-1 A) T``, ``R = P^T`` and the Galerkin coarse matrix ``R A P``."""
+def smooth_and_coarsen(level: Level, xp: Any, sparse: Any, T: Any = None) -> Any:
+    """``P = (I - omega D^-1 A) T`` and the Galerkin coarse matrix ``P^T A P``."""
     damping(level, xp)
-    A, T = level.A, level.T
+    A = level.A
+    T = level.tentative(xp, sparse) if T is None else T
     AT = (A @ T).tocsr()
     scale = (PROLONGATOR_OMEGA / level.rho) * level.dinv
     AT.data *= scale[csr_rows(xp, AT.indptr, AT.data.shape[0])]
     level.P = as_csr(T - AT)
-    level.R = as_csr(level.P.T)
-    return as_csr(level.R @ (A @ level.P))
+    R = as_csr(level.P.T)  # a temporary: SpGEMM wants CSR operands
+    return as_csr(R @ (A @ level.P))
 
 
 def build(A: Any, B: Any, xp: Any, sparse: Any, *, theta: float = 0.0, blocksize: int = 1,
@@ -104,19 +121,20 @@ def build(A: Any, B: Any, xp: Any, sparse: Any, *, theta: float = 0.0, blocksize
         K = level.B.shape[1]
         if count == 0 or count * K >= n:
             break  # aggregation stalls (e.g. a diagonal matrix): this level is the coarsest
-        level.agg = agg_nodes if bs == 1 else agg_nodes[xp.arange(n) // bs]
-        level.T, Bc = fit_candidates(xp, sparse, level.agg, count, level.B)
-        Ac = smooth_and_coarsen(level, xp)
+        agg = agg_nodes if bs == 1 else agg_nodes[xp.arange(n) // bs]
+        level.agg, level.count = agg.astype(xp.int32), int(count)
+        T, Bc = fit_candidates(xp, sparse, level.agg, count, level.B)
+        Ac = smooth_and_coarsen(level, xp, sparse, T)
         levels.append(Level(Ac, blocksize=K, B=Bc))
     damping(levels[-1], xp)
     return levels
 
 
-def refresh(levels: list[Level], A: Any, xp: Any) -> None:
-    """Numeric re-setup for new values of the fine matrix: aggregates and ``T`` are kept."""
+def refresh(levels: list[Level], A: Any, xp: Any, sparse: Any) -> None:
+    """Numeric re-setup for new values of the fine matrix: the aggregates (and so ``T``) kept."""
     levels[0].A = as_csr(A)
     for fine, coarse in zip(levels[:-1], levels[1:], strict=True):
-        coarse.A = smooth_and_coarsen(fine, xp)
+        coarse.A = smooth_and_coarsen(fine, xp, sparse)
     damping(levels[-1], xp)
 
 

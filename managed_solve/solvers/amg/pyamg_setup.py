@@ -2,9 +2,10 @@
 
 PyAMG is the well-kept smoothed-aggregation library on the host; its
 hierarchy is copied into our :class:`~.hierarchy.Level` objects, its
-tentative prolongators included, so the same V-cycle and Krylov loops apply
-it and the numeric re-setup is ours (:func:`~.hierarchy.refresh`: PyAMG's
-aggregates and ``T`` kept). Where PyAMG's own cycle applies the hierarchy,
+tentative prolongators included (fitted by PyAMG to near-null-space vectors
+it first improves by relaxation, so not refitted from the aggregates), so
+the same V-cycle and Krylov loops apply it and the numeric re-setup is ours
+(:func:`~.hierarchy.refresh`: PyAMG's aggregates and ``T`` kept). Where PyAMG's own cycle applies the hierarchy,
 the re-setup hands PyAMG the first set-up's aggregates instead
 (``aggregate=('predefined', ...)``).
 """
@@ -35,10 +36,9 @@ def levels_of(ml: Any, xp: Any) -> list[Level]:
     levels = []
     for lev in ml.levels:
         level = Level(as_csr(lev.A), blocksize=lev.A.blocksize[0] if hasattr(lev.A, "blocksize")
-                      else 1, B=getattr(lev, "B", None))
+                      else 1)
         if hasattr(lev, "P"):
-            level.P, level.R, level.T = as_csr(lev.P), as_csr(lev.R), as_csr(lev.T)
-            level.agg = lev.AggOp.tocsr().indices
+            level.P, level.T = as_csr(lev.P), as_csr(lev.T)
         damping(level, xp)
         levels.append(level)
     return levels

@@ -102,12 +102,13 @@ def test_galerkin_levels_are_symmetric_and_coarsen(backend, which):
 
 
 def test_refresh_equals_a_fresh_set_up_on_the_same_aggregates(backend):
-    xp, _ = array_modules(backend)
+    xp, sparse = array_modules(backend)
     A = poisson2d(40)
     A2 = (A + sp.diags(np.linspace(0.1, 2.0, A.shape[0]))).tocsr()
     A2.sort_indices()
     levels = build(backend, A, max_coarse=40)
-    hierarchy.refresh(levels, on(backend, A2), xp)
+    assert all(lev.T is None and lev.agg.dtype == np.int32 for lev in levels[:-1])
+    hierarchy.refresh(levels, on(backend, A2), xp, sparse)
     fresh = build(backend, A2, max_coarse=40)
     assert len(levels) == len(fresh)
     for a, b in zip(levels, fresh, strict=True):

@@ -1,0 +1,107 @@
+"""The fused V-cycle: the cycle of :mod:`.cycle` as a fixed sequence of one-pass kernels.
+
+The operations come from ``ops``: :class:`~.kernels.CudaOps` (``cycle.cu``)
+on a GPU, :class:`~.twins.TwinOps` (their NumPy twins) on the host, where
+the tests run the same sequence. Per level and cycle (Chebyshev of degree
+``k``):
+
+- pre-smoothing from zero: ``x = d = dinv b / theta`` (elementwise), then
+  ``k`` steps, each one kernel: ``r = dinv (b - A x)``, ``d = a d + c r``,
+  ``x_new = x + d``. The residual is recomputed from ``x`` inside the
+  product rather than carried, so ``x`` alternates between two buffers (a
+  row's neighbours read the old one) and no residual vector is stored;
+- residual and restriction in one kernel: ``b_c = P^T (b - A x)``, scattered
+  with atomics into the zeroed coarse vector. Only ``P`` is stored: the
+  restriction reads P's rows once, as the prolongation does, and the
+  scatter targets the coarse vector, small enough to stay in L2; a stored
+  ``R`` would cost a second copy of P's bytes for no fewer ones moved;
+- the coarsest solve, a dense product with the inverse;
+- prolongation with the correction, ``x += P x_c``, one kernel, then
+  ``k + 1`` smoothing steps (the first with ``a = 0, c = 1 / theta``).
+
+Jacobi runs the same steps with ``a = 0, c = 1``. A level holds ``b``, two
+``x`` buffers and ``d`` (the coarsest ``b`` and ``x``); which ``x`` buffer
+ends a smoothing is fixed by the step count, so the sequence, and every
+pointer in it, is the same on every run: nothing allocates, nothing is read
+on the host, and the whole cycle is captured as one CUDA graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .cycle import CapturedCycle
+
+
+class FusedCycle(CapturedCycle):
+    """One V-cycle through ``ops`` over CSR arrays ``(indptr, indices, data)`` of A and P per level.
+
+    ``mats``: ``(A, P)`` per level as array triples in ``dtype`` (``P`` None
+    on the coarsest); ``smoothers``: the :class:`~.smoothers.Smoother` of
+    every level but the coarsest (their ``dinv``, steps and coefficients).
+    """
+
+    def __init__(self, xp: Any, ops: Any, mats: list[tuple[Any, Any]], smoothers: list[Any],
+                 coarse_inv: Any, dtype: Any):
+        self.xp, self.ops = xp, ops
+        self.mats, self.smoothers, self.coarse_inv = mats, smoothers, coarse_inv
+        self.sizes = [A[0].shape[0] - 1 for A, _ in mats]
+        last = len(mats) - 1
+        self.b = [xp.zeros(n, dtype=dtype) for n in self.sizes]
+        self.xs = [(xp.zeros(n, dtype=dtype), xp.zeros(n, dtype=dtype)) if lv < last
+                   else (xp.zeros(n, dtype=dtype),) for lv, n in enumerate(self.sizes)]
+        self.d = [xp.zeros(n, dtype=dtype) for n in self.sizes[:last]]
+        self.x = [pair[0] for pair in self.xs]  # each level's first buffer
+        self.graph = None
+        self._graph_keep = ()
+        self._out = self.x[0]
+
+    # -- smoothing: each returns the buffer (0 or 1) that holds x afterwards ------------
+    def _pre(self, lv: int) -> int:
+        sm, (A, _), n = self.smoothers[lv], self.mats[lv], self.sizes[lv]
+        X, b, d = self.xs[lv], self.b[lv], self.d[lv]
+        cheb = sm.kind == "chebyshev"
+        self.ops.scale(n, b, sm.dinv, 1.0 / sm.theta if cheb else 1.0, X[0], d, int(cheb))
+        cur = 0
+        steps = sm.coeffs if cheb else ((0.0, 1.0),) * (sm.steps - 1)
+        for a, c in steps:
+            self.ops.step(n, *A, sm.dinv, b, X[cur], X[1 - cur], d, a, c, int(cheb))
+            cur = 1 - cur
+        return cur
+
+    def _post(self, lv: int, cur: int) -> int:
+        sm, (A, _), n = self.smoothers[lv], self.mats[lv], self.sizes[lv]
+        X, b, d = self.xs[lv], self.b[lv], self.d[lv]
+        cheb = sm.kind == "chebyshev"
+        steps = ((0.0, 1.0 / sm.theta), *sm.coeffs) if cheb else ((0.0, 1.0),) * sm.steps
+        for a, c in steps:
+            self.ops.step(n, *A, sm.dinv, b, X[cur], X[1 - cur], d, a, c, int(cheb))
+            cur = 1 - cur
+        return cur
+
+    def run(self) -> None:
+        """``result() = M b[0]``: the sequence of the module's docstring."""
+        ops, last = self.ops, len(self.mats) - 1
+        cur = [0] * (last + 1)
+        for lv in range(last):
+            cur[lv] = self._pre(lv)
+            A, P = self.mats[lv]
+            ops.zero(self.sizes[lv + 1], self.b[lv + 1])
+            ops.restrict(self.sizes[lv], *A, self.b[lv], self.xs[lv][cur[lv]], *P,
+                         self.b[lv + 1])
+        ops.dense(self.sizes[last], self.coarse_inv, self.b[last], self.xs[last][0])
+        for lv in range(last - 1, -1, -1):
+            _, P = self.mats[lv]
+            ops.prolong(self.sizes[lv], *P, self.xs[lv + 1][cur[lv + 1]],
+                        self.xs[lv][cur[lv]])
+            cur[lv] = self._post(lv, cur[lv])
+        self._out = self.xs[0][cur[0]]
+
+    def result(self) -> Any:
+        """The buffer that holds ``M b[0]`` after :meth:`run` (the same one on every run)."""
+        return self._out
+
+    def nbytes(self) -> int:
+        """Bytes of the cycle's own vectors and coarse inverse."""
+        vecs = [*self.b, *(v for pair in self.xs for v in pair), *self.d]
+        return int(self.coarse_inv.nbytes + sum(v.nbytes for v in vecs))

@@ -1,0 +1,103 @@
+"""The fused V-cycle kernels on a GPU: ``cycle.cu`` compiled through CuPy, and their launches.
+
+:class:`CudaOps` has the interface of :class:`~.twins.TwinOps` (the NumPy
+twins), so :class:`~.fused.FusedCycle` queues the same sequence on either.
+The source is compiled once per device through the batched core's loader
+(:func:`managed_solve.solvers.batched.cuda.raw_kernels`), instantiated for
+float and double and for every row-group width.
+
+Launch geometry: row kernels give a row ``G`` lanes (:func:`group_size`,
+from the mean row length) and loop over rows grid-stride, with at most one
+full wave of blocks (8 blocks of 256 threads per multiprocessor), so any
+``n`` (17M rows and beyond) is covered by a bounded grid.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..batched import cuda
+
+#: Threads per block.
+THREADS = 256
+#: Row-group widths instantiated (lanes a row).
+GROUPS = (1, 2, 4, 8, 16, 32)
+_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
+
+
+@functools.cache
+def source() -> str:
+    """The CUDA C++ text of the fused cycle kernels."""
+    return Path(__file__).with_name("cycle.cu").read_text(encoding="utf-8")
+
+
+def instantiations(T: str) -> dict[str, str]:  # noqa: N803 - the C++ template's name
+    """Kernel key -> C++ name expression for value type ``T``."""
+    names = {"scale": f"amg_scale<{T}>", "dense": f"amg_dense<{T}>", "zero": f"amg_zero<{T}>"}
+    for g in GROUPS:
+        names[f"step{g}"] = f"amg_step<{T}, {g}>"
+        names[f"restrict{g}"] = f"amg_restrict<{T}, {g}>"
+        names[f"prolong{g}"] = f"amg_prolong<{T}, {g}>"
+    return names
+
+
+def group_size(n: int, nnz: int) -> int:
+    """Lanes a row for a CSR matrix: a power of two near half the mean row length, 1 to 32.
+
+    Two entries a lane keep the lanes busy on short rows (5-point: 4 lanes,
+    7-point: 4); long coarse rows get up to a warp.
+    """
+    mean = nnz / max(n, 1)
+    return int(min(32, max(1, 2 ** math.ceil(math.log2(max(mean / 2.0, 1.0))))))
+
+
+def kernels(device_id: int, dtype: Any) -> dict[str, Any]:
+    """The compiled kernels for one device and value dtype (float32 or float64)."""
+    return cuda.raw_kernels(device_id, source(), instantiations(_TYPES[np.dtype(dtype)]))
+
+
+class CudaOps:
+    """Launches of the fused kernels on CuPy arrays of one dtype (the current stream)."""
+
+    def __init__(self, dtype: Any, device_id: int):
+        self.t = np.dtype(dtype).type
+        self.k = kernels(device_id, dtype)
+        self.waves = cuda.sm_count(device_id) * 8
+
+    def _grid(self, threads: int) -> tuple[int]:
+        return (max(1, min(math.ceil(threads / THREADS), self.waves)),)
+
+    def scale(self, n: int, b: Any, dinv: Any, s: float, x: Any, d: Any, write_d: int) -> None:
+        self.k["scale"](self._grid(n), (THREADS,),
+                        (np.int64(n), b, dinv, self.t(s), x, d, np.int32(write_d)))
+
+    def step(self, n: int, indptr: Any, indices: Any, data: Any, dinv: Any, b: Any, x_old: Any,
+             x_new: Any, d: Any, a: float, c: float, write_d: int) -> None:
+        g = group_size(n, data.shape[0])
+        self.k[f"step{g}"](self._grid(n * g), (THREADS,),
+                           (np.int64(n), indptr, indices, data, dinv, b, x_old, x_new, d,
+                            self.t(a), self.t(c), np.int32(write_d)))
+
+    def restrict(self, n: int, indptr: Any, indices: Any, data: Any, b: Any, x: Any,
+                 p_indptr: Any, p_indices: Any, p_data: Any, bc: Any) -> None:
+        g = group_size(n, data.shape[0])
+        self.k[f"restrict{g}"](self._grid(n * g), (THREADS,),
+                               (np.int64(n), indptr, indices, data, b, x, p_indptr, p_indices,
+                                p_data, bc))
+
+    def prolong(self, n: int, p_indptr: Any, p_indices: Any, p_data: Any, xc: Any,
+                x: Any) -> None:
+        g = group_size(n, p_data.shape[0])
+        self.k[f"prolong{g}"](self._grid(n * g), (THREADS,),
+                              (np.int64(n), p_indptr, p_indices, p_data, xc, x))
+
+    def dense(self, m: int, inv: Any, b: Any, x: Any) -> None:
+        self.k["dense"](self._grid(m * 32), (THREADS,), (np.int64(m), inv, b, x))
+
+    def zero(self, n: int, v: Any) -> None:
+        self.k["zero"](self._grid(n), (THREADS,), (np.int64(n), v))
