@@ -45,6 +45,12 @@ def is_jacobi(M: Any) -> bool:
     return isinstance(M, str) and M == "jacobi"
 
 
+def check_hint(M: Any) -> int | None:
+    """A preconditioner's ``check_every`` (on it, or on the object of its bound ``matvec``)."""
+    hint = getattr(M, "check_every", None)
+    return hint if hint is not None else getattr(getattr(M, "__self__", None), "check_every", None)
+
+
 def takes_fused_core(A: Any, kind: str, method: str, M: Any, callback: Any, xp: Any) -> bool:
     """Whether the fused batched core solves this system (CSR, no or Jacobi M, no callback).
 
@@ -170,8 +176,12 @@ class PreparedKrylov(Prepared):
                 if o.method != "gmres" else {}
             return _FUSED[o.method](self.A, b, x0=x0, rtol=o.rtol, atol=o.atol, maxiter=limit,
                                     jacobi=is_jacobi(o.M), **kw)
+        # A preconditioner that costs milliseconds an application (an AMG cycle)
+        # says so with ``check_every``: a host read every iteration then costs
+        # little beside it, and no iterations run past convergence.
         return _GENERIC[o.method](self.A, b, x0=x0, rtol=o.rtol, atol=o.atol, maxiter=limit,
-                                  M=self.M, callback=o.callback)
+                                  M=self.M, callback=o.callback,
+                                  check_every=check_hint(self.M))
 
     def solve_limited(self, b: Any, x0: Any, maxiter: int, *, transpose: bool = False) -> Outcome:
         """One right-hand side with an iteration limit of its own (restarts after drift)."""

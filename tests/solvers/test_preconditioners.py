@@ -111,3 +111,17 @@ def test_bad_preconditioner_type():
         neumann(A, degree=-1)
     with pytest.raises(ValueError, match=r"M='ilu' is not a known preconditioner.*jacobi, neumann, amg"):
         make_preconditioner("ilu", A)
+
+
+def test_an_expensive_preconditioner_asks_for_a_residual_check_every_iteration():
+    from managed_solve.solvers.krylov import check_hint
+
+    class Cycle:
+        check_every = 1
+
+        def matvec(self, r):
+            return r
+
+    cycle = Cycle()
+    assert check_hint(cycle) == 1 and check_hint(cycle.matvec) == 1  # as given, or through matvec
+    assert check_hint(lambda r: r) is None and check_hint(None) is None
