@@ -434,7 +434,7 @@ def test_gpu_peak_memory_within_10_percent_of_the_reservation(method):
 
 
 def test_m_auto_batches_below_the_devices_amg_threshold_and_runs_alone_above():
-    """A large Poisson system with M="auto" batches on a GPU (AMG from 2M unknowns there)
+    """A large Poisson system with M="auto" batches on a GPU (AMG from 1M unknowns there)
     and is solved alone on the CPU, where the policy may set up AMG."""
     from managed_solve.scheduling.estimate import BATCH, SINGLE, route
     from managed_solve.system.method import amg_min_n
