@@ -232,6 +232,12 @@ class AMGPreconditioner:
 
     matvec = __call__
 
+    @property
+    def fused_cycle(self) -> FusedCycle | None:
+        """The fused GPU cycle (a CG loop binds it to its own vectors), None on the host."""
+        return self._cycle if isinstance(self._cycle, FusedCycle) and self._pyamg_M is None \
+            else None
+
     # -- reports -------------------------------------------------------------------
     @property
     def operator_complexity(self) -> float:
