@@ -41,6 +41,7 @@ def instantiations(T: str) -> dict[str, str]:  # noqa: N803 - the C++ template's
     names = {"scale": f"amg_scale<{T}>", "dense": f"amg_dense<{T}>", "zero": f"amg_zero<{T}>"}
     for g in GROUPS:
         names[f"step{g}"] = f"amg_step<{T}, {g}>"
+        names[f"first{g}"] = f"amg_first<{T}, {g}>"
         names[f"restrict{g}"] = f"amg_restrict<{T}, {g}>"
         names[f"prolong{g}"] = f"amg_prolong<{T}, {g}>"
     return names
@@ -82,6 +83,13 @@ class CudaOps:
         self.k[f"step{g}"](self._grid(n * g), (THREADS,),
                            (np.int64(n), indptr, indices, data, dinv, b, x_old, x_new, d,
                             self.t(a), self.t(c), np.int32(write_d)))
+
+    def first(self, n: int, indptr: Any, indices: Any, data: Any, dinv: Any, b: Any, s: float,
+              x_new: Any, d: Any, a: float, c: float, write_d: int) -> None:
+        g = group_size(n, data.shape[0])
+        self.k[f"first{g}"](self._grid(n * g), (THREADS,),
+                            (np.int64(n), indptr, indices, data, dinv, b, self.t(s), x_new, d,
+                             self.t(a), self.t(c), np.int32(write_d)))
 
     def restrict(self, n: int, indptr: Any, indices: Any, data: Any, b: Any, x: Any,
                  p_indptr: Any, p_indices: Any, p_data: Any, bc: Any) -> None:

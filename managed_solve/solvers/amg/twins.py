@@ -41,6 +41,18 @@ def amg_step(n: int, indptr: Any, indices: Any, data: Any, dinv: Any, b: Any, x_
     x_new[:n] = x_old[:n] + dn
 
 
+def amg_first(n: int, indptr: Any, indices: Any, data: Any, dinv: Any, b: Any, s: float,
+              x_new: Any, d: Any, a: float, c: float, write_d: int) -> None:
+    """:func:`amg_scale` then :func:`amg_step` in one: ``x0 = d0 = s dinv b``, one step from it."""
+    t = data.dtype.type
+    x0 = (t(s) * dinv[:n]) * b[:n]
+    r = dinv[:n] * (b[:n] - _csr(indptr, indices, data, n, n) @ x0)
+    dn = (t(c) * r if a == 0 else t(a) * x0 + t(c) * r).astype(data.dtype, copy=False)
+    if write_d:
+        d[:n] = dn
+    x_new[:n] = x0 + dn
+
+
 def amg_restrict(n: int, indptr: Any, indices: Any, data: Any, b: Any, x: Any, p_indptr: Any,
                  p_indices: Any, p_data: Any, bc: Any) -> None:
     """``bc += P^T (b - A x)`` (``bc`` zeroed by the caller, as before the kernel's atomics)."""
@@ -67,6 +79,7 @@ class TwinOps:
     """The kernels' interface on NumPy arrays (see :class:`~.kernels.CudaOps`)."""
 
     scale = staticmethod(amg_scale)
+    first = staticmethod(amg_first)
     step = staticmethod(amg_step)
     restrict = staticmethod(amg_restrict)
     prolong = staticmethod(amg_prolong)
