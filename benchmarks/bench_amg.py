@@ -50,12 +50,15 @@ def cycle_bytes(M):
     Per level (Chebyshev of degree k): the matrix in 2k + 2 kernels (k
     pre-smoothing steps, the residual-restriction, k + 1 post-smoothing
     steps), P twice (restriction, prolongation), and about 6 vectors a
-    product kernel (b, dinv, x read and written, d read and written) plus 5 in
-    the first scaling and 3 in the prolongation; the coarse inverse once.
+    product kernel (b, dinv, x read and written, d read and written) plus 3 in
+    the prolongation (and 5 in an elementwise zero-start scaling, where no
+    smoothing step comes before the restriction to fold it into); the
+    coarse inverse once.
     """
     total = 0
     c = M._cycle  # noqa: SLF001 - the arrays the cycle runs on
     steps = 2 * M.degree + 1 if M.smoother == "chebyshev" else 2 * M.sweeps - 1
+    scaling = 0 if steps > 1 else 5  # folded into the first step where one comes before the restriction
     for A, P in c.mats:
         if P is None:
             total += c.coarse_inv.nbytes
@@ -63,7 +66,7 @@ def cycle_bytes(M):
         item = A[2].itemsize
         n = A[0].shape[0] - 1
         total += (steps + 1) * sum(a.nbytes for a in A) + 2 * sum(a.nbytes for a in P)
-        total += (6 * steps + 5 + 3 + 2) * n * item
+        total += (6 * steps + scaling + 3 + 2) * n * item
     return total
 
 
@@ -150,9 +153,11 @@ def bench_amg_cpu(benchmark, machine_info, who, phase):
 # update and cycle figures; the "setup" case times fresh set-ups.
 GPU_CASES = (
     [("2d-2048", w, p) for w, p in [("amg", "setup"), ("amg", "solve"), ("amg", "update"),
+                                     ("amg-d2", "solve"), ("amg-generic", "solve"),
                                      ("amg32", "solve"), ("cg", "solve"), ("cupyx", "solve"),
                                      ("pyamg", "setup"), ("pyamg", "solve")]]
     + [("2d-4096", w, p) for w, p in [("amg", "setup"), ("amg", "solve"), ("amg", "update"),
+                                       ("amg-d2", "solve"), ("amg-generic", "solve"),
                                        ("amg32", "solve"), ("cg", "solve")]]
     + [("3d-256", w, p) for w, p in [("amg", "setup"), ("amg", "solve"), ("cg", "solve")]])
 
@@ -181,16 +186,35 @@ def gpu_prepared(problem, who):
     from managed_solve.solvers.amg import amg
 
     A_h, b_h, A, b = gpu_problem(problem)
-    M = None if who == "cg" else amg(A, dtype="float32" if who == "amg32" else None)
-    solver = ms.Solver(A, method="cg", M=M, rtol=RTOL if who != "amg32" else 1e-10)
+    M = None if who == "cg" else amg(A, dtype="float32" if who == "amg32" else None,
+                                     degree=2 if who == "amg-d2" else None)
+    if who == "amg-generic":  # the generic CG loop around the same cycle (M's copies in and out)
+        solver = GenericCG(A, M)
+    else:
+        solver = ms.Solver(A, method="cg", M=M, rtol=RTOL if who != "amg32" else 1e-10)
     res = solver.solve(b)
     cp.cuda.Device().synchronize()
     assert res.status == ms.Status.CONVERGED
     extra = {"iterations": int(res.iterations), "relres": relres(A_h, b_h, cp.asnumpy(res.x)),
-             "fine_matrix_bytes": matrix_bytes(A_h)}
+             "fine_matrix_bytes": matrix_bytes(A_h), "degree": getattr(M, "degree", None)}
     if M is not None:
         extra.update(cycle_figures(cp, M, b))
     return M, solver, extra
+
+
+class GenericCG:
+    """``solve(b)`` through the generic CG loop (:func:`managed_solve.solvers.cg.cg`), residual read every iteration."""
+
+    def __init__(self, A, M):
+        self.A, self.M = A, M
+
+    def solve(self, b):
+        from managed_solve.solvers.cg import cg
+
+        out = cg(self.A, b, rtol=RTOL, M=self.M, check_every=1)
+        out.status = ms.Status.CONVERGED if out.code == 0 else out.code
+        out.iterations = out.info.get("converged_at", out.iterations)
+        return out
 
 
 def cycle_figures(cp, M, b):
@@ -227,7 +251,7 @@ def bench_amg_gpu(benchmark, machine_info, problem, who, phase):
     large = A_h.shape[0] > 5_000_000
     rounds = 1 if large else 3
     extra = {"fine_matrix_bytes": matrix_bytes(A_h)}
-    if who in ("amg", "amg32", "cg"):
+    if who in ("amg", "amg32", "amg-d2", "amg-generic", "cg"):
         if phase == "setup":
             def fn():  # the set-up: the hierarchy (the Solver prepares its engine lazily)
                 h = amg(A)
@@ -270,6 +294,8 @@ def bench_amg_gpu(benchmark, machine_info, problem, who, phase):
         rounds = 1
     benchmark.group = f"amg-gpu-{problem}"
     benchmark.pedantic(fn, rounds=rounds, iterations=1, warmup_rounds=0)
+    if phase == "solve" and extra.get("iterations"):
+        extra["iteration_ms"] = 1e3 * benchmark.stats.stats.mean / extra["iterations"]
     machine_info(benchmark, "cpu" if who == "pyamg" else "cuda", n=A_h.shape[0], nnz=A_h.nnz,
                  dtype="float64", who=who, phase=phase,
                  role="candidate" if who.startswith("amg") else "anchor", **extra)

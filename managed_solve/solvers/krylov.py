@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from .. import _backend
+from .amg.pcg import BoundCG, amg_of, bind, takes_bound_loop
 from .batched import BatchedEngine, BatchedPrepared
 from .bicgstab import bicgstab, bicgstab_fused
 from .block import METHODS as BLOCK_METHODS
@@ -116,6 +117,11 @@ class PreparedKrylov(Prepared):
         self.block_loop = xp is not None and takes_block_loop(
             self.kind, self.options.method, self.options.callback, xp, self.fused)
         self._block_M: tuple[Any, Any] | None = None  # (M on blocks, Jacobi's dinv), made on use
+        # CG with an AMG preconditioner on a GPU: the cycle bound to the loop's
+        # vectors, an iteration one CUDA graph (made on the first solve).
+        self.bound = not self.fused and takes_bound_loop(
+            A, self.kind, self.options.method, self.M, self.options.callback)
+        self._bound: BoundCG | None = None
 
     def solve(self, rhs: Any, x0: Any = None) -> Outcome | list[Outcome]:
         """``A x = rhs``; a (n, k) block is solved together, k outcomes back.
@@ -157,6 +163,7 @@ class PreparedKrylov(Prepared):
         return self._block
 
     def close(self) -> None:
+        self._bound = None
         if self._block is not None:
             self._block.close()
             self._block = None
@@ -176,12 +183,22 @@ class PreparedKrylov(Prepared):
                 if o.method != "gmres" else {}
             return _FUSED[o.method](self.A, b, x0=x0, rtol=o.rtol, atol=o.atol, maxiter=limit,
                                     jacobi=is_jacobi(o.M), **kw)
+        if self.bound:
+            return self._bound_loop().solve(b, x0, rtol=o.rtol, atol=o.atol, maxiter=limit)
         # A preconditioner that costs milliseconds an application (an AMG cycle)
         # says so with ``check_every``: a host read every iteration then costs
         # little beside it, and no iterations run past convergence.
         return _GENERIC[o.method](self.A, b, x0=x0, rtol=o.rtol, atol=o.atol, maxiter=limit,
                                   M=self.M, callback=o.callback,
                                   check_every=check_hint(self.M))
+
+    def _bound_loop(self) -> BoundCG:
+        """The bound AMG-CG loop, made again when A or the hierarchy's cycle changed."""
+        loop, cycle = self._bound, amg_of(self.M).fused_cycle
+        if loop is None or loop.cycle is not cycle or loop.A3[2] is not self.A.data:
+            self._bound = None  # the old loop's vectors and graph go before the new ones come
+            self._bound = bind(self.A, self.M)
+        return self._bound
 
     def solve_limited(self, b: Any, x0: Any, maxiter: int, *, transpose: bool = False) -> Outcome:
         """One right-hand side with an iteration limit of its own (restarts after drift)."""
@@ -222,6 +239,7 @@ class PreparedKrylov(Prepared):
             self.A = A
             self.M.update(A)
             self._block_M = None
+            self._bound = None
         else:
             self._set_operator(A)
         self._transposed = None

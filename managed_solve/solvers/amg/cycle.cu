@@ -37,6 +37,25 @@ __device__ __forceinline__ T amg_row_dot(const int* __restrict__ indptr,
     return amg_group_sum<G>(sum);
 }
 
+// (A (s dinv b))_row: the product with the first smoothing's iterate from a
+// zero guess, x = s dinv b, formed as it is read rather than stored.
+template <int G, typename T>
+__device__ __forceinline__ T amg_row_dot_scaled(const int* __restrict__ indptr,
+                                                const int* __restrict__ indices,
+                                                const T* __restrict__ data,
+                                                const T* __restrict__ dinv, const T* __restrict__ b,
+                                                T s, amg_ll row, bool active, int lane) {
+    T sum = (T)0;
+    if (active) {
+        const int end = indptr[row + 1];
+        for (int j = indptr[row] + lane; j < end; j += G) {
+            const int k = indices[j];
+            sum += data[j] * (s * dinv[k] * b[k]);
+        }
+    }
+    return amg_group_sum<G>(sum);
+}
+
 // Warp-uniform loop over rows, G lanes a row: defines row, active, lane.
 #define AMG_ROWS(n)                                                                      \
     const amg_ll tid_ = (amg_ll)blockIdx.x * blockDim.x + threadIdx.x;                  \
@@ -80,6 +99,29 @@ __global__ void amg_step(amg_ll n, const int* __restrict__ indptr, const int* __
             const T dn = (a == (T)0 ? (T)0 : a * d[row]) + c * r;
             if (write_d) d[row] = dn;
             x_new[row] = x_old[row] + dn;
+        }
+    AMG_ROWS_END
+}
+
+// The first two steps of a smoothing from a zero guess in one pass: the
+// scaling x0 = d0 = s dinv b (never stored) and one step from it,
+//   r = dinv_i (b_i - (A x0)_i);  dn = a d0_i + c r;  d_i = dn (write_d);
+//   x_new_i = x0_i + dn.
+// The scaling's pass (b and dinv read, x and d written) is saved; the
+// neighbours' b and dinv are read instead of their x.
+template <typename T, int G>
+__global__ void amg_first(amg_ll n, const int* __restrict__ indptr, const int* __restrict__ indices,
+                          const T* __restrict__ data, const T* __restrict__ dinv,
+                          const T* __restrict__ b, T s, T* __restrict__ x_new, T* __restrict__ d,
+                          T a, T c, int write_d) {
+    AMG_ROWS(n)
+        const T ax = amg_row_dot_scaled<G>(indptr, indices, data, dinv, b, s, row, active, lane);
+        if (active && lane == 0) {
+            const T x0 = s * dinv[row] * b[row];
+            const T r = dinv[row] * (b[row] - ax);
+            const T dn = (a == (T)0 ? (T)0 : a * x0) + c * r;
+            if (write_d) d[row] = dn;
+            x_new[row] = x0 + dn;
         }
     AMG_ROWS_END
 }

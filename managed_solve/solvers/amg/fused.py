@@ -5,9 +5,12 @@ on a GPU, :class:`~.twins.TwinOps` (their NumPy twins) on the host, where
 the tests run the same sequence. Per level and cycle (Chebyshev of degree
 ``k``):
 
-- pre-smoothing from zero: ``x = d = dinv b / theta`` (elementwise), then
-  ``k`` steps, each one kernel: ``r = dinv (b - A x)``, ``d = a d + c r``,
-  ``x_new = x + d``. The residual is recomputed from ``x`` inside the
+- pre-smoothing from zero: ``x = d = dinv b / theta``, then ``k`` steps,
+  each one kernel: ``r = dinv (b - A x)``, ``d = a d + c r``,
+  ``x_new = x + d``. The zero-start scaling is folded into the first step
+  (its product reads ``dinv b / theta`` of the neighbours as it goes), so
+  it costs no pass of its own; Jacobi with one sweep, which has no step
+  before the restriction, keeps the elementwise scaling. The residual is recomputed from ``x`` inside the
   product rather than carried, so ``x`` alternates between two buffers (a
   row's neighbours read the old one) and no residual vector is stored;
 - residual and restriction in one kernel: ``b_c = P^T (b - A x)``, scattered
@@ -61,9 +64,15 @@ class FusedCycle(CapturedCycle):
         sm, (A, _), n = self.smoothers[lv], self.mats[lv], self.sizes[lv]
         X, b, d = self.xs[lv], self.b[lv], self.d[lv]
         cheb = sm.kind == "chebyshev"
-        self.ops.scale(n, b, sm.dinv, 1.0 / sm.theta if cheb else 1.0, X[0], d, int(cheb))
-        cur = 0
+        scale = 1.0 / sm.theta if cheb else 1.0
         steps = sm.coeffs if cheb else ((0.0, 1.0),) * (sm.steps - 1)
+        if steps:  # the scaling folded into the first step: one pass fewer
+            a, c = steps[0]
+            self.ops.first(n, *A, sm.dinv, b, scale, X[1], d, a, c, int(cheb))
+            cur, steps = 1, steps[1:]
+        else:
+            self.ops.scale(n, b, sm.dinv, scale, X[0], d, int(cheb))
+            cur = 0
         for a, c in steps:
             self.ops.step(n, *A, sm.dinv, b, X[cur], X[1 - cur], d, a, c, int(cheb))
             cur = 1 - cur

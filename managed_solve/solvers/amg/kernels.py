@@ -41,6 +41,7 @@ def instantiations(T: str) -> dict[str, str]:  # noqa: N803 - the C++ template's
     names = {"scale": f"amg_scale<{T}>", "dense": f"amg_dense<{T}>", "zero": f"amg_zero<{T}>"}
     for g in GROUPS:
         names[f"step{g}"] = f"amg_step<{T}, {g}>"
+        names[f"first{g}"] = f"amg_first<{T}, {g}>"
         names[f"restrict{g}"] = f"amg_restrict<{T}, {g}>"
         names[f"prolong{g}"] = f"amg_prolong<{T}, {g}>"
     return names
@@ -83,6 +84,13 @@ class CudaOps:
                            (np.int64(n), indptr, indices, data, dinv, b, x_old, x_new, d,
                             self.t(a), self.t(c), np.int32(write_d)))
 
+    def first(self, n: int, indptr: Any, indices: Any, data: Any, dinv: Any, b: Any, s: float,
+              x_new: Any, d: Any, a: float, c: float, write_d: int) -> None:
+        g = group_size(n, data.shape[0])
+        self.k[f"first{g}"](self._grid(n * g), (THREADS,),
+                            (np.int64(n), indptr, indices, data, dinv, b, self.t(s), x_new, d,
+                             self.t(a), self.t(c), np.int32(write_d)))
+
     def restrict(self, n: int, indptr: Any, indices: Any, data: Any, b: Any, x: Any,
                  p_indptr: Any, p_indices: Any, p_data: Any, bc: Any) -> None:
         g = group_size(n, data.shape[0])
@@ -101,3 +109,61 @@ class CudaOps:
 
     def zero(self, n: int, v: Any) -> None:
         self.k["zero"](self._grid(n), (THREADS,), (np.int64(n), v))
+
+
+# ---------------------------------------------------------------- the CG loop's kernels
+
+@functools.cache
+def loop_source() -> str:
+    """``cycle.cu`` (its row helpers) followed by the CG loop's ``pcg.cu``."""
+    return source() + Path(__file__).with_name("pcg.cu").read_text(encoding="utf-8")
+
+
+def loop_instantiations(T: str, C: str) -> dict[str, str]:  # noqa: N803 - the C++ names
+    """Kernel key -> C++ name of the loop's kernels, loop type ``T`` and cycle type ``C``."""
+    names = {"update": f"pcg_update<{T}, {C}>", "dot": f"pcg_dot<{T}, {C}>",
+             "pupdate": f"pcg_pupdate<{T}, {C}>", "scalars": "pcg_scalars"}
+    for g in GROUPS:
+        names[f"spmv_dot{g}"] = f"pcg_spmv_dot<{T}, {g}>"
+        names[f"residual{g}"] = f"pcg_residual<{T}, {C}, {g}>"
+    return names
+
+
+class LoopCudaOps:
+    """Launches of the CG loop's kernels (``pcg.cu``), loop dtype ``dtype``, cycle dtype ``cdtype``.
+
+    The interface of :class:`~.twins.LoopTwinOps`; ``s`` is the loop's float64
+    scalar array on the device.
+    """
+
+    def __init__(self, dtype: Any, cdtype: Any, device_id: int):
+        names = loop_instantiations(_TYPES[np.dtype(dtype)], _TYPES[np.dtype(cdtype)])
+        self.k = cuda.raw_kernels(device_id, loop_source(), names)
+        self.waves = cuda.sm_count(device_id) * 8
+
+    def _grid(self, threads: int) -> tuple[int]:
+        return (max(1, min(math.ceil(threads / THREADS), self.waves)),)
+
+    def spmv_dot(self, n: int, indptr: Any, indices: Any, data: Any, p: Any, q: Any,
+                 s: Any) -> None:
+        g = group_size(n, data.shape[0])
+        self.k[f"spmv_dot{g}"](self._grid(n * g), (THREADS,),
+                               (np.int64(n), indptr, indices, data, p, q, s))
+
+    def residual(self, n: int, indptr: Any, indices: Any, data: Any, b: Any, x: Any, r: Any,
+                 rc: Any, s: Any) -> None:
+        g = group_size(n, data.shape[0])
+        self.k[f"residual{g}"](self._grid(n * g), (THREADS,),
+                               (np.int64(n), indptr, indices, data, b, x, r, rc, s))
+
+    def update(self, n: int, x: Any, p: Any, r: Any, rc: Any, q: Any, s: Any) -> None:
+        self.k["update"](self._grid(n), (THREADS,), (np.int64(n), x, p, r, rc, q, s))
+
+    def dot(self, n: int, r: Any, z: Any, s: Any) -> None:
+        self.k["dot"](self._grid(n), (THREADS,), (np.int64(n), r, z, s))
+
+    def scalars(self, s: Any) -> None:
+        self.k["scalars"]((1,), (32,), (s,))
+
+    def pupdate(self, n: int, z: Any, p: Any, s: Any) -> None:
+        self.k["pupdate"](self._grid(n), (THREADS,), (np.int64(n), z, p, s))

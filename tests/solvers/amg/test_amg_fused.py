@@ -62,6 +62,24 @@ def test_twin_steps_reproduce_the_smoother(kind, zero):
     assert rel(X[cur], x) < 1e-13
 
 
+@pytest.mark.parametrize("a,c,write_d", [(0.0, 0.7, 1), (0.4, 1.3, 1), (0.0, 1.0, 0)])
+def test_twin_first_step_is_the_scaling_then_a_step(a, c, write_d):
+    A = poisson2d(15)
+    n = A.shape[0]
+    rng = np.random.default_rng(7)
+    b, dinv = rng.standard_normal(n), 1.0 / A.diagonal()
+    x0, d0, x1 = np.empty(n), np.empty(n), np.empty(n)
+    tw.amg_scale(n, b, dinv, 0.3, x0, d0, 1)
+    tw.amg_step(n, *triple(A), dinv, b, x0, x1, d0, a, c, write_d)
+    xf, df = np.full(n, np.nan), np.full(n, np.nan)
+    tw.amg_first(n, *triple(A), dinv, b, 0.3, xf, df, a, c, write_d)
+    assert rel(xf, x1) < 1e-15
+    if write_d:
+        assert rel(df, d0) < 1e-15
+    else:
+        assert np.isnan(df).all()
+
+
 def test_twin_transfers_are_p_transpose_and_p():
     A = poisson2d(16)
     M = amg(A, setup="native", max_coarse=30)
@@ -151,6 +169,13 @@ def test_cuda_kernels_match_their_twins(cp, dtype, tol):
             ops.step(n, *Ad, g["dinv"], g["b"], g["x"], xn_d, d_d, a, c, wd)
             assert rel(host(xn_d), xn) < tol, (name, "step x", a, c)
             assert rel(host(d_d), d_h) < tol, (name, "step d", a, c)
+        for a, c, wd in [(0.0, 0.7, 1), (0.4, 1.3, 1), (0.0, 1.0, 0)]:
+            (xn, xn_d), (d_h, d_d) = poisoned(n), poisoned(n)
+            tw.amg_first(n, *At, h["dinv"], h["b"], 0.3, xn, d_h, a, c, wd)
+            ops.first(n, *Ad, g["dinv"], g["b"], 0.3, xn_d, d_d, a, c, wd)
+            assert rel(host(xn_d), xn) < tol, (name, "first x", a, c)
+            if wd:
+                assert rel(host(d_d), d_h) < tol, (name, "first d", a, c)
         (xs, xs_d), (ds, ds_d) = poisoned(n), poisoned(n)
         tw.amg_scale(n, h["b"], h["dinv"], 0.3, xs, ds, 1)
         ops.scale(n, g["b"], g["dinv"], 0.3, xs_d, ds_d, 1)
@@ -219,8 +244,8 @@ def test_gpu_iterations_equal_the_host_path(cp, problem):
 
     A = poisson2d(255) if problem == "poisson2d" else poisson3d(40)
     b = np.random.default_rng(10).standard_normal(A.shape[0])
-    host_out = cg(A, b, rtol=1e-8, M=amg(A, setup="native"))
     Mg = amg(csp.csr_matrix(A), setup="native")
+    host_out = cg(A, b, rtol=1e-8, M=amg(A, setup="native", degree=Mg.degree))
     dev = cg(csp.csr_matrix(A), cp.asarray(b), rtol=1e-8, M=Mg)
     its = dev.info.get("converged_at", dev.iterations)
     assert host_out.code == 0 and dev.code == 0
