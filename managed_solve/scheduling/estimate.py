@@ -32,6 +32,7 @@ from ..manager import DeviceManager
 from ..system import LinearSystem, is_symmetric
 from ..system.cost import bytes_per_iteration, predict_iterations, solve_bytes
 from ..system.method import amg_min_n, choose_method
+from . import host_checks
 from .plan import BATCH, DEFERRED, DIRECT, SINGLE, Estimate
 
 #: Methods the batched core runs (an "auto" system whose method is another runs alone).
@@ -71,40 +72,46 @@ def count_shared(systems: Sequence[LinearSystem | None], cache: dict) -> None:
             cache[("rhs", key)] = (A, count)
 
 
-def test_host_matrices(systems: Sequence[LinearSystem | None], cache: dict) -> None:
-    """Run the auto policy's matrix tests of a CPU-only call on every core, before the estimates.
+def pass_tested(s: LinearSystem, least: int) -> bool:
+    """Whether :func:`test_host_matrices` tests ``s``'s matrix (``least``: :func:`pass_least`)."""
+    return (s.kind == "csr" and s.method == "auto" and type(s.b) is np.ndarray
+            and s.A.nnz < least and host_checks.symmetry_candidate(s.A))
 
-    Each distinct host CSR matrix of an "auto" system gets its one-pass
-    symmetry and Gershgorin test (:func:`managed_solve.system.is_symmetric`,
-    which leaves both in ``cache``); the kernels release the GIL, so the
-    calling thread and the host-kernel helpers share them out, largest
-    first, as a batch's systems are (:mod:`managed_solve.solvers.batched.threads`).
-    The estimate loop then finds every answer in ``cache``. Matrices large
-    enough for the chunked test are left to it.
+
+def pass_least(host_only: bool) -> int:
+    """Stored entries from which a matrix's test is left out of :func:`test_host_matrices`.
+
+    The chunked test's size (setting ``symmetry_parallel_nnz``); on a call
+    with accelerators also ``prefetch_min_nnz``, from which a matrix's test
+    runs on its own beside the estimate loop (:func:`prefetch_methods`).
     """
-    from ..solvers.batched.threads import claim_order, run_claimed, threads_for
+    settings = config.current()
+    least = settings.symmetry_parallel_nnz
+    return least if host_only else min(least, settings.prefetch_min_nnz)
 
-    least = config.current().symmetry_parallel_nnz
+
+def test_host_matrices(systems: Sequence[LinearSystem | None], cache: dict,
+                       least: int | None = None) -> int:
+    """Run the auto policy's matrix tests on every core, before the estimates.
+
+    Each distinct host CSR matrix of an "auto" system below ``least``
+    stored entries (default :func:`pass_least` of a CPU-only call) gets its
+    one-pass symmetry and Gershgorin test, many matrices a GIL-free kernel
+    call (:func:`.host_checks.test_symmetry`), shared out largest first over
+    the calling thread and the host-kernel helpers. The estimate loop then
+    finds every answer in ``cache``; :func:`prefetch_methods` leaves these
+    matrices alone. Returns the number of matrices tested.
+    """
+    least = pass_least(True) if least is None else least
     found: dict[int, Any] = {}
     for s in systems:
-        if s is None or s.kind != "csr" or s.method != "auto" or id(s.A) in found:
+        if s is None or id(s.A) in found or not pass_tested(s, least):
             continue
-        A = s.A
-        if type(s.b) is np.ndarray and _backend.is_scipy_sparse(A) and A.nnz < least \
-                and A.has_canonical_format:
-            found[id(A)] = A
-    if not found:
-        return
-    mats = list(found.values())
-    work = np.fromiter((4.0 * A.nnz for A in mats), np.float64, len(mats))  # ~4 ns an entry
-    order, bounds = claim_order(work)
-    picks, starts, stops = order.tolist(), bounds[:-1].tolist(), bounds[1:].tolist()
-
-    def test(k: int) -> None:
-        for j in picks[starts[k]:stops[k]]:
-            is_symmetric(mats[j], cache)
-
-    run_claimed(test, len(starts), threads_for(float(work.sum()), len(starts)))
+        hit = cache.get(id(s.A))
+        if hit is None or hit[0] is not s.A:
+            found[id(s.A)] = s.A
+    host_checks.test_symmetry(list(found.values()), cache)
+    return len(found)
 
 
 def shared_count(s: LinearSystem, cache: dict | None) -> int:
@@ -247,7 +254,7 @@ def _estimate(s: LinearSystem, i: int, device_kind: str, manager: DeviceManager 
 
 # --------------------------------------------------------------------------- prefetch
 def prefetch_methods(systems: Sequence[LinearSystem | None], device_kind: str,
-                     cache: dict) -> dict[int, Future]:
+                     cache: dict, skip_below: int = 0) -> dict[int, Future]:
     """Start the method choice of host matrices on helper threads, by matrix id.
 
     The tests release the GIL, so they run beside the estimate loop. On a
@@ -255,6 +262,8 @@ def prefetch_methods(systems: Sequence[LinearSystem | None], device_kind: str,
     matrix of at least ``prefetch_small_nnz`` stored entries goes there,
     largest first; on fewer cores only those of ``prefetch_min_nnz`` or more
     (two cores gain nothing from running the small tests beside the loop).
+    Matrices :func:`test_host_matrices` takes (below ``skip_below`` stored
+    entries: see :func:`pass_least`) are left to it.
     """
     settings = config.current()
     cores = _backend.cpu_count()
@@ -271,6 +280,8 @@ def prefetch_methods(systems: Sequence[LinearSystem | None], device_kind: str,
         if key in seen:
             continue
         seen.add(key)
+        if pass_tested(s, skip_below):  # tested by test_host_matrices, many a kernel call
+            continue
         if isinstance(s.b, np.ndarray) and s.nnz >= least:  # host matrices only
             found[key] = s
     if not found:

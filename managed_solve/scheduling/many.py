@@ -117,8 +117,12 @@ def _solve(systems: Iterable[Any], *, disperse: bool, devices: Any, method: str,
     cache: dict = {}  # symmetry per matrix object, for this call
     if host_only:
         estimation.count_shared(valid, cache)  # one LU serves every system of a shared matrix
-        estimation.test_host_matrices(valid, cache)  # on every core, before the estimate loop
-    early = estimation.prefetch_methods(valid, kind, cache)
+    # The large host matrices' tests start on helper threads (their results
+    # gate a head start); the others run on every core, many a kernel call,
+    # before the estimate loop finds them all in the cache.
+    least = estimation.pass_least(host_only)
+    early = estimation.prefetch_methods(valid, kind, cache, skip_below=least)
+    estimation.test_host_matrices(valid, cache, least)
 
     def method_of(s: LinearSystem) -> str:
         """A deferred system's method (its test may still run on a helper thread)."""

@@ -10,9 +10,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
+from .. import _backend
 from ..result import SolveResult, Status
 from ..system import METHODS, LinearSystem, check_preconditioner
+from ..system.inputs import FLOAT_DTYPES
 from ..system.method import settle_auto
+from . import host_checks
 
 RETURN_ON = ("device", "host")
 ON_ERROR = ("return", "raise")
@@ -108,14 +113,53 @@ def validate_all(items: list, *, method: str, M: Any, rtol: float | None
     """Every input as a LinearSystem (``valid``) or an INVALID_INPUT result (``results``).
 
     One memo of the arrays found finite serves the whole call, so a matrix
-    shared by many ``(A, b)`` pairs is scanned for NaN and Inf once.
+    shared by many ``(A, b)`` pairs is scanned for NaN and Inf once. With
+    many pairs, their host arrays are scanned first, many a kernel call over
+    the host's cores (:func:`prefill_finite`); each LinearSystem then finds
+    its arrays in the memo.
     """
     results: list[SolveResult | None] = [None] * len(items)
     valid: dict[int, LinearSystem] = {}
     memo: dict = {}
+    prefill_finite(items, memo)
     for i, item in enumerate(items):
         try:
             valid[i] = as_system(item, i, method=method, M=M, rtol=rtol, memo=memo)
         except (TypeError, ValueError) as exc:
             results[i] = invalid_result(exc, i, item)
     return results, valid
+
+
+def _scannable(a: Any) -> bool:
+    """A 1-D C-contiguous float32/float64 NumPy array (what the many-array finite check reads)."""
+    return type(a) is np.ndarray and a.ndim == 1 and a.dtype in FLOAT_DTYPES \
+        and a.flags.c_contiguous
+
+
+def prefill_finite(items: list, memo: dict) -> int:
+    """Mark in ``memo`` the host arrays of ``(A, b)`` pairs found finite, in one pass over the cores.
+
+    Takes each pair's SciPy CSR ``A.data`` and NumPy ``b`` (each distinct
+    array once; :func:`.host_checks.finite_arrays`); arrays it cannot read
+    (other types, strided views, integer dtypes) and arrays with a NaN or an
+    Inf are left out, so the LinearSystem checks them itself (and names the
+    bad one). Fewer than ``host_checks.MIN_ARRAYS`` arrays: nothing is done.
+    Returns the number of arrays marked.
+    """
+    arrays: dict[int, Any] = {}
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            continue
+        A, b = item
+        if _backend.is_scipy_sparse(A) and A.format == "csr":
+            data = A.data
+            if _scannable(data):
+                arrays.setdefault(id(data), data)
+        if _scannable(b):
+            arrays.setdefault(id(b), b)
+    if len(arrays) < host_checks.MIN_ARRAYS:
+        return 0
+    found = host_checks.finite_arrays(list(arrays.values()))
+    for a in found:
+        memo[id(a)] = a
+    return len(found)

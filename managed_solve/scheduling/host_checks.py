@@ -1,0 +1,154 @@
+"""``solve_many``'s per-matrix host checks, many matrices a kernel call, on the host-kernel threads.
+
+Two passes read every input once more than the solve does: validation's
+check for NaN and Inf (A's entries, b) and the auto policy's symmetry and
+Gershgorin test of each distinct matrix. With one matrix per system that is
+hundreds of small calls; each takes the GIL back when it returns, and
+beside the call's other Python threads each re-take may wait for the
+interpreter's switch interval. Here the arrays' addresses are read once
+and ranges of them go out to the caller and the host-kernel helpers
+(:func:`managed_solve.solvers.batched.threads.run_claimed`), one GIL-free
+kernel call (:mod:`managed_solve.kernels.checks`) per range.
+
+Both passes give what the per-matrix functions give (the same kernels'
+bodies): :func:`finite_arrays` marks arrays for the memo that
+:class:`~managed_solve.LinearSystem` reads, and :func:`test_symmetry` fills
+the cache that :func:`managed_solve.system.is_symmetric` and
+:func:`managed_solve.system.properties.gershgorin` read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .. import _backend
+
+#: Below this many arrays (or matrices) a pass is left to the per-array
+#: functions: an address table and a hand-out cost more than a few calls.
+MIN_ARRAYS = 16
+#: Ranges handed out per participating thread (balance against hand-outs).
+RANGES_PER_THREAD = 4
+#: Predicted nanoseconds per stored entry of the symmetry test (the cursor
+#: walk) and per entry of the finite check (a streaming read).
+SYMMETRY_NS, FINITE_NS = 4.0, 1.0
+
+
+def _ranges(work: np.ndarray, threads: int) -> list[tuple[int, int]]:
+    """Consecutive ranges of about equal ``work``, about ``RANGES_PER_THREAD`` per thread."""
+    count = len(work)
+    parts = max(1, min(count, RANGES_PER_THREAD * threads))
+    if parts == 1:
+        return [(0, count)]
+    edges = np.cumsum(work)
+    cuts = np.searchsorted(edges, np.linspace(0.0, float(edges[-1]), parts + 1)[1:-1], side="right")
+    bounds = [0, *sorted(set(int(c) for c in cuts if 0 < c < count)), count]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def _run(ranges_by_group: list[tuple[Any, list[tuple[int, int]]]], threads: int) -> None:
+    """``call(lo, hi)`` for every range of every group, claimed by the caller and the helpers."""
+    from ..solvers.batched.threads import run_claimed
+
+    tasks = [(call, lo, hi) for call, ranges in ranges_by_group for lo, hi in ranges]
+
+    def task(k: int) -> None:
+        call, lo, hi = tasks[k]
+        call(lo, hi)
+
+    run_claimed(task, len(tasks), threads)
+
+
+def _threads(total_work: float, count: int) -> int:
+    """Threads for a pass: the host kernels' rule for ``total_work`` (nanoseconds) over ``count`` arrays."""
+    from ..solvers.batched.threads import threads_for
+
+    return threads_for(total_work, count)
+
+
+def _addresses(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    return np.fromiter((a.ctypes.data for a in arrays), np.int64, len(arrays))
+
+
+def finite_arrays(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """The arrays among ``arrays`` (1-D, C-contiguous, float32 or float64) whose entries are all finite.
+
+    One :func:`~managed_solve.kernels.checks.all_finite_many` call per range
+    of arrays; the same answer as :func:`managed_solve.system.inputs.all_finite`.
+    """
+    from ..kernels.checks import all_finite_many
+
+    by_dtype: dict[np.dtype, list[np.ndarray]] = {}
+    for a in arrays:
+        by_dtype.setdefault(a.dtype, []).append(a)
+    lengths_all = sum(a.shape[0] for a in arrays)
+    threads = _threads(FINITE_NS * lengths_all, len(arrays))
+    groups, flags_of = [], []
+    for dt, group in by_dtype.items():
+        addresses = _addresses(group)
+        lengths = np.fromiter((a.shape[0] for a in group), np.int64, len(group))
+        flags = np.zeros(len(group), dtype=np.uint8)
+        like = np.empty(0, dtype=dt)
+
+        def call(lo: int, hi: int, addresses=addresses, lengths=lengths, like=like,
+                 flags=flags) -> None:
+            all_finite_many(lo, hi, addresses, lengths, like, flags)
+
+        groups.append((call, _ranges(lengths.astype(np.float64), threads)))
+        flags_of.append((group, flags))
+    _run(groups, threads)
+    return [a for group, flags in flags_of for a, ok in zip(group, flags.tolist(), strict=True) if ok]
+
+
+def symmetry_candidate(A: Any) -> bool:
+    """Whether :func:`test_symmetry` takes a matrix: a non-empty canonical SciPy CSR with contiguous arrays."""
+    return (_backend.is_scipy_sparse(A) and A.format == "csr" and A.nnz > 0
+            and A.has_canonical_format and A.data.flags.c_contiguous
+            and A.indices.flags.c_contiguous and A.indptr.flags.c_contiguous)
+
+
+def test_symmetry(mats: Sequence[Any], cache: dict, rel: float = 1e-12) -> None:
+    """The symmetry code and Gershgorin bounds of host CSR matrices into ``cache``, largest first.
+
+    ``mats``: distinct matrices passing :func:`symmetry_candidate`. Each
+    gets the entries :func:`managed_solve.system.is_symmetric` leaves
+    (``cache[id(A)]``, unless its stored pattern is not symmetric: then
+    ``is_symmetric`` compares ``A - A.T`` itself) and the Gershgorin bounds
+    (``cache[("gershgorin", id(A))]``).
+    """
+    from ..kernels.checks import csr_symmetry_gershgorin_many
+    from ..kernels.symmetry import DIFFERENT_PATTERN
+
+    if not mats:
+        return
+    mats = sorted(mats, key=lambda A: -A.nnz)
+    by_dtype: dict[tuple, list] = {}
+    for A in mats:
+        by_dtype.setdefault((A.indptr.dtype, A.indices.dtype, A.data.dtype), []).append(A)
+    total = SYMMETRY_NS * sum(A.nnz for A in mats)
+    threads = _threads(total, len(mats))
+    groups, outs = [], []
+    for (pdt, idt, ddt), group in by_dtype.items():
+        ptrs = _addresses([A.indptr for A in group])
+        idxs = _addresses([A.indices for A in group])
+        datas = _addresses([A.data for A in group])
+        rows = np.fromiter((A.shape[0] for A in group), np.int64, len(group))
+        nnzs = np.fromiter((A.nnz for A in group), np.int64, len(group))
+        codes = np.zeros(len(group), dtype=np.int8)
+        bounds = np.zeros((len(group), 4), dtype=np.float64)
+        likes = (np.empty(0, pdt), np.empty(0, idt), np.empty(0, ddt))
+
+        def call(lo: int, hi: int, args=(ptrs, idxs, datas, rows, nnzs, *likes, float(rel),
+                                          codes, bounds)) -> None:
+            csr_symmetry_gershgorin_many(lo, hi, *args)
+
+        groups.append((call, _ranges(nnzs.astype(np.float64), threads)))
+        outs.append((group, codes, bounds))
+    _run(groups, threads)
+    for group, codes, bounds in outs:
+        for A, code, b in zip(group, codes.tolist(), bounds.tolist(), strict=True):
+            if code != DIFFERENT_PATTERN:
+                cache[id(A)] = (A, bool(code))
+            cache[("gershgorin", id(A))] = (A, tuple(b))

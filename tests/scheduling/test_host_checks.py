@@ -1,0 +1,141 @@
+"""solve_many's per-matrix host checks, many matrices a kernel call (scheduling/host_checks.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+import managed_solve as ms
+from managed_solve import LinearSystem, Status
+from managed_solve.kernels import checks
+from managed_solve.kernels.symmetry import csr_symmetry_gershgorin
+from managed_solve.manager import DeviceManager
+from managed_solve.scheduling import host_checks, solve_many, validate
+from managed_solve.system import inputs, is_symmetric
+from managed_solve.system.properties import gershgorin
+from tests._problems import helmholtz2d, poisson2d
+from tests._problems import poisson2d_skew as convection
+from tests.scheduling._helpers import assert_converged
+
+
+def mixed_matrices():
+    """Symmetric, non-symmetric values, a non-symmetric pattern, float32, int64 indices, a NaN diagonal."""
+    rng = np.random.default_rng(3)
+    out = [poisson2d(m) for m in (3, 7, 12)] + [convection(6), helmholtz2d(5)]
+    R = sp.random(30, 30, density=0.2, random_state=rng, format="csr")
+    out.append((R + R.T + sp.identity(30)).tocsr())
+    out.append((R + sp.identity(30)).tocsr())  # its pattern is not symmetric
+    out.append(poisson2d(9).astype(np.float32))
+    wide = poisson2d(8)
+    wide.indices, wide.indptr = wide.indices.astype(np.int64), wide.indptr.astype(np.int64)
+    out.append(wide)
+    nan = poisson2d(4).copy()
+    nan.data[0] = np.nan
+    out.append(nan)
+    for A in out:
+        A.sum_duplicates()
+    return out
+
+
+def test_many_matrix_kernel_agrees_with_the_one_matrix_kernel():
+    mats = [A for A in mixed_matrices() if A.dtype == np.float64 and A.indices.dtype == np.int32]
+    addr = lambda arrays: np.array([a.ctypes.data for a in arrays], np.int64)  # noqa: E731
+    codes = np.full(len(mats), 9, np.int8)
+    bounds = np.zeros((len(mats), 4))
+    checks.csr_symmetry_gershgorin_many(
+        0, len(mats), addr([A.indptr for A in mats]), addr([A.indices for A in mats]),
+        addr([A.data for A in mats]), np.array([A.shape[0] for A in mats]),
+        np.array([A.nnz for A in mats]), mats[0].indptr, mats[0].indices, mats[0].data, 1e-12,
+        codes, bounds)
+    for k, A in enumerate(mats):
+        code, *ref = csr_symmetry_gershgorin(A.indptr, A.indices, A.data, 1e-12)
+        assert codes[k] == code
+        np.testing.assert_array_equal(bounds[k], ref)  # bit for bit, NaN where NaN
+
+
+def test_pass_fills_the_cache_as_the_per_matrix_tests_do():
+    mats = mixed_matrices()
+    cache: dict = {}
+    with ms.config.override(host_threads=2, host_parallel_min_work=0.0):
+        host_checks.test_symmetry(mats, cache)
+    assert cache.get(id(mats[6])) is None  # R + I: its pattern is not symmetric
+    for A in mats:
+        hit = cache.get(id(A))
+        if hit is not None:  # absent only where the pattern is not symmetric: is_symmetric decides
+            assert hit[0] is A and hit[1] == is_symmetric(A)
+        assert is_symmetric(A, cache) == is_symmetric(A)
+        got = cache[("gershgorin", id(A))][1]
+        np.testing.assert_array_equal(got, gershgorin(A))
+    assert is_symmetric(mats[5], cache) and not is_symmetric(mats[3], cache)
+
+
+def test_ranges_cover_every_matrix_once():
+    work = np.array([5.0, 1.0, 1.0, 1.0, 8.0, 2.0, 2.0])
+    for threads in (1, 2, 3, 16):
+        ranges = host_checks._ranges(work, threads)
+        covered = [k for lo, hi in ranges for k in range(lo, hi)]
+        assert covered == list(range(len(work)))
+        assert len(ranges) <= host_checks.RANGES_PER_THREAD * threads
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_finite_arrays_agree_with_all_finite(dtype):
+    rng = np.random.default_rng(1)
+    arrays = [rng.standard_normal(int(rng.integers(0, 50))).astype(dtype) for _ in range(40)]
+    for k, bad in ((3, np.nan), (7, np.inf), (11, -np.inf)):
+        arrays[k][0] = bad
+    arrays.append(np.full(4, np.finfo(dtype).max, dtype))  # finite, though its sum overflows
+    with ms.config.override(host_threads=2, host_parallel_min_work=0.0):
+        found = host_checks.finite_arrays(arrays)
+    assert [id(a) for a in found] == [id(a) for a in arrays if inputs.all_finite(a)]
+    assert len(found) == len(arrays) - 3
+
+
+def test_validation_reads_each_array_in_the_pass_and_still_names_a_bad_one(monkeypatch):
+    """Many pairs: no per-array finite check for the arrays the pass cleared; a NaN matrix is named."""
+    calls = []
+    real = inputs.all_finite
+
+    def spy(a):
+        calls.append(a)
+        return real(a)
+
+    monkeypatch.setattr(inputs, "all_finite", spy)
+    mats = [poisson2d(m) for m in range(3, 23)]
+    pairs = [(A, np.ones(A.shape[0])) for A in mats]
+    bad = poisson2d(5).copy()
+    bad.data[3] = np.nan
+    pairs.insert(4, (bad, np.ones(25)))
+    memo: dict = {}
+    assert validate.prefill_finite(pairs, memo) == 2 * len(mats) + 1  # all but bad.data
+    results, valid = validate.validate_all(pairs, method="auto", M=None, rtol=1e-8)
+    assert [id(a) for a in calls] == [id(bad.data)]  # only the array the pass did not clear
+    assert results[4].status is Status.INVALID_INPUT and "A has NaN or Inf" in results[4].message
+    assert len(valid) == len(mats)
+
+
+def test_few_pairs_skip_the_pass():
+    pairs = [(poisson2d(4), np.ones(16)) for _ in range(3)]
+    assert validate.prefill_finite(pairs, {}) == 0
+
+
+def test_one_matrix_per_system_solves_as_shared_matrices_do():
+    """The W2 shape, small: each system its own matrix, the same methods and answers as shared ones."""
+    sizes = [4, 6, 5, 4, 7, 6] * 4
+    own = [(poisson2d(m) if k % 3 else convection(m), np.ones(m * m)) for k, m in enumerate(sizes)]
+    shared_mats = {}
+    shared = []
+    for k, m in enumerate(sizes):
+        key = (m, bool(k % 3))
+        if key not in shared_mats:
+            shared_mats[key] = poisson2d(m) if k % 3 else convection(m)
+        shared.append((shared_mats[key], np.ones(m * m)))
+    dm = DeviceManager(simulate="1x1GiB")
+    a = solve_many(own, rtol=1e-8, manager=dm)
+    b = solve_many(shared, rtol=1e-8, manager=dm)
+    assert [r.method for r in a] == [r.method for r in b]
+    assert {r.method for r in a} == {"cg", "bicgstab"}
+    for r, s in zip(a, b, strict=True):
+        np.testing.assert_allclose(r.to_numpy(), s.to_numpy(), rtol=1e-12, atol=0)
+    assert_converged([LinearSystem(A, b_) for A, b_ in own], a)
