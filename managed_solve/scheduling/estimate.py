@@ -90,6 +90,18 @@ def pass_least(host_only: bool) -> int:
     return least if host_only else min(least, settings.prefetch_min_nnz)
 
 
+def host_matrices(systems: Sequence[LinearSystem | None], cache: dict, least: int) -> list:
+    """The distinct matrices :func:`test_host_matrices` tests (untested, :func:`pass_tested`)."""
+    found: dict[int, Any] = {}
+    for s in systems:
+        if s is None or id(s.A) in found or not pass_tested(s, least):
+            continue
+        hit = cache.get(id(s.A))
+        if hit is None or hit[0] is not s.A:
+            found[id(s.A)] = s.A
+    return list(found.values())
+
+
 def test_host_matrices(systems: Sequence[LinearSystem | None], cache: dict,
                        least: int | None = None) -> int:
     """Run the auto policy's matrix tests on every core, before the estimates.
@@ -102,16 +114,26 @@ def test_host_matrices(systems: Sequence[LinearSystem | None], cache: dict,
     finds every answer in ``cache``; :func:`prefetch_methods` leaves these
     matrices alone. Returns the number of matrices tested.
     """
-    least = pass_least(True) if least is None else least
-    found: dict[int, Any] = {}
-    for s in systems:
-        if s is None or id(s.A) in found or not pass_tested(s, least):
-            continue
-        hit = cache.get(id(s.A))
-        if hit is None or hit[0] is not s.A:
-            found[id(s.A)] = s.A
-    host_checks.test_symmetry(list(found.values()), cache)
-    return len(found)
+    mats = host_matrices(systems, cache, pass_least(True) if least is None else least)
+    host_checks.test_symmetry(mats, cache)
+    return len(mats)
+
+
+def start_host_matrices(systems: Sequence[LinearSystem | None], cache: dict,
+                        least: int) -> dict[int, Future]:
+    """:func:`test_host_matrices` on a helper thread: one future, by the id of each matrix it tests.
+
+    A call with accelerators defers these systems' methods
+    (:func:`deferred_estimate`): its plan is made and its first batch
+    packed while the tests run; the runner reads each batch's method when
+    it needs it (``Runner.method_of``, which waits for this future).
+    """
+    mats = host_matrices(systems, cache, least)
+    if not mats:
+        return {}
+    pool = _backend.thread_pool("prefetch", max(2, min(8, _backend.cpu_count() // 2)))
+    fut = pool.submit(host_checks.test_symmetry, mats, cache)
+    return {id(A): fut for A in mats}
 
 
 def shared_count(s: LinearSystem, cache: dict | None) -> int:

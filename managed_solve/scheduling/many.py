@@ -122,7 +122,12 @@ def _solve(systems: Iterable[Any], *, disperse: bool, devices: Any, method: str,
     # before the estimate loop finds them all in the cache.
     least = estimation.pass_least(host_only)
     early = estimation.prefetch_methods(valid, kind, cache, skip_below=least)
-    estimation.test_host_matrices(valid, cache, least)
+    if host_only:  # the method decides the route (a host LU or a batch): known before the plan
+        estimation.test_host_matrices(valid, cache, least)
+        passed: dict = {}
+    else:  # beside the estimates, the plan and the first batch's packing
+        passed = estimation.start_host_matrices(valid, cache, least)
+        early.update(passed)
 
     def method_of(s: LinearSystem) -> str:
         """A deferred system's method (its test may still run on a helper thread)."""
@@ -138,9 +143,14 @@ def _solve(systems: Iterable[Any], *, disperse: bool, devices: Any, method: str,
             try:
                 if early and s.kind == "csr":
                     pending = early.get(id(s.A))
-                    if pending is not None and defer and not pending.done() and s.method == "auto" \
+                    # Deferred: the method is found while the batch is packed and
+                    # copied. Every system of the pass (whether or not it ended
+                    # yet: the plan must not depend on timing); a large matrix
+                    # whose own test is still running, in a head start.
+                    if pending is not None and s.method == "auto" \
+                            and (id(s.A) in passed or (defer and not pending.done())) \
                             and estimation.batched_preconditioner(s, kind):
-                        out.append(estimation.deferred_estimate(s, i))  # found while it is copied
+                        out.append(estimation.deferred_estimate(s, i))
                         continue
                     if pending is not None:
                         pending.result()  # the large matrix's method, found beside this loop
@@ -192,7 +202,7 @@ def _solve(systems: Iterable[Any], *, disperse: bool, devices: Any, method: str,
             else:
                 plan = plan_work(estimates(rest), devs, mgr, batch_bytes=batch_bytes)
                 runner = Runner(valid, plan, devs, mgr, results, bar=bar, batch_bytes=batch_bytes,
-                                kept=kept)
+                                method_of=method_of, kept=kept)
                 runner.start()
             runner.join()
         # Sharded systems use every accelerator at once: after the batches.

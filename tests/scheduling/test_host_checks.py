@@ -139,3 +139,25 @@ def test_one_matrix_per_system_solves_as_shared_matrices_do():
     for r, s in zip(a, b, strict=True):
         np.testing.assert_allclose(r.to_numpy(), s.to_numpy(), rtol=1e-12, atol=0)
     assert_converged([LinearSystem(A, b_) for A, b_ in own], a)
+
+
+def test_a_deferred_batch_of_two_methods_runs_as_one_batch_per_method(monkeypatch):
+    """Methods found after the plan: a batch holding CG and BiCGStab systems is split by method."""
+    from managed_solve.scheduling.runner import Runner
+    from managed_solve.system.method import choose_method
+
+    regrouped = []
+    real = Runner._regroup
+
+    def spy(self, b, dev, exc):
+        regrouped.append({m: len(ix) for m, ix in exc.by_method.items()})
+        return real(self, b, dev, exc)
+
+    monkeypatch.setattr(Runner, "_regroup", spy)
+    mats = [poisson2d(m) if k % 2 else convection(m) for k, m in enumerate(range(4, 24))]
+    systems = [LinearSystem(A, np.ones(A.shape[0]), rtol=1e-8) for A in mats]
+    results = solve_many(systems, manager=DeviceManager(simulate="1x1GiB"))
+    assert regrouped and all(set(r) == {"cg", "bicgstab"} for r in regrouped)
+    assert sum(sum(r.values()) for r in regrouped) <= len(systems)  # others: batches of one method
+    assert [r.method for r in results] == [choose_method(s, "cuda") for s in systems]
+    assert_converged(systems, results)
