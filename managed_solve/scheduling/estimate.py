@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -119,20 +119,21 @@ def test_host_matrices(systems: Sequence[LinearSystem | None], cache: dict,
     return len(mats)
 
 
-def start_host_matrices(systems: Sequence[LinearSystem | None], cache: dict,
-                        least: int) -> dict[int, Future]:
-    """:func:`test_host_matrices` on a helper thread: one future, by the id of each matrix it tests.
+def start_host_matrices(mats: Sequence[Any], cache: dict) -> dict[int, Future]:
+    """:func:`test_host_matrices` of ``mats`` (:func:`host_matrices`) on a helper thread.
 
-    A call with accelerators defers these systems' methods
-    (:func:`deferred_estimate`): its plan is made and its first batch
-    packed while the tests run; the runner reads each batch's method when
-    it needs it (``Runner.method_of``, which waits for this future).
+    Returns one future, by the id of each matrix. A call with accelerators
+    defers these systems' methods (:func:`deferred_estimate`): its plan is
+    made and its first batch packed while the tests run; the runner reads
+    each batch's method when it needs it (``Runner.method_of``, which waits
+    for this future). The address tables are read here, on the calling
+    thread: the helper then needs the GIL only around its kernel calls.
     """
-    mats = host_matrices(systems, cache, least)
     if not mats:
         return {}
+    work = host_checks.symmetry_pass(mats)
     pool = _backend.thread_pool("prefetch", max(2, min(8, _backend.cpu_count() // 2)))
-    fut = pool.submit(host_checks.test_symmetry, mats, cache)
+    fut = pool.submit(work.run, cache)
     return {id(A): fut for A in mats}
 
 
@@ -276,7 +277,7 @@ def _estimate(s: LinearSystem, i: int, device_kind: str, manager: DeviceManager 
 
 # --------------------------------------------------------------------------- prefetch
 def prefetch_methods(systems: Sequence[LinearSystem | None], device_kind: str,
-                     cache: dict, skip_below: int = 0) -> dict[int, Future]:
+                     cache: dict, skip: Collection[int] = ()) -> dict[int, Future]:
     """Start the method choice of host matrices on helper threads, by matrix id.
 
     The tests release the GIL, so they run beside the estimate loop. On a
@@ -284,8 +285,8 @@ def prefetch_methods(systems: Sequence[LinearSystem | None], device_kind: str,
     matrix of at least ``prefetch_small_nnz`` stored entries goes there,
     largest first; on fewer cores only those of ``prefetch_min_nnz`` or more
     (two cores gain nothing from running the small tests beside the loop).
-    Matrices :func:`test_host_matrices` takes (below ``skip_below`` stored
-    entries: see :func:`pass_least`) are left to it.
+    Matrices whose ids are in ``skip`` (those :func:`test_host_matrices`
+    takes: :func:`host_matrices`) are left alone.
     """
     settings = config.current()
     cores = _backend.cpu_count()
@@ -302,7 +303,7 @@ def prefetch_methods(systems: Sequence[LinearSystem | None], device_kind: str,
         if key in seen:
             continue
         seen.add(key)
-        if pass_tested(s, skip_below):  # tested by test_host_matrices, many a kernel call
+        if key in skip:  # tested by test_host_matrices, many a kernel call
             continue
         if isinstance(s.b, np.ndarray) and s.nnz >= least:  # host matrices only
             found[key] = s

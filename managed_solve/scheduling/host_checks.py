@@ -116,39 +116,58 @@ def test_symmetry(mats: Sequence[Any], cache: dict, rel: float = 1e-12) -> None:
     gets the entries :func:`managed_solve.system.is_symmetric` leaves
     (``cache[id(A)]``, unless its stored pattern is not symmetric: then
     ``is_symmetric`` compares ``A - A.T`` itself) and the Gershgorin bounds
-    (``cache[("gershgorin", id(A))]``).
+    (``cache[("gershgorin", id(A))]``). :func:`symmetry_pass` then
+    :meth:`SymmetryPass.run`.
     """
-    from ..kernels.checks import csr_symmetry_gershgorin_many
-    from ..kernels.symmetry import DIFFERENT_PATTERN
+    symmetry_pass(mats, rel).run(cache)
 
-    if not mats:
-        return
+
+class SymmetryPass:
+    """The address tables of :func:`test_symmetry`, read on the calling thread; :meth:`run` anywhere.
+
+    A caller that runs the kernels on a helper thread builds this first:
+    the helper then holds the GIL only to hand out ranges and to store the
+    answers, not for a Python loop over the matrices beside the caller's own.
+    """
+
+    def __init__(self, groups: list, threads: int):
+        self.groups = groups  # (matrices, kernel arguments, codes, bounds, ranges) per dtype triple
+        self.threads = threads
+
+    def run(self, cache: dict) -> None:
+        """Run the kernels over every range, then store each matrix's answers in ``cache``."""
+        from ..kernels.checks import csr_symmetry_gershgorin_many
+        from ..kernels.symmetry import DIFFERENT_PATTERN
+
+        calls = []
+        for _mats, args, _codes, _bounds, ranges in self.groups:
+            def call(lo: int, hi: int, args=args) -> None:
+                csr_symmetry_gershgorin_many(lo, hi, *args)
+
+            calls.append((call, ranges))
+        _run(calls, self.threads)
+        for group, _args, codes, bounds, _ranges in self.groups:
+            for A, code, b in zip(group, codes.tolist(), bounds.tolist(), strict=True):
+                if code != DIFFERENT_PATTERN:
+                    cache[id(A)] = (A, bool(code))
+                cache[("gershgorin", id(A))] = (A, tuple(b))
+
+
+def symmetry_pass(mats: Sequence[Any], rel: float = 1e-12) -> SymmetryPass:
+    """:func:`test_symmetry`'s tables: the matrices largest first, by dtypes, their addresses and ranges."""
     mats = sorted(mats, key=lambda A: -A.nnz)
     by_dtype: dict[tuple, list] = {}
     for A in mats:
         by_dtype.setdefault((A.indptr.dtype, A.indices.dtype, A.data.dtype), []).append(A)
-    total = SYMMETRY_NS * sum(A.nnz for A in mats)
-    threads = _threads(total, len(mats))
-    groups, outs = [], []
+    threads = _threads(SYMMETRY_NS * sum(A.nnz for A in mats), len(mats)) if mats else 1
+    groups = []
     for (pdt, idt, ddt), group in by_dtype.items():
-        ptrs = _addresses([A.indptr for A in group])
-        idxs = _addresses([A.indices for A in group])
-        datas = _addresses([A.data for A in group])
-        rows = np.fromiter((A.shape[0] for A in group), np.int64, len(group))
         nnzs = np.fromiter((A.nnz for A in group), np.int64, len(group))
         codes = np.zeros(len(group), dtype=np.int8)
         bounds = np.zeros((len(group), 4), dtype=np.float64)
-        likes = (np.empty(0, pdt), np.empty(0, idt), np.empty(0, ddt))
-
-        def call(lo: int, hi: int, args=(ptrs, idxs, datas, rows, nnzs, *likes, float(rel),
-                                          codes, bounds)) -> None:
-            csr_symmetry_gershgorin_many(lo, hi, *args)
-
-        groups.append((call, _ranges(nnzs.astype(np.float64), threads)))
-        outs.append((group, codes, bounds))
-    _run(groups, threads)
-    for group, codes, bounds in outs:
-        for A, code, b in zip(group, codes.tolist(), bounds.tolist(), strict=True):
-            if code != DIFFERENT_PATTERN:
-                cache[id(A)] = (A, bool(code))
-            cache[("gershgorin", id(A))] = (A, tuple(b))
+        args = (_addresses([A.indptr for A in group]), _addresses([A.indices for A in group]),
+                _addresses([A.data for A in group]),
+                np.fromiter((A.shape[0] for A in group), np.int64, len(group)), nnzs,
+                np.empty(0, pdt), np.empty(0, idt), np.empty(0, ddt), float(rel), codes, bounds)
+        groups.append((group, args, codes, bounds, _ranges(nnzs.astype(np.float64), threads)))
+    return SymmetryPass(groups, threads)

@@ -24,7 +24,7 @@ from .. import _backend, autograd, config
 from ..manager import DeviceManager, default_manager
 from ..result import SolveResult
 from ..system import LinearSystem
-from . import adjoint, process
+from . import adjoint, host_checks, process
 from . import estimate as estimation
 from .errors import raise_for_failures
 from .plan import SINGLE, Estimate, head_start, plan_work, select_devices
@@ -120,13 +120,13 @@ def _solve(systems: Iterable[Any], *, disperse: bool, devices: Any, method: str,
     # The large host matrices' tests start on helper threads (their results
     # gate a head start); the others run on every core, many a kernel call,
     # before the estimate loop finds them all in the cache.
-    least = estimation.pass_least(host_only)
-    early = estimation.prefetch_methods(valid, kind, cache, skip_below=least)
+    mats = estimation.host_matrices(valid, cache, estimation.pass_least(host_only))
+    early = estimation.prefetch_methods(valid, kind, cache, skip={id(A) for A in mats})
     if host_only:  # the method decides the route (a host LU or a batch): known before the plan
-        estimation.test_host_matrices(valid, cache, least)
+        host_checks.test_symmetry(mats, cache)
         passed: dict = {}
     else:  # beside the estimates, the plan and the first batch's packing
-        passed = estimation.start_host_matrices(valid, cache, least)
+        passed = estimation.start_host_matrices(mats, cache)
         early.update(passed)
 
     def method_of(s: LinearSystem) -> str:
