@@ -78,23 +78,54 @@ def pass_tested(s: LinearSystem, least: int) -> bool:
             and s.A.nnz < least and host_checks.symmetry_candidate(s.A))
 
 
-def pass_least(host_only: bool) -> int:
+def pass_least() -> int:
     """Stored entries from which a matrix's test is left out of :func:`test_host_matrices`.
 
-    The chunked test's size (setting ``symmetry_parallel_nnz``); on a call
-    with accelerators also ``prefetch_min_nnz``, from which a matrix's test
-    runs on its own beside the estimate loop (:func:`prefetch_methods`).
+    The chunked test's size (setting ``symmetry_parallel_nnz``), or
+    ``prefetch_min_nnz`` if smaller: from there a matrix's test runs on its
+    own beside the estimate loop (:func:`prefetch_methods`).
     """
     settings = config.current()
-    least = settings.symmetry_parallel_nnz
-    return least if host_only else min(least, settings.prefetch_min_nnz)
+    return min(settings.symmetry_parallel_nnz, settings.prefetch_min_nnz)
 
 
-def host_matrices(systems: Sequence[LinearSystem | None], cache: dict, least: int) -> list:
-    """The distinct matrices :func:`test_host_matrices` tests (untested, :func:`pass_tested`)."""
+def input_matrices(items: Sequence[Any], method: str, least: int) -> list:
+    """The distinct host matrices of ``solve_many``'s raw inputs that :func:`pass_tested` would take.
+
+    Read before validation, so their tests run beside it: ``(A, b)`` pairs of
+    a SciPy CSR ``A`` (:func:`.host_checks.symmetry_candidate`) and a NumPy
+    ``b``, and LinearSystems, when the call leaves the method to "auto". A
+    matrix that validation replaces (a dtype conversion) is tested again
+    under its new object; an invalid input's answer is never read.
+    """
+    found: dict[int, Any] = {}
+    if method != "auto":
+        return []
+    for item in items:
+        if isinstance(item, LinearSystem):
+            if not pass_tested(item, least):
+                continue
+            A = item.A
+        elif isinstance(item, (tuple, list)) and len(item) == 2:
+            A, b = item
+            if type(b) is not np.ndarray or id(A) in found or not _backend.is_scipy_sparse(A) \
+                    or A.nnz >= least or not host_checks.symmetry_candidate(A):
+                continue
+        else:
+            continue
+        found.setdefault(id(A), A)
+    return list(found.values())
+
+
+def host_matrices(systems: Sequence[LinearSystem | None], cache: dict, least: int,
+                  skip: Collection[int] = ()) -> list:
+    """The distinct matrices :func:`test_host_matrices` tests (untested, :func:`pass_tested`).
+
+    Matrices whose ids are in ``skip`` (under test already) are left out.
+    """
     found: dict[int, Any] = {}
     for s in systems:
-        if s is None or id(s.A) in found or not pass_tested(s, least):
+        if s is None or id(s.A) in found or id(s.A) in skip or not pass_tested(s, least):
             continue
         hit = cache.get(id(s.A))
         if hit is None or hit[0] is not s.A:
@@ -107,14 +138,14 @@ def test_host_matrices(systems: Sequence[LinearSystem | None], cache: dict,
     """Run the auto policy's matrix tests on every core, before the estimates.
 
     Each distinct host CSR matrix of an "auto" system below ``least``
-    stored entries (default :func:`pass_least` of a CPU-only call) gets its
+    stored entries (default :func:`pass_least`) gets its
     one-pass symmetry and Gershgorin test, many matrices a GIL-free kernel
     call (:func:`.host_checks.test_symmetry`), shared out largest first over
     the calling thread and the host-kernel helpers. The estimate loop then
     finds every answer in ``cache``; :func:`prefetch_methods` leaves these
     matrices alone. Returns the number of matrices tested.
     """
-    mats = host_matrices(systems, cache, pass_least(True) if least is None else least)
+    mats = host_matrices(systems, cache, pass_least() if least is None else least)
     host_checks.test_symmetry(mats, cache)
     return len(mats)
 

@@ -36,6 +36,9 @@ RANGES_PER_THREAD = 4
 SYMMETRY_NS, FINITE_NS = 4.0, 1.0
 
 
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+
+
 def _ranges(work: np.ndarray, threads: int) -> list[tuple[int, int]]:
     """Consecutive ranges of about equal ``work``, about ``RANGES_PER_THREAD`` per thread."""
     count = len(work)
@@ -103,9 +106,9 @@ def finite_arrays(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
 
 
 def symmetry_candidate(A: Any) -> bool:
-    """Whether :func:`test_symmetry` takes a matrix: a non-empty canonical SciPy CSR with contiguous arrays."""
+    """Whether :func:`test_symmetry` takes a matrix: a non-empty canonical float SciPy CSR, contiguous."""
     return (_backend.is_scipy_sparse(A) and A.format == "csr" and A.nnz > 0
-            and A.has_canonical_format and A.data.flags.c_contiguous
+            and A.dtype in _FLOATS and A.has_canonical_format and A.data.flags.c_contiguous
             and A.indices.flags.c_contiguous and A.indptr.flags.c_contiguous)
 
 

@@ -95,6 +95,11 @@ def _solve(systems: Iterable[Any], *, disperse: bool, devices: Any, method: str,
     """
     items = list(systems)
     mgr = manager if manager is not None else default_manager()
+    # The auto policy's tests of the inputs' host matrices start now, on
+    # helper threads beside validation (they only read the matrices).
+    cache: dict = {}  # symmetry per matrix object, for this call
+    least = estimation.pass_least()
+    ahead = estimation.start_host_matrices(estimation.input_matrices(items, method, least), cache)
     results, checked = validate_all(items, method=method, M=M, rtol=rtol)
     valid: list[LinearSystem | None] = [checked.get(i) for i in range(len(items))]
     if validated is not None:
@@ -114,19 +119,20 @@ def _solve(systems: Iterable[Any], *, disperse: bool, devices: Any, method: str,
         prefetch_cuda_modules(valid, devs, method)  # compiles beside what follows
     kind = "cpu" if host_only else next(d.kind for d in devs if d.kind != "cpu")
     ref = devs[0]
-    cache: dict = {}  # symmetry per matrix object, for this call
     if host_only:
         estimation.count_shared(valid, cache)  # one LU serves every system of a shared matrix
     # The large host matrices' tests start on helper threads (their results
-    # gate a head start); the others run on every core, many a kernel call,
-    # before the estimate loop finds them all in the cache.
-    mats = estimation.host_matrices(valid, cache, estimation.pass_least(host_only))
-    early = estimation.prefetch_methods(valid, kind, cache, skip={id(A) for A in mats})
+    # gate a head start); the others (those not under test since validation)
+    # run on every core, many a kernel call.
+    mats = estimation.host_matrices(valid, cache, least, skip=ahead)
+    early = estimation.prefetch_methods(valid, kind, cache, skip={id(A) for A in mats} | ahead.keys())
     if host_only:  # the method decides the route (a host LU or a batch): known before the plan
+        for fut in set(ahead.values()):
+            fut.result()
         host_checks.test_symmetry(mats, cache)
         passed: dict = {}
     else:  # beside the estimates, the plan and the first batch's packing
-        passed = estimation.start_host_matrices(mats, cache)
+        passed = {**ahead, **estimation.start_host_matrices(mats, cache)}
         early.update(passed)
 
     def method_of(s: LinearSystem) -> str:
