@@ -161,3 +161,29 @@ def test_a_deferred_batch_of_two_methods_runs_as_one_batch_per_method(monkeypatc
     assert sum(sum(r.values()) for r in regrouped) <= len(systems)  # others: batches of one method
     assert [r.method for r in results] == [choose_method(s, "cuda") for s in systems]
     assert_converged(systems, results)
+
+
+def test_the_pass_starts_on_the_raw_inputs_and_converted_matrices_are_tested_again(monkeypatch):
+    """Inputs' matrices are tested before validation; one that validation replaces is tested under its new object."""
+    from managed_solve.scheduling import estimate as estimation
+    from managed_solve.system.method import choose_method
+
+    passes = []
+    real = host_checks.symmetry_pass
+
+    def spy(mats, *args):
+        passes.append(len(mats))
+        return real(mats, *args)
+
+    monkeypatch.setattr(host_checks, "symmetry_pass", spy)
+    mats = [poisson2d(m) for m in range(4, 20)] + [convection(8)]
+    pairs = [(A, np.ones(A.shape[0])) for A in mats]
+    pairs.append((poisson2d(6).astype(np.float32), np.ones(36)))  # A becomes float64: a new object
+    pairs.append((convection(5).astype(np.int64), np.ones(25)))  # integers: not read before validation
+    assert len(estimation.input_matrices(pairs, "auto", estimation.pass_least())) == len(mats) + 1
+    assert estimation.input_matrices(pairs, "cg", estimation.pass_least()) == []
+    results = solve_many(pairs, rtol=1e-8, manager=DeviceManager(simulate="1x1GiB"))
+    assert passes == [len(mats) + 1, 2]  # the inputs', then the two validation made
+    systems = [LinearSystem(A, b) for A, b in pairs]
+    assert [r.method for r in results] == [choose_method(s, "cuda") for s in systems]
+    assert_converged(systems, results)
