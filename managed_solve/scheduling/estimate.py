@@ -12,8 +12,13 @@ the one ``solve()`` uses), the bytes and cost from the one cost model
   preconditioners, ``method="direct"`` given by the caller) through
   ``solve()``, one system each.
 
-The auto method's tests (symmetry, diagonal) of large host matrices start on
-helper threads before the estimate loop reaches them (:func:`prefetch_methods`).
+The auto method's tests (symmetry, Gershgorin bounds) of the inputs' host
+matrices start before validation, many matrices a GIL-free kernel call on
+every core (:func:`start_host_matrices`, :mod:`.host_checks`); a call with
+accelerators then defers those systems' methods to their batches
+(:func:`deferred_estimate`), so its plan and first packing do not wait for
+the tests. Large matrices' chunked tests run on helper threads beside the
+estimate loop (:func:`prefetch_methods`).
 """
 
 from __future__ import annotations
@@ -190,6 +195,16 @@ def batched_preconditioner(s: LinearSystem, device_kind: str) -> bool:
     if isinstance(M, str) and M == "auto":
         return s.n < amg_min_n(device_kind)
     return M is None or is_jacobi(M)
+
+
+def deferrable(s: LinearSystem, device_kind: str) -> bool:
+    """Whether an "auto" system takes the batched route whatever its method (:func:`route`).
+
+    Its method may then be found after the plan (:func:`deferred_estimate`):
+    a CSR matrix, a preconditioner the batched core takes, no null space.
+    """
+    return s.kind == "csr" and s.method == "auto" and s.nullspace is None \
+        and batched_preconditioner(s, device_kind)
 
 
 def dtype_name(dt: np.dtype) -> str:

@@ -10,7 +10,10 @@
 5. results come back in input order.
 
 With many systems and a few large ones (setting ``head_start_systems``), the
-large ones start computing before the others are estimated and planned.
+large ones start computing before the others are estimated and planned. The
+auto policy's tests of small host matrices run from the start of the call on
+helper threads (:mod:`.host_checks`); on accelerators their methods are read
+when each batch is staged, so the first batch is packed meanwhile.
 """
 
 from __future__ import annotations
@@ -153,9 +156,8 @@ def _solve(systems: Iterable[Any], *, disperse: bool, devices: Any, method: str,
                     # copied. Every system of the pass (whether or not it ended
                     # yet: the plan must not depend on timing); a large matrix
                     # whose own test is still running, in a head start.
-                    if pending is not None and s.method == "auto" \
-                            and (id(s.A) in passed or (defer and not pending.done())) \
-                            and estimation.batched_preconditioner(s, kind):
+                    if pending is not None and estimation.deferrable(s, kind) \
+                            and (id(s.A) in passed or (defer and not pending.done())):
                         out.append(estimation.deferred_estimate(s, i))
                         continue
                     if pending is not None:

@@ -187,3 +187,17 @@ def test_the_pass_starts_on_the_raw_inputs_and_converted_matrices_are_tested_aga
     systems = [LinearSystem(A, b) for A, b in pairs]
     assert [r.method for r in results] == [choose_method(s, "cuda") for s in systems]
     assert_converged(systems, results)
+
+
+def test_systems_with_a_null_space_are_not_deferred():
+    """A null space sends an "auto" system through solve() alone: its route is known before its method."""
+    from tests._problems import laplacian1d
+
+    A = laplacian1d(30, neumann=True)
+    b = A @ np.random.default_rng(0).standard_normal(30)
+    others = [(poisson2d(m), np.ones(m * m)) for m in range(4, 14)]
+    systems = [LinearSystem(A, b, nullspace="constant"), LinearSystem(A, b + 1.0, nullspace="constant")]
+    out = solve_many(systems + [LinearSystem(*p) for p in others],
+                     manager=DeviceManager(simulate="1x64MiB"))
+    assert out[0].converged and out[1].status is Status.LEAST_SQUARES
+    assert all(r.converged for r in out[2:])
