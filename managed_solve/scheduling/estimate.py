@@ -13,12 +13,13 @@ the one ``solve()`` uses), the bytes and cost from the one cost model
   ``solve()``, one system each.
 
 The auto method's tests (symmetry, Gershgorin bounds) of the inputs' host
-matrices start before validation, many matrices a GIL-free kernel call on
-every core (:func:`start_host_matrices`, :mod:`.host_checks`); a call with
-accelerators then defers those systems' methods to their batches
-(:func:`deferred_estimate`), so its plan and first packing do not wait for
-the tests. Large matrices' chunked tests run on helper threads beside the
-estimate loop (:func:`prefetch_methods`).
+matrices run before validation, many matrices a GIL-free kernel call on
+every core (:func:`input_matrices`, :mod:`.host_checks`). Those of matrices
+validation replaced run after it (:func:`test_host_matrices`; on a call
+with accelerators on a helper thread, :func:`start_host_matrices`, their
+systems' methods deferred to their batches: :func:`deferred_estimate`).
+Large matrices' chunked tests run on helper threads beside the estimate
+loop (:func:`prefetch_methods`).
 """
 
 from __future__ import annotations
@@ -349,7 +350,10 @@ def prefetch_methods(systems: Sequence[LinearSystem | None], device_kind: str,
         if key in seen:
             continue
         seen.add(key)
-        if key in skip:  # tested by test_host_matrices, many a kernel call
+        if key in skip:  # under test by test_host_matrices, many a kernel call
+            continue
+        hit = cache.get(key)
+        if hit is not None and hit[0] is s.A:  # tested already
             continue
         if isinstance(s.b, np.ndarray) and s.nnz >= least:  # host matrices only
             found[key] = s

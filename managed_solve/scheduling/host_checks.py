@@ -11,10 +11,14 @@ and ranges of them go out to the caller and the host-kernel helpers
 kernel call (:mod:`managed_solve.kernels.checks`) per range.
 
 Both passes give what the per-matrix functions give (the same kernels'
-bodies): :func:`finite_arrays` marks arrays for the memo that
-:class:`~managed_solve.LinearSystem` reads, and :func:`test_symmetry` fills
+bodies): :class:`FinitePass` finds the arrays for the memo that
+:class:`~managed_solve.LinearSystem` reads, and :class:`SymmetryPass` fills
 the cache that :func:`managed_solve.system.is_symmetric` and
-:func:`managed_solve.system.properties.gershgorin` read.
+:func:`managed_solve.system.properties.gershgorin` read. ``solve_many`` runs
+both at once (:func:`run_all`) before its validation loop, the calling
+thread among the workers: helpers that finish a kernel call and want the
+GIL back then wait for no Python loop of the caller's (each such wait may
+last the interpreter's switch interval).
 """
 
 from __future__ import annotations
@@ -51,11 +55,21 @@ def _ranges(work: np.ndarray, threads: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
-def _run(ranges_by_group: list[tuple[Any, list[tuple[int, int]]]], threads: int) -> None:
-    """``call(lo, hi)`` for every range of every group, claimed by the caller and the helpers."""
-    from ..solvers.batched.threads import run_claimed
+def run_all(passes: Sequence[Any]) -> None:
+    """Every kernel call of ``passes`` (objects with ``work``, ``count`` and ``calls(threads)``), one hand-out.
 
-    tasks = [(call, lo, hi) for call, ranges in ranges_by_group for lo, hi in ranges]
+    The calling thread and the host-kernel helpers claim the ranges
+    (:func:`managed_solve.solvers.batched.threads.run_claimed`); threads by
+    the host kernels' rule for the passes' predicted nanoseconds.
+    """
+    from ..solvers.batched.threads import run_claimed, threads_for
+
+    count = sum(p.count for p in passes)
+    if not count:
+        return
+    threads = threads_for(sum(p.work for p in passes), count)
+    tasks = [(call, lo, hi) for p in passes for call, ranges in p.calls(threads)
+             for lo, hi in ranges]
 
     def task(k: int) -> None:
         call, lo, hi = tasks[k]
@@ -64,45 +78,52 @@ def _run(ranges_by_group: list[tuple[Any, list[tuple[int, int]]]], threads: int)
     run_claimed(task, len(tasks), threads)
 
 
-def _threads(total_work: float, count: int) -> int:
-    """Threads for a pass: the host kernels' rule for ``total_work`` (nanoseconds) over ``count`` arrays."""
-    from ..solvers.batched.threads import threads_for
-
-    return threads_for(total_work, count)
-
-
 def _addresses(arrays: Sequence[np.ndarray]) -> np.ndarray:
     return np.fromiter((a.ctypes.data for a in arrays), np.int64, len(arrays))
 
 
-def finite_arrays(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
-    """The arrays among ``arrays`` (1-D, C-contiguous, float32 or float64) whose entries are all finite.
+class FinitePass:
+    """The finite-entry check of arrays (1-D, C-contiguous, float32 or float64), tables read here.
 
     One :func:`~managed_solve.kernels.checks.all_finite_many` call per range
-    of arrays; the same answer as :func:`managed_solve.system.inputs.all_finite`.
+    of arrays; :meth:`finite` gives the same answer as
+    :func:`managed_solve.system.inputs.all_finite` for each array.
     """
-    from ..kernels.checks import all_finite_many
 
-    by_dtype: dict[np.dtype, list[np.ndarray]] = {}
-    for a in arrays:
-        by_dtype.setdefault(a.dtype, []).append(a)
-    lengths_all = sum(a.shape[0] for a in arrays)
-    threads = _threads(FINITE_NS * lengths_all, len(arrays))
-    groups, flags_of = [], []
-    for dt, group in by_dtype.items():
-        addresses = _addresses(group)
-        lengths = np.fromiter((a.shape[0] for a in group), np.int64, len(group))
-        flags = np.zeros(len(group), dtype=np.uint8)
-        like = np.empty(0, dtype=dt)
+    def __init__(self, arrays: Sequence[np.ndarray]):
+        by_dtype: dict[np.dtype, list[np.ndarray]] = {}
+        for a in arrays:
+            by_dtype.setdefault(a.dtype, []).append(a)
+        self.groups = []
+        for dt, group in by_dtype.items():
+            lengths = np.fromiter((a.shape[0] for a in group), np.int64, len(group))
+            self.groups.append((group, _addresses(group), lengths, np.empty(0, dt),
+                                np.zeros(len(group), dtype=np.uint8)))
+        self.count = len(arrays)
+        self.work = FINITE_NS * float(sum(int(g[2].sum()) for g in self.groups))
 
-        def call(lo: int, hi: int, addresses=addresses, lengths=lengths, like=like,
-                 flags=flags) -> None:
-            all_finite_many(lo, hi, addresses, lengths, like, flags)
+    def calls(self, threads: int) -> list:
+        from ..kernels.checks import all_finite_many
 
-        groups.append((call, _ranges(lengths.astype(np.float64), threads)))
-        flags_of.append((group, flags))
-    _run(groups, threads)
-    return [a for group, flags in flags_of for a, ok in zip(group, flags.tolist(), strict=True) if ok]
+        out = []
+        for _group, addresses, lengths, like, flags in self.groups:
+            def call(lo: int, hi: int, args=(addresses, lengths, like, flags)) -> None:
+                all_finite_many(lo, hi, *args)
+
+            out.append((call, _ranges(lengths.astype(np.float64), threads)))
+        return out
+
+    def finite(self) -> list[np.ndarray]:
+        """The arrays found finite (after :func:`run_all`)."""
+        return [a for group, *_x, flags in self.groups
+                for a, ok in zip(group, flags.tolist(), strict=True) if ok]
+
+
+def finite_arrays(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """The arrays among ``arrays`` whose entries are all finite (:class:`FinitePass`, run now)."""
+    work = FinitePass(arrays)
+    run_all([work])
+    return work.finite()
 
 
 def symmetry_candidate(A: Any) -> bool:
@@ -126,43 +147,51 @@ def test_symmetry(mats: Sequence[Any], cache: dict, rel: float = 1e-12) -> None:
 
 
 class SymmetryPass:
-    """The address tables of :func:`test_symmetry`, read on the calling thread; :meth:`run` anywhere.
+    """The address tables of :func:`test_symmetry`, read on the calling thread; the kernels anywhere.
 
-    A caller that runs the kernels on a helper thread builds this first:
-    the helper then holds the GIL only to hand out ranges and to store the
-    answers, not for a Python loop over the matrices beside the caller's own.
+    A caller that runs the kernels on a helper thread (:meth:`run`) builds
+    this first: the helper then holds the GIL only to hand out ranges and to
+    store the answers, not for a Python loop over the matrices.
     """
 
-    def __init__(self, groups: list, threads: int):
-        self.groups = groups  # (matrices, kernel arguments, codes, bounds, ranges) per dtype triple
-        self.threads = threads
+    def __init__(self, groups: list):
+        self.groups = groups  # (matrices, kernel arguments, codes, bounds) per dtype triple
+        self.count = sum(len(g[0]) for g in groups)
+        self.work = SYMMETRY_NS * float(sum(int(g[1][4].sum()) for g in groups))
 
-    def run(self, cache: dict) -> None:
-        """Run the kernels over every range, then store each matrix's answers in ``cache``."""
+    def calls(self, threads: int) -> list:
         from ..kernels.checks import csr_symmetry_gershgorin_many
-        from ..kernels.symmetry import DIFFERENT_PATTERN
 
-        calls = []
-        for _mats, args, _codes, _bounds, ranges in self.groups:
+        out = []
+        for _mats, args, _codes, _bounds in self.groups:
             def call(lo: int, hi: int, args=args) -> None:
                 csr_symmetry_gershgorin_many(lo, hi, *args)
 
-            calls.append((call, ranges))
-        _run(calls, self.threads)
-        for group, _args, codes, bounds, _ranges in self.groups:
+            out.append((call, _ranges(args[4].astype(np.float64), threads)))
+        return out
+
+    def store(self, cache: dict) -> None:
+        """Each matrix's answers into ``cache`` (after :func:`run_all`)."""
+        from ..kernels.symmetry import DIFFERENT_PATTERN
+
+        for group, _args, codes, bounds in self.groups:
             for A, code, b in zip(group, codes.tolist(), bounds.tolist(), strict=True):
                 if code != DIFFERENT_PATTERN:
                     cache[id(A)] = (A, bool(code))
                 cache[("gershgorin", id(A))] = (A, tuple(b))
 
+    def run(self, cache: dict) -> None:
+        """Run the kernels over every range, then store the answers in ``cache``."""
+        run_all([self])
+        self.store(cache)
+
 
 def symmetry_pass(mats: Sequence[Any], rel: float = 1e-12) -> SymmetryPass:
-    """:func:`test_symmetry`'s tables: the matrices largest first, by dtypes, their addresses and ranges."""
+    """:func:`test_symmetry`'s tables: the matrices largest first, by dtypes, with their addresses."""
     mats = sorted(mats, key=lambda A: -A.nnz)
     by_dtype: dict[tuple, list] = {}
     for A in mats:
         by_dtype.setdefault((A.indptr.dtype, A.indices.dtype, A.data.dtype), []).append(A)
-    threads = _threads(SYMMETRY_NS * sum(A.nnz for A in mats), len(mats)) if mats else 1
     groups = []
     for (pdt, idt, ddt), group in by_dtype.items():
         nnzs = np.fromiter((A.nnz for A in group), np.int64, len(group))
@@ -172,5 +201,5 @@ def symmetry_pass(mats: Sequence[Any], rel: float = 1e-12) -> SymmetryPass:
                 _addresses([A.data for A in group]),
                 np.fromiter((A.shape[0] for A in group), np.int64, len(group)), nnzs,
                 np.empty(0, pdt), np.empty(0, idt), np.empty(0, ddt), float(rel), codes, bounds)
-        groups.append((group, args, codes, bounds, _ranges(nnzs.astype(np.float64), threads)))
-    return SymmetryPass(groups, threads)
+        groups.append((group, args, codes, bounds))
+    return SymmetryPass(groups)

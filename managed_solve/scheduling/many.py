@@ -11,9 +11,8 @@
 
 With many systems and a few large ones (setting ``head_start_systems``), the
 large ones start computing before the others are estimated and planned. The
-auto policy's tests of small host matrices run from the start of the call on
-helper threads (:mod:`.host_checks`); on accelerators their methods are read
-when each batch is staged, so the first batch is packed meanwhile.
+auto policy's tests of small host matrices and validation's finite check run
+first, many matrices a kernel call on every core (:mod:`.host_checks`).
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from .errors import raise_for_failures
 from .plan import SINGLE, Estimate, head_start, plan_work, select_devices
 from .routes import prefetch_cuda_modules, run_sharded
 from .runner import Runner
-from .validate import check_arguments, invalid_result, validate_all
+from .validate import check_arguments, finite_candidates, invalid_result, validate_all
 
 
 def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = None,
@@ -98,12 +97,17 @@ def _solve(systems: Iterable[Any], *, disperse: bool, devices: Any, method: str,
     """
     items = list(systems)
     mgr = manager if manager is not None else default_manager()
-    # The auto policy's tests of the inputs' host matrices start now, on
-    # helper threads beside validation (they only read the matrices).
+    # Validation's finite check and the auto policy's tests of the inputs'
+    # host matrices: one pass on every core, this thread among the workers
+    # (helpers waiting for the GIL would otherwise wait on the loops below).
     cache: dict = {}  # symmetry per matrix object, for this call
     least = estimation.pass_least()
-    ahead = estimation.start_host_matrices(estimation.input_matrices(items, method, least), cache)
-    results, checked = validate_all(items, method=method, M=M, rtol=rtol)
+    tests = host_checks.symmetry_pass(estimation.input_matrices(items, method, least))
+    finite = host_checks.FinitePass(finite_candidates(items))
+    host_checks.run_all([tests, finite])
+    tests.store(cache)
+    results, checked = validate_all(items, method=method, M=M, rtol=rtol,
+                                    memo={id(a): a for a in finite.finite()})
     valid: list[LinearSystem | None] = [checked.get(i) for i in range(len(items))]
     if validated is not None:
         validated[:] = valid
@@ -125,17 +129,15 @@ def _solve(systems: Iterable[Any], *, disperse: bool, devices: Any, method: str,
     if host_only:
         estimation.count_shared(valid, cache)  # one LU serves every system of a shared matrix
     # The large host matrices' tests start on helper threads (their results
-    # gate a head start); the others (those not under test since validation)
-    # run on every core, many a kernel call.
-    mats = estimation.host_matrices(valid, cache, least, skip=ahead)
-    early = estimation.prefetch_methods(valid, kind, cache, skip={id(A) for A in mats} | ahead.keys())
+    # gate a head start); small ones not tested above (validation replaced
+    # the object: a dtype conversion) run on every core, many a kernel call.
+    mats = estimation.host_matrices(valid, cache, least)
+    early = estimation.prefetch_methods(valid, kind, cache, skip={id(A) for A in mats})
     if host_only:  # the method decides the route (a host LU or a batch): known before the plan
-        for fut in set(ahead.values()):
-            fut.result()
         host_checks.test_symmetry(mats, cache)
         passed: dict = {}
     else:  # beside the estimates, the plan and the first batch's packing
-        passed = {**ahead, **estimation.start_host_matrices(mats, cache)}
+        passed = estimation.start_host_matrices(mats, cache)
         early.update(passed)
 
     def method_of(s: LinearSystem) -> str:

@@ -142,7 +142,11 @@ def test_one_matrix_per_system_solves_as_shared_matrices_do():
 
 
 def test_a_deferred_batch_of_two_methods_runs_as_one_batch_per_method(monkeypatch):
-    """Methods found after the plan: a batch holding CG and BiCGStab systems is split by method."""
+    """Methods found after the plan: a batch holding CG and BiCGStab systems is split by method.
+
+    (Inputs' own matrices are tested before validation; deferred are those
+    validation replaced.)
+    """
     from managed_solve.scheduling.runner import Runner
     from managed_solve.system.method import choose_method
 
@@ -154,9 +158,13 @@ def test_a_deferred_batch_of_two_methods_runs_as_one_batch_per_method(monkeypatc
         return real(self, b, dev, exc)
 
     monkeypatch.setattr(Runner, "_regroup", spy)
-    mats = [poisson2d(m) if k % 2 else convection(m) for k, m in enumerate(range(4, 24))]
-    systems = [LinearSystem(A, np.ones(A.shape[0]), rtol=1e-8) for A in mats]
-    results = solve_many(systems, manager=DeviceManager(simulate="1x1GiB"))
+    # float32 matrices with float64 right-hand sides: validation makes new
+    # (float64) matrices, whose tests run beside the plan, their methods deferred.
+    mats = [(poisson2d(m) if k % 2 else convection(m)).astype(np.float32)
+            for k, m in enumerate(range(4, 24))]
+    pairs = [(A, np.ones(A.shape[0])) for A in mats]
+    results = solve_many(pairs, rtol=1e-8, manager=DeviceManager(simulate="1x1GiB"))
+    systems = [LinearSystem(A, b) for A, b in pairs]
     assert regrouped and all(set(r) == {"cg", "bicgstab"} for r in regrouped)
     assert sum(sum(r.values()) for r in regrouped) <= len(systems)  # others: batches of one method
     assert [r.method for r in results] == [choose_method(s, "cuda") for s in systems]
@@ -201,3 +209,28 @@ def test_systems_with_a_null_space_are_not_deferred():
                      manager=DeviceManager(simulate="1x64MiB"))
     assert out[0].converged and out[1].status is Status.LEAST_SQUARES
     assert all(r.converged for r in out[2:])
+
+
+def test_finite_check_and_symmetry_tests_share_one_hand_out_before_validation(monkeypatch):
+    """One run_all for both passes, then no per-array finite check and no per-matrix test."""
+    handed = []
+    real = host_checks.run_all
+    finite_calls = []
+    real_finite = inputs.all_finite
+
+    def spy(passes):
+        handed.append([type(p).__name__ + f":{p.count}" for p in passes])
+        return real(passes)
+
+    def spy_finite(a):
+        finite_calls.append(a)
+        return real_finite(a)
+
+    monkeypatch.setattr(host_checks, "run_all", spy)
+    monkeypatch.setattr(inputs, "all_finite", spy_finite)
+    mats = [poisson2d(m) for m in range(4, 24)]
+    pairs = [(A, np.ones(A.shape[0])) for A in mats]
+    results = solve_many(pairs, rtol=1e-8, manager=DeviceManager(simulate="1x1GiB"))
+    assert handed[0] == [f"SymmetryPass:{len(mats)}", f"FinitePass:{2 * len(mats)}"]
+    assert not finite_calls
+    assert all(r.converged and r.method == "cg" for r in results)
