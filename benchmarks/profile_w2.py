@@ -28,7 +28,7 @@ from bench_w2_many import RTOL, poisson2d, w2_pairs, w2_sizes  # noqa: E402
 from managed_solve import LinearSystem, _backend, config  # noqa: E402
 from managed_solve.manager import DeviceManager  # noqa: E402
 from managed_solve.scheduling import estimate as estimation  # noqa: E402
-from managed_solve.scheduling import many, routes, staging  # noqa: E402
+from managed_solve.scheduling import host_checks, many, routes, staging  # noqa: E402
 from managed_solve.scheduling.runner import Runner  # noqa: E402
 from managed_solve.scheduling.staging import Stager  # noqa: E402
 from managed_solve.solvers import batched  # noqa: E402
@@ -120,6 +120,10 @@ def install():
     timed(many, "select_devices")
     timed(estimation, "packed_bytes")
     timed(method, "is_symmetric", label="is_symmetric (per call)")
+    timed(host_checks.SymmetryPass, "run", label="symmetry pass",
+          note=lambda a, k: f"{sum(len(g[0]) for g in a[0].groups)} matrices")
+    timed(host_checks, "finite_arrays", label="finite pass", note=lambda a, k: f"{len(a[0])} arrays")
+    timed(Runner, "_batch_method", label="batch method (waits for its tests)")
     timed(method, "positive_diagonal", label="positive_diagonal (per call)")
     gc.callbacks.append(_gc_event)
 

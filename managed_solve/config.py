@@ -71,7 +71,11 @@ class Settings:
     prefetch_small_nnz : int
         On hosts of at least ``prefetch_all_cores`` cores, every distinct
         host matrix with at least this many entries is tested there (after
-        the large ones).
+        the large ones), one helper-thread task each. Only matrices the
+        many-matrix pass cannot read go this way (those not in canonical
+        form); the others, below ``prefetch_min_nnz`` and
+        ``symmetry_parallel_nnz``, are tested many a kernel call on every
+        core from the start of the call, beside validation.
     prefetch_all_cores : int
         Cores from which the small matrices' tests go to helper threads too.
     prefetch_workers : int or None

@@ -22,10 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 _FRESH = """
 import json, sys
 import managed_solve as ms
-from managed_solve.kernels import krylov, packing, symmetry
+from managed_solve.kernels import checks, krylov, packing
 kernels = {"cg_some": krylov.cg_some, "gmres_some": krylov.gmres_some,
            "bicgstab_some": krylov.bicgstab_some, "gather_blocks": packing.gather_blocks,
-           "symmetry": symmetry.csr_symmetry_gershgorin}
+           "symmetry": checks.csr_symmetry_gershgorin_many, "finite": checks.all_finite_many}
 before = {k: len(d.signatures) for k, d in kernels.items()}
 steps = ms.warmup("cpu", methods=["cg", "gmres"])
 after = {k: len(d.signatures) for k, d in kernels.items()}
@@ -44,7 +44,7 @@ def test_warmup_compiles_the_batched_kernels_of_the_methods_asked_for(tmp_path):
     assert all(v == 0 for v in out["before"].values()), out["before"]
     after = out["after"]
     assert after["cg_some"] >= 1 and after["gmres_some"] >= 1
-    assert after["gather_blocks"] >= 1 and after["symmetry"] >= 1
+    assert after["gather_blocks"] >= 1 and after["symmetry"] >= 1 and after["finite"] >= 1
     assert after["bicgstab_some"] == 0  # not asked for: not compiled
     steps = out["steps"]
     assert [s["step"] for s in steps] == ["cg (float64)", "gmres (float64)"]

@@ -16,7 +16,8 @@ import numpy as np
 
 __all__ = ["abs_max", "csr_gershgorin", "csr_mirror", "csr_mirror_gershgorin",
            "csr_positive_diagonal", "csr_symmetry", "csr_symmetry_gershgorin", "csr_symmetry_rows",
-           "csr_symmetry_rows_search", "csr_symmetry_rows_window", "csr_symmetry_scaled"]
+           "csr_symmetry_rows_search", "csr_symmetry_rows_window", "csr_symmetry_scaled",
+           "symmetry_gershgorin"]
 
 SYMMETRIC, DIFFERENT_VALUES, DIFFERENT_PATTERN = 1, 0, -1
 
@@ -201,6 +202,17 @@ def csr_symmetry_gershgorin(indptr, indices, data, rel):
     difference and ``max |a_ij|`` are tracked to the end, so a matrix whose
     values differ is read whole (its Gershgorin bounds are wanted too); one
     whose pattern differs stops comparing mirrors at the first miss.
+    """
+    return symmetry_gershgorin(indptr, indices, data, rel)
+
+
+@numba.njit(nogil=True, cache=True)
+def symmetry_gershgorin(indptr, indices, data, rel):
+    """The walk of :func:`csr_symmetry_gershgorin`, the one body of both symmetry kernels.
+
+    :func:`managed_solve.kernels.checks.csr_symmetry_gershgorin_many` runs it
+    on many matrices in one call, so one matrix gets the same answer, bit
+    for bit, either way.
     """
     n = indptr.shape[0] - 1
     cursor = indptr[:-1].copy()

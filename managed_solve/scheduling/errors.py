@@ -22,12 +22,25 @@ class SolveManyError(SolveError):
         self.failed = failed
 
 
-class InvalidInput(Exception):
-    """A system found invalid after its batch was planned (a deferred method's test failed)."""
+class Regroup(Exception):
+    """A deferred batch whose systems' methods differ, or some of whose tests failed.
 
-    def __init__(self, error: Exception):
-        super().__init__(str(error))
-        self.error = error
+    The runner delivers the failed ones as invalid inputs and runs the
+    others as one batch per method (:meth:`.runner.Runner._recover`).
+
+    Attributes
+    ----------
+    by_method : dict of str to list of int
+        The systems (input positions) of each method found.
+    bad : list of (int, Exception)
+        The systems whose method could not be found, with the error.
+    """
+
+    def __init__(self, by_method: dict[str, list[int]], bad: list[tuple[int, Exception]]):
+        super().__init__(f"a deferred batch of methods {sorted(by_method)} and {len(bad)} "
+                         "invalid systems")
+        self.by_method = by_method
+        self.bad = bad
 
 
 def is_device_error(exc: BaseException) -> bool:

@@ -12,15 +12,21 @@ the one ``solve()`` uses), the bytes and cost from the one cost model
   preconditioners, ``method="direct"`` given by the caller) through
   ``solve()``, one system each.
 
-The auto method's tests (symmetry, diagonal) of large host matrices start on
-helper threads before the estimate loop reaches them (:func:`prefetch_methods`).
+The auto method's tests (symmetry, Gershgorin bounds) of the inputs' host
+matrices run before validation, many matrices a GIL-free kernel call on
+every core (:func:`input_matrices`, :mod:`.host_checks`). Those of matrices
+validation replaced run after it (:func:`test_host_matrices`; on a call
+with accelerators on a helper thread, :func:`start_host_matrices`, their
+systems' methods deferred to their batches: :func:`deferred_estimate`).
+Large matrices' chunked tests run on helper threads beside the estimate
+loop (:func:`prefetch_methods`).
 """
 
 from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -32,6 +38,7 @@ from ..manager import DeviceManager
 from ..system import LinearSystem, is_symmetric
 from ..system.cost import bytes_per_iteration, predict_iterations, solve_bytes
 from ..system.method import amg_min_n, choose_method
+from . import host_checks
 from .plan import BATCH, DEFERRED, DIRECT, SINGLE, Estimate
 
 #: Methods the batched core runs (an "auto" system whose method is another runs alone).
@@ -71,40 +78,100 @@ def count_shared(systems: Sequence[LinearSystem | None], cache: dict) -> None:
             cache[("rhs", key)] = (A, count)
 
 
-def test_host_matrices(systems: Sequence[LinearSystem | None], cache: dict) -> None:
-    """Run the auto policy's matrix tests of a CPU-only call on every core, before the estimates.
+def pass_tested(s: LinearSystem, least: int) -> bool:
+    """Whether :func:`test_host_matrices` tests ``s``'s matrix (``least``: :func:`pass_least`)."""
+    return (s.kind == "csr" and s.method == "auto" and type(s.b) is np.ndarray
+            and s.A.nnz < least and host_checks.symmetry_candidate(s.A))
 
-    Each distinct host CSR matrix of an "auto" system gets its one-pass
-    symmetry and Gershgorin test (:func:`managed_solve.system.is_symmetric`,
-    which leaves both in ``cache``); the kernels release the GIL, so the
-    calling thread and the host-kernel helpers share them out, largest
-    first, as a batch's systems are (:mod:`managed_solve.solvers.batched.threads`).
-    The estimate loop then finds every answer in ``cache``. Matrices large
-    enough for the chunked test are left to it.
+
+def pass_least() -> int:
+    """Stored entries from which a matrix's test is left out of :func:`test_host_matrices`.
+
+    The chunked test's size (setting ``symmetry_parallel_nnz``), or
+    ``prefetch_min_nnz`` if smaller: from there a matrix's test runs on its
+    own beside the estimate loop (:func:`prefetch_methods`).
     """
-    from ..solvers.batched.threads import claim_order, run_claimed, threads_for
+    settings = config.current()
+    return min(settings.symmetry_parallel_nnz, settings.prefetch_min_nnz)
 
-    least = config.current().symmetry_parallel_nnz
+
+def input_matrices(items: Sequence[Any], method: str, least: int) -> list:
+    """The distinct host matrices of ``solve_many``'s raw inputs that :func:`pass_tested` would take.
+
+    Read before validation, so their tests run beside it: ``(A, b)`` pairs of
+    a SciPy CSR ``A`` (:func:`.host_checks.symmetry_candidate`) and a NumPy
+    ``b``, and LinearSystems, when the call leaves the method to "auto". A
+    matrix that validation replaces (a dtype conversion) is tested again
+    under its new object; an invalid input's answer is never read.
+    """
+    found: dict[int, Any] = {}
+    if method != "auto":
+        return []
+    for item in items:
+        if isinstance(item, LinearSystem):
+            if not pass_tested(item, least):
+                continue
+            A = item.A
+        elif isinstance(item, (tuple, list)) and len(item) == 2:
+            A, b = item
+            if type(b) is not np.ndarray or id(A) in found or not _backend.is_scipy_sparse(A) \
+                    or A.nnz >= least or not host_checks.symmetry_candidate(A):
+                continue
+        else:
+            continue
+        found.setdefault(id(A), A)
+    return list(found.values())
+
+
+def host_matrices(systems: Sequence[LinearSystem | None], cache: dict, least: int,
+                  skip: Collection[int] = ()) -> list:
+    """The distinct matrices :func:`test_host_matrices` tests (untested, :func:`pass_tested`).
+
+    Matrices whose ids are in ``skip`` (under test already) are left out.
+    """
     found: dict[int, Any] = {}
     for s in systems:
-        if s is None or s.kind != "csr" or s.method != "auto" or id(s.A) in found:
+        if s is None or id(s.A) in found or id(s.A) in skip or not pass_tested(s, least):
             continue
-        A = s.A
-        if type(s.b) is np.ndarray and _backend.is_scipy_sparse(A) and A.nnz < least \
-                and A.has_canonical_format:
-            found[id(A)] = A
-    if not found:
-        return
-    mats = list(found.values())
-    work = np.fromiter((4.0 * A.nnz for A in mats), np.float64, len(mats))  # ~4 ns an entry
-    order, bounds = claim_order(work)
-    picks, starts, stops = order.tolist(), bounds[:-1].tolist(), bounds[1:].tolist()
+        hit = cache.get(id(s.A))
+        if hit is None or hit[0] is not s.A:
+            found[id(s.A)] = s.A
+    return list(found.values())
 
-    def test(k: int) -> None:
-        for j in picks[starts[k]:stops[k]]:
-            is_symmetric(mats[j], cache)
 
-    run_claimed(test, len(starts), threads_for(float(work.sum()), len(starts)))
+def test_host_matrices(systems: Sequence[LinearSystem | None], cache: dict,
+                       least: int | None = None) -> int:
+    """Run the auto policy's matrix tests on every core, before the estimates.
+
+    Each distinct host CSR matrix of an "auto" system below ``least``
+    stored entries (default :func:`pass_least`) gets its
+    one-pass symmetry and Gershgorin test, many matrices a GIL-free kernel
+    call (:func:`.host_checks.test_symmetry`), shared out largest first over
+    the calling thread and the host-kernel helpers. The estimate loop then
+    finds every answer in ``cache``; :func:`prefetch_methods` leaves these
+    matrices alone. Returns the number of matrices tested.
+    """
+    mats = host_matrices(systems, cache, pass_least() if least is None else least)
+    host_checks.test_symmetry(mats, cache)
+    return len(mats)
+
+
+def start_host_matrices(mats: Sequence[Any], cache: dict) -> dict[int, Future]:
+    """:func:`test_host_matrices` of ``mats`` (:func:`host_matrices`) on a helper thread.
+
+    Returns one future, by the id of each matrix. A call with accelerators
+    defers these systems' methods (:func:`deferred_estimate`): its plan is
+    made and its first batch packed while the tests run; the runner reads
+    each batch's method when it needs it (``Runner.method_of``, which waits
+    for this future). The address tables are read here, on the calling
+    thread: the helper then needs the GIL only around its kernel calls.
+    """
+    if not mats:
+        return {}
+    work = host_checks.symmetry_pass(mats)
+    pool = _backend.thread_pool("prefetch", max(2, min(8, _backend.cpu_count() // 2)))
+    fut = pool.submit(work.run, cache)
+    return {id(A): fut for A in mats}
 
 
 def shared_count(s: LinearSystem, cache: dict | None) -> int:
@@ -129,6 +196,16 @@ def batched_preconditioner(s: LinearSystem, device_kind: str) -> bool:
     if isinstance(M, str) and M == "auto":
         return s.n < amg_min_n(device_kind)
     return M is None or is_jacobi(M)
+
+
+def deferrable(s: LinearSystem, device_kind: str) -> bool:
+    """Whether an "auto" system takes the batched route whatever its method (:func:`route`).
+
+    Its method may then be found after the plan (:func:`deferred_estimate`):
+    a CSR matrix, a preconditioner the batched core takes, no null space.
+    """
+    return s.kind == "csr" and s.method == "auto" and s.nullspace is None \
+        and batched_preconditioner(s, device_kind)
 
 
 def dtype_name(dt: np.dtype) -> str:
@@ -247,7 +324,7 @@ def _estimate(s: LinearSystem, i: int, device_kind: str, manager: DeviceManager 
 
 # --------------------------------------------------------------------------- prefetch
 def prefetch_methods(systems: Sequence[LinearSystem | None], device_kind: str,
-                     cache: dict) -> dict[int, Future]:
+                     cache: dict, skip: Collection[int] = ()) -> dict[int, Future]:
     """Start the method choice of host matrices on helper threads, by matrix id.
 
     The tests release the GIL, so they run beside the estimate loop. On a
@@ -255,6 +332,8 @@ def prefetch_methods(systems: Sequence[LinearSystem | None], device_kind: str,
     matrix of at least ``prefetch_small_nnz`` stored entries goes there,
     largest first; on fewer cores only those of ``prefetch_min_nnz`` or more
     (two cores gain nothing from running the small tests beside the loop).
+    Matrices whose ids are in ``skip`` (those :func:`test_host_matrices`
+    takes: :func:`host_matrices`) are left alone.
     """
     settings = config.current()
     cores = _backend.cpu_count()
@@ -271,6 +350,11 @@ def prefetch_methods(systems: Sequence[LinearSystem | None], device_kind: str,
         if key in seen:
             continue
         seen.add(key)
+        if key in skip:  # under test by test_host_matrices, many a kernel call
+            continue
+        hit = cache.get(key)
+        if hit is not None and hit[0] is s.A:  # tested already
+            continue
         if isinstance(s.b, np.ndarray) and s.nnz >= least:  # host matrices only
             found[key] = s
     if not found:

@@ -10,7 +10,9 @@
 5. results come back in input order.
 
 With many systems and a few large ones (setting ``head_start_systems``), the
-large ones start computing before the others are estimated and planned.
+large ones start computing before the others are estimated and planned. The
+auto policy's tests of small host matrices and validation's finite check run
+first, many matrices a kernel call on every core (:mod:`.host_checks`).
 """
 
 from __future__ import annotations
@@ -24,13 +26,13 @@ from .. import _backend, autograd, config
 from ..manager import DeviceManager, default_manager
 from ..result import SolveResult
 from ..system import LinearSystem
-from . import adjoint, process
+from . import adjoint, host_checks, process
 from . import estimate as estimation
 from .errors import raise_for_failures
 from .plan import SINGLE, Estimate, head_start, plan_work, select_devices
 from .routes import prefetch_cuda_modules, run_sharded
 from .runner import Runner
-from .validate import check_arguments, invalid_result, validate_all
+from .validate import check_arguments, finite_candidates, invalid_result, validate_all
 
 
 def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = None,
@@ -95,7 +97,17 @@ def _solve(systems: Iterable[Any], *, disperse: bool, devices: Any, method: str,
     """
     items = list(systems)
     mgr = manager if manager is not None else default_manager()
-    results, checked = validate_all(items, method=method, M=M, rtol=rtol)
+    # Validation's finite check and the auto policy's tests of the inputs'
+    # host matrices: one pass on every core, this thread among the workers
+    # (helpers waiting for the GIL would otherwise wait on the loops below).
+    cache: dict = {}  # symmetry per matrix object, for this call
+    least = estimation.pass_least()
+    tests = host_checks.symmetry_pass(estimation.input_matrices(items, method, least))
+    finite = host_checks.FinitePass(finite_candidates(items))
+    host_checks.run_all([tests, finite])
+    tests.store(cache)
+    results, checked = validate_all(items, method=method, M=M, rtol=rtol,
+                                    memo={id(a): a for a in finite.finite()})
     valid: list[LinearSystem | None] = [checked.get(i) for i in range(len(items))]
     if validated is not None:
         validated[:] = valid
@@ -114,11 +126,19 @@ def _solve(systems: Iterable[Any], *, disperse: bool, devices: Any, method: str,
         prefetch_cuda_modules(valid, devs, method)  # compiles beside what follows
     kind = "cpu" if host_only else next(d.kind for d in devs if d.kind != "cpu")
     ref = devs[0]
-    cache: dict = {}  # symmetry per matrix object, for this call
     if host_only:
         estimation.count_shared(valid, cache)  # one LU serves every system of a shared matrix
-        estimation.test_host_matrices(valid, cache)  # on every core, before the estimate loop
-    early = estimation.prefetch_methods(valid, kind, cache)
+    # The large host matrices' tests start on helper threads (their results
+    # gate a head start); small ones not tested above (validation replaced
+    # the object: a dtype conversion) run on every core, many a kernel call.
+    mats = estimation.host_matrices(valid, cache, least)
+    early = estimation.prefetch_methods(valid, kind, cache, skip={id(A) for A in mats})
+    if host_only:  # the method decides the route (a host LU or a batch): known before the plan
+        host_checks.test_symmetry(mats, cache)
+        passed: dict = {}
+    else:  # beside the estimates, the plan and the first batch's packing
+        passed = estimation.start_host_matrices(mats, cache)
+        early.update(passed)
 
     def method_of(s: LinearSystem) -> str:
         """A deferred system's method (its test may still run on a helper thread)."""
@@ -134,9 +154,13 @@ def _solve(systems: Iterable[Any], *, disperse: bool, devices: Any, method: str,
             try:
                 if early and s.kind == "csr":
                     pending = early.get(id(s.A))
-                    if pending is not None and defer and not pending.done() and s.method == "auto" \
-                            and estimation.batched_preconditioner(s, kind):
-                        out.append(estimation.deferred_estimate(s, i))  # found while it is copied
+                    # Deferred: the method is found while the batch is packed and
+                    # copied. Every system of the pass (whether or not it ended
+                    # yet: the plan must not depend on timing); a large matrix
+                    # whose own test is still running, in a head start.
+                    if pending is not None and estimation.deferrable(s, kind) \
+                            and (id(s.A) in passed or (defer and not pending.done())):
+                        out.append(estimation.deferred_estimate(s, i))
                         continue
                     if pending is not None:
                         pending.result()  # the large matrix's method, found beside this loop
@@ -188,7 +212,7 @@ def _solve(systems: Iterable[Any], *, disperse: bool, devices: Any, method: str,
             else:
                 plan = plan_work(estimates(rest), devs, mgr, batch_bytes=batch_bytes)
                 runner = Runner(valid, plan, devs, mgr, results, bar=bar, batch_bytes=batch_bytes,
-                                kept=kept)
+                                method_of=method_of, kept=kept)
                 runner.start()
             runner.join()
         # Sharded systems use every accelerator at once: after the batches.

@@ -27,7 +27,7 @@ from ..manager import DeviceManager
 from ..result import SolveResult, Status
 from ..system import LinearSystem
 from . import routes, staging
-from .errors import InvalidInput, is_device_error
+from .errors import Regroup, is_device_error
 from .estimate import BATCHED_METHODS
 from .plan import BATCH, DEFERRED, DIRECT, SINGLE, Batch, Plan, choose_slot, make_slots, split
 from .staging import Staged, Stager, done_future
@@ -141,19 +141,29 @@ class Runner:
         return None
 
     def _batch_method(self, b: Batch) -> str:
-        """The batch's Krylov method, found now if it was deferred (then kept in its group)."""
+        """The batch's Krylov method, found now if it was deferred (then kept in its group).
+
+        A deferred batch whose systems turn out to need different methods,
+        or some of whose tests failed, raises :class:`.errors.Regroup`
+        (:meth:`_recover` then runs it as one batch per method).
+        """
         group = b.group
         if group[0] != DEFERRED:
             return group[0]
         if self.method_of is None:
             raise RuntimeError("solve_many: internal error, a deferred method without a resolver")
-        try:
-            methods = {self.method_of(self.systems[i]) for i in b.indices}
-        except (TypeError, ValueError) as exc:  # as the estimate loop would have: bad input
-            raise InvalidInput(exc) from exc
-        if len(methods) != 1:  # head-start batches hold one system each
-            raise RuntimeError(f"solve_many: internal error, batch {b.id} mixes methods {methods}")
-        method = methods.pop()
+        by_method: dict[str, list[int]] = {}
+        bad: list[tuple[int, Exception]] = []
+        for i in b.indices:
+            try:
+                method = self.method_of(self.systems[i])
+            except (TypeError, ValueError) as exc:  # as the estimate loop would have: bad input
+                bad.append((i, exc))
+                continue
+            by_method.setdefault(method, []).append(i)
+        if bad or len(by_method) != 1:
+            raise Regroup(by_method, bad)
+        (method,) = by_method
         with self.cond:
             b.group = (method, *group[1:])
             for i in b.indices:
@@ -161,6 +171,25 @@ class Runner:
                 if e is not None:
                     e.group = b.group
         return method
+
+    def _regroup(self, b: Batch, dev: Device, exc: Regroup) -> list[tuple[str, Batch]]:
+        """A deferred batch of several methods: its invalid systems delivered, one batch per method."""
+        for i, error in exc.bad:
+            self.deliver(i, invalid_result(error, i, self.systems[i]))
+        out = []
+        for method, indices in exc.by_method.items():
+            route = BATCH if method in BATCHED_METHODS else SINGLE
+            group = (method, *b.group[1:]) if route == BATCH else (method, b.group[1])
+            with self.cond:
+                ests = [self.plan.estimates[i] for i in indices]
+                for e in ests:
+                    e.route, e.group = route, group
+                sub = Batch(self.next_id, list(indices), route, group, sum(e.n for e in ests),
+                            sum(e.nnz for e in ests), sum(e.nbytes for e in ests),
+                            float(sum(e.cost for e in ests)), tried=b.tried)
+                self.next_id += 1
+            out.append((str(dev), sub))
+        return out
 
     def _done(self, new: Sequence[tuple[str, Batch]] = ()) -> None:
         with self.cond:
@@ -454,10 +483,8 @@ class Runner:
 
     def _recover(self, b: Batch, dev: Device, exc: BaseException) -> list[tuple[str, Batch]]:
         """Split a failed batch and send the halves elsewhere, finally to the CPU."""
-        if isinstance(exc, InvalidInput):
-            for i in b.indices:
-                self.deliver(i, invalid_result(exc.error, i, self.systems[i]))
-            return []
+        if isinstance(exc, Regroup):
+            return self._regroup(b, dev, exc)
         # Device errors and plain RuntimeErrors (a driver or library failing
         # once) are retried on other devices, each device once, then the CPU.
         if not (is_device_error(exc) or type(exc) is RuntimeError):

@@ -10,9 +10,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
+from .. import _backend
 from ..result import SolveResult, Status
 from ..system import METHODS, LinearSystem, check_preconditioner
+from ..system.inputs import FLOAT_DTYPES
 from ..system.method import settle_auto
+from . import host_checks
 
 RETURN_ON = ("device", "host")
 ON_ERROR = ("return", "raise")
@@ -103,19 +108,68 @@ def with_x0(s: LinearSystem, x0: Any) -> LinearSystem:
     return t
 
 
-def validate_all(items: list, *, method: str, M: Any, rtol: float | None
+def validate_all(items: list, *, method: str, M: Any, rtol: float | None,
+                 memo: dict | None = None
                  ) -> tuple[list[SolveResult | None], dict[int, LinearSystem]]:
     """Every input as a LinearSystem (``valid``) or an INVALID_INPUT result (``results``).
 
     One memo of the arrays found finite serves the whole call, so a matrix
-    shared by many ``(A, b)`` pairs is scanned for NaN and Inf once.
+    shared by many ``(A, b)`` pairs is scanned for NaN and Inf once. Without
+    a ``memo`` from the caller, the pairs' host arrays are scanned first,
+    many a kernel call over the host's cores (:func:`prefill_finite`); each
+    LinearSystem then finds its arrays in the memo.
     """
     results: list[SolveResult | None] = [None] * len(items)
     valid: dict[int, LinearSystem] = {}
-    memo: dict = {}
+    if memo is None:
+        memo = {}
+        prefill_finite(items, memo)
     for i, item in enumerate(items):
         try:
             valid[i] = as_system(item, i, method=method, M=M, rtol=rtol, memo=memo)
         except (TypeError, ValueError) as exc:
             results[i] = invalid_result(exc, i, item)
     return results, valid
+
+
+def _scannable(a: Any) -> bool:
+    """A 1-D C-contiguous float32/float64 NumPy array (what the many-array finite check reads)."""
+    return type(a) is np.ndarray and a.ndim == 1 and a.dtype in FLOAT_DTYPES \
+        and a.flags.c_contiguous
+
+
+def finite_candidates(items: list) -> list:
+    """The distinct host arrays of ``(A, b)`` pairs the many-array finite check reads.
+
+    Each pair's SciPy CSR ``A.data`` and NumPy ``b``; arrays it cannot read
+    (other types, strided views, integer dtypes) are left to the
+    LinearSystem's own check. None (an empty list) below
+    ``host_checks.MIN_ARRAYS`` arrays: a few checks cost less one by one.
+    """
+    arrays: dict[int, Any] = {}
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            continue
+        A, b = item
+        if _backend.is_scipy_sparse(A) and A.format == "csr":
+            data = A.data
+            if _scannable(data):
+                arrays.setdefault(id(data), data)
+        if _scannable(b):
+            arrays.setdefault(id(b), b)
+    return list(arrays.values()) if len(arrays) >= host_checks.MIN_ARRAYS else []
+
+
+def prefill_finite(items: list, memo: dict) -> int:
+    """Mark in ``memo`` the arrays of :func:`finite_candidates` found finite, in one pass over the cores.
+
+    Arrays with a NaN or an Inf are left out, so the LinearSystem checks
+    them itself and names the bad one. Returns the number of arrays marked.
+    """
+    arrays = finite_candidates(items)
+    if not arrays:
+        return 0
+    found = host_checks.finite_arrays(arrays)
+    for a in found:
+        memo[id(a)] = a
+    return len(found)

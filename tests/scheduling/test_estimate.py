@@ -17,6 +17,7 @@ from managed_solve.scheduling import solve_many, staging
 from managed_solve.scheduling.estimate import estimate_system
 from managed_solve.scheduling.plan import DEFERRED
 from managed_solve.system import is_symmetric
+from managed_solve.system.method import choose_method
 from tests._problems import helmholtz2d, poisson2d
 from tests._problems import poisson2d_skew as convection
 from tests.scheduling._helpers import assert_converged, assert_solves, head_start_mix
@@ -225,57 +226,76 @@ def test_large_matrices_method_found_beside_the_estimates(monkeypatch, settings)
         assert np.linalg.norm(s.b - s.A @ r.to_numpy()) <= 1e-8 * np.linalg.norm(s.b)
 
 
-def test_every_matrix_method_found_beside_the_estimates_on_many_cores(monkeypatch, settings):
-    """With enough cores every distinct host matrix is tested on the helper threads, once."""
+def test_every_small_matrix_tested_in_few_kernel_calls_on_an_accelerator_call(monkeypatch, settings):
+    """A call with accelerators: each distinct small host matrix tested once, many a kernel call.
+
+    No per-matrix test on the prefetch threads (each of those took the GIL
+    back beside the estimate loop); the methods are those ``solve`` picks.
+    """
+    from managed_solve.kernels import checks, symmetry
+
     settings(prefetch_all_cores=1)
     settings(prefetch_small_nnz=1)
-    calls: dict[int, list[str]] = {}
-    real = estimation.resolve_method
+    settings(host_threads=2)
+    settings(host_parallel_min_work=0.0)  # threads even for these small matrices
+    many_calls, one_calls, threads = [], [], []
+    real_many, real_one = checks.csr_symmetry_gershgorin_many, symmetry.csr_symmetry_gershgorin
+    real_resolve = estimation.resolve_method
 
-    def spy(s, kind, cache):
-        calls.setdefault(id(s.A), []).append(threading.current_thread().name)
-        return real(s, kind, cache)
+    def spy_many(lo, hi, *args):
+        many_calls.append(hi - lo)
+        return real_many(lo, hi, *args)
 
-    monkeypatch.setattr(estimation, "resolve_method", spy)
-    mats = [poisson2d(m) for m in (4, 5, 6)] + [convection(7)]
-    systems = [LinearSystem(mats[k % 4], np.ones(mats[k % 4].shape[0]), rtol=1e-8) for k in range(12)]
+    def spy_one(*args):
+        one_calls.append(1)
+        return real_one(*args)
+
+    def spy_resolve(s, kind, cache):
+        threads.append(threading.current_thread().name)
+        return real_resolve(s, kind, cache)
+
+    monkeypatch.setattr(checks, "csr_symmetry_gershgorin_many", spy_many)
+    monkeypatch.setattr(symmetry, "csr_symmetry_gershgorin", spy_one)
+    monkeypatch.setattr(estimation, "resolve_method", spy_resolve)
+    mats = [poisson2d(m) for m in range(4, 24)] + [convection(k) for k in range(5, 25)]
+    systems = [LinearSystem(A, np.ones(A.shape[0]), rtol=1e-8) for A in mats for _ in range(2)]
     results = solve_many(systems, manager=DeviceManager(simulate="1x1GiB"))
-    assert set(calls) == {id(A) for A in mats}
-    for threads in calls.values():  # each matrix's method found once, on a helper thread
-        assert threads[0].startswith("managed_solve-prefetch")
-    assert [r.method for r in results[:4]] == ["cg", "cg", "cg", "bicgstab"]
+    assert sum(many_calls) == len(mats) and not one_calls  # each matrix once, none alone
+    assert 2 <= len(many_calls) <= 8 * 2  # ranges of matrices: RANGES_PER_THREAD per thread
+    assert not any(t.startswith("managed_solve-prefetch") for t in threads)
+    assert [r.method for r in results] == [choose_method(s, "cuda") for s in systems]
     assert_converged(systems, results)
 
 
-def test_large_matrices_are_tested_alone_before_the_small_ones(monkeypatch, settings):
-    """The large matrices' tests run first, alone; the small ones start once they are done."""
-    import time as _time
+def test_large_matrices_are_tested_beside_the_pass_of_the_small_ones(monkeypatch, settings):
+    """Matrices from ``prefetch_min_nnz`` entries are tested on the prefetch threads, the rest in the pass."""
+    from managed_solve.kernels import checks
 
     settings(prefetch_all_cores=1)
     settings(prefetch_small_nnz=1)
     settings(prefetch_min_nnz=1000)
-    spans: dict[int, tuple[float, float]] = {}
+    tested: dict[int, str] = {}
     real = estimation.resolve_method
+    real_many = checks.csr_symmetry_gershgorin_many
+    in_pass = []
 
     def spy(s, kind, cache):
-        if s.nnz in spans:  # the estimate loop asking again (answered from the cache)
-            return real(s, kind, cache)
-        t0 = _time.perf_counter()
-        if s.nnz >= 1000:
-            _time.sleep(0.05)  # a long test: small ones started beside it would overlap
-        out = real(s, kind, cache)
-        spans.setdefault(s.nnz, (t0, _time.perf_counter()))
-        return out
+        tested.setdefault(s.nnz, threading.current_thread().name)
+        return real(s, kind, cache)
+
+    def spy_many(lo, hi, *args):
+        in_pass.append(hi - lo)
+        return real_many(lo, hi, *args)
 
     monkeypatch.setattr(estimation, "resolve_method", spy)
+    monkeypatch.setattr(checks, "csr_symmetry_gershgorin_many", spy_many)
     big, bigger = poisson2d(20), convection(22)
     smalls = [poisson2d(m) for m in (4, 5, 6)] + [convection(7)]
     mats = smalls + [big, bigger]
     systems = [LinearSystem(A, np.ones(A.shape[0]), rtol=1e-8) for A in mats for _ in range(2)]
     results = solve_many(systems, manager=DeviceManager(simulate="1x1GiB"))
-    assert len(spans) == len(mats)
-    large_end = max(spans[A.nnz][1] for A in (big, bigger))
-    assert all(spans[A.nnz][0] >= large_end for A in smalls)
+    assert all(tested[A.nnz].startswith("managed_solve-prefetch") for A in (big, bigger))
+    assert sum(in_pass) == len(smalls)
     assert [results[2 * k].method for k in range(len(mats))] == \
         ["cg", "cg", "cg", "bicgstab", "cg", "bicgstab"]
     assert_converged(systems, results)

@@ -370,14 +370,20 @@ def test_large_systems_start_while_the_others_are_still_estimated(monkeypatch):
     systems = head_start_mix()
     started = batch_started(monkeypatch, of=(0, 1))
     seen_running = []
-    real_estimate = estimation.estimate_system
+    real_estimate, real_deferred = estimation.estimate_system, estimation.deferred_estimate
 
     def estimate(s, i, **kw):
         if i == len(systems) - 1:  # the last system: a large one must be running by now
             seen_running.append(started.wait(10))
         return real_estimate(s, i, **kw)
 
+    def deferred(s, i):  # a small system whose method the host pass finds beside the plan
+        if i == len(systems) - 1:
+            seen_running.append(started.wait(10))
+        return real_deferred(s, i)
+
     monkeypatch.setattr(estimation, "estimate_system", estimate)
+    monkeypatch.setattr(estimation, "deferred_estimate", deferred)
     runners = runners_started(monkeypatch)
     with ms_config.override(work_stealing=False):  # both devices run their planned share
         results = solve_many(systems, manager=dm)
@@ -410,7 +416,7 @@ def test_an_error_while_the_rest_is_estimated_stops_the_started_workers(monkeypa
     dm = DeviceManager(simulate="2x1GiB")
     systems = head_start_mix()
     started = batch_started(monkeypatch)
-    real_estimate = estimation.estimate_system
+    real_estimate, real_deferred = estimation.estimate_system, estimation.deferred_estimate
 
     def estimate(s, i, **kw):
         if i == len(systems) - 1:
@@ -418,7 +424,14 @@ def test_an_error_while_the_rest_is_estimated_stops_the_started_workers(monkeypa
             raise RuntimeError("estimator broke")
         return real_estimate(s, i, **kw)
 
+    def deferred(s, i):
+        if i == len(systems) - 1:
+            assert started.wait(10), "no batch started before the last estimate"
+            raise RuntimeError("estimator broke")
+        return real_deferred(s, i)
+
     monkeypatch.setattr(estimation, "estimate_system", estimate)
+    monkeypatch.setattr(estimation, "deferred_estimate", deferred)
     before = set(threading.enumerate())
     raised = []
 

@@ -1,0 +1,99 @@
+"""The per-matrix checks of ``solve_many`` over many host arrays at once, by address.
+
+``solve_many`` validates every input (no NaN or Inf in A, b, x0) and the
+auto policy tests every distinct matrix (symmetry and Gershgorin bounds:
+:func:`managed_solve.kernels.symmetry.csr_symmetry_gershgorin`). With one
+matrix per system that is hundreds of small kernel calls, each of which
+takes the GIL back when it returns; beside other Python threads (the
+stager packing a batch, the estimate loop) each re-take waits up to the
+interpreter's switch interval. These kernels run a whole range of arrays
+in one GIL-free call: the caller reads each array's address once (holding
+the GIL briefly) and hands out ranges to the host-kernel threads.
+
+Every address must be that of a C-contiguous array of the dtype of the
+``like`` argument of the call, alive for the call.
+"""
+
+from __future__ import annotations
+
+import numba
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .symmetry import symmetry_gershgorin
+
+__all__ = ["all_finite_many", "csr_symmetry_gershgorin_many"]
+
+
+@intrinsic
+def _pointer(typingctx, address):
+    """An integer address as a ``void*`` (for ``numba.carray``)."""
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+
+    return types.voidptr(types.int64), codegen
+
+
+@numba.njit(nogil=True, cache=True)
+def all_finite_many(lo, hi, addresses, lengths, like, out):
+    """``out[k] = 1`` when every entry of array ``k`` is finite (no NaN, no Inf), else 0, for ``k`` in ``lo:hi``.
+
+    ``v - v`` is 0 for a finite ``v`` and NaN for a NaN or an infinity; the
+    test ORs ``v - v != 0`` over the array, a reduction without branches.
+
+    Parameters
+    ----------
+    lo, hi : int
+        The arrays to check (``hi`` excluded).
+    addresses, lengths : int64 arrays
+        Data addresses and lengths of the arrays.
+    like : array
+        Any array of the arrays' dtype (only its dtype is read).
+    out : uint8 array
+        One flag per array.
+    """
+    for k in range(lo, hi):
+        a = numba.carray(_pointer(addresses[k]), (lengths[k],), like.dtype)
+        bad = False
+        for i in range(a.shape[0]):
+            v = a[i]
+            bad |= (v - v) != 0
+        out[k] = 0 if bad else 1
+
+
+@numba.njit(nogil=True, cache=True)
+def csr_symmetry_gershgorin_many(lo, hi, ptr_addresses, idx_addresses, data_addresses, rows,
+                                 nnzs, ptr_like, idx_like, data_like, rel, codes, bounds):
+    """:func:`~managed_solve.kernels.symmetry.csr_symmetry_gershgorin` of matrices ``lo:hi``, in one call.
+
+    Parameters
+    ----------
+    lo, hi : int
+        The matrices to test (``hi`` excluded).
+    ptr_addresses, idx_addresses, data_addresses : int64 arrays
+        Data addresses of each matrix's ``indptr`` (``rows + 1`` entries),
+        ``indices`` and ``data`` (``nnzs`` entries), in canonical form
+        (sorted indices, no duplicates).
+    rows, nnzs : int64 arrays
+        Rows and stored entries of each matrix.
+    ptr_like, idx_like, data_like : arrays
+        Any arrays of the dtypes of ``indptr``, ``indices`` and ``data``.
+    rel : float
+        The relative tolerance of the symmetry test.
+    codes : int8 array
+        Each matrix's code (``SYMMETRIC``, ``DIFFERENT_VALUES``, ``DIFFERENT_PATTERN``).
+    bounds : float64 array, shape (count, 4)
+        Each matrix's ``(lo, hi, dmin, dmax)``.
+    """
+    for k in range(lo, hi):
+        indptr = numba.carray(_pointer(ptr_addresses[k]), (rows[k] + 1,), ptr_like.dtype)
+        indices = numba.carray(_pointer(idx_addresses[k]), (nnzs[k],), idx_like.dtype)
+        data = numba.carray(_pointer(data_addresses[k]), (nnzs[k],), data_like.dtype)
+        code, g_lo, g_hi, d_min, d_max = symmetry_gershgorin(indptr, indices, data, rel)
+        codes[k] = code
+        bounds[k, 0] = g_lo
+        bounds[k, 1] = g_hi
+        bounds[k, 2] = d_min
+        bounds[k, 3] = d_max

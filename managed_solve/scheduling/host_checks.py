@@ -1,0 +1,205 @@
+"""``solve_many``'s per-matrix host checks, many matrices a kernel call, on the host-kernel threads.
+
+Two passes read every input once more than the solve does: validation's
+check for NaN and Inf (A's entries, b) and the auto policy's symmetry and
+Gershgorin test of each distinct matrix. With one matrix per system that is
+hundreds of small calls; each takes the GIL back when it returns, and
+beside the call's other Python threads each re-take may wait for the
+interpreter's switch interval. Here the arrays' addresses are read once
+and ranges of them go out to the caller and the host-kernel helpers
+(:func:`managed_solve.solvers.batched.threads.run_claimed`), one GIL-free
+kernel call (:mod:`managed_solve.kernels.checks`) per range.
+
+Both passes give what the per-matrix functions give (the same kernels'
+bodies): :class:`FinitePass` finds the arrays for the memo that
+:class:`~managed_solve.LinearSystem` reads, and :class:`SymmetryPass` fills
+the cache that :func:`managed_solve.system.is_symmetric` and
+:func:`managed_solve.system.properties.gershgorin` read. ``solve_many`` runs
+both at once (:func:`run_all`) before its validation loop, the calling
+thread among the workers: helpers that finish a kernel call and want the
+GIL back then wait for no Python loop of the caller's (each such wait may
+last the interpreter's switch interval).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .. import _backend
+
+#: Below this many arrays (or matrices) a pass is left to the per-array
+#: functions: an address table and a hand-out cost more than a few calls.
+MIN_ARRAYS = 16
+#: Ranges handed out per participating thread (balance against hand-outs).
+RANGES_PER_THREAD = 4
+#: Predicted nanoseconds per stored entry of the symmetry test (the cursor
+#: walk) and per entry of the finite check (a streaming read).
+SYMMETRY_NS, FINITE_NS = 4.0, 1.0
+
+
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _ranges(work: np.ndarray, threads: int) -> list[tuple[int, int]]:
+    """Consecutive ranges of about equal ``work``, about ``RANGES_PER_THREAD`` per thread."""
+    count = len(work)
+    parts = max(1, min(count, RANGES_PER_THREAD * threads))
+    if parts == 1:
+        return [(0, count)]
+    edges = np.cumsum(work)
+    cuts = np.searchsorted(edges, np.linspace(0.0, float(edges[-1]), parts + 1)[1:-1], side="right")
+    bounds = [0, *sorted(set(int(c) for c in cuts if 0 < c < count)), count]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def run_all(passes: Sequence[Any]) -> None:
+    """Every kernel call of ``passes`` (objects with ``work``, ``count`` and ``calls(threads)``), one hand-out.
+
+    The calling thread and the host-kernel helpers claim the ranges
+    (:func:`managed_solve.solvers.batched.threads.run_claimed`); threads by
+    the host kernels' rule for the passes' predicted nanoseconds.
+    """
+    from ..solvers.batched.threads import run_claimed, threads_for
+
+    count = sum(p.count for p in passes)
+    if not count:
+        return
+    threads = threads_for(sum(p.work for p in passes), count)
+    tasks = [(call, lo, hi) for p in passes for call, ranges in p.calls(threads)
+             for lo, hi in ranges]
+
+    def task(k: int) -> None:
+        call, lo, hi = tasks[k]
+        call(lo, hi)
+
+    run_claimed(task, len(tasks), threads)
+
+
+def _addresses(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    return np.fromiter((a.ctypes.data for a in arrays), np.int64, len(arrays))
+
+
+class FinitePass:
+    """The finite-entry check of arrays (1-D, C-contiguous, float32 or float64), tables read here.
+
+    One :func:`~managed_solve.kernels.checks.all_finite_many` call per range
+    of arrays; :meth:`finite` gives the same answer as
+    :func:`managed_solve.system.inputs.all_finite` for each array.
+    """
+
+    def __init__(self, arrays: Sequence[np.ndarray]):
+        by_dtype: dict[np.dtype, list[np.ndarray]] = {}
+        for a in arrays:
+            by_dtype.setdefault(a.dtype, []).append(a)
+        self.groups = []
+        for dt, group in by_dtype.items():
+            lengths = np.fromiter((a.shape[0] for a in group), np.int64, len(group))
+            self.groups.append((group, _addresses(group), lengths, np.empty(0, dt),
+                                np.zeros(len(group), dtype=np.uint8)))
+        self.count = len(arrays)
+        self.work = FINITE_NS * float(sum(int(g[2].sum()) for g in self.groups))
+
+    def calls(self, threads: int) -> list:
+        from ..kernels.checks import all_finite_many
+
+        out = []
+        for _group, addresses, lengths, like, flags in self.groups:
+            def call(lo: int, hi: int, args=(addresses, lengths, like, flags)) -> None:
+                all_finite_many(lo, hi, *args)
+
+            out.append((call, _ranges(lengths.astype(np.float64), threads)))
+        return out
+
+    def finite(self) -> list[np.ndarray]:
+        """The arrays found finite (after :func:`run_all`)."""
+        return [a for group, *_x, flags in self.groups
+                for a, ok in zip(group, flags.tolist(), strict=True) if ok]
+
+
+def finite_arrays(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """The arrays among ``arrays`` whose entries are all finite (:class:`FinitePass`, run now)."""
+    work = FinitePass(arrays)
+    run_all([work])
+    return work.finite()
+
+
+def symmetry_candidate(A: Any) -> bool:
+    """Whether :func:`test_symmetry` takes a matrix: a non-empty canonical float SciPy CSR, contiguous."""
+    return (_backend.is_scipy_sparse(A) and A.format == "csr" and A.nnz > 0
+            and A.dtype in _FLOATS and A.has_canonical_format and A.data.flags.c_contiguous
+            and A.indices.flags.c_contiguous and A.indptr.flags.c_contiguous)
+
+
+def test_symmetry(mats: Sequence[Any], cache: dict, rel: float = 1e-12) -> None:
+    """The symmetry code and Gershgorin bounds of host CSR matrices into ``cache``, largest first.
+
+    ``mats``: distinct matrices passing :func:`symmetry_candidate`. Each
+    gets the entries :func:`managed_solve.system.is_symmetric` leaves
+    (``cache[id(A)]``, unless its stored pattern is not symmetric: then
+    ``is_symmetric`` compares ``A - A.T`` itself) and the Gershgorin bounds
+    (``cache[("gershgorin", id(A))]``). :func:`symmetry_pass` then
+    :meth:`SymmetryPass.run`.
+    """
+    symmetry_pass(mats, rel).run(cache)
+
+
+class SymmetryPass:
+    """The address tables of :func:`test_symmetry`, read on the calling thread; the kernels anywhere.
+
+    A caller that runs the kernels on a helper thread (:meth:`run`) builds
+    this first: the helper then holds the GIL only to hand out ranges and to
+    store the answers, not for a Python loop over the matrices.
+    """
+
+    def __init__(self, groups: list):
+        self.groups = groups  # (matrices, kernel arguments, codes, bounds) per dtype triple
+        self.count = sum(len(g[0]) for g in groups)
+        self.work = SYMMETRY_NS * float(sum(int(g[1][4].sum()) for g in groups))
+
+    def calls(self, threads: int) -> list:
+        from ..kernels.checks import csr_symmetry_gershgorin_many
+
+        out = []
+        for _mats, args, _codes, _bounds in self.groups:
+            def call(lo: int, hi: int, args=args) -> None:
+                csr_symmetry_gershgorin_many(lo, hi, *args)
+
+            out.append((call, _ranges(args[4].astype(np.float64), threads)))
+        return out
+
+    def store(self, cache: dict) -> None:
+        """Each matrix's answers into ``cache`` (after :func:`run_all`)."""
+        from ..kernels.symmetry import DIFFERENT_PATTERN
+
+        for group, _args, codes, bounds in self.groups:
+            for A, code, b in zip(group, codes.tolist(), bounds.tolist(), strict=True):
+                if code != DIFFERENT_PATTERN:
+                    cache[id(A)] = (A, bool(code))
+                cache[("gershgorin", id(A))] = (A, tuple(b))
+
+    def run(self, cache: dict) -> None:
+        """Run the kernels over every range, then store the answers in ``cache``."""
+        run_all([self])
+        self.store(cache)
+
+
+def symmetry_pass(mats: Sequence[Any], rel: float = 1e-12) -> SymmetryPass:
+    """:func:`test_symmetry`'s tables: the matrices largest first, by dtypes, with their addresses."""
+    mats = sorted(mats, key=lambda A: -A.nnz)
+    by_dtype: dict[tuple, list] = {}
+    for A in mats:
+        by_dtype.setdefault((A.indptr.dtype, A.indices.dtype, A.data.dtype), []).append(A)
+    groups = []
+    for (pdt, idt, ddt), group in by_dtype.items():
+        nnzs = np.fromiter((A.nnz for A in group), np.int64, len(group))
+        codes = np.zeros(len(group), dtype=np.int8)
+        bounds = np.zeros((len(group), 4), dtype=np.float64)
+        args = (_addresses([A.indptr for A in group]), _addresses([A.indices for A in group]),
+                _addresses([A.data for A in group]),
+                np.fromiter((A.shape[0] for A in group), np.int64, len(group)), nnzs,
+                np.empty(0, pdt), np.empty(0, idt), np.empty(0, ddt), float(rel), codes, bounds)
+        groups.append((group, args, codes, bounds))
+    return SymmetryPass(groups)

@@ -1,0 +1,236 @@
+"""solve_many's per-matrix host checks, many matrices a kernel call (scheduling/host_checks.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+import managed_solve as ms
+from managed_solve import LinearSystem, Status
+from managed_solve.kernels import checks
+from managed_solve.kernels.symmetry import csr_symmetry_gershgorin
+from managed_solve.manager import DeviceManager
+from managed_solve.scheduling import host_checks, solve_many, validate
+from managed_solve.system import inputs, is_symmetric
+from managed_solve.system.properties import gershgorin
+from tests._problems import helmholtz2d, poisson2d
+from tests._problems import poisson2d_skew as convection
+from tests.scheduling._helpers import assert_converged
+
+
+def mixed_matrices():
+    """Symmetric, non-symmetric values, a non-symmetric pattern, float32, int64 indices, a NaN diagonal."""
+    rng = np.random.default_rng(3)
+    out = [poisson2d(m) for m in (3, 7, 12)] + [convection(6), helmholtz2d(5)]
+    R = sp.random(30, 30, density=0.2, random_state=rng, format="csr")
+    out.append((R + R.T + sp.identity(30)).tocsr())
+    out.append((R + sp.identity(30)).tocsr())  # its pattern is not symmetric
+    out.append(poisson2d(9).astype(np.float32))
+    wide = poisson2d(8)
+    wide.indices, wide.indptr = wide.indices.astype(np.int64), wide.indptr.astype(np.int64)
+    out.append(wide)
+    nan = poisson2d(4).copy()
+    nan.data[0] = np.nan
+    out.append(nan)
+    for A in out:
+        A.sum_duplicates()
+    return out
+
+
+def test_many_matrix_kernel_agrees_with_the_one_matrix_kernel():
+    mats = [A for A in mixed_matrices() if A.dtype == np.float64 and A.indices.dtype == np.int32]
+    addr = lambda arrays: np.array([a.ctypes.data for a in arrays], np.int64)  # noqa: E731
+    codes = np.full(len(mats), 9, np.int8)
+    bounds = np.zeros((len(mats), 4))
+    checks.csr_symmetry_gershgorin_many(
+        0, len(mats), addr([A.indptr for A in mats]), addr([A.indices for A in mats]),
+        addr([A.data for A in mats]), np.array([A.shape[0] for A in mats]),
+        np.array([A.nnz for A in mats]), mats[0].indptr, mats[0].indices, mats[0].data, 1e-12,
+        codes, bounds)
+    for k, A in enumerate(mats):
+        code, *ref = csr_symmetry_gershgorin(A.indptr, A.indices, A.data, 1e-12)
+        assert codes[k] == code
+        np.testing.assert_array_equal(bounds[k], ref)  # bit for bit, NaN where NaN
+
+
+def test_pass_fills_the_cache_as_the_per_matrix_tests_do():
+    mats = mixed_matrices()
+    cache: dict = {}
+    with ms.config.override(host_threads=2, host_parallel_min_work=0.0):
+        host_checks.test_symmetry(mats, cache)
+    assert cache.get(id(mats[6])) is None  # R + I: its pattern is not symmetric
+    for A in mats:
+        hit = cache.get(id(A))
+        if hit is not None:  # absent only where the pattern is not symmetric: is_symmetric decides
+            assert hit[0] is A and hit[1] == is_symmetric(A)
+        assert is_symmetric(A, cache) == is_symmetric(A)
+        got = cache[("gershgorin", id(A))][1]
+        np.testing.assert_array_equal(got, gershgorin(A))
+    assert is_symmetric(mats[5], cache) and not is_symmetric(mats[3], cache)
+
+
+def test_ranges_cover_every_matrix_once():
+    work = np.array([5.0, 1.0, 1.0, 1.0, 8.0, 2.0, 2.0])
+    for threads in (1, 2, 3, 16):
+        ranges = host_checks._ranges(work, threads)
+        covered = [k for lo, hi in ranges for k in range(lo, hi)]
+        assert covered == list(range(len(work)))
+        assert len(ranges) <= host_checks.RANGES_PER_THREAD * threads
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_finite_arrays_agree_with_all_finite(dtype):
+    rng = np.random.default_rng(1)
+    arrays = [rng.standard_normal(int(rng.integers(0, 50))).astype(dtype) for _ in range(40)]
+    for k, bad in ((3, np.nan), (7, np.inf), (11, -np.inf)):
+        arrays[k][0] = bad
+    arrays.append(np.full(4, np.finfo(dtype).max, dtype))  # finite, though its sum overflows
+    with ms.config.override(host_threads=2, host_parallel_min_work=0.0):
+        found = host_checks.finite_arrays(arrays)
+    assert [id(a) for a in found] == [id(a) for a in arrays if inputs.all_finite(a)]
+    assert len(found) == len(arrays) - 3
+
+
+def test_validation_reads_each_array_in_the_pass_and_still_names_a_bad_one(monkeypatch):
+    """Many pairs: no per-array finite check for the arrays the pass cleared; a NaN matrix is named."""
+    calls = []
+    real = inputs.all_finite
+
+    def spy(a):
+        calls.append(a)
+        return real(a)
+
+    monkeypatch.setattr(inputs, "all_finite", spy)
+    mats = [poisson2d(m) for m in range(3, 23)]
+    pairs = [(A, np.ones(A.shape[0])) for A in mats]
+    bad = poisson2d(5).copy()
+    bad.data[3] = np.nan
+    pairs.insert(4, (bad, np.ones(25)))
+    memo: dict = {}
+    assert validate.prefill_finite(pairs, memo) == 2 * len(mats) + 1  # all but bad.data
+    results, valid = validate.validate_all(pairs, method="auto", M=None, rtol=1e-8)
+    assert [id(a) for a in calls] == [id(bad.data)]  # only the array the pass did not clear
+    assert results[4].status is Status.INVALID_INPUT and "A has NaN or Inf" in results[4].message
+    assert len(valid) == len(mats)
+
+
+def test_few_pairs_skip_the_pass():
+    pairs = [(poisson2d(4), np.ones(16)) for _ in range(3)]
+    assert validate.prefill_finite(pairs, {}) == 0
+
+
+def test_one_matrix_per_system_solves_as_shared_matrices_do():
+    """The W2 shape, small: each system its own matrix, the same methods and answers as shared ones."""
+    sizes = [4, 6, 5, 4, 7, 6] * 4
+    own = [(poisson2d(m) if k % 3 else convection(m), np.ones(m * m)) for k, m in enumerate(sizes)]
+    shared_mats = {}
+    shared = []
+    for k, m in enumerate(sizes):
+        key = (m, bool(k % 3))
+        if key not in shared_mats:
+            shared_mats[key] = poisson2d(m) if k % 3 else convection(m)
+        shared.append((shared_mats[key], np.ones(m * m)))
+    dm = DeviceManager(simulate="1x1GiB")
+    a = solve_many(own, rtol=1e-8, manager=dm)
+    b = solve_many(shared, rtol=1e-8, manager=dm)
+    assert [r.method for r in a] == [r.method for r in b]
+    assert {r.method for r in a} == {"cg", "bicgstab"}
+    for r, s in zip(a, b, strict=True):
+        np.testing.assert_allclose(r.to_numpy(), s.to_numpy(), rtol=1e-12, atol=0)
+    assert_converged([LinearSystem(A, b_) for A, b_ in own], a)
+
+
+def test_a_deferred_batch_of_two_methods_runs_as_one_batch_per_method(monkeypatch):
+    """Methods found after the plan: a batch holding CG and BiCGStab systems is split by method.
+
+    (Inputs' own matrices are tested before validation; deferred are those
+    validation replaced.)
+    """
+    from managed_solve.scheduling.runner import Runner
+    from managed_solve.system.method import choose_method
+
+    regrouped = []
+    real = Runner._regroup
+
+    def spy(self, b, dev, exc):
+        regrouped.append({m: len(ix) for m, ix in exc.by_method.items()})
+        return real(self, b, dev, exc)
+
+    monkeypatch.setattr(Runner, "_regroup", spy)
+    # float32 matrices with float64 right-hand sides: validation makes new
+    # (float64) matrices, whose tests run beside the plan, their methods deferred.
+    mats = [(poisson2d(m) if k % 2 else convection(m)).astype(np.float32)
+            for k, m in enumerate(range(4, 24))]
+    pairs = [(A, np.ones(A.shape[0])) for A in mats]
+    results = solve_many(pairs, rtol=1e-8, manager=DeviceManager(simulate="1x1GiB"))
+    systems = [LinearSystem(A, b) for A, b in pairs]
+    assert regrouped and all(set(r) == {"cg", "bicgstab"} for r in regrouped)
+    assert sum(sum(r.values()) for r in regrouped) <= len(systems)  # others: batches of one method
+    assert [r.method for r in results] == [choose_method(s, "cuda") for s in systems]
+    assert_converged(systems, results)
+
+
+def test_the_pass_starts_on_the_raw_inputs_and_converted_matrices_are_tested_again(monkeypatch):
+    """Inputs' matrices are tested before validation; one that validation replaces is tested under its new object."""
+    from managed_solve.scheduling import estimate as estimation
+    from managed_solve.system.method import choose_method
+
+    passes = []
+    real = host_checks.symmetry_pass
+
+    def spy(mats, *args):
+        passes.append(len(mats))
+        return real(mats, *args)
+
+    monkeypatch.setattr(host_checks, "symmetry_pass", spy)
+    mats = [poisson2d(m) for m in range(4, 20)] + [convection(8)]
+    pairs = [(A, np.ones(A.shape[0])) for A in mats]
+    pairs.append((poisson2d(6).astype(np.float32), np.ones(36)))  # A becomes float64: a new object
+    pairs.append((convection(5).astype(np.int64), np.ones(25)))  # integers: not read before validation
+    assert len(estimation.input_matrices(pairs, "auto", estimation.pass_least())) == len(mats) + 1
+    assert estimation.input_matrices(pairs, "cg", estimation.pass_least()) == []
+    results = solve_many(pairs, rtol=1e-8, manager=DeviceManager(simulate="1x1GiB"))
+    assert passes == [len(mats) + 1, 2]  # the inputs', then the two validation made
+    systems = [LinearSystem(A, b) for A, b in pairs]
+    assert [r.method for r in results] == [choose_method(s, "cuda") for s in systems]
+    assert_converged(systems, results)
+
+
+def test_systems_with_a_null_space_are_not_deferred():
+    """A null space sends an "auto" system through solve() alone: its route is known before its method."""
+    from tests._problems import laplacian1d
+
+    A = laplacian1d(30, neumann=True)
+    b = A @ np.random.default_rng(0).standard_normal(30)
+    others = [(poisson2d(m), np.ones(m * m)) for m in range(4, 14)]
+    systems = [LinearSystem(A, b, nullspace="constant"), LinearSystem(A, b + 1.0, nullspace="constant")]
+    out = solve_many(systems + [LinearSystem(*p) for p in others],
+                     manager=DeviceManager(simulate="1x64MiB"))
+    assert out[0].converged and out[1].status is Status.LEAST_SQUARES
+    assert all(r.converged for r in out[2:])
+
+
+def test_finite_check_and_symmetry_tests_share_one_hand_out_before_validation(monkeypatch):
+    """One run_all for both passes, then no per-array finite check and no per-matrix test."""
+    handed = []
+    real = host_checks.run_all
+    finite_calls = []
+    real_finite = inputs.all_finite
+
+    def spy(passes):
+        handed.append([type(p).__name__ + f":{p.count}" for p in passes])
+        return real(passes)
+
+    def spy_finite(a):
+        finite_calls.append(a)
+        return real_finite(a)
+
+    monkeypatch.setattr(host_checks, "run_all", spy)
+    monkeypatch.setattr(inputs, "all_finite", spy_finite)
+    mats = [poisson2d(m) for m in range(4, 24)]
+    pairs = [(A, np.ones(A.shape[0])) for A in mats]
+    results = solve_many(pairs, rtol=1e-8, manager=DeviceManager(simulate="1x1GiB"))
+    assert handed[0] == [f"SymmetryPass:{len(mats)}", f"FinitePass:{2 * len(mats)}"]
+    assert not finite_calls
+    assert all(r.converged and r.method == "cg" for r in results)
