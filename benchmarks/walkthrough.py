@@ -79,11 +79,13 @@ from types import CodeType, FrameType
 from typing import Any
 
 import numpy as np
-import scipy.sparse as sp
 
 import managed_solve as ms
 from managed_solve import _backend
 from managed_solve.manager import DeviceManager
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_w2_many import poisson2d  # noqa: E402  (W2's matrix, as the benchmark builds it)
 
 try:
     import tomllib
@@ -95,16 +97,6 @@ PACKAGE_DIR = str(Path(ms.__file__).resolve().parent) + os.sep
 ROOT = Path(__file__).resolve().parent.parent
 # Frames that run inside the function that made them: never a call a reader follows.
 _TRANSPARENT = frozenset({"<genexpr>", "<listcomp>", "<dictcomp>", "<setcomp>"})
-
-
-def poisson2d(m: int) -> sp.csr_matrix:
-    """W2's matrix: the 5-point Laplacian on an m x m grid, int32 indices."""
-    T = sp.diags([-1.0, 4.0, -1.0], [-1, 0, 1], shape=(m, m))
-    S = sp.diags([-1.0, -1.0], [-1, 1], shape=(m, m))
-    A = (sp.kron(sp.identity(m), T) + sp.kron(S, sp.identity(m))).tocsr()
-    A.indices = A.indices.astype(np.int32)
-    A.indptr = A.indptr.astype(np.int32)
-    return A
 
 
 # --------------------------------------------------------------------------- layers
