@@ -108,11 +108,21 @@ class Cudss:
         definiteness is not known here, so not ``SPD``). cuDSS reports a zero
         pivot as a non-finite or wrong ``x``, which the caller's residual check
         turns into ``BREAKDOWN``.
+
+        ``b`` may be an (n, k) block: cuDSS solves its columns together (one
+        pass of the triangular solves). nvmath binds a solver to its
+        right-hand side's shape, so a block of k columns is analysed once per
+        k and kept apart from the single vectors'.
         """
         nvmath = self.nvmath
         dev = self._device(getattr(getattr(b, "device", None), "id", -1))
         xp = _backend.array_module(b)
-        key = (A.shape[0], int(A.nnz), A.dtype.str, A.indices.dtype.str, A.indptr.dtype.str, bool(symmetric))
+        if b.ndim == 2:
+            b = xp.asfortranarray(b)  # cuDSS reads a block column by column
+        elif not b.flags.c_contiguous:
+            b = xp.ascontiguousarray(b)  # a column of a block: nvmath takes dense vectors only
+        key = (A.shape[0], int(A.nnz), A.dtype.str, A.indices.dtype.str, A.indptr.dtype.str,
+               bool(symmetric), b.shape[1:])
         with dev.lock:
             entry = dev.cache.pop(key, None)  # out of the cache until it solved this system
             reused = "none"

@@ -176,14 +176,11 @@ class PreparedDirect(Prepared):
         self._extra: dict = {}
         if rhs.ndim == 1:
             return self._solve_vector(rhs, None, trans)
-        on_host = self.xp is np
         try:
-            X = self._apply(rhs, trans).astype(rhs.dtype, copy=False) if on_host else None
+            X = self._apply(rhs, trans).astype(rhs.dtype, copy=False)
         except Singular as exc:
             return [Outcome(None, BREAKDOWN, 0, float("nan"), f"{SINGULAR} ({exc})")
                     for _ in range(rhs.shape[1])]
-        if X is None:  # the GPU libraries here solve one right-hand side a call
-            return [self._solve_vector(rhs[:, j], None, trans) for j in range(rhs.shape[1])]
         return [self._judge(rhs[:, j], X[:, j], trans) for j in range(rhs.shape[1])]
 
     def _solve_vector(self, b: Any, x0: Any, trans: bool = False) -> Outcome:
@@ -354,15 +351,23 @@ def gpu_sparse_solve(A: Any, b: Any, symmetric: bool | None, *,
             return x, "cuDSS (nvmath-python)", {"cudss_reused": reused}
         except Exception as exc:  # an unsupported type or version: CuPy's path still works
             log.info("managed_solve: cuDSS through nvmath failed (%s); using cupyx spsolve", exc)
+    if b.ndim == 2:  # cuSOLVER's spsolve takes one vector a call
+        xp = _backend.array_module(b)
+        X = xp.stack([_cusolver_spsolve(A, xp.ascontiguousarray(b[:, j])) for j in range(b.shape[1])],
+                     axis=1)
+        return X, "cuSOLVER (cupyx spsolve)", {}
+    return _cusolver_spsolve(A, b), "cuSOLVER (cupyx spsolve)", {}
+
+
+def _cusolver_spsolve(A: Any, b: Any) -> Any:
     import cupyx.scipy.sparse.linalg as csla
 
     try:
-        x = csla.spsolve(A, b)
+        return csla.spsolve(A, b)
     except Exception as exc:
         if "singular" in str(exc).lower():
             raise Singular(str(exc)) from exc
         raise
-    return x, "cuSOLVER (cupyx spsolve)", {}
 
 
 def _backward_stable(A: Any, x: Any, b: Any, rn: float, xp: Any) -> bool:
