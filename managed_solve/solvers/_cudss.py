@@ -109,39 +109,77 @@ class Cudss:
         pivot as a non-finite or wrong ``x``, which the caller's residual check
         turns into ``BREAKDOWN``.
         """
-        nvmath = self.nvmath
-        dev = self._device(getattr(getattr(b, "device", None), "id", -1))
-        xp = _backend.array_module(b)
-        key = (A.shape[0], int(A.nnz), A.dtype.str, A.indices.dtype.str, A.indptr.dtype.str, bool(symmetric))
+        dev, key, xp = self._where(A, b, symmetric)
         with dev.lock:
-            entry = dev.cache.pop(key, None)  # out of the cache until it solved this system
-            reused = "none"
+            entry, reused = self._take(dev, key, A, b, symmetric, xp)
             try:
-                if entry is not None:
-                    same_pattern, same_values = entry.compare(A, xp)  # sync: one host read
-                    if not same_pattern:
-                        entry.free()
-                        entry = None
-                    elif same_values:
-                        reused = "factors"
-                    else:
-                        entry.refactor(A, xp)
-                        reused = "plan"
-                if entry is None:
-                    lib = self.threading_lib() if self.threading else None
-                    entry = _Entry(nvmath, A, b, symmetric, dev, lib)
                 x = entry.solve(b)
-            except Exception:
-                if entry is not None:  # a failed factorisation or solve: nothing half-made is kept
-                    entry.free()
-                raise
-            if self.cache_size > 0 and _room_left(xp, self.keep_min_free_fraction):
-                dev.cache[key] = entry  # the most recent last
-                while len(dev.cache) > self.cache_size:
-                    dev.cache.popitem(last=False)[1].free()
-            else:
+            except Exception:  # a failed solve: nothing half-made is kept
                 entry.free()
+                raise
+            self._keep(dev, key, entry, xp)
         return x, reused
+
+    def hold(self, A: Any, b: Any, symmetric: bool | None) -> Held:
+        """A's analysis and factors for one owner, out of the cache until :meth:`Held.release`.
+
+        A prepared direct solver (a :class:`~managed_solve.Solver`'s) solves
+        with its own factors: two Solvers whose matrices share a pattern (the
+        heat and Poisson matrices of one mesh) would otherwise take turns
+        refactorising one cache entry. ``b`` gives the shape of the
+        right-hand sides the factors will solve (a vector). What a kept
+        analysis can save is saved as in :meth:`solve` (``Held.reused``).
+        """
+        dev, key, xp = self._where(A, b, symmetric)
+        with dev.lock:
+            entry, reused = self._take(dev, key, A, b, symmetric, xp)
+        return Held(self, dev, key, entry, reused, xp)
+
+    def _where(self, A: Any, b: Any, symmetric: bool | None) -> tuple[_Device, tuple, Any]:
+        dev = self._device(getattr(getattr(b, "device", None), "id", -1))
+        key = (A.shape[0], int(A.nnz), A.dtype.str, A.indices.dtype.str, A.indptr.dtype.str,
+               bool(symmetric))
+        return dev, key, _backend.array_module(b)
+
+    def _take(self, dev: _Device, key: tuple, A: Any, b: Any, symmetric: bool | None,
+              xp: Any) -> tuple[_Entry, str]:
+        """A kept entry for A (out of the cache), refactorised if its values changed, or a new one.
+
+        The caller holds ``dev.lock``.
+        """
+        entry = dev.cache.pop(key, None)  # out of the cache until it is given back
+        reused = "none"
+        try:
+            if entry is not None:
+                same_pattern, same_values = entry.compare(A, xp)  # sync: one host read
+                if not same_pattern:
+                    entry.free()
+                    entry = None
+                elif same_values:
+                    reused = "factors"
+                else:
+                    entry.refactor(A, xp)
+                    reused = "plan"
+            if entry is None:
+                lib = self.threading_lib() if self.threading else None
+                entry = _Entry(self.nvmath, A, b, symmetric, dev, lib)
+        except Exception:
+            if entry is not None:  # a failed factorisation: nothing half-made is kept
+                entry.free()
+            raise
+        return entry, reused
+
+    def _keep(self, dev: _Device, key: tuple, entry: _Entry, xp: Any) -> None:
+        """Put ``entry`` back in the cache (the most recent), or free it. The caller holds ``dev.lock``."""
+        if self.cache_size > 0 and _room_left(xp, self.keep_min_free_fraction):
+            older = dev.cache.pop(key, None)  # one of the same pattern came back first
+            if older is not None and older is not entry:
+                older.free()
+            dev.cache[key] = entry  # the most recent last
+            while len(dev.cache) > self.cache_size:
+                dev.cache.popitem(last=False)[1].free()
+        else:
+            entry.free()
 
     def release(self, device: int | str | None = None) -> int:
         """Free the kept analyses and factors (of one GPU, or all); returns how many.
@@ -227,6 +265,39 @@ class _Device:
         self.lock = threading_module.Lock()
         self.cache: OrderedDict = OrderedDict()
         self.handle = handle  # lives as long as the process
+
+
+class Held:
+    """Factors held by one owner (:meth:`Cudss.hold`): solve with them, then release them.
+
+    Attributes
+    ----------
+    reused : str
+        What :meth:`Cudss.hold` found kept: "none", "plan" or "factors".
+    """
+
+    def __init__(self, cudss: Cudss, dev: _Device, key: tuple, entry: _Entry, reused: str,
+                 xp: Any):
+        self._cudss, self._dev, self._key, self._xp = cudss, dev, key, xp
+        self._entry: _Entry | None = entry
+        self.reused = reused
+
+    def solve(self, b: Any) -> Any:
+        """``x`` with ``A x = b`` for a vector ``b`` like the one the factors were made with."""
+        with self._dev.lock:  # the device's handle is shared
+            return self._live().solve(b)
+
+    def release(self) -> None:
+        """Give the factors back to the cache (kept while there is room, as after a solve)."""
+        entry, self._entry = self._entry, None
+        if entry is not None:
+            with self._dev.lock:
+                self._cudss._keep(self._dev, self._key, entry, self._xp)
+
+    def _live(self) -> _Entry:
+        if self._entry is None:
+            raise RuntimeError("cuDSS factors were released; hold them again to solve.")
+        return self._entry
 
 
 def _make_handle(device: int) -> int:
