@@ -17,7 +17,7 @@ by Eigen on the CPU) on the same mesh with the same ``t``: its set-up (the
 constructor and the first ``compute_distance``, which factorises lazily),
 then ``compute_distance(i)`` for one source after another. Its distances are
 compared with the exact ones too and the errors recorded in ``extra_info``
-(not asserted: at 655k vertices its far-field directions underflow, see
+(not asserted: at 655k vertices its far half is wrong, see
 ``docs/performance.md``).
 
 Groups (anchors in the same group, timed in the same run; ``extra_info``

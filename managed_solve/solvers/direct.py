@@ -367,7 +367,7 @@ class _OnLane:
 #: dissection (:mod:`managed_solve.kernels.ordering`) before SuperLU. On
 #: unstructured meshes (and 3-D grids) it fills in less than SuperLU's
 #: minimum degree from a few thousand rows, and the gap grows with n (a
-#: sphere mesh of 164k vertices: 22M factor entries against 94M); on 2-D
+#: sphere mesh of 164k vertices: 19M factor entries against 94M); on 2-D
 #: grids minimum degree fills in a little less up to some 50k rows.
 NESTED_DISSECTION_MIN_ROWS = 20_000
 
