@@ -294,6 +294,13 @@ class Held:
             with self._dev.lock:
                 self._cudss._keep(self._dev, self._key, entry, self._xp)
 
+    def discard(self) -> None:
+        """Free the factors (after a failed solve: nothing half-made goes back to the cache)."""
+        entry, self._entry = self._entry, None
+        if entry is not None:
+            with self._dev.lock:
+                entry.free()
+
     def _live(self) -> _Entry:
         if self._entry is None:
             raise RuntimeError("cuDSS factors were released; hold them again to solve.")
@@ -320,6 +327,7 @@ class _Entry:
             sparse_system_type=kind.SYMMETRIC if symmetric else kind.GENERAL, handle=dev.handle,
             logger=_log, **extra)
         self.A = A.copy()  # cuDSS keeps pointers into it: later solves must not see the caller's change
+        self.done = None  # the event of the last solve (None: none yet)
         self.solver = nvmath.DirectSolver(self.A, b, options=options)
         try:
             self.solver.plan()
@@ -330,7 +338,7 @@ class _Entry:
 
     def compare(self, A: Any, xp: Any) -> tuple[bool, bool]:
         stream = _stream(xp)
-        if stream is not None:  # the last solve may have run on another stream: wait for it
+        if stream is not None and self.done is not None:  # the last solve may have run on another stream
             stream.wait_event(self.done)
         pattern = xp.array_equal(A.indptr, self.A.indptr) & xp.array_equal(A.indices, self.A.indices)
         values = xp.array_equal(A.data, self.A.data)

@@ -193,7 +193,7 @@ class PreparedDirect(Prepared):
             x = self._held.solve(b)
         except Exception as exc:
             log.info("managed_solve: a held cuDSS solve failed (%s); solving per call", exc)
-            self._release_held()
+            self._held.discard()
             self._held = False
             return None
         self.how, self._extra = "cuDSS (nvmath-python)", {"cudss_reused": reused}

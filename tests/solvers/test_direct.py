@@ -360,6 +360,9 @@ def test_cudss_held_factors_are_not_shared_and_go_back_to_the_cache(fake_cudss):
     np.testing.assert_allclose(A @ again.solve(b), b, rtol=1e-10, atol=1e-10)
     again.release()
     assert cudss.release() == 1 and fake.frees == 2
+    never = cudss.hold(A, b, True)  # held, discarded unsolved (a failed solve): freed, not kept
+    never.discard()
+    assert fake.frees == 3 and cudss.release() == 0
 
 
 @pytest.mark.gpu
