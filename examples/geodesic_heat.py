@@ -15,9 +15,12 @@ turns a distance computation into two sparse solves with fixed matrices:
 Both matrices depend on the mesh only, so each becomes one
 :class:`managed_solve.Solver` (factorisation or preconditioner made once) and
 every source costs two solves; several sources go through as one ``(n, k)``
-block.
+block. On a fine mesh give the Poisson solve ``poisson_method="direct"``
+too: "auto" factorises up to 200k unknowns on the CPU and runs CG beyond,
+and at 655k vertices CG with AMG to ``rtol=1e-10`` cost about 30 times the
+factor's two triangular solves a source (``benchmarks/bench_geodesic.py``).
 
-Two choices matter for the answer:
+Three choices matter for the answer:
 
 - The heat solve is ``method="direct"`` by default. ``u`` decays by a
   constant factor per edge hop away from the source (about ``1e-40`` across
@@ -34,6 +37,10 @@ Two choices matter for the answer:
   the distance by ``O(eps)`` and make the matrix ill-conditioned like
   ``1/eps``. The pinned matrix keeps the pattern, stays SPD (Cholesky-like
   LU, CG) and serves every source; ``phi - phi(source)`` removes the pin.
+- ``|grad u|`` is taken by ``hypot``, which scales: at ``icosphere(8)``
+  (655k vertices) u falls to about ``1e-277`` at the antipode, and squaring
+  gradients below ``1e-154`` underflows; a plain norm there loses the far
+  half's directions (mean error 0.17 instead of 0.008).
 
 On the unit sphere the exact distance is ``arccos(x . x_source)``; the
 script prints the error for ``icosphere(3)``, ``icosphere(4)`` and
@@ -83,6 +90,21 @@ def face_gradient(mesh: Mesh) -> tuple[sp.csr_matrix, np.ndarray]:
     return G, area2 / 2
 
 
+def weighted_directions(grad, area, xp=np):
+    """``grad`` (F, 3, k) overwritten with ``area * X``, ``X = -grad / |grad|`` per face and column.
+
+    ``|grad|`` comes from ``hypot``, which scales: far from the source u
+    (and its gradient) falls below 1e-154, whose square underflows, and a
+    plain ``sqrt(gx**2 + gy**2 + gz**2)`` would lose the direction there.
+    Where u underflowed to zero (very far, on very fine meshes) there is no
+    direction: X = 0.
+    """
+    size = xp.hypot(xp.hypot(grad[:, 0], grad[:, 1]), grad[:, 2])  # (F, k)
+    weight = area[:, None] / xp.where(size > 0, size, xp.inf)
+    grad *= -weight[:, None, :]
+    return grad
+
+
 def pinned(L: sp.csr_matrix, i: int) -> sp.csr_matrix:
     """``L`` with row and column ``i`` replaced by the identity's (explicit zeros keep the pattern)."""
     L = L.tocsr(copy=True)
@@ -106,12 +128,16 @@ class HeatGeodesics:
     heat_method, poisson_method : str
         Methods for the two solvers (see the module docstring for why the
         heat solve is direct).
+    poisson_M : str or None
+        The Poisson solve's preconditioner when it is iterative (``"amg"``
+        suits this Laplacian at any size; ``"auto"``: the library's choice).
     t_coef : float
         ``t = t_coef * h**2``.
     """
 
     def __init__(self, mesh: Mesh, *, device: str = "cpu", heat_method: str = "direct",
-                 poisson_method: str = "auto", t_coef: float = 1.0, rtol: float = 1e-10):
+                 poisson_method: str = "auto", poisson_M: str | None = "auto",
+                 t_coef: float = 1.0, rtol: float = 1e-10):
         t0 = time.perf_counter()
         self.n = mesh.n_vertices
         t = t_coef * mesh.mean_edge_length() ** 2
@@ -132,8 +158,9 @@ class HeatGeodesics:
             self.xp = np
             self.G, self.GT, self.area = G, G.T.tocsr(), area
         self.heat = ms.Solver(heat, method=heat_method, rtol=rtol, device=device, name="heat")
-        self.poisson = ms.Solver(pinned(L, PIN), method=poisson_method, rtol=rtol, device=device,
-                                 name="poisson")
+        self.poisson = ms.Solver(pinned(L, PIN), method=poisson_method, M=poisson_M, rtol=rtol,
+                                 device=device, name="poisson")
+        self.info: dict[str, dict] = {}  # the last solve's info, by solver name
         # The first solve of each finishes lazy set-up (a factorisation, a
         # preconditioner); count it with the set-up.
         self.distance(np.array([0]))
@@ -148,19 +175,20 @@ class HeatGeodesics:
         delta[xp.asarray(src), xp.arange(k)] = 1.0
         u = self._solve(self.heat, delta)
         grad = (self.G @ u).reshape(-1, 3, k)
-        size = xp.linalg.norm(grad, axis=1, keepdims=True)
-        # Where u underflowed to zero (very far, on very fine meshes) there is no direction.
-        X = xp.where(size > 0, -grad / xp.where(size > 0, size, 1.0), 0.0)
-        rhs = self.GT @ (X * self.area[:, None, None]).reshape(-1, k)
+        weighted_directions(grad, self.area, xp)  # in place: area * X
+        rhs = self.GT @ grad.reshape(-1, k)
         rhs[PIN] = 0.0
         phi = self._solve(self.poisson, rhs)
         d = phi - phi[xp.asarray(src), xp.arange(k)]
         d = d.get() if self.cuda else d
         return d[:, 0] if np.ndim(sources) == 0 else d
 
-    @staticmethod
-    def _solve(solver: ms.Solver, B):
+    def _solve(self, solver: ms.Solver, B):
         res = solver.solve(B if B.shape[1] > 1 else B[:, 0]).raise_for_status()
+        # A block's info leaves out what a single solve names (the factorisation):
+        # merged, the last of each is kept.
+        self.info.setdefault(solver.system.name, {}).update(
+            {**res.info, "iterations": res.iterations, "device": res.device})
         return res.x.reshape(B.shape)
 
     def close(self) -> None:

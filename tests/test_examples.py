@@ -88,6 +88,19 @@ def test_geodesic_heat_operators():
     assert P[5, 5] == 1.0 and abs(P[5]).sum() == 1.0 and abs(P[:, 5]).sum() == 1.0
 
 
+def test_geodesic_heat_directions_survive_tiny_gradients():
+    """|grad u| by hypot: a gradient of 1e-200 keeps its direction (its square would underflow)."""
+    geo = _load("geodesic_heat")
+    rng = np.random.default_rng(0)
+    grad = rng.standard_normal((50, 3, 2))
+    area = rng.uniform(0.5, 1.0, 50)
+    ref = geo.weighted_directions(grad.copy(), area)
+    size = np.linalg.norm(grad, axis=1, keepdims=True)
+    np.testing.assert_allclose(ref, -area[:, None, None] * grad / size, rtol=1e-14)
+    np.testing.assert_allclose(geo.weighted_directions(grad * 1e-200, area), ref, rtol=1e-14)
+    assert (geo.weighted_directions(np.zeros((4, 3, 1)), np.ones(4)) == 0).all()  # no direction
+
+
 def test_geodesic_heat_block_matches_one_source_at_a_time():
     from managed_solve.mesh import icosphere
 

@@ -114,44 +114,79 @@ class Cudss:
         right-hand side's shape, so a block of k columns is analysed once per
         k and kept apart from the single vectors'.
         """
-        nvmath = self.nvmath
+        b = _dense_rhs(b)
+        dev, key, xp = self._where(A, b, symmetric)
+        with dev.lock:
+            entry, reused = self._take(dev, key, A, b, symmetric, xp)
+            try:
+                x = entry.solve(b)
+            except Exception:  # a failed solve: nothing half-made is kept
+                entry.free()
+                raise
+            self._keep(dev, key, entry, xp)
+        return x, reused
+
+    def hold(self, A: Any, b: Any, symmetric: bool | None) -> Held:
+        """A's analysis and factors for one owner, out of the cache until :meth:`Held.release`.
+
+        A prepared direct solver (a :class:`~managed_solve.Solver`'s) solves
+        with its own factors: two Solvers whose matrices share a pattern (the
+        heat and Poisson matrices of one mesh) would otherwise take turns
+        refactorising one cache entry. ``b`` gives the shape of the
+        right-hand sides the factors will solve (a vector). What a kept
+        analysis can save is saved as in :meth:`solve` (``Held.reused``).
+        """
+        b = _dense_rhs(b)
+        dev, key, xp = self._where(A, b, symmetric)
+        with dev.lock:
+            entry, reused = self._take(dev, key, A, b, symmetric, xp)
+        return Held(self, dev, key, entry, reused, xp)
+
+    def _where(self, A: Any, b: Any, symmetric: bool | None) -> tuple[_Device, tuple, Any]:
         dev = self._device(getattr(getattr(b, "device", None), "id", -1))
-        xp = _backend.array_module(b)
-        if b.ndim == 2:
-            b = xp.asfortranarray(b)  # cuDSS reads a block column by column
-        elif not b.flags.c_contiguous:
-            b = xp.ascontiguousarray(b)  # a column of a block: nvmath takes dense vectors only
         key = (A.shape[0], int(A.nnz), A.dtype.str, A.indices.dtype.str, A.indptr.dtype.str,
                bool(symmetric), b.shape[1:])
-        with dev.lock:
-            entry = dev.cache.pop(key, None)  # out of the cache until it solved this system
-            reused = "none"
-            try:
-                if entry is not None:
-                    same_pattern, same_values = entry.compare(A, xp)  # sync: one host read
-                    if not same_pattern:
-                        entry.free()
-                        entry = None
-                    elif same_values:
-                        reused = "factors"
-                    else:
-                        entry.refactor(A, xp)
-                        reused = "plan"
-                if entry is None:
-                    lib = self.threading_lib() if self.threading else None
-                    entry = _Entry(nvmath, A, b, symmetric, dev, lib)
-                x = entry.solve(b)
-            except Exception:
-                if entry is not None:  # a failed factorisation or solve: nothing half-made is kept
+        return dev, key, _backend.array_module(b)
+
+    def _take(self, dev: _Device, key: tuple, A: Any, b: Any, symmetric: bool | None,
+              xp: Any) -> tuple[_Entry, str]:
+        """A kept entry for A (out of the cache), refactorised if its values changed, or a new one.
+
+        The caller holds ``dev.lock``.
+        """
+        entry = dev.cache.pop(key, None)  # out of the cache until it is given back
+        reused = "none"
+        try:
+            if entry is not None:
+                same_pattern, same_values = entry.compare(A, xp)  # sync: one host read
+                if not same_pattern:
                     entry.free()
-                raise
-            if self.cache_size > 0 and _room_left(xp, self.keep_min_free_fraction):
-                dev.cache[key] = entry  # the most recent last
-                while len(dev.cache) > self.cache_size:
-                    dev.cache.popitem(last=False)[1].free()
-            else:
+                    entry = None
+                elif same_values:
+                    reused = "factors"
+                else:
+                    entry.refactor(A, xp)
+                    reused = "plan"
+            if entry is None:
+                lib = self.threading_lib() if self.threading else None
+                entry = _Entry(self.nvmath, A, b, symmetric, dev, lib)
+        except Exception:
+            if entry is not None:  # a failed factorisation: nothing half-made is kept
                 entry.free()
-        return x, reused
+            raise
+        return entry, reused
+
+    def _keep(self, dev: _Device, key: tuple, entry: _Entry, xp: Any) -> None:
+        """Put ``entry`` back in the cache (the most recent), or free it. The caller holds ``dev.lock``."""
+        if self.cache_size > 0 and _room_left(xp, self.keep_min_free_fraction):
+            older = dev.cache.pop(key, None)  # one of the same pattern came back first
+            if older is not None and older is not entry:
+                older.free()
+            dev.cache[key] = entry  # the most recent last
+            while len(dev.cache) > self.cache_size:
+                dev.cache.popitem(last=False)[1].free()
+        else:
+            entry.free()
 
     def release(self, device: int | str | None = None) -> int:
         """Free the kept analyses and factors (of one GPU, or all); returns how many.
@@ -239,6 +274,55 @@ class _Device:
         self.handle = handle  # lives as long as the process
 
 
+class Held:
+    """Factors held by one owner (:meth:`Cudss.hold`): solve with them, then release them.
+
+    Attributes
+    ----------
+    reused : str
+        What :meth:`Cudss.hold` found kept: "none", "plan" or "factors".
+    """
+
+    def __init__(self, cudss: Cudss, dev: _Device, key: tuple, entry: _Entry, reused: str,
+                 xp: Any):
+        self._cudss, self._dev, self._key, self._xp = cudss, dev, key, xp
+        self._entry: _Entry | None = entry
+        self.reused = reused
+
+    def solve(self, b: Any) -> Any:
+        """``x`` with ``A x = b`` for ``b`` of the shape the factors were made with (a vector or a block)."""
+        b = _dense_rhs(b)
+        with self._dev.lock:  # the device's handle is shared
+            return self._live().solve(b)
+
+    def release(self) -> None:
+        """Give the factors back to the cache (kept while there is room, as after a solve)."""
+        entry, self._entry = self._entry, None
+        if entry is not None:
+            with self._dev.lock:
+                self._cudss._keep(self._dev, self._key, entry, self._xp)
+
+    def discard(self) -> None:
+        """Free the factors (after a failed solve: nothing half-made goes back to the cache)."""
+        entry, self._entry = self._entry, None
+        if entry is not None:
+            with self._dev.lock:
+                entry.free()
+
+    def _live(self) -> _Entry:
+        if self._entry is None:
+            raise RuntimeError("cuDSS factors were released; hold them again to solve.")
+        return self._entry
+
+
+def _dense_rhs(b: Any) -> Any:
+    """``b`` as nvmath takes it: a unit-stride vector, or a block in column-major order."""
+    xp = _backend.array_module(b)
+    if b.ndim == 2:
+        return xp.asfortranarray(b)  # cuDSS reads a block column by column
+    return xp.ascontiguousarray(b)  # a column of a block is strided
+
+
 def _make_handle(device: int) -> int:
     from nvmath.bindings import cudss
 
@@ -259,6 +343,7 @@ class _Entry:
             sparse_system_type=kind.SYMMETRIC if symmetric else kind.GENERAL, handle=dev.handle,
             logger=_log, **extra)
         self.A = A.copy()  # cuDSS keeps pointers into it: later solves must not see the caller's change
+        self.done = None  # the event of the last solve (None: none yet)
         self.solver = nvmath.DirectSolver(self.A, b, options=options)
         try:
             self.solver.plan()
@@ -269,7 +354,7 @@ class _Entry:
 
     def compare(self, A: Any, xp: Any) -> tuple[bool, bool]:
         stream = _stream(xp)
-        if stream is not None:  # the last solve may have run on another stream: wait for it
+        if stream is not None and self.done is not None:  # the last solve may have run on another stream
             stream.wait_event(self.done)
         pattern = xp.array_equal(A.indptr, self.A.indptr) & xp.array_equal(A.indices, self.A.indices)
         values = xp.array_equal(A.data, self.A.data)

@@ -40,9 +40,11 @@ def direct(A: Any, b: Any, *, symmetric: bool | None = None, rtol: float | None 
         On the device of ``b``.
     b : array, shape (n,)
     symmetric : bool, optional
-        Structurally and numerically symmetric A: SuperLU then orders columns
-        by minimum degree on ``A^T + A`` and prefers diagonal pivots (less
-        fill for PDE matrices than COLAMD); cuDSS is told the matrix type.
+        Structurally and numerically symmetric A: SuperLU then prefers
+        diagonal pivots and orders by nested dissection from
+        ``NESTED_DISSECTION_MIN_ROWS`` rows (minimum degree on ``A^T + A``
+        below): less fill for PDE matrices than COLAMD. cuDSS is told the
+        matrix type.
         On a GPU, cuDSS keeps the analysis of recent matrices: a later solve
         with the same sparsity pattern skips it, one with the same matrix
         only solves (``info["cudss_reused"]``: "none", "plan" or "factors";
@@ -77,7 +79,10 @@ def direct(A: Any, b: Any, *, symmetric: bool | None = None, rtol: float | None 
         prepared = DirectEngine().prepare(A, options, None)
     except Singular as exc:
         return Outcome(None, BREAKDOWN, 0, float("nan"), f"{SINGULAR} ({exc})")
-    return prepared.solve(b)
+    try:
+        return prepared.solve(b)
+    finally:
+        prepared.close()  # one solve: the factors go (on a GPU, back to cuDSS's cache)
 
 
 #: Steps of iterative refinement on the same factors before a direct solve
@@ -113,11 +118,15 @@ class PreparedDirect(Prepared):
         self._factor(A)
 
     def _factor(self, A: Any) -> None:
+        self._release_held()
         self.A = A
         xp = _backend.array_module(A.data if _is_sparse(A) else A)
         self.xp = xp
         self.how = ""
         self._lu: Any = None
+        # On a GPU, cuDSS's factors of A held for this engine (made at the first
+        # solve, which has the right-hand side nvmath needs); False: not to be had.
+        self._held: Any = None
         if xp is np:
             if _is_sparse(A):
                 self._lu, self.how = _OnLane.factorise(A, self.options.symmetric)
@@ -142,11 +151,60 @@ class PreparedDirect(Prepared):
         return int(lu.nnz * (item + 4) + 24 * self.n)  # L and U in CSC, permutations
 
     def close(self) -> None:
-        """Release the factors now (SuperLU's on the thread that made them)."""
+        """Release the factors now (SuperLU's on the thread that made them; cuDSS's to its cache)."""
         if isinstance(self._lu, _OnLane):
             self._lu.free()
         self._lu = None
+        self._release_held()
         super().close()
+
+    def _release_held(self) -> None:
+        held, self._held = getattr(self, "_held", None), None
+        for h in (held or {}).values():
+            if h:
+                h.release()
+
+    def _held_solve(self, b: Any) -> Any:
+        """``A^-1 b`` with cuDSS factors this engine holds (None where cuDSS cannot be had).
+
+        Held rather than looked up in the process's cache at each solve: two
+        open solvers whose matrices share a pattern (a heat and a Poisson
+        matrix of one mesh) would otherwise refactorise one cache entry in
+        turn. nvmath binds factors to a right-hand side's shape, so a vector
+        and each block width have their own. Closing the engine gives them
+        back to the cache.
+        """
+        from . import _cudss
+
+        if self._held is None:
+            self._held = {}
+        shape = b.shape[1:]
+        held = self._held.get(shape)
+        reused = "factors"
+        if held is None:
+            cudss = _cudss.default()
+            if cudss.nvmath is None:
+                self._held[shape] = False
+                return None
+            try:
+                held = cudss.hold(self.A.tocsr(), b, self.options.symmetric)
+            except Exception as exc:  # an unsupported type or version: the per-solve path
+                log.info("managed_solve: cuDSS through nvmath failed (%s); solving per call", exc)
+                self._held[shape] = False
+                return None
+            self._held[shape] = held
+            reused = held.reused
+        if held is False:
+            return None
+        try:
+            x = held.solve(b)
+        except Exception as exc:
+            log.info("managed_solve: a held cuDSS solve failed (%s); solving per call", exc)
+            held.discard()
+            self._held[shape] = False
+            return None
+        self.how, self._extra = "cuDSS (nvmath-python)", {"cudss_reused": reused}
+        return x
 
     def _apply(self, b: Any, trans: bool = False) -> Any:
         """``A^-1 b`` (``A^-T b`` with ``trans``) from the factors."""
@@ -159,7 +217,9 @@ class PreparedDirect(Prepared):
             return sla.lu_solve(self._lu, b, trans=1 if trans else 0, check_finite=False)
         M = A.T if trans else A
         if _is_sparse(M):
-            x, self.how, self._extra = gpu_sparse_solve(M.tocsr(), b, self.options.symmetric)
+            x = None if trans else self._held_solve(b)
+            if x is None:
+                x, self.how, self._extra = gpu_sparse_solve(M.tocsr(), b, self.options.symmetric)
             return x
         self.how = "cupy.linalg.solve"
         return _dense_lu(M, b)
@@ -306,20 +366,66 @@ class _OnLane:
         self.free()
 
 
+#: Symmetric matrices with at least this many rows are ordered by nested
+#: dissection (:mod:`managed_solve.kernels.ordering`) before SuperLU. On
+#: unstructured meshes (and 3-D grids) it fills in less than SuperLU's
+#: minimum degree from a few thousand rows, and the gap grows with n (a
+#: sphere mesh of 164k vertices: 19M factor entries against 94M); on 2-D
+#: grids minimum degree fills in a little less up to some 50k rows.
+NESTED_DISSECTION_MIN_ROWS = 20_000
+
+
 def _superlu(A: Any, symmetric: bool | None) -> tuple[Any, str]:
     import scipy.sparse.linalg as sla
 
+    perm = None
     if symmetric:
-        # Minimum degree on A^T + A with diagonal pivoting preferred: the
-        # ordering SuperLU recommends for (nearly) symmetric matrices.
-        spec, opts = "MMD_AT_PLUS_A", {"SymmetricMode": True, "DiagPivotThresh": 0.01}
+        # Diagonal pivoting preferred, and the column order mirrored on the rows:
+        # what SuperLU recommends for (nearly) symmetric matrices.
+        opts = {"SymmetricMode": True, "DiagPivotThresh": 0.01}
+        if A.shape[0] >= NESTED_DISSECTION_MIN_ROWS:
+            from ..kernels.ordering import nested_dissection
+
+            perm = nested_dissection(A.indptr, A.indices)
+        spec = "NATURAL" if perm is not None else "MMD_AT_PLUS_A"
     else:
         spec, opts = "COLAMD", {}
     try:
-        lu = sla.splu(A.tocsc(), permc_spec=spec, options=opts)
+        if perm is None:
+            return sla.splu(A.tocsc(), permc_spec=spec, options=opts), f"SuperLU ({spec})"
+        lu = sla.splu(permuted(A, perm).tocsc(), permc_spec=spec, options=opts)
     except RuntimeError as exc:  # "Factor is exactly singular"
         raise Singular(str(exc)) from exc
-    return lu, f"SuperLU ({spec})"
+    return _PermutedLU(lu, perm), "SuperLU (nested dissection)"
+
+
+def permuted(A: Any, perm: np.ndarray) -> Any:
+    """``A[perm][:, perm]`` of a host CSR matrix (rows gathered, columns renumbered; unsorted)."""
+    inverse = np.empty_like(perm)
+    inverse[perm] = np.arange(perm.shape[0], dtype=perm.dtype)
+    B = A[perm]
+    B.indices = inverse[B.indices].astype(B.indices.dtype, copy=False)
+    B.has_sorted_indices = False
+    return B
+
+
+class _PermutedLU:
+    """SuperLU's factors of ``A[perm][:, perm]``, solving with A: ``x[perm] = LU^-1 b[perm]``."""
+
+    __slots__ = ("lu", "perm")
+
+    def __init__(self, lu: Any, perm: np.ndarray):
+        self.lu, self.perm = lu, perm
+
+    @property
+    def nnz(self) -> int:
+        return int(self.lu.nnz)
+
+    def solve(self, b: Any, trans: str = "N") -> Any:
+        y = self.lu.solve(np.ascontiguousarray(b[self.perm]), trans=trans)
+        x = np.empty_like(y)
+        x[self.perm] = y
+        return x
 
 
 def _dense_lu(A: Any, b: Any) -> Any:

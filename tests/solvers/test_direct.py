@@ -77,6 +77,38 @@ def test_direct_orders_symmetric_matrices_for_symmetry():
     assert "COLAMD" in out.info["factorisation"]
 
 
+def test_large_symmetric_matrices_are_ordered_by_nested_dissection():
+    """From NESTED_DISSECTION_MIN_ROWS rows: SuperLU on the permuted matrix, answers for A and A^T."""
+    from managed_solve import Solver
+    from managed_solve.solvers.direct import NESTED_DISSECTION_MIN_ROWS, DirectEngine
+    from managed_solve.solvers.engine import Options
+
+    m = int(np.ceil(np.sqrt(NESTED_DISSECTION_MIN_ROWS)))
+    A = poisson2d(m)
+    # A non-symmetric diagonal scaling of a symmetric pattern checks the
+    # transposed solve through the permutation too.
+    D = sp.diags(np.linspace(1.0, 2.0, m * m))
+    rng = np.random.default_rng(0)
+    B = rng.standard_normal((m * m, 3))
+    out = direct(A, B[:, 0], symmetric=True)
+    assert out.info["factorisation"] == "SuperLU (nested dissection)"
+    np.testing.assert_allclose(out.x, sla.spsolve(A.tocsc(), B[:, 0]), rtol=1e-10, atol=1e-12)
+    with Solver(A, method="direct", rtol=1e-10, device="cpu") as solver:
+        res = solver.solve(B)
+    assert res.converged and res.info["path"] == "direct"
+    np.testing.assert_allclose(res.x, sla.splu(A.tocsc()).solve(B), rtol=1e-9, atol=1e-12)
+    # The engine trusts its symmetric flag: a non-symmetric matrix of symmetric
+    # pattern is ordered alike, and its transposed solve goes through the
+    # same permutation.
+    S = (D @ A).tocsr()
+    prepared = DirectEngine().prepare(S, Options("direct", rtol=1e-10, symmetric=True), None)
+    assert prepared.how == "SuperLU (nested dissection)"
+    for got, M in ((prepared.solve(B[:, 1]), S), (prepared.solve_transpose(B[:, 1]), S.T)):
+        assert got.code == 0
+        np.testing.assert_allclose(got.x, sla.spsolve(M.tocsc(), B[:, 1]), rtol=1e-9, atol=1e-12)
+    prepared.close()
+
+
 def test_direct_dense():
     A = poisson2d(6).toarray()
     b = np.arange(36.0)
@@ -344,6 +376,69 @@ def test_cudss_reuses_analysis_and_factors():
     for k in range(3):
         np.testing.assert_allclose(out[k], x_true, rtol=1e-9, atol=1e-9)
     assert release_factorisations() >= 1
+
+
+def test_cudss_held_factors_are_not_shared_and_go_back_to_the_cache(fake_cudss):
+    """Two holders of one pattern keep their own factors; released, the cache keeps one of them."""
+    fake, cudss = fake_cudss
+    A = poisson2d(8)
+    B = (A * 2.0 + sp.identity(64)).tocsr()  # the same pattern, other values
+    b = np.random.default_rng(4).standard_normal(64)
+    ha = cudss.hold(A, b, True)
+    hb = cudss.hold(B, b, True)
+    assert (ha.reused, hb.reused) == ("none", "none") and fake.plans == 2
+    for _ in range(3):  # in turn, as a heat and a Poisson solve of one mesh
+        np.testing.assert_allclose(A @ ha.solve(b), b, rtol=1e-10, atol=1e-10)
+        np.testing.assert_allclose(B @ hb.solve(b), b, rtol=1e-10, atol=1e-10)
+    assert (fake.plans, fake.factorizations) == (2, 2)  # no refactorisation in turn
+    ha.release()
+    hb.release()  # the same key: the one released first is freed, not lost
+    assert fake.frees == 1
+    with pytest.raises(RuntimeError, match="released"):
+        ha.solve(b)
+    assert cudss.solve(B, b, True)[1] == "factors"  # the cache kept the last
+    again = cudss.hold(A, b, True)
+    assert again.reused == "plan"  # its pattern: refactorised, not planned
+    np.testing.assert_allclose(A @ again.solve(b), b, rtol=1e-10, atol=1e-10)
+    again.release()
+    assert cudss.release() == 1 and fake.frees == 2
+    never = cudss.hold(A, b, True)  # held, discarded unsolved (a failed solve): freed, not kept
+    never.discard()
+    assert fake.frees == 3 and cudss.release() == 0
+
+
+@pytest.mark.gpu
+def test_cudss_solvers_of_one_pattern_keep_their_own_factors():
+    """Two open direct Solvers (a heat and a Poisson matrix of one mesh) never refactorise in turn."""
+    pytest.importorskip("nvmath.sparse.advanced")
+    from managed_solve import Solver, _backend
+    from managed_solve.solvers import release_factorisations
+
+    cp = _backend.cupy()
+    release_factorisations()
+    A = poisson2d(40)
+    B = (A * 2.0 + sp.identity(A.shape[0])).tocsr()  # the same pattern, other values
+    x_true = np.random.default_rng(6).standard_normal(A.shape[0])
+    Ad, bd = on("cuda", A, A @ x_true)
+    Bd, cd = on("cuda", B, B @ x_true)
+    reused = []
+    with Solver(Ad, method="direct", device="cuda:0") as sa, \
+            Solver(Bd, method="direct", device="cuda:0") as sb:
+        for _ in range(2):
+            ra, rb = sa.solve(bd), sb.solve(cd)
+            assert ra.converged and rb.converged
+            np.testing.assert_allclose(host(ra.x), x_true, rtol=1e-9, atol=1e-9)
+            np.testing.assert_allclose(host(rb.x), x_true, rtol=1e-9, atol=1e-9)
+            reused += [ra.info["cudss_reused"], rb.info["cudss_reused"]]
+            assert ra.info["factorisation"] == "cuDSS (nvmath-python)"
+        block = sa.solve(cp.stack([bd, 2.0 * bd], axis=1))  # columns of a row-major block
+        assert block.converged
+        np.testing.assert_allclose(host(block.x), np.stack([x_true, 2 * x_true], axis=1),
+                                   rtol=1e-9, atol=1e-9)
+        one = sa.solve(bd)
+        assert one.info["cudss_reused"] == "factors"
+    assert reused == ["none", "none", "factors", "factors"]
+    assert release_factorisations() == 1  # given back on close; one kept per pattern
 
 
 def test_cudss_failure_frees_the_entry_and_keeps_nothing(fake_cudss):
