@@ -101,8 +101,10 @@ def column_norms(xp: Any, V: Any) -> np.ndarray:
     [5.0, 5e+200, 0.0]
     """
     with np.errstate(over="ignore", under="ignore"):  # extremes are handled below
-        # einsum reads the block once without a temporary of its size.
-        sq = np.einsum("ij,ij->j", V, V) if xp is np else (V * V).sum(axis=0)
+        # einsum reads the block once without a temporary of its size; the sums
+        # run in float64 (a float32 column of many rows keeps its digits).
+        sq = np.einsum("ij,ij->j", V, V, dtype=np.float64) if xp is np else \
+            (V * V).sum(axis=0, dtype=np.float64)
         norms = np.asarray(_backend.to_host(xp.sqrt(sq)), dtype=np.float64)  # sync: one read
     lo, hi = SAFE_NORM_RANGE
     for j in np.flatnonzero(~((norms > lo) & (norms < hi))):  # extremes or zero columns only
