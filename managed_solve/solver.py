@@ -171,6 +171,7 @@ class Solver:
         self._reservation = reserve_for(mgr, nbytes, dev, system, planned)
         self.closed = False
         try:
+            placed_here = dev is not None  # the plan above already saw this device's kind
             if dev is None:
                 dev = self._reservation.device
             self.system = move_to(system, dev)
@@ -178,7 +179,8 @@ class Solver:
             self.manager = mgr
             self.symmetric = symmetric
             self.callback = callback
-            self.method = choose_method(self.system, dev.kind, symmetric=symmetric, rhs=rhs)
+            self.method = planned if placed_here and self.system is system else \
+                choose_method(self.system, dev.kind, symmetric=symmetric, rhs=rhs)
             M = choose_preconditioner(self.system, dev.kind, self.method, symmetric=symmetric)
             if M is not self.system.M:
                 self.system = with_preconditioner(self.system, M)
@@ -566,6 +568,7 @@ class Solver:
                         out.x = xs * (sb / self.a_scale)
                     _check_representable(out, xs)
                 out.residual_norm *= sb
+        peaks: dict[str, int] = {}  # bytes a solve by each method holds (the same every column)
         for (used, out), b, bn, tol, off in zip(finished, user_bs, b_norms, tols, outside,
                                                 strict=True):
             x = out.x
@@ -587,9 +590,11 @@ class Solver:
                            f"{tol:.3g}): no x solves the system; x is the least-squares "
                            f"solution orthogonal to the null space (||b - A x|| = {residual:.3g}).")
             if mgr is not None:
-                cost = float(system.nbytes + system.workspace_bytes(used)) * max(out.iterations, 1)
-                mgr.record(sig, seconds, peak_bytes=system.nbytes + system.workspace_bytes(used),
-                           device=dev, cost=cost, iterations=out.iterations
+                peak = peaks.get(used)
+                if peak is None:
+                    peak = peaks[used] = system.nbytes + system.workspace_bytes(used)
+                mgr.record(sig, seconds, peak_bytes=peak, device=dev,
+                           cost=float(peak) * max(out.iterations, 1), iterations=out.iterations
                            if status in (Status.CONVERGED, Status.MAXITER) else None)
             info = dict(out.info)
             info.setdefault("path", "generic" if used != "direct" else "direct")

@@ -123,6 +123,11 @@ def test_a_direct_block_is_judged_per_column_against_splu():
     with Solver(A, method="direct", rtol=1e-10, device="cpu") as solver:
         res = solver.solve(B)
         _as_separate_solves(solver, B, res)
+        ordinary = B[:, [0, 1, 3, 5, 7, 8]]
+        back = solver.solve_transpose(ordinary)  # A^T X = B on the same factors
+    assert back.converged
+    np.testing.assert_allclose(back.x, sla.splu(A.T.tocsc()).solve(ordinary), rtol=1e-8,
+                               atol=1e-12 * np.abs(back.x).max())
     assert res.converged and res.method == "direct" and res.info["columns"] == 9
     X = res.x
     assert X.shape == B.shape and X.flags.c_contiguous and not np.shares_memory(X, B)
