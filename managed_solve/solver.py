@@ -493,7 +493,7 @@ class Solver:
         A = system.A.T if transpose and (system.kind != "operator" or
                                          hasattr(system.A, "rmatvec")) else system.A
         xp = _backend.array_module(bs[0])
-        if block is not None:  # one pass and one read for every column
+        if block is not None and xp is np:  # one pass over the block for every column
             b_norms = column_norms(xp, block[0]).tolist()
         else:
             b_norms = [stable_norm(xp, b) for b in bs]  # sync: once, for the result

@@ -87,8 +87,8 @@ def stable_norm(xp: Any, v: Any) -> float:
 def column_norms(xp: Any, V: Any) -> np.ndarray:
     """Every column's ``||V[:, j]||`` of an (n, k) block, on the host (float64, k entries).
 
-    One pass over the block and one host read for all k columns, instead of
-    k reductions and k reads; a column whose norm lies outside
+    One pass over a host block (on a GPU one dot a column) and one host read
+    for all k columns, instead of k reads; a column whose norm lies outside
     :data:`SAFE_NORM_RANGE` (overflowed, underflowed, or zero) is measured
     again by :func:`stable_norm`, so every entry is what :func:`stable_norm`
     of that column gives, to rounding.
@@ -101,10 +101,12 @@ def column_norms(xp: Any, V: Any) -> np.ndarray:
     [5.0, 5e+200, 0.0]
     """
     with np.errstate(over="ignore", under="ignore"):  # extremes are handled below
-        # einsum reads the block once without a temporary of its size; the sums
+        # einsum reads the block once without a temporary of its size; its sums
         # run in float64 (a float32 column of many rows keeps its digits).
-        sq = np.einsum("ij,ij->j", V, V, dtype=np.float64) if xp is np else \
-            (V * V).sum(axis=0, dtype=np.float64)
+        if xp is np:
+            sq = np.einsum("ij,ij->j", V, V, dtype=np.float64)
+        else:  # a dot a column, read together: no temporary of the block's size on the device
+            sq = xp.stack([xp.dot(V[:, j], V[:, j]) for j in range(V.shape[1])])
         norms = np.asarray(_backend.to_host(xp.sqrt(sq)), dtype=np.float64)  # sync: one read
     lo, hi = SAFE_NORM_RANGE
     for j in np.flatnonzero(~((norms > lo) & (norms < hi))):  # extremes or zero columns only

@@ -43,6 +43,19 @@ def test_column_norms_equal_stable_norm_of_every_column_extremes_included():
                                rtol=1e-5)
 
 
+@pytest.mark.gpu
+def test_column_norms_on_a_gpu_equal_stable_norm_of_every_column():
+    import cupy as cp
+
+    V = _block(5000, 6, seed=9)
+    V[:, 1] *= 1e200
+    V[:, 2] = 0.0
+    got = column_norms(cp, cp.asarray(V))
+    assert isinstance(got, np.ndarray) and got.dtype == np.float64
+    np.testing.assert_allclose(got, [stable_norm(np, V[:, j].copy()) for j in range(6)],
+                               rtol=1e-12)
+
+
 @pytest.mark.parametrize("step", [1, 3, 4, 64])
 @pytest.mark.parametrize("trans", [False, True])
 def test_a_block_in_pieces_matches_splu_on_the_whole_block(step, trans):
