@@ -144,6 +144,12 @@ class Settings:
         sweep ends at a barrier that waits for the slowest thread, which on
         a small host shared with other processes costs more than the second
         core gives.
+    lu_solve_columns : int
+        Columns a host LU (SuperLU) solves a call when it solves a block of
+        right-hand sides: in pieces this narrow BLAS keeps each supernode's
+        small products on the calling thread, where with wider pieces it
+        hands them to its threads at a cost above the work
+        (:mod:`managed_solve.solvers.direct`).
     """
 
     work_stealing: bool = True
@@ -183,6 +189,8 @@ class Settings:
     host_parallel_min_work: float = 2e5
     host_row_parallel_min_rows: int = 1 << 18
     host_row_parallel_min_cores: int = 4
+    # -- direct solves on the host (solvers/direct.py)
+    lu_solve_columns: int = 4
 
     def replace(self, **changes) -> Settings:
         """A copy with ``changes`` applied (names checked, see :func:`override`)."""

@@ -24,9 +24,15 @@ from .devices import Device
 from .placement import move_to, named_device, reserve_for
 from .result import SolveResult, Status
 from .solvers import batched
-from .solvers._common import power_of_two_scale, stable_norm, stop_threshold, true_residual_norm
+from .solvers._common import (
+    column_norms,
+    power_of_two_scale,
+    stable_norm,
+    stop_threshold,
+    true_residual_norm,
+)
 from .solvers.direct import SINGULAR, DirectEngine, Singular
-from .solvers.engine import BREAKDOWN, MAXITER, Options, Outcome, Prepared
+from .solvers.engine import BREAKDOWN, MAXITER, BlockOutcomes, Options, Outcome, Prepared
 from .solvers.krylov import KrylovEngine
 from .solvers.verify import fall_back, no_worse_than_the_start, refine, stagnated, status_of
 from .system import FALLBACK, LinearSystem
@@ -165,6 +171,7 @@ class Solver:
         self._reservation = reserve_for(mgr, nbytes, dev, system, planned)
         self.closed = False
         try:
+            placed_here = dev is not None  # the plan above already saw this device's kind
             if dev is None:
                 dev = self._reservation.device
             self.system = move_to(system, dev)
@@ -172,7 +179,8 @@ class Solver:
             self.manager = mgr
             self.symmetric = symmetric
             self.callback = callback
-            self.method = choose_method(self.system, dev.kind, symmetric=symmetric, rhs=rhs)
+            self.method = planned if placed_here and self.system is system else \
+                choose_method(self.system, dev.kind, symmetric=symmetric, rhs=rhs)
             M = choose_preconditioner(self.system, dev.kind, self.method, symmetric=symmetric)
             if M is not self.system.M:
                 self.system = with_preconditioner(self.system, M)
@@ -430,20 +438,27 @@ class Solver:
                   name: str | None = None) -> SolveResult:
         """One right-hand side already of the solver's dtype on its device (no validation)."""
         self._check_open()
-        return self._run([b], None if x0 is None else [x0], transpose, name)[0]
+        return self._run([b], None if x0 is None else [x0], transpose, name)[0][0]
 
     def _solve_block(self, B: Any, X0: Any, *, transpose: bool) -> SolveResult:
         """k right-hand sides solved together: one result with (n, k) x and per-column figures."""
         k = B.shape[1]
         t0 = time.perf_counter()
         xp = _backend.array_module(B)
-        # Contiguous columns: GPU kernels read a vector as one stretch of memory,
-        # and a column of a row-major block is strided.
-        cols = self._run([xp.ascontiguousarray(B[:, j]) for j in range(k)],
-                         None if X0 is None else [xp.ascontiguousarray(X0[:, j]) for j in range(k)],
-                         transpose, None, block=(B, X0))
+        # Contiguous columns: GPU kernels and the Krylov engines' restarts read a
+        # vector as one stretch of memory, and a column of a row-major block is
+        # strided. A host factorisation solves and judges the block as a whole
+        # and reads its columns only where one needs more, so views do there.
+        views = xp is np and self.method == "direct"
+
+        def columns(M: Any) -> list:
+            return [M[:, j] if views else xp.ascontiguousarray(M[:, j]) for j in range(k)]
+
+        cols, X = self._run(columns(B), None if X0 is None else columns(X0), transpose, None,
+                            block=(B, X0))
         seconds = time.perf_counter() - t0
-        X = xp.stack([c.x for c in cols], axis=1) if all(c.x is not None for c in cols) else None
+        if X is None and all(c.x is not None for c in cols):
+            X = xp.stack([c.x for c in cols], axis=1)
         statuses = tuple(c.status for c in cols)
         bad = [j for j, st in enumerate(statuses) if st is not Status.CONVERGED]
         status = Status.CONVERGED if not bad else statuses[bad[0]]
@@ -464,15 +479,24 @@ class Solver:
                            self.system.name, info, column_status=statuses)
 
     def _run(self, bs: list, x0s: list | None, transpose: bool, name: str | None, *,
-             block: tuple | None = None) -> list[SolveResult]:
-        """Solve the columns ``bs`` (one engine call for a block), verify and fall back per column."""
+             block: tuple | None = None) -> tuple[list[SolveResult], Any]:
+        """Solve the columns ``bs`` (one engine call for a block), verify and fall back per column.
+
+        Returns the results and, for a ``block`` whose engine answered with
+        one new (n, k) array (:class:`~managed_solve.solvers.engine.BlockOutcomes`)
+        that every column's answer still is, that array (else None: the
+        caller stacks the columns).
+        """
         system, dev, mgr = self.system, self.device, self.manager
         method = self.method
         # An operator's transpose exists where it has rmatvec (else the engine refuses).
         A = system.A.T if transpose and (system.kind != "operator" or
                                          hasattr(system.A, "rmatvec")) else system.A
         xp = _backend.array_module(bs[0])
-        b_norms = [stable_norm(xp, b) for b in bs]  # sync: once a column, for the result
+        if block is not None and xp is np:  # one pass over the block for every column
+            b_norms = column_norms(xp, block[0]).tolist()
+        else:
+            b_norms = [stable_norm(xp, b) for b in bs]  # sync: once, for the result
         tols = [stop_threshold(system.rtol, system.atol, bn) for bn in b_norms]
         # A singular A with a known null space: solve for b's part in A's range
         # (the rest is what no x can reach), return x orthogonal to the null space.
@@ -503,6 +527,8 @@ class Solver:
         sig = (*system.signature[:3], method, system.kind, system.rtol)
         first_check = mgr.predict(sig, device=dev).iterations if mgr is not None else None
         results: list[SolveResult] = []
+        outs: Any = None
+        kept: list | None = None
         t0 = time.perf_counter()
         try:
             dev.check_fault(system.nbytes)
@@ -513,6 +539,8 @@ class Solver:
                 elif block is not None:
                     B, X0 = block
                     outs = prepared.solve_transpose(B, X0) if transpose else prepared.solve(B, X0)
+                    if isinstance(outs, BlockOutcomes):
+                        kept = [out.x for out in outs]
                 else:
                     x0 = None if x0s is None else x0s[0]
                     outs = [prepared.solve_transpose(bs[0], x0) if transpose
@@ -528,7 +556,7 @@ class Solver:
             return [SolveResult(None, Status.DEVICE_ERROR, 0, float("nan"), bn, str(dev), seconds,
                                 method, f"out of memory on {dev}: {exc}. Free memory there or let "
                                 "the manager choose (device=None).", name or system.name)
-                    for bn in b_norms]
+                    for bn in b_norms], None
         seconds = (time.perf_counter() - t0) / len(bs)
         if scaled:
             A = system.A.T if transpose and system.kind != "operator" else system.A
@@ -540,6 +568,7 @@ class Solver:
                         out.x = xs * (sb / self.a_scale)
                     _check_representable(out, xs)
                 out.residual_norm *= sb
+        peaks: dict[str, int] = {}  # bytes a solve by each method holds (the same every column)
         for (used, out), b, bn, tol, off in zip(finished, user_bs, b_norms, tols, outside,
                                                 strict=True):
             x = out.x
@@ -561,9 +590,11 @@ class Solver:
                            f"{tol:.3g}): no x solves the system; x is the least-squares "
                            f"solution orthogonal to the null space (||b - A x|| = {residual:.3g}).")
             if mgr is not None:
-                cost = float(system.nbytes + system.workspace_bytes(used)) * max(out.iterations, 1)
-                mgr.record(sig, seconds, peak_bytes=system.nbytes + system.workspace_bytes(used),
-                           device=dev, cost=cost, iterations=out.iterations
+                peak = peaks.get(used)
+                if peak is None:
+                    peak = peaks[used] = system.nbytes + system.workspace_bytes(used)
+                mgr.record(sig, seconds, peak_bytes=peak, device=dev,
+                           cost=float(peak) * max(out.iterations, 1), iterations=out.iterations
                            if status in (Status.CONVERGED, Status.MAXITER) else None)
             info = dict(out.info)
             info.setdefault("path", "generic" if used != "direct" else "direct")
@@ -574,7 +605,9 @@ class Solver:
             info["host_syncs"] = out.host_syncs
             results.append(SolveResult(x, status, out.iterations, residual, bn, str(dev), seconds,
                                        used, message, name or system.name, info))
-        return results
+        whole = kept is not None and all(
+            r.x is x for r, x in zip(results, kept, strict=True)) and outs.x is not None
+        return results, outs.x if whole else None
 
     def _verify(self, method: str, prepared: Any, b: Any, x0: Any, out: Outcome, tol: float,
                 transpose: bool, A: Any) -> tuple[str, Outcome]:
@@ -601,6 +634,10 @@ class Solver:
             log.info("managed_solve: %s did not solve (%s); auto falls back to %s",
                      method, out.message, fallback)
             spent = out.iterations
+            # The engines read a right-hand side as one stretch of memory.
+            xp = _backend.array_module(b)
+            b = xp.ascontiguousarray(b)
+            x0 = None if x0 is None else xp.ascontiguousarray(x0)
             then = self._engine(fallback)
             if isinstance(then, Outcome):
                 again = _failed(then)

@@ -9,7 +9,15 @@ import scipy.sparse.linalg as sla
 
 import managed_solve as ms
 from managed_solve import DeviceManager, Solver, Status, solve
-from tests._problems import BACKENDS, convection_diffusion, host, on, poisson2d
+from tests._problems import (
+    BACKENDS,
+    convection_diffusion,
+    host,
+    laplacian1d,
+    neumann2d,
+    on,
+    poisson2d,
+)
 
 METHODS = ["direct", "cg", "bicgstab", "gmres", "minres"]
 
@@ -79,6 +87,98 @@ def test_per_column_status_when_one_column_runs_out_of_iterations():
         res = solver.solve(B)
     assert res.column_status[1] is Status.MAXITER
     assert res.status is Status.MAXITER and "columns did not converge" in res.message
+
+
+def _scaled_norm(v):
+    s = np.abs(v).max()
+    return 0.0 if s == 0 else s * np.linalg.norm(v / s)
+
+
+def _as_separate_solves(solver, B, res):
+    """Every column of the block result is what a solve of that column alone gives."""
+    alone = [solver.solve(B[:, j].copy()) for j in range(B.shape[1])]
+    assert res.column_status == tuple(r.status for r in alone)
+    eps = np.finfo(B.dtype).eps  # norms summed in another order differ by rounding
+    np.testing.assert_allclose(res.b_norm, [r.b_norm for r in alone], rtol=100 * eps)
+    # Residuals at rounding level differ by rounding; larger ones agree.
+    scale = np.array([r.b_norm for r in alone])
+    np.testing.assert_array_less(np.abs(res.residual_norm - [r.residual_norm for r in alone]),
+                                 1e-3 * res.residual_norm + 100 * eps * scale + 1e-300)
+    for j, r in enumerate(alone):
+        if r.x is not None:
+            tol = 1e-8 if B.dtype == np.float64 else 1e-4
+            np.testing.assert_allclose(res.x[:, j], r.x, rtol=tol, atol=tol * np.abs(r.x).max())
+    return alone
+
+
+def test_a_direct_block_is_judged_per_column_against_splu():
+    """Zero, huge and tiny columns beside ordinary ones: each judged by its own true residual."""
+    A = convection_diffusion(13)
+    n = A.shape[0]
+    B = _block(n, 9, seed=5)
+    B[:, 2] = 0.0
+    B[:, 4] *= 1e200  # solved scaled by a power of two, scaled back
+    B[:, 6] *= 1e-200
+    ref = sla.splu(A.tocsc()).solve(B)
+    with Solver(A, method="direct", rtol=1e-10, device="cpu") as solver:
+        res = solver.solve(B)
+        _as_separate_solves(solver, B, res)
+        ordinary = B[:, [0, 1, 3, 5, 7, 8]]
+        back = solver.solve_transpose(ordinary)  # A^T X = B on the same factors
+    assert back.converged
+    np.testing.assert_allclose(back.x, sla.splu(A.T.tocsc()).solve(ordinary), rtol=1e-8,
+                               atol=1e-12 * np.abs(back.x).max())
+    assert res.converged and res.method == "direct" and res.info["columns"] == 9
+    X = res.x
+    assert X.shape == B.shape and X.flags.c_contiguous and not np.shares_memory(X, B)
+    for j in range(9):
+        r = _scaled_norm(B[:, j] - A @ X[:, j])
+        assert r <= 1e-10 * _scaled_norm(B[:, j]), j
+        assert res.residual_norm[j] == pytest.approx(r, rel=1e-3, abs=1e-300)
+        np.testing.assert_allclose(X[:, j], ref[:, j], rtol=1e-8,
+                                   atol=1e-12 * np.abs(ref[:, j]).max())
+    assert not X[:, 2].any() and res.iterations.tolist() == [1] * 9
+
+
+def test_a_float32_direct_block_short_of_rtol_keeps_x_and_says_so():
+    A = poisson2d(12, np.float32)
+    B = _block(144, 6, seed=6).astype(np.float32)
+    with Solver(A, method="direct", rtol=1e-9, device="cpu") as solver:
+        res = solver.solve(B)
+        _as_separate_solves(solver, B, res)
+    assert res.column_status == (Status.MAXITER,) * 6 and res.x.dtype == np.float32
+    assert "6 of 6 columns did not converge" in res.message and "float32" in res.message
+    assert np.all(res.relative_residual > 1e-9) and np.all(res.relative_residual < 1e-5)
+
+
+def test_auto_falls_back_from_a_singular_factorisation_for_a_block():
+    """An exactly singular LU under "auto": each column goes to the Krylov fallback."""
+    A = laplacian1d(30).tolil()
+    A[7, :] = 0.0
+    A[:, 7] = 0.0
+    A = A.tocsr()
+    A.eliminate_zeros()
+    B = A @ _block(30, 5, seed=7)  # consistent columns
+    with Solver(A, device="cpu") as solver:
+        assert solver.method == "direct"
+        res = solver.solve(B)
+    assert res.converged and res.method != "direct", res.message
+    for j in range(5):
+        assert np.linalg.norm(B[:, j] - A @ res.x[:, j]) <= 1e-8 * np.linalg.norm(B[:, j])
+
+
+def test_a_direct_block_with_a_null_space_projects_each_column():
+    A = neumann2d(10)
+    x_true = np.random.default_rng(8).standard_normal(100)
+    x_true -= x_true.mean()
+    b = A @ x_true
+    B = np.stack([b, b + 3.0, 2.0 * b], axis=1)
+    with Solver(A, method="direct", nullspace="constant", rtol=1e-10, device="cpu") as solver:
+        res = solver.solve(B)
+        _as_separate_solves(solver, B, res)
+    assert res.column_status == (Status.CONVERGED, Status.LEAST_SQUARES, Status.CONVERGED)
+    np.testing.assert_allclose(res.x, np.stack([x_true, x_true, 2 * x_true], axis=1), rtol=1e-6,
+                               atol=1e-8)
 
 
 @pytest.mark.parametrize("method", ["direct", "cg", "gmres"])

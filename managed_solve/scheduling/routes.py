@@ -27,7 +27,7 @@ from ..devices import Device
 from ..manager import DeviceManager
 from ..result import SlicedResult, SolveResult, Status
 from ..solver import Solver
-from ..solvers._common import SAFE_NORM_RANGE, stable_norm
+from ..solvers._common import SAFE_NORM_RANGE, column_norms, stable_norm
 from ..solvers.direct import SINGULAR, DirectEngine, Singular, direct
 from ..solvers.engine import BREAKDOWN, CONVERGED, Options, Outcome
 from ..solvers.verify import FALL_BACK, RESTART, STATUS, fallback_for, verdict
@@ -335,6 +335,67 @@ def host_lu(s: LinearSystem, symmetric: bool, manager: DeviceManager | None = No
     if out.x is not None and engine is not None and keep is not None:
         keep(engine)
     return lu_result(out, s.name, bn, seconds)
+
+
+def host_lus(systems: Sequence[LinearSystem], symmetric: bool,
+             manager: DeviceManager | None, factors: FactorCache,
+             keeps: Sequence[Callable[[Any], None] | None]) -> list[SolveResult]:
+    """:func:`host_lu` of each system; those sharing a matrix object solved as one block.
+
+    The systems of a matrix object are the columns of one (n, k) block on
+    its factors (:meth:`~managed_solve.solvers.direct.PreparedDirect.solve_to`),
+    each judged by its own tolerance: one call a few columns at a time
+    instead of k one-column solves, whose BLAS matrix-vector products go to
+    BLAS threads that on shared cores cost more than the products.
+    ``keeps[j]`` is system j's ``keep`` of :func:`host_lu`.
+    """
+    by_matrix: dict[int, list[int]] = {}
+    for j, s in enumerate(systems):
+        by_matrix.setdefault(id(s.A), []).append(j)
+    out: list[Any] = [None] * len(systems)
+    for members in by_matrix.values():
+        if len(members) == 1:
+            j = members[0]
+            out[j] = host_lu(systems[j], symmetric, manager, factors, keep=keeps[j])
+            continue
+        for j, res in zip(members, _host_lu_block([systems[j] for j in members], symmetric,
+                                                  manager, factors,
+                                                  [keeps[j] for j in members]), strict=True):
+            out[j] = res
+    return out
+
+
+def _host_lu_block(systems: list[LinearSystem], symmetric: bool,
+                   manager: DeviceManager | None, factors: FactorCache,
+                   keeps: list) -> list[SolveResult]:
+    """:func:`host_lu` of systems sharing one matrix object, their b the columns of one block."""
+    t0 = time.perf_counter()
+    A = _backend.to_host(systems[0].A)
+    B = np.stack([np.asarray(_backend.to_host(s.b)) for s in systems], axis=1)
+    b_norms = column_norms(np, B).tolist()
+    engine = None
+    try:
+        engine = factors.prepared(A, symmetric)
+        outs = engine.solve_to(B, [s.rtol for s in systems], [s.atol for s in systems])
+    except Singular as exc:
+        outs = [Outcome(None, BREAKDOWN, 0, float("nan"), f"{SINGULAR} ({exc})")
+                for _ in systems]
+    seconds = (time.perf_counter() - t0) / len(systems)
+    results = []
+    for s, out, bn, keep in zip(systems, outs, b_norms, keeps, strict=True):
+        if out.x is None and verdict(s, "direct", out.code, out.residual_norm, bn) == FALL_BACK:
+            then = fallback_for(s, "direct", symmetric)
+            res = solve_alone(s, None, then, manager.cpu if manager is not None else "cpu",
+                              manager)
+            res.info["fallback_from"] = "direct"
+            results.append(res)
+            continue
+        if out.x is not None:
+            out.x = np.ascontiguousarray(out.x)  # its own vector, as a system solved alone has
+            if engine is not None and keep is not None:
+                keep(engine)
+        results.append(lu_result(out, s.name, bn, seconds))
+    return results
 
 
 def lu_result(out: Outcome, name: str | None, b_norm: float, seconds: float) -> SolveResult:

@@ -380,9 +380,10 @@ class Runner:
                                                   info=batch_info)
                 elif b.route == DIRECT:
                     symmetric = bool(b.group[2])
-                    out = [routes.host_lu(self.systems[i], symmetric, self.manager, self.factors,
-                                          keep=self._keeper(i, kept and kept.add_factors))
-                           for i in b.indices]
+                    out = routes.host_lus([self.systems[i] for i in b.indices], symmetric,
+                                          self.manager, self.factors,
+                                          [self._keeper(i, kept and kept.add_factors)
+                                           for i in b.indices])
                 else:
                     out = [routes.run_single(self.systems[i], dev, self.manager,
                                              keep=self._keeper(i, kept and kept.add_solver))

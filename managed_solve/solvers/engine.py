@@ -56,6 +56,19 @@ class Outcome:
     info: dict = field(default_factory=dict)
 
 
+class BlockOutcomes(list):
+    """The k outcomes of one (n, k) block solve whose ``x`` are the columns of one new block.
+
+    ``x`` is that (n, k) block, made by this solve and owned by the caller
+    (never an engine's workspace): a caller whose columns all kept their
+    ``x`` can hand the block on as it is instead of stacking k columns again.
+    """
+
+    def __init__(self, x: Any, outcomes: Any = ()):
+        super().__init__(outcomes)
+        self.x = x
+
+
 @dataclass(frozen=True)
 class Options:
     """What a prepared engine needs besides the operator: method, preconditioner, stopping rule.

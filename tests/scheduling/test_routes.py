@@ -192,3 +192,84 @@ def test_solve_many_on_gpus_starts_the_cuda_modules_it_will_launch(monkeypatch):
     routes.prefetch_cuda_modules(systems, [cpu_device(), Device("sim", 0, "sim", 1 << 30)], "cg")
     routes.prefetch_cuda_modules(systems, gpus, "direct")
     assert calls == []
+
+
+def _spy_solve_to(monkeypatch):
+    from managed_solve.solvers.direct import PreparedDirect
+
+    shapes = []
+    real = PreparedDirect.solve_to
+    monkeypatch.setattr(PreparedDirect, "solve_to", lambda self, b, *a, **k: (
+        shapes.append(b.shape), real(self, b, *a, **k))[1])
+    return shapes
+
+
+def test_systems_sharing_a_matrix_are_solved_as_blocks_each_to_its_own_tolerance(monkeypatch):
+    """The systems of one matrix object in a batch are one block on its factors; each column is
+    judged by its own system's tolerance, as solved alone, and gets a vector of its own."""
+    shapes = _spy_solve_to(monkeypatch)
+    A, other = poisson2d(20), poisson2d(15)
+    rng = np.random.default_rng(6)
+    tolerances = [(1e-10, 0.0), (1e-12, 0.0), (1e-11, 0.0), (1e-20, 0.0), (1e-20, 1e-3)] * 3
+    systems = [LinearSystem(A, rng.standard_normal(400), rtol=r, atol=a, name=f"a{k}")
+               for k, (r, a) in enumerate(tolerances)]
+    systems += [LinearSystem(other, rng.standard_normal(225), rtol=1e-10, name=f"o{k}")
+                for k in range(12)]
+    res = solve_many(systems, manager=DeviceManager(["cpu"]))
+    assert all(r.method == "direct" for r in res)
+    assert any(len(s) == 2 and s[1] > 1 for s in shapes)  # blocks, not one column a call
+    assert sum(s[1] if len(s) == 2 else 1 for s in shapes) == len(systems)
+    refs = {id(A): spla.splu(A.tocsc()), id(other): spla.splu(other.tocsc())}
+    symmetric = True
+    for s, r in zip(systems, res, strict=True):
+        x = r.to_numpy()
+        assert x.flags.c_contiguous and x.shape == (s.n,)
+        alone = routes.host_lu(s, symmetric)
+        assert (r.status, r.name) == (alone.status, s.name)
+        assert r.residual_norm == pytest.approx(np.linalg.norm(s.b - s.A @ x), rel=1e-3,
+                                                abs=1e-14 * np.linalg.norm(s.b))
+        tol = max(s.rtol * np.linalg.norm(s.b), s.atol)
+        # Converged exactly when the true residual meets the system's own tolerance.
+        assert r.converged == (np.linalg.norm(s.b - s.A @ x) <= tol * (1 + 1e-6)), s.name
+        ref = refs[id(s.A)].solve(s.b)
+        np.testing.assert_allclose(x, ref, rtol=1e-6, atol=1e-9 * np.abs(ref).max())
+    # An rtol float64 cannot meet: x kept, an honest status; with an atol it converges.
+    assert res[3].status is Status.MAXITER and res[4].converged
+    xs = [r.to_numpy() for r in res]
+    assert not any(np.shares_memory(xs[i], xs[j]) for i in range(len(xs)) for j in range(i))
+
+
+def test_a_singular_shared_matrix_falls_back_for_every_system_of_its_block(monkeypatch):
+    alone = []
+    real = routes.host_lu
+    monkeypatch.setattr(routes, "host_lu", lambda s, *a, **k: alone.append(s) or real(s, *a, **k))
+    A = poisson2d(12).tolil()
+    A[7, :] = 0.0
+    A[:, 7] = 0.0
+    A = A.tocsr()
+    A.eliminate_zeros()
+    rng = np.random.default_rng(7)
+    systems = [LinearSystem(A, A @ rng.standard_normal(144), rtol=1e-9) for _ in range(6)]
+    res = solve_many(systems, manager=DeviceManager(["cpu"]))
+    assert alone == []  # none solved on its own: blocks
+    for s, r in zip(systems, res, strict=True):
+        assert r.converged and r.info.get("fallback_from") == "direct", r.message
+        assert np.linalg.norm(s.b - A @ r.to_numpy()) <= 1e-9 * np.linalg.norm(s.b)
+
+
+def test_gradients_through_a_block_of_systems_sharing_a_matrix(monkeypatch):
+    """b's gradients of systems solved as one block: adjoints on the block's kept factors."""
+    torch = pytest.importorskip("torch")
+    shapes = _spy_solve_to(monkeypatch)
+    A = poisson2d(9) + sp.diags(np.linspace(0.0, 0.5, 81), 1, shape=(81, 81))  # non-symmetric
+    A = A.tocsr()
+    rng = np.random.default_rng(8)
+    bs = [torch.tensor(rng.standard_normal(81), requires_grad=True) for _ in range(5)]
+    res = solve_many([LinearSystem(A, b, rtol=1e-12) for b in bs], manager=DeviceManager(["cpu"]))
+    assert all(r.method == "direct" for r in res) and any(len(s) == 2 for s in shapes)
+    w = torch.linspace(-1.0, 1.0, 81, dtype=torch.float64)
+    sum((r.to_torch() * w * (k + 1)).sum() for k, r in enumerate(res)).backward()
+    At = spla.splu(A.T.tocsc())
+    for k, b in enumerate(bs):
+        np.testing.assert_allclose(b.grad.numpy(), At.solve(w.numpy() * (k + 1)), rtol=1e-9,
+                                   atol=1e-12)
