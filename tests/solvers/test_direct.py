@@ -438,7 +438,9 @@ def test_cudss_solvers_of_one_pattern_keep_their_own_factors():
         one = sa.solve(bd)
         assert one.info["cudss_reused"] == "factors"
     assert reused == ["none", "none", "factors", "factors"]
-    assert release_factorisations() == 1  # given back on close; one kept per pattern
+    # Given back on close: one kept per pattern and right-hand side's shape
+    # (the vectors' and the block of two's).
+    assert release_factorisations() == 2
 
 
 def test_cudss_failure_frees_the_entry_and_keeps_nothing(fake_cudss):
