@@ -42,7 +42,7 @@ class CapturedCycle:
         raise NotImplementedError
 
     def apply(self, r: Any, dtype: Any = None) -> Any:
-        """``M r`` for one vector, as a new array of ``dtype`` (the hierarchy's by default)."""
+        """``M r`` for one vector (or the block a block cycle takes), as a new array of ``dtype``."""
         xp = self.xp
         xp.copyto(self.b[0], r, casting="unsafe")
         if self.graph is not None:
@@ -102,16 +102,28 @@ class VCycle(CapturedCycle):
     """One V-cycle over ``levels`` (matrices ``A`` and ``P`` in ``dtype``) and smoothers."""
 
     def __init__(self, xp: Any, mats: list[tuple[Any, Any]], smoothers: list[Any],
-                 coarse_inv: Any, dtype: Any):
+                 coarse_inv: Any, dtype: Any, columns: int | None = None,
+                 restrictions: list | None = None, order: str = "C"):
         self.xp = xp
         self.mats = mats  # (A, P) per level; P is None on the coarsest
         self.smoothers = smoothers  # one per level but the coarsest
         self.coarse_inv = coarse_inv
+        # ``columns``: a block cycle on (n, k) right-hand sides, every sparse
+        # product one SpMM over the k columns (the smoothers' scalings then
+        # have shape (n, 1)); ``order`` the blocks' memory order (the sparse
+        # library's). ``restrictions``: P^T of each level stored (an SpMM
+        # with a stored transpose beats one through P), else P.T is applied.
+        self.restrictions = restrictions
+        tail = () if columns is None else (int(columns),)
         sizes = [A.shape[0] for A, _ in mats]
-        self.x = [xp.zeros(n, dtype=dtype) for n in sizes]
-        self.b = [xp.zeros(n, dtype=dtype) for n in sizes]
-        self.res = [xp.zeros(n, dtype=dtype) for n in sizes]
-        self.d = [xp.zeros(n, dtype=dtype) for n in sizes]
+
+        def zeros(n: int) -> Any:
+            return xp.zeros((n, *tail), dtype=dtype, order=order)
+
+        self.x = [zeros(n) for n in sizes]
+        self.b = [zeros(n) for n in sizes]
+        self.res = [zeros(n) for n in sizes]
+        self.d = [zeros(n) for n in sizes]
         self.graph = None
         self._graph_keep: tuple = ()
 
@@ -124,8 +136,12 @@ class VCycle(CapturedCycle):
             self.smoothers[lv].apply(A, self.b[lv], self.x[lv], self.res[lv], self.d[lv],
                                      zero=True)
             xp.subtract(self.b[lv], A @ self.x[lv], out=self.res[lv])
-            xp.copyto(self.b[lv + 1], P.T @ self.res[lv])
-        xp.dot(self.coarse_inv, self.b[last], out=self.x[last])
+            R = P.T if self.restrictions is None else self.restrictions[lv]
+            xp.copyto(self.b[lv + 1], R @ self.res[lv])
+        if self.x[last].ndim == 1:
+            xp.dot(self.coarse_inv, self.b[last], out=self.x[last])
+        else:  # the coarsest block is small: a temporary, whatever its order
+            self.x[last][...] = self.coarse_inv @ self.b[last]
         for lv in range(last - 1, -1, -1):
             A, P = self.mats[lv]
             self.x[lv] += P @ self.x[lv + 1]

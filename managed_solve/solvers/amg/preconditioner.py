@@ -12,6 +12,7 @@ is ours, unless ``cycle="pyamg"`` hands the application to PyAMG's own
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -178,15 +179,19 @@ class AMGPreconditioner:
             self.levels[0].B = None  # the constants: refitting T makes them again
         self._make_cycle()
 
+    def _cast(self, M: Any) -> Any:
+        """``M`` with its values in the cycle's dtype (a copy only where it differs; indices shared)."""
+        dt = self.dtype
+        if M is None or M.dtype == dt:
+            return M
+        C = self.sparse.csr_matrix((M.data.astype(dt), M.indices, M.indptr), shape=M.shape)
+        C.indices, C.indptr = M.indices, M.indptr  # the constructor may have copied them
+        return C
+
     def _make_cycle(self) -> None:
         xp, dt = self.xp, self.dtype
-
-        def cast(M: Any) -> Any:  # the values in dt; the index arrays shared
-            if M is None or M.dtype == dt:
-                return M
-            C = self.sparse.csr_matrix((M.data.astype(dt), M.indices, M.indptr), shape=M.shape)
-            C.indices, C.indptr = M.indices, M.indptr  # the constructor may have copied them
-            return C
+        cast = self._cast
+        self._block: Any = None  # the block cycle of the last width used, made on use
 
         smoothers = []
         for lev in self.levels[:-1]:
@@ -237,12 +242,37 @@ class AMGPreconditioner:
     def __call__(self, r: Any) -> Any:
         """One V-cycle: ``M r`` (r of shape (n,) or (n, k)), in r's dtype."""
         if getattr(r, "ndim", 1) == 2:
-            return self.xp.stack([self(r[:, j]) for j in range(r.shape[1])], axis=1)
+            if self._pyamg_M is not None:
+                return self.xp.stack([self(r[:, j]) for j in range(r.shape[1])], axis=1)
+            return self._block_cycle(r.shape[1]).apply(r, r.dtype)
         if self._pyamg_M is not None:
             return self._pyamg_M.matvec(r).astype(r.dtype, copy=False)
         return self._cycle.apply(r, r.dtype)
 
     matvec = __call__
+
+    def _block_cycle(self, k: int) -> VCycle:
+        """The V-cycle on (n, k) blocks: each level's matrices read once for all k columns.
+
+        The same levels, smoothers and coarse inverse as the one-vector
+        cycle, every product an SpMM, so a block's columns get what k
+        one-vector cycles give (up to rounding) for about one cycle's matrix
+        traffic. Kept for the last width used (its vectors are k times a
+        cycle's).
+        """
+        if self._block is None or self._block.x[0].shape[1] != k:
+            c = self._cycle
+            mats = [(self._cast(lev.A), self._cast(lev.P)) for lev in self.levels]
+            smoothers = [dataclasses.replace(sm, dinv=sm.dinv[:, None]) for sm in c.smoothers]
+            on_host = self.xp is np
+            # cuSPARSE's SpMM reads and writes column-major blocks and is
+            # fastest with a stored transpose; SciPy's CSR products read rows.
+            restrictions = None if on_host else [None if P is None else P.T.tocsr()
+                                                 for _A, P in mats]
+            self._block = None  # the previous width's vectors go first
+            self._block = VCycle(self.xp, mats, smoothers, c.coarse_inv, self.dtype, columns=k,
+                                 restrictions=restrictions, order="C" if on_host else "F")
+        return self._block
 
     @property
     def fused_cycle(self) -> FusedCycle | None:

@@ -56,12 +56,3 @@ def test_cycle_reuses_its_vectors_and_returns_fresh_arrays(backend):
     before = [id(v) for v in M._cycle.x]  # noqa: SLF001 - the vectors are allocated once
     M(r)
     assert [id(v) for v in M._cycle.x] == before
-
-
-def test_two_dimensional_input_applies_the_cycle_per_column(backend):
-    A = poisson2d(20)
-    M = amg(on(backend, A), setup="native")
-    R = np.random.default_rng(1).standard_normal((A.shape[0], 3))
-    Z = host(M(on(backend, R)))
-    for j in range(3):
-        np.testing.assert_allclose(Z[:, j], host(M(on(backend, R[:, j].copy()))), rtol=1e-12)

@@ -171,6 +171,24 @@ def test_poisson_511_converges_in_at_most_30_iterations():
     assert np.linalg.norm(b - A @ res.x) <= 1e-8 * np.linalg.norm(b) * 1.0001
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_block_cycle_equals_one_cycle_per_column(backend, dtype):
+    # A block runs one cycle of SpMMs over its columns: each column gets what
+    # the one-vector cycle gives it, before and after new values.
+    A = poisson2d(63)
+    R = np.random.default_rng(3).standard_normal((A.shape[0], 5))
+    Ad, Rd = on(backend, A, R)
+    M = amg(Ad, setup="native", dtype=dtype)
+    tol = 1e-12 if dtype == np.float64 else 1e-5
+    for _ in range(2):
+        Z = host(M(Rd))
+        assert Z.shape == R.shape and Z.dtype == np.float64
+        cols = np.stack([host(M(Rd[:, j].copy())) for j in range(R.shape[1])], axis=1)
+        assert np.abs(Z - cols).max() <= tol * np.abs(cols).max()
+        M.update((A + sp.identity(A.shape[0])).tocsr())
+    assert host(M(Rd[:, :3])).shape == (A.shape[0], 3)  # another width: a cycle of its own
+
+
 def test_solver_with_amg_takes_a_block_of_right_hand_sides(backend):
     A = poisson2d(63)
     B = np.random.default_rng(2).standard_normal((A.shape[0], 3))
