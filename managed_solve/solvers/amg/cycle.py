@@ -102,23 +102,19 @@ class VCycle(CapturedCycle):
     """One V-cycle over ``levels`` (matrices ``A`` and ``P`` in ``dtype``) and smoothers."""
 
     def __init__(self, xp: Any, mats: list[tuple[Any, Any]], smoothers: list[Any],
-                 coarse_inv: Any, dtype: Any, columns: int | None = None,
-                 restrictions: list | None = None, order: str = "C"):
+                 coarse_inv: Any, dtype: Any, columns: int | None = None):
         self.xp = xp
         self.mats = mats  # (A, P) per level; P is None on the coarsest
         self.smoothers = smoothers  # one per level but the coarsest
         self.coarse_inv = coarse_inv
         # ``columns``: a block cycle on (n, k) right-hand sides, every sparse
         # product one SpMM over the k columns (the smoothers' scalings then
-        # have shape (n, 1)); ``order`` the blocks' memory order (the sparse
-        # library's). ``restrictions``: P^T of each level stored (an SpMM
-        # with a stored transpose beats one through P), else P.T is applied.
-        self.restrictions = restrictions
+        # have shape (n, 1)).
         tail = () if columns is None else (int(columns),)
         sizes = [A.shape[0] for A, _ in mats]
 
         def zeros(n: int) -> Any:
-            return xp.zeros((n, *tail), dtype=dtype, order=order)
+            return xp.zeros((n, *tail), dtype=dtype)
 
         self.x = [zeros(n) for n in sizes]
         self.b = [zeros(n) for n in sizes]
@@ -136,12 +132,8 @@ class VCycle(CapturedCycle):
             self.smoothers[lv].apply(A, self.b[lv], self.x[lv], self.res[lv], self.d[lv],
                                      zero=True)
             xp.subtract(self.b[lv], A @ self.x[lv], out=self.res[lv])
-            R = P.T if self.restrictions is None else self.restrictions[lv]
-            xp.copyto(self.b[lv + 1], R @ self.res[lv])
-        if self.x[last].ndim == 1:
-            xp.dot(self.coarse_inv, self.b[last], out=self.x[last])
-        else:  # the coarsest block is small: a temporary, whatever its order
-            self.x[last][...] = self.coarse_inv @ self.b[last]
+            xp.copyto(self.b[lv + 1], P.T @ self.res[lv])
+        xp.dot(self.coarse_inv, self.b[last], out=self.x[last])
         for lv in range(last - 1, -1, -1):
             A, P = self.mats[lv]
             self.x[lv] += P @ self.x[lv + 1]

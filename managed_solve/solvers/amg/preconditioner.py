@@ -242,9 +242,11 @@ class AMGPreconditioner:
     def __call__(self, r: Any) -> Any:
         """One V-cycle: ``M r`` (r of shape (n,) or (n, k)), in r's dtype."""
         if getattr(r, "ndim", 1) == 2:
-            if self._pyamg_M is not None:
-                return self.xp.stack([self(r[:, j]) for j in range(r.shape[1])], axis=1)
-            return self._block_cycle(r.shape[1]).apply(r, r.dtype)
+            if isinstance(self._cycle, VCycle) and self._pyamg_M is None:
+                return self._block_cycle(r.shape[1]).apply(r, r.dtype)
+            # The fused GPU cycle (a CUDA graph a vector) beats a cycle of
+            # library SpMMs over the block (figures in docs/performance.md).
+            return self.xp.stack([self(r[:, j]) for j in range(r.shape[1])], axis=1)
         if self._pyamg_M is not None:
             return self._pyamg_M.matvec(r).astype(r.dtype, copy=False)
         return self._cycle.apply(r, r.dtype)
@@ -252,26 +254,19 @@ class AMGPreconditioner:
     matvec = __call__
 
     def _block_cycle(self, k: int) -> VCycle:
-        """The V-cycle on (n, k) blocks: each level's matrices read once for all k columns.
+        """The host V-cycle on (n, k) blocks: each level's matrices read once for all k columns.
 
         The same levels, smoothers and coarse inverse as the one-vector
         cycle, every product an SpMM, so a block's columns get what k
-        one-vector cycles give (up to rounding) for about one cycle's matrix
-        traffic. Kept for the last width used (its vectors are k times a
-        cycle's).
+        one-vector cycles give (up to rounding) in less time on the host
+        (figures in docs/performance.md). Kept for the last width used (its
+        vectors are k times a cycle's).
         """
         if self._block is None or self._block.x[0].shape[1] != k:
             c = self._cycle
-            mats = [(self._cast(lev.A), self._cast(lev.P)) for lev in self.levels]
             smoothers = [dataclasses.replace(sm, dinv=sm.dinv[:, None]) for sm in c.smoothers]
-            on_host = self.xp is np
-            # cuSPARSE's SpMM reads and writes column-major blocks and is
-            # fastest with a stored transpose; SciPy's CSR products read rows.
-            restrictions = None if on_host else [None if P is None else P.T.tocsr()
-                                                 for _A, P in mats]
             self._block = None  # the previous width's vectors go first
-            self._block = VCycle(self.xp, mats, smoothers, c.coarse_inv, self.dtype, columns=k,
-                                 restrictions=restrictions, order="C" if on_host else "F")
+            self._block = VCycle(self.xp, c.mats, smoothers, c.coarse_inv, self.dtype, columns=k)
         return self._block
 
     @property
