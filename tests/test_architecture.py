@@ -172,3 +172,82 @@ def test_no_cuda_kind_strings_outside_the_backend():
                 if not module.startswith(CUDA_KIND_MODULES)
                 for line in _cuda_kind_comparisons(ast.parse(path.read_text(), str(path)))]
     assert not offences, "device kinds compared with 'cuda' outside the backend:\n" + "\n".join(offences)
+
+
+TESTS = Path(__file__).resolve().parent
+#: The calls that replace or remove a name for a test (pytest's ``monkeypatch``, ``mock.patch``).
+PATCHING = frozenset({"setattr", "delattr", "setitem", "delitem", "patch", "object"})
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _foreign_names(tree: ast.AST) -> set[str]:
+    """Names a test file binds by importing something other than managed_solve (os, numba, ...)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names
+                      if a.name.split(".")[0] != "managed_solve"}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 \
+                and (node.module or "").split(".")[0] not in ("managed_solve", "tests"):
+            names |= {a.asname or a.name for a in node.names}
+    return names
+
+
+def _private_patches(source: str) -> list[int]:
+    """Lines where a test patches a private name of managed_solve.
+
+    Caught: ``monkeypatch.setattr(obj, "_name", ...)`` on an object that is
+    not imported from another library; ``monkeypatch.setattr(mod._private,
+    "name", ...)`` (a private module or attribute reached through another);
+    and ``monkeypatch.setattr("managed_solve.x._name", ...)`` (any private
+    part of a dotted path). ``delattr``, ``setitem`` and ``mock.patch``
+    likewise.
+    """
+    tree = ast.parse(source)
+    foreign = _foreign_names(tree)
+    lines = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in PATCHING and node.args):
+            continue
+        target, rest = node.args[0], node.args[1:]
+        if isinstance(target, ast.Constant) and isinstance(target.value, str):
+            parts = target.value.split(".")
+            if parts[0] == "managed_solve" and any(map(_is_private, parts)):
+                lines.append(node.lineno)
+            continue
+        root, reached = target, []
+        while isinstance(root, ast.Attribute):
+            reached.append(root.attr)
+            root = root.value
+        if isinstance(root, ast.Name) and root.id in foreign:
+            continue
+        named = rest[0].value if rest and isinstance(rest[0], ast.Constant) else None
+        if any(map(_is_private, reached)) or (isinstance(named, str) and _is_private(named)):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_the_private_patch_check_sees_every_form():
+    found = _private_patches(
+        "import os\nfrom managed_solve.solvers import direct\n"
+        'monkeypatch.setattr(direct, "_superlu", f)\n'  # 3: a private function
+        'monkeypatch.setattr(threads._backend, "thread_pool", f)\n'  # 4: a private module reached
+        'monkeypatch.setattr("managed_solve.solvers.direct._superlu", f)\n'  # 5: by its path
+        'mp.delattr(Runner, "_regroup")\n'  # 6
+        'monkeypatch.setattr(direct, "superlu", f)\n'  # public: fine
+        'monkeypatch.setattr(os, "_exit", f)\n'  # another library's: not ours to judge
+        'monkeypatch.setattr("managed_solve.config.current", f)\n'
+        'monkeypatch.setitem(cuda._modules, k, v)\n')  # 10
+    assert found == [3, 4, 5, 6, 10]
+
+
+def test_tests_patch_no_private_name_of_the_package():
+    """Tests replace what the package offers as a seam (a parameter, a hook, a public function), never ``_names``."""
+    offences = [f"{path.relative_to(TESTS.parent)}:{line}" for path in sorted(TESTS.rglob("*.py"))
+                for line in _private_patches(path.read_text())]
+    assert not offences, ("tests patching private names of managed_solve (add a seam or test the "
+                          "behaviour through the public API):\n" + "\n".join(offences))

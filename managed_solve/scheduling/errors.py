@@ -26,7 +26,7 @@ class Regroup(Exception):
     """A deferred batch whose systems' methods differ, or some of whose tests failed.
 
     The runner delivers the failed ones as invalid inputs and runs the
-    others as one batch per method (:meth:`.runner.Runner._recover`).
+    others as one batch per method (:meth:`.runner.Runner.regroup`).
 
     Attributes
     ----------

@@ -172,8 +172,12 @@ class Runner:
                     e.group = b.group
         return method
 
-    def _regroup(self, b: Batch, dev: Device, exc: Regroup) -> list[tuple[str, Batch]]:
-        """A deferred batch of several methods: its invalid systems delivered, one batch per method."""
+    def regroup(self, b: Batch, dev: Device, exc: Regroup) -> list[tuple[str, Batch]]:
+        """A deferred batch of several methods: its invalid systems delivered, one batch per method.
+
+        Returns the new batches, each with the device whose queue it joins;
+        ``exc`` holds the systems of each method and those that failed.
+        """
         for i, error in exc.bad:
             self.deliver(i, invalid_result(error, i, self.systems[i]))
         out = []
@@ -485,7 +489,7 @@ class Runner:
     def _recover(self, b: Batch, dev: Device, exc: BaseException) -> list[tuple[str, Batch]]:
         """Split a failed batch and send the halves elsewhere, finally to the CPU."""
         if isinstance(exc, Regroup):
-            return self._regroup(b, dev, exc)
+            return self.regroup(b, dev, exc)
         # Device errors and plain RuntimeErrors (a driver or library failing
         # once) are retried on other devices, each device once, then the CPU.
         if not (is_device_error(exc) or type(exc) is RuntimeError):

@@ -400,7 +400,7 @@ class _OnLane:
     @classmethod
     def factorise(cls, A: Any, symmetric: bool | None) -> tuple[_OnLane, str]:
         lane = _backend.thread_lane("superlu", _backend.cpu_count())
-        lu, how = lane.submit(_superlu, A, symmetric).result()
+        lu, how = lane.submit(superlu, A, symmetric).result()
         return cls(lu, lane), how
 
     @property
@@ -459,7 +459,16 @@ class _OnLane:
 NESTED_DISSECTION_MIN_ROWS = 20_000
 
 
-def _superlu(A: Any, symmetric: bool | None) -> tuple[Any, str]:
+def superlu(A: Any, symmetric: bool | None) -> tuple[Any, str]:
+    """SuperLU's factors of a host CSR matrix, with the ordering and pivoting this engine uses.
+
+    Symmetric matrices: diagonal pivoting and a symmetric ordering (nested
+    dissection from :data:`NESTED_DISSECTION_MIN_ROWS` rows); others: COLAMD.
+    Returns the factors (``solve(b, trans)`` and ``nnz``) and how they were
+    made. :class:`PreparedDirect` calls it on a long-lived SuperLU lane,
+    the thread that must also free the factors.
+    Raises :class:`Singular` when SuperLU meets an exactly zero pivot.
+    """
     import scipy.sparse.linalg as sla
 
     perm = None

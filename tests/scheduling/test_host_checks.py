@@ -151,13 +151,13 @@ def test_a_deferred_batch_of_two_methods_runs_as_one_batch_per_method(monkeypatc
     from managed_solve.system.method import choose_method
 
     regrouped = []
-    real = Runner._regroup
+    real = Runner.regroup
 
     def spy(self, b, dev, exc):
         regrouped.append({m: len(ix) for m, ix in exc.by_method.items()})
         return real(self, b, dev, exc)
 
-    monkeypatch.setattr(Runner, "_regroup", spy)
+    monkeypatch.setattr(Runner, "regroup", spy)
     # float32 matrices with float64 right-hand sides: validation makes new
     # (float64) matrices, whose tests run beside the plan, their methods deferred.
     mats = [(poisson2d(m) if k % 2 else convection(m)).astype(np.float32)

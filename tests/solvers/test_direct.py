@@ -468,10 +468,30 @@ def test_superlu_factors_are_made_and_freed_on_a_long_lived_lane(monkeypatch):
     from managed_solve.solvers.engine import Options
 
     direct_module = importlib.import_module("managed_solve.solvers.direct")  # not the function
-    made_on = []
-    real = direct_module._superlu
-    monkeypatch.setattr(direct_module, "_superlu", lambda A, symmetric: made_on.append(
-        threading.current_thread().name) or real(A, symmetric))
+    made_on, freed_on, freed = [], [], threading.Event()
+
+    class Watched:
+        """The real factors, noting the thread that drops them."""
+
+        def __init__(self, lu):
+            self.lu = lu
+            self.nnz = lu.nnz
+
+        def solve(self, b, trans="N"):
+            return self.lu.solve(b, trans=trans)
+
+        def __del__(self):
+            freed_on.append(threading.current_thread().name)
+            freed.set()
+
+    real = direct_module.superlu
+
+    def spy(A, symmetric):
+        made_on.append(threading.current_thread().name)
+        lu, how = real(A, symmetric)
+        return Watched(lu), how
+
+    monkeypatch.setattr(direct_module, "superlu", spy)
     A = poisson2d(6)
     engines = []
     worker = threading.Thread(target=lambda: engines.append(
@@ -479,10 +499,10 @@ def test_superlu_factors_are_made_and_freed_on_a_long_lived_lane(monkeypatch):
     worker.start()
     worker.join()  # the thread that asked for the factors has ended
     (engine,) = engines
-    assert made_on and made_on[0].startswith("managed_solve-superlu")
+    assert len(made_on) == 1 and made_on[0].startswith("managed_solve-superlu")
     x = engine.solve_transpose(np.ones(36)).x  # solves run on any thread
     np.testing.assert_allclose(A.T @ x, np.ones(36), atol=1e-12)
-    box, lane = engine._lu._box, engine._lu._lane
+    assert not freed.is_set()
     engine.close()  # from this thread: the factor's last reference goes to its lane
-    lane.submit(lambda: None).result()  # the lane ran the release before this
-    assert box == []
+    assert freed.wait(60)  # the lane runs the release soon after
+    assert freed_on == made_on

@@ -21,6 +21,7 @@ import functools
 import math
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -125,10 +126,6 @@ def compile_module(device_id: int, dtype: Any, index_dtype: Any, *,
         return {k: mod.get_function(v) for k, v in names.items()}
 
 
-_lock = threading.Lock()
-# One future per (device, dtype, index dtype, family): a thread asking for a
-# module another thread is compiling waits for that compilation only.
-_modules: dict[tuple, Future] = {}
 # Other CUDA sources' kernels (raw_kernels), by device, source, names and options.
 _raw_lock = threading.Lock()
 _raw_modules: dict[tuple, dict[str, Any]] = {}
@@ -158,6 +155,86 @@ def _key(device_id: int, dtype: Any, index_dtype: Any, family: str) -> tuple:
     return (int(device_id), np.dtype(dtype).str, np.dtype(index_dtype).str, family)
 
 
+class ModuleCache:
+    """Compiled modules, one per (device, dtype, index dtype, family), each compiled once.
+
+    A thread asking for a module another thread is compiling waits for that
+    compilation only (one future per key). ``compiler`` is called as
+    ``compiler(device_id, dtype, index_dtype, family=family)`` and returns
+    the module's kernels by key (by default :func:`compile_module`). The
+    process keeps one cache, behind :func:`kernels`, :func:`loaded`,
+    :func:`loaded_modules` and :func:`prefetch_kernels`; a cache of one's
+    own, with another ``compiler``, shows the caching without a GPU.
+
+    Examples
+    --------
+    >>> cache = ModuleCache(lambda dev, dt, it, *, family: {"family": family})
+    >>> cache.kernels(0, "float64", "int32", "cg"), cache.loaded_modules()
+    ({'family': 'cg'}, ['cg double/int on cuda:0'])
+    """
+
+    def __init__(self, compiler: Callable[..., dict[str, Any]] = compile_module):
+        self.compiler = compiler
+        self._lock = threading.Lock()
+        self._futures: dict[tuple, Future] = {}
+
+    def kernels(self, device_id: int, dtype: Any, index_dtype: Any, family: str = "cg") -> dict[str, Any]:
+        """The module's kernels, compiled at the first call; a failed compilation is not kept."""
+        key = _key(device_id, dtype, index_dtype, family)
+        with self._lock:
+            fut = self._futures.get(key)
+            owner = fut is None
+            if owner:
+                fut = self._futures[key] = Future()
+        if owner:
+            try:
+                fut.set_result(self.compiler(device_id, dtype, index_dtype, family=family))
+            except BaseException as exc:
+                with self._lock:
+                    self._futures.pop(key, None)
+                fut.set_exception(exc)
+                raise
+        return fut.result()
+
+    def loaded(self, device_id: int, dtype: Any, index_dtype: Any, family: str) -> bool:
+        """Whether the module is here already (compiled or loaded, not in progress)."""
+        with self._lock:
+            fut = self._futures.get(_key(device_id, dtype, index_dtype, family))
+        return fut is not None and fut.done() and fut.exception() is None
+
+    def loaded_modules(self) -> list[str]:
+        """The modules here, as ``"cg double/int on cuda:0"``."""
+        names = {"<f4": "float", "<f8": "double", "<i4": "int", "<i8": "long long"}
+        with self._lock:
+            done = [k for k, f in self._futures.items() if f.done() and f.exception() is None]
+        return sorted(f"{fam} {names.get(dt, dt)}/{names.get(it, it)} on cuda:{dev}"
+                      for dev, dt, it, fam in done)
+
+    def prefetch(self, device_ids: Any, dtype: Any, index_dtype: Any,
+                 families: tuple[str, ...] = ("cg",)) -> threading.Thread | None:
+        """Compile (or load) modules on a helper thread; see :func:`prefetch_kernels`."""
+        ids = [int(device_ids)] if np.ndim(device_ids) == 0 else [int(d) for d in device_ids]
+        wanted = [(d, f) for d in ids for f in families if not self.loaded(d, dtype, index_dtype, f)]
+        if not wanted:
+            return None
+
+        def run() -> None:
+            for d, f in wanted:
+                try:
+                    self.kernels(d, dtype, index_dtype, f)
+                except Exception:  # reported by the solve that needs it
+                    continue
+
+        t = threading.Thread(target=run, name="managed_solve-cuda-prefetch", daemon=True)
+        t.start()
+        return t
+
+
+# The process's modules: compiled once per process (CuPy's disk cache then
+# spares later processes the compilation).
+_MODULES = ModuleCache()
+
+
 def kernels(device_id: int, dtype: Any, index_dtype: Any, family: str = "cg") -> dict[str, Any]:
     """Compiled kernels of one method family for one device and (value, index) dtype pair.
 
@@ -165,41 +242,21 @@ def kernels(device_id: int, dtype: Any, index_dtype: Any, family: str = "cg") ->
     asking while another compiles the same module waits for it. A failed
     compilation is not kept: the next call tries again and raises.
     """
-    key = _key(device_id, dtype, index_dtype, family)
-    with _lock:
-        fut = _modules.get(key)
-        owner = fut is None
-        if owner:
-            fut = _modules[key] = Future()
-    if owner:
-        try:
-            fut.set_result(compile_module(device_id, dtype, index_dtype, family=family))
-        except BaseException as exc:
-            with _lock:
-                _modules.pop(key, None)
-            fut.set_exception(exc)
-            raise
-    return fut.result()
+    return _MODULES.kernels(device_id, dtype, index_dtype, family)
 
 
 def loaded(device_id: int, dtype: Any, index_dtype: Any, family: str) -> bool:
     """Whether this process has the module already (compiled or loaded, not in progress)."""
-    with _lock:
-        fut = _modules.get(_key(device_id, dtype, index_dtype, family))
-    return fut is not None and fut.done() and fut.exception() is None
+    return _MODULES.loaded(device_id, dtype, index_dtype, family)
 
 
 def loaded_modules() -> list[str]:
     """The modules this process has, as ``"cg double/int on cuda:0"``."""
-    names = {"<f4": "float", "<f8": "double", "<i4": "int", "<i8": "long long"}
-    with _lock:
-        done = [k for k, f in _modules.items() if f.done() and f.exception() is None]
-    return sorted(f"{fam} {names.get(dt, dt)}/{names.get(it, it)} on cuda:{dev}"
-                  for dev, dt, it, fam in done)
+    return _MODULES.loaded_modules()
 
 
 def prefetch_kernels(device_ids: Any, dtype: Any, index_dtype: Any,
-             families: tuple[str, ...] = ("cg",)) -> threading.Thread | None:
+                     families: tuple[str, ...] = ("cg",)) -> threading.Thread | None:
     """Compile (or load) modules on a helper thread, so a later :func:`kernels` finds them ready.
 
     NVRTC and the module load run without the GIL, so the caller's
@@ -209,21 +266,7 @@ def prefetch_kernels(device_ids: Any, dtype: Any, index_dtype: Any,
     dropped here: the solve that needs the module compiles it again and
     reports them. Returns the thread, or None when every module is loaded.
     """
-    ids = [int(device_ids)] if np.ndim(device_ids) == 0 else [int(d) for d in device_ids]
-    wanted = [(d, f) for d in ids for f in families if not loaded(d, dtype, index_dtype, f)]
-    if not wanted:
-        return None
-
-    def run() -> None:
-        for d, f in wanted:
-            try:
-                kernels(d, dtype, index_dtype, f)
-            except Exception:  # reported by the solve that needs it
-                continue
-
-    t = threading.Thread(target=run, name="managed_solve-cuda-prefetch", daemon=True)
-    t.start()
-    return t
+    return _MODULES.prefetch(device_ids, dtype, index_dtype, families)
 
 
 @functools.cache

@@ -33,6 +33,7 @@ import itertools
 import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import Executor
 from typing import Any
 
 import numba
@@ -133,7 +134,8 @@ def claim_order(work: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return order, np.asarray(bounds, dtype=np.int64)
 
 
-def run_claimed(task: Callable[[int], None], count: int, threads: int) -> list[int]:
+def run_claimed(task: Callable[[int], None], count: int, threads: int,
+                pool: Executor | None = None) -> list[int]:
     """Run ``task(k)`` for every ``k`` in ``range(count)`` on the caller and up to ``threads - 1`` helpers.
 
     Each participant claims the next ``k`` when it is free; the caller
@@ -146,6 +148,10 @@ def run_claimed(task: Callable[[int], None], count: int, threads: int) -> list[i
     Returns the number of tasks each participant ran, the caller's first.
     The first exception a task raised is raised again after every claimed
     task finished.
+
+    ``pool`` is the executor the helpers are submitted to; by default the
+    process-wide ``host-kernels`` pool (:func:`managed_solve._backend.thread_pool`),
+    which other callers share, so a helper may wait behind their work.
 
     Examples
     --------
@@ -181,7 +187,8 @@ def run_claimed(task: Callable[[int], None], count: int, threads: int) -> list[i
                     if not left[0]:
                         finished.set()
 
-    pool = _backend.thread_pool("host-kernels", max(1, _backend.cpu_count() - 1))
+    if pool is None:
+        pool = _backend.thread_pool("host-kernels", max(1, _backend.cpu_count() - 1))
     for slot in range(1, helpers + 1):
         pool.submit(work, slot)
     work(0)

@@ -92,7 +92,7 @@ def test_each_method_family_holds_the_kernels_its_loop_launches():
         cuda.instantiations(T, I, "lu")
 
 
-def test_kernels_compile_each_module_once_across_threads_and_retry_a_failure(monkeypatch):
+def test_kernels_compile_each_module_once_across_threads_and_retry_a_failure():
     """A prefetch and a solve asking for one module share one compilation; a failure is not kept."""
     import threading
     import time
@@ -107,23 +107,25 @@ def test_kernels_compile_each_module_once_across_threads_and_retry_a_failure(mon
             raise RuntimeError("nvrtc: boom")
         return {"family": family}
 
-    monkeypatch.setattr(cuda, "compile_module", fake_compile)
-    monkeypatch.setattr(cuda, "_modules", {})
-    t = cuda.prefetch_kernels(7, np.float64, np.int32, ("cg", "bicgstab"))
+    cache = cuda.ModuleCache(fake_compile)
+    t = cache.prefetch(7, np.float64, np.int32, ("cg", "bicgstab"))
     got = []
-    asker = threading.Thread(target=lambda: got.append(cuda.kernels(7, np.float64, np.int32, "cg")))
+    asker = threading.Thread(target=lambda: got.append(cache.kernels(7, np.float64, np.int32, "cg")))
     asker.start()
     asker.join()
     t.join()
     assert got == [{"family": "cg"}]
     assert sorted(calls) == ["bicgstab", "cg"]  # once each
-    assert cuda.loaded(7, np.float64, np.int32, "bicgstab")
-    assert cuda.prefetch_kernels(7, np.float64, np.int32, ("cg", "bicgstab")) is None  # nothing left to do
-    cuda.prefetch_kernels(7, np.float64, np.int32, ("gmres",)).join()  # the error is dropped there ...
-    assert not cuda.loaded(7, np.float64, np.int32, "gmres")
+    assert cache.loaded(7, np.float64, np.int32, "bicgstab")
+    assert cache.loaded_modules() == ["bicgstab double/int on cuda:7", "cg double/int on cuda:7"]
+    assert cache.prefetch(7, np.float64, np.int32, ("cg", "bicgstab")) is None  # nothing left to do
+    cache.prefetch(7, np.float64, np.int32, ("gmres",)).join()  # the error is dropped there ...
+    assert not cache.loaded(7, np.float64, np.int32, "gmres")
     with pytest.raises(RuntimeError, match="boom"):  # ... and raised by the call that needs it
-        cuda.kernels(7, np.float64, np.int32, "gmres")
+        cache.kernels(7, np.float64, np.int32, "gmres")
     fail["on"] = False
-    assert cuda.kernels(7, np.float64, np.int32, "gmres") == {"family": "gmres"}
+    assert cache.kernels(7, np.float64, np.int32, "gmres") == {"family": "gmres"}
     with pytest.raises(ValueError, match="family"):
+        cache.kernels(7, np.float64, np.int32, "lu")
+    with pytest.raises(ValueError, match="family"):  # the process's cache, before any compiling
         cuda.kernels(7, np.float64, np.int32, "lu")

@@ -94,7 +94,7 @@ def test_every_task_runs_once_and_the_counts_add_up():
     assert threads.run_claimed(task, 3, 1) == [3]
 
 
-def test_a_helper_that_never_runs_costs_the_caller_no_wait(monkeypatch):
+def test_a_helper_that_never_runs_costs_the_caller_no_wait():
     """Busy cores: the helper is queued behind other work and does not start.
 
     The caller claims and runs every task itself and returns at once; the
@@ -103,10 +103,9 @@ def test_a_helper_that_never_runs_costs_the_caller_no_wait(monkeypatch):
     pool = ThreadPoolExecutor(1)
     release = threading.Event()
     pool.submit(release.wait)  # the pool's only thread is taken
-    monkeypatch.setattr(threads._backend, "thread_pool", lambda name, workers: pool)
     who: list[str] = []
     try:
-        ran = threads.run_claimed(lambda k: who.append(threading.current_thread().name), 20, 2)
+        ran = threads.run_claimed(lambda k: who.append(threading.current_thread().name), 20, 2, pool)
         assert ran == [20, 0]
         assert set(who) == {threading.current_thread().name}
     finally:
