@@ -43,7 +43,7 @@ SYMMETRY_NS, FINITE_NS = 4.0, 1.0
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def _ranges(work: np.ndarray, threads: int) -> list[tuple[int, int]]:
+def work_ranges(work: np.ndarray, threads: int) -> list[tuple[int, int]]:
     """Consecutive ranges of about equal ``work``, about ``RANGES_PER_THREAD`` per thread."""
     count = len(work)
     parts = max(1, min(count, RANGES_PER_THREAD * threads))
@@ -110,7 +110,7 @@ class FinitePass:
             def call(lo: int, hi: int, args=(addresses, lengths, like, flags)) -> None:
                 all_finite_many(lo, hi, *args)
 
-            out.append((call, _ranges(lengths.astype(np.float64), threads)))
+            out.append((call, work_ranges(lengths.astype(np.float64), threads)))
         return out
 
     def finite(self) -> list[np.ndarray]:
@@ -167,7 +167,7 @@ class SymmetryPass:
             def call(lo: int, hi: int, args=args) -> None:
                 csr_symmetry_gershgorin_many(lo, hi, *args)
 
-            out.append((call, _ranges(args[4].astype(np.float64), threads)))
+            out.append((call, work_ranges(args[4].astype(np.float64), threads)))
         return out
 
     def store(self, cache: dict) -> None:

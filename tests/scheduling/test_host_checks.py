@@ -73,7 +73,7 @@ def test_pass_fills_the_cache_as_the_per_matrix_tests_do():
 def test_ranges_cover_every_matrix_once():
     work = np.array([5.0, 1.0, 1.0, 1.0, 8.0, 2.0, 2.0])
     for threads in (1, 2, 3, 16):
-        ranges = host_checks._ranges(work, threads)
+        ranges = host_checks.work_ranges(work, threads)
         covered = [k for lo, hi in ranges for k in range(lo, hi)]
         assert covered == list(range(len(work)))
         assert len(ranges) <= host_checks.RANGES_PER_THREAD * threads
