@@ -26,6 +26,8 @@ from .smoothers import NAMES as SMOOTHERS
 from .smoothers import make_smoother
 
 SETUPS = ("auto", "native", "pyamg")
+#: Streams (each with a cycle of its own) a GPU block's columns are spread over.
+BLOCK_LANES = 4
 #: Default Chebyshev degrees (see ``degree`` of :class:`AMGPreconditioner`).
 #: CG iterations to rtol 1e-8 on 2D Poisson 511^2 / 1023^2 and 3D 48^3, our
 #: set-up: degree 1: 13 / 15 / 9, degree 2: 11 / 14 / 8, degree 3: 11 / 13 / 7,
@@ -192,6 +194,7 @@ class AMGPreconditioner:
         xp, dt = self.xp, self.dtype
         cast = self._cast
         self._block: Any = None  # the block cycle of the last width used, made on use
+        self._lane_list: Any = None  # GPU: cycles and streams for blocks, made on use
 
         smoothers = []
         for lev in self.levels[:-1]:
@@ -242,16 +245,68 @@ class AMGPreconditioner:
     def __call__(self, r: Any) -> Any:
         """One V-cycle: ``M r`` (r of shape (n,) or (n, k)), in r's dtype."""
         if getattr(r, "ndim", 1) == 2:
-            if isinstance(self._cycle, VCycle) and self._pyamg_M is None:
+            if self._pyamg_M is None and isinstance(self._cycle, VCycle):
                 return self._block_cycle(r.shape[1]).apply(r, r.dtype)
-            # The fused GPU cycle (a CUDA graph a vector) beats a cycle of
-            # library SpMMs over the block (figures in docs/performance.md).
+            if self._pyamg_M is None and isinstance(self._cycle, FusedCycle):
+                return self._lanes_apply(r)
             return self.xp.stack([self(r[:, j]) for j in range(r.shape[1])], axis=1)
         if self._pyamg_M is not None:
             return self._pyamg_M.matvec(r).astype(r.dtype, copy=False)
         return self._cycle.apply(r, r.dtype)
 
     matvec = __call__
+
+    def _lanes_apply(self, R: Any) -> Any:
+        """``M R`` for a GPU block: one fused cycle a column, the columns spread over streams.
+
+        A fused cycle (a CUDA graph a vector) beats one cycle of library
+        SpMMs over the whole block (figures in docs/performance.md), but its
+        coarse levels are short kernels that leave the GPU mostly idle; up
+        to :data:`BLOCK_LANES` cycles, each with its own vectors and graph
+        on its own stream, overlap them. The answer is column-major, the
+        GPU blocks' layout.
+        """
+        xp = self.xp
+        n, k = R.shape
+        lanes = self._lanes(k)
+        out = xp.empty((n, k), dtype=R.dtype, order="F")
+        main = xp.cuda.get_current_stream()
+        ready = main.record()
+        for _cycle, stream in lanes:
+            stream.wait_event(ready)  # R is made on the caller's stream
+        for j in range(k):
+            cycle, stream = lanes[j % len(lanes)]
+            with stream:
+                xp.copyto(cycle.b[0], R[:, j], casting="unsafe")
+                if cycle.graph is not None:
+                    cycle.graph.launch()
+                else:
+                    cycle.run()
+                xp.copyto(out[:, j], cycle.result(), casting="unsafe")
+        for _cycle, stream in lanes:
+            main.wait_event(stream.record())
+        return out
+
+    def _lanes(self, k: int) -> list[tuple[Any, Any]]:
+        """Cycles and streams for :meth:`_lanes_apply`: the preconditioner's own cycle first.
+
+        More lanes are made (once) only while their vectors take at most a
+        tenth of the GPU's free memory.
+        """
+        xp, c = self.xp, self._cycle
+        if self._lane_list is None:
+            self._lane_list = [(c, xp.cuda.Stream(non_blocking=True))]
+        want = min(int(k), BLOCK_LANES)
+        if len(self._lane_list) < want:
+            free, _total = xp.cuda.runtime.memGetInfo()
+            per = max(1, c.nbytes() - int(c.coarse_inv.nbytes))
+            want = min(want, len(self._lane_list) + int(0.1 * free) // per)
+            while len(self._lane_list) < want:
+                lane = FusedCycle(xp, c.ops, c.mats, c.smoothers, c.coarse_inv, self.dtype)
+                if self.graph:
+                    lane.capture(xp)
+                self._lane_list.append((lane, xp.cuda.Stream(non_blocking=True)))
+        return self._lane_list[:max(1, min(int(k), len(self._lane_list)))]
 
     def _block_cycle(self, k: int) -> VCycle:
         """The host V-cycle on (n, k) blocks: each level's matrices read once for all k columns.
