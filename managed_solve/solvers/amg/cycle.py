@@ -52,7 +52,7 @@ class CapturedCycle:
         out = self.result()
         return out.astype(dtype if dtype is not None else out.dtype)  # a copy: one kernel
 
-    def capture(self, cp: Any) -> bool:
+    def capture(self, cp: Any, *, check: bool = True) -> bool:
         """Capture one cycle as a CUDA graph (CuPy only); False, logged, where that fails.
 
         Anything the cycle allocates inside the capture (library sparse
@@ -60,10 +60,27 @@ class CapturedCycle:
         private memory pool, kept with the graph and never used by anything
         else, warmed by one eager cycle so that the capture itself allocates
         from cached blocks. The replay is then checked once against an eager
-        cycle.
+        cycle. ``check=False`` skips that check and its host reads (it waits
+        only for the warm-up on its own stream): for a copy of a cycle whose
+        own capture was checked, the same kernels on vectors of its own.
         """
         pool = cp.cuda.MemoryPool()
         stream = cp.cuda.Stream(non_blocking=True)
+        if not check:
+            try:
+                with cp.cuda.using_allocator(pool.malloc), stream:
+                    self.run()  # warms the private pool; the data are never read
+                    stream.begin_capture()
+                    try:
+                        self.run()
+                    finally:
+                        graph = stream.end_capture()
+                stream.synchronize()  # the warm-up wrote the vectors the graph will use
+            except Exception as exc:
+                log.info("managed_solve: AMG V-cycle not captured as a CUDA graph (%s)", exc)
+                return False
+            self.graph, self._graph_keep = graph, (pool, stream)
+            return True
         probe = cp.cos(cp.arange(self.b[0].shape[0], dtype=self.b[0].dtype) * 0.7)
         # sync: the capture stream is non-blocking, so it would not wait for the
         # set-up's work and the probe still queued on the current stream.

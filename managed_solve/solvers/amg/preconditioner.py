@@ -303,8 +303,8 @@ class AMGPreconditioner:
             want = min(want, len(self._lane_list) + int(0.1 * free) // per)
             while len(self._lane_list) < want:
                 lane = FusedCycle(xp, c.ops, c.mats, c.smoothers, c.coarse_inv, self.dtype)
-                if self.graph:
-                    lane.capture(xp)
+                if c.graph is not None:  # the own cycle's capture was checked: so is this one's
+                    lane.capture(xp, check=False)
                 self._lane_list.append((lane, xp.cuda.Stream(non_blocking=True)))
         return self._lane_list[:max(1, min(int(k), len(self._lane_list)))]
 
