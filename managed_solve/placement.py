@@ -44,6 +44,29 @@ def reserve_for(mgr: Any, nbytes: int, dev: Device | None, system: LinearSystem,
         return None
 
 
+def block_passes(mgr: Any, dev: Device, reservation: Any, k: int,
+                 column_bytes: int) -> tuple[int, Any]:
+    """Columns a pass of a k-column block and the reservation of their extra bytes.
+
+    A solver's reservation covers one right-hand side; a block's other
+    columns need ``column_bytes`` each for as long as they are solved. Where
+    the device cannot hold them all now, the block is solved in passes of as
+    many columns as it can (at least one, then unreserved beyond the solver's
+    own). Unmanaged devices (no ``reservation``) take the block whole.
+    """
+    if reservation is None or k <= 1:
+        return k, None
+    per = max(1, mgr.size_of(column_bytes))
+    width = max(1, min(k, 1 + mgr.available_bytes(dev) // per))
+    if width == 1:
+        return 1, None
+    try:
+        return width, mgr.reserve((width - 1) * per, dev, timeout=0.0)
+    except MemoryError as exc:  # taken since the look: one column a pass
+        log.info("managed_solve: a block of %d columns solved one at a time (%s)", k, exc)
+        return 1, None
+
+
 def move_to(system: LinearSystem, dev: Device) -> LinearSystem:
     """``system`` with its arrays on ``dev`` (no copy when they lie there already)."""
     if dev.is_cuda:

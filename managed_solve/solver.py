@@ -21,7 +21,7 @@ import numpy as np
 from . import _backend, autograd
 from .device_args import cuda_ordinal
 from .devices import Device
-from .placement import move_to, named_device, reserve_for
+from .placement import block_passes, move_to, named_device, reserve_for
 from .result import SolveResult, Status
 from .solvers import batched
 from .solvers._common import (
@@ -183,7 +183,7 @@ class Solver:
                 choose_method(self.system, dev.kind, symmetric=symmetric, rhs=rhs)
             M = choose_preconditioner(self.system, dev.kind, self.method, symmetric=symmetric)
             if M is not self.system.M:
-                self.system = with_preconditioner(self.system, M)
+                self.system = self.system.replaced(M=M)
             self._engines: dict[str, Prepared | Outcome] = {}
             self._scale_matrix()
             self._set_up_now()
@@ -217,8 +217,8 @@ class Solver:
         self.a_scale = power_of_two_scale(float(xp.abs(data).max()))  # sync: once a set-up
         if self.a_scale != 1.0:
             scaled = system.A / self.a_scale
-            self._engine_system = _with_matrix(system, scaled.tocsr() if system.kind == "csr"
-                                               else scaled)
+            self._engine_system = system.replaced(A=scaled.tocsr() if system.kind == "csr"
+                                                  else scaled)
 
     def _set_up_now(self) -> None:
         """Prepare the chosen method's engine here, so that every solve costs the solve only.
@@ -351,7 +351,7 @@ class Solver:
         else:
             raise ValueError("Solver.update(A): an operator has no values to update; prepare a "
                              "new Solver.")
-        self.system = _with_matrix(system, new)
+        self.system = system.replaced(A=new)
         self._symmetric_adjoint = None
         if _backend.is_torch_tensor(A) and A.ndim == 1:  # the values on this pattern
             self.grad = grad_source((system.A.indptr, system.A.indices, A), None,
@@ -440,6 +440,20 @@ class Solver:
         self._check_open()
         return self._run([b], None if x0 is None else [x0], transpose, name)[0][0]
 
+    @property
+    def block_column_bytes(self) -> int:
+        """Bytes each column of a block beyond the first needs while it is solved (b, x, work vectors).
+
+        A block solve reserves them through the manager for as long as it
+        runs; where the device cannot hold them all, the block is solved in
+        passes of as many columns as it can (``result.info["passes"]``).
+        """
+        system = self.system
+        vector = system.n * system.dtype.itemsize
+        if self.method == "direct":  # the factors serve every column
+            return 2 * vector
+        return vector + system.workspace_bytes(self.method)
+
     def _solve_block(self, B: Any, X0: Any, *, transpose: bool) -> SolveResult:
         """k right-hand sides solved together: one result with (n, k) x and per-column figures."""
         k = B.shape[1]
@@ -452,11 +466,24 @@ class Solver:
         views = xp is np and self.method == "direct"
 
         def columns(M: Any) -> list:
-            return [M[:, j] if views else xp.ascontiguousarray(M[:, j]) for j in range(k)]
+            return [M[:, j] if views else xp.ascontiguousarray(M[:, j]) for j in range(M.shape[1])]
 
-        cols, X = self._run(columns(B), None if X0 is None else columns(X0), transpose, None,
-                            block=(B, X0))
+        width, extra = block_passes(self.manager, self.device, self._reservation, k,
+                                    self.block_column_bytes)
+        cols, parts = [], []
+        try:
+            for lo in range(0, k, width):
+                Bp = B if width >= k else B[:, lo:lo + width]
+                X0p = None if X0 is None else (X0 if width >= k else X0[:, lo:lo + width])
+                got, Xp = self._run(columns(Bp), None if X0p is None else columns(X0p),
+                                    transpose, None, block=(Bp, X0p))
+                cols += got
+                parts.append(Xp)
+        finally:
+            if extra is not None:
+                extra.release()
         seconds = time.perf_counter() - t0
+        X = parts[0] if len(parts) == 1 else None
         if X is None and all(c.x is not None for c in cols):
             X = xp.stack([c.x for c in cols], axis=1)
         statuses = tuple(c.status for c in cols)
@@ -469,7 +496,7 @@ class Solver:
             message = f"{self.method}: all {k} columns converged"
         methods = {c.method for c in cols}
         info = {"columns": k, "host_syncs": sum(c.info.get("host_syncs", 0) for c in cols),
-                "path": cols[0].info.get("path")}
+                "path": cols[0].info.get("path"), "passes": len(parts)}
         if X is None:
             info["column_x"] = [c.x for c in cols]
         return SolveResult(X, status, np.array([c.iterations for c in cols]),
@@ -667,19 +694,3 @@ def _check_representable(out: Outcome, scaled_x: Any) -> None:
 def _failed(setup: Outcome) -> Outcome:
     """The outcome of a solve whose engine could not be set up (a copy per column)."""
     return Outcome(None, setup.code, 0, setup.residual_norm, setup.message)
-
-
-def with_preconditioner(system: LinearSystem, M: Any) -> LinearSystem:
-    """The same validated system with preconditioner ``M`` (``"auto"`` resolved)."""
-    out = object.__new__(LinearSystem)
-    out.__dict__.update(system.__dict__)
-    out.M = M
-    return out
-
-
-def _with_matrix(system: LinearSystem, A: Any) -> LinearSystem:
-    """The same validated system with another matrix of the same shape, pattern and dtype."""
-    out = object.__new__(LinearSystem)
-    out.__dict__.update(system.__dict__)
-    out.A = A
-    return out

@@ -243,6 +243,29 @@ def test_a_solver_on_a_simulated_gpu_takes_the_gpu_method():
     assert res.converged and res.device == "sim:0"
 
 
+def test_a_block_takes_the_ledger_room_it_needs_and_passes_where_it_lacks_it():
+    dm = DeviceManager(simulate="1x1GiB")
+    A = poisson2d(30)
+    B = _block(900, 8, seed=9)
+    ref = sla.splu(A.tocsc()).solve(B)
+    with Solver(A, method="cg", manager=dm, rtol=1e-10) as solver:
+        dev = solver.device
+        held = dm.reserved_bytes(dev)
+        whole = solver.solve(B)  # room for all: one pass, its columns reserved while it runs
+        assert whole.info["passes"] == 1 and dm.reserved_bytes(dev) == held
+        per = dm.size_of(solver.block_column_bytes)
+        dev.sim_used_bytes = dev.total_bytes - int(2.5 * per)  # room for two more columns
+        tight = solver.solve(B)
+        assert tight.info["passes"] == 3 and dm.reserved_bytes(dev) == held
+        dev.sim_used_bytes = dev.total_bytes  # no room: one column a pass
+        one = solver.solve(B)
+        assert one.info["passes"] == 8
+    for res in (whole, tight, one):
+        assert res.converged and res.x.shape == B.shape and res.info["columns"] == 8
+        np.testing.assert_allclose(res.x, ref, rtol=1e-7, atol=1e-9 * np.abs(ref).max())
+    np.testing.assert_array_equal(one.iterations, whole.iterations)
+
+
 def test_bad_right_hand_sides_name_the_argument():
     with Solver(poisson2d(4), method="cg") as solver:
         with pytest.raises(ValueError, match=r"b must have shape \(16,\) or \(16, k\)"):

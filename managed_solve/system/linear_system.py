@@ -215,6 +215,18 @@ class LinearSystem:
             return None
         return is_symmetric(self.A)
 
+    def replaced(self, **fields: Any) -> LinearSystem:
+        """The same validated system with ``fields`` (such as ``A`` or ``M``) replaced.
+
+        Not validated again: the caller keeps A's shape, pattern and dtype
+        (a rescaled matrix, new values of the same pattern, a resolved
+        preconditioner).
+        """
+        out = object.__new__(LinearSystem)
+        out.__dict__.update(self.__dict__)
+        out.__dict__.update(fields)
+        return out
+
     def to(self, device: Any) -> LinearSystem:
         """The same system with its arrays on ``device`` (``"cpu"``, ``"cuda:1"``, a Device)."""
         from ..device_args import cuda_ordinal
