@@ -198,7 +198,7 @@ def symbolic(mesh: Mesh, *, device: Any = "cpu", index_dtype: Any = None,
     t = resolve_target(device, backend, call="symbolic")
     idt = _check_index_dtype(index_dtype, "symbolic")
     key = ("pattern", t, None if idt is None else idt.str)
-    hit = mesh._cache.get(key)
+    hit = mesh.cache.get(key)
     if hit is not None:
         return hit
     from .kernels import pattern as kp
@@ -249,7 +249,7 @@ def symbolic(mesh: Mesh, *, device: Any = "cpu", index_dtype: Any = None,
             _launch(kp.slot_map_cuda, n, (dfaces, inc_ptr, inc_elem, indptr, indices, inc_slot), t)
         del cand
     p = Pattern(t, n, nnz, idt, indptr, indices, inc_ptr, inc_elem, inc_local, inc_slot, vertices, dfaces)
-    mesh._cache[key] = p
+    mesh.cache[key] = p
     return p
 
 

@@ -442,6 +442,13 @@ class DeviceManager:
         with self._cond:
             self._pins.pop(id(obj), None)
 
+    @property
+    def pins(self) -> list[Device]:
+        """The devices of the objects pinned now (an object collected is unpinned with it)."""
+        with self._cond:
+            return [dev for dev, ref in self._pins.values()
+                    if not isinstance(ref, weakref.ref) or ref() is not None]
+
     def pinned(self, obj: Any) -> Device | None:
         """The device ``obj`` is pinned to, or None."""
         with self._cond:

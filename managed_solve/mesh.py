@@ -122,10 +122,19 @@ class Mesh:
         f.setflags(write=False)
         measure.setflags(write=False)
         self._measure = measure
-        # Per-mesh caches: assembly patterns and device copies (see assembly.py).
         self._cache: dict = {}
 
     # ------------------------------------------------------------------ facts
+    @property
+    def cache(self) -> dict:
+        """Data derived from this mesh and kept with it: assembly patterns, device copies, components.
+
+        The mesh is immutable, so whatever is derived from it once serves
+        every later call (:func:`managed_solve.assembly.symbolic` keys its
+        patterns by target and index dtype).
+        """
+        return self._cache
+
     @property
     def vertices(self) -> np.ndarray:
         """Coordinates, float64 (n, 3), read-only."""

@@ -14,7 +14,7 @@ def test_symbolic_phase_is_cached_and_shared_by_numeric_sweeps():
     p = assembly.symbolic(m)
     assert assembly.symbolic(m) is p
     mats = [assembly.assemble(m, stiffness=dt, lumped_mass=1.0) for dt in (0.1, 0.2, 0.4)]
-    assert sum(1 for k in m._cache if k[0] == "pattern") == 1
+    assert sum(1 for k in m.cache if k[0] == "pattern") == 1
     for A in mats:  # the CSR arrays reuse the pattern: no copies, no COO
         assert A.indices is p.indices and A.indptr is p.indptr
     # linear in the coefficient, and the data arrays are fresh per call

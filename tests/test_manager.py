@@ -101,12 +101,12 @@ def test_pin_forgets_collected_objects(dm):
 
     t = Thing()
     dm.pin(t, "sim:1")
-    assert len(dm._pins) == 1
+    assert dm.pins == [dm.get_device("sim:1")]
     del t
     import gc
 
     gc.collect()
-    assert len(dm._pins) == 0
+    assert dm.pins == []
 
 
 def test_explicit_device_too_small_is_clear_error(dm):
