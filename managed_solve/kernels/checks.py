@@ -17,23 +17,11 @@ Every address must be that of a C-contiguous array of the dtype of the
 from __future__ import annotations
 
 import numba
-from numba import types
-from numba.core import cgutils
-from numba.extending import intrinsic
 
+from .packing import address_pointer
 from .symmetry import symmetry_gershgorin
 
 __all__ = ["all_finite_many", "csr_symmetry_gershgorin_many"]
-
-
-@intrinsic
-def _pointer(typingctx, address):
-    """An integer address as a ``void*`` (for ``numba.carray``)."""
-
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], cgutils.voidptr_t)
-
-    return types.voidptr(types.int64), codegen
 
 
 @numba.njit(nogil=True, cache=True)
@@ -55,7 +43,7 @@ def all_finite_many(lo, hi, addresses, lengths, like, out):
         One flag per array.
     """
     for k in range(lo, hi):
-        a = numba.carray(_pointer(addresses[k]), (lengths[k],), like.dtype)
+        a = numba.carray(address_pointer(addresses[k]), (lengths[k],), like.dtype)
         bad = False
         for i in range(a.shape[0]):
             v = a[i]
@@ -88,9 +76,9 @@ def csr_symmetry_gershgorin_many(lo, hi, ptr_addresses, idx_addresses, data_addr
         Each matrix's ``(lo, hi, dmin, dmax)``.
     """
     for k in range(lo, hi):
-        indptr = numba.carray(_pointer(ptr_addresses[k]), (rows[k] + 1,), ptr_like.dtype)
-        indices = numba.carray(_pointer(idx_addresses[k]), (nnzs[k],), idx_like.dtype)
-        data = numba.carray(_pointer(data_addresses[k]), (nnzs[k],), data_like.dtype)
+        indptr = numba.carray(address_pointer(ptr_addresses[k]), (rows[k] + 1,), ptr_like.dtype)
+        indices = numba.carray(address_pointer(idx_addresses[k]), (nnzs[k],), idx_like.dtype)
+        data = numba.carray(address_pointer(data_addresses[k]), (nnzs[k],), data_like.dtype)
         code, g_lo, g_hi, d_min, d_max = symmetry_gershgorin(indptr, indices, data, rel)
         codes[k] = code
         bounds[k, 0] = g_lo

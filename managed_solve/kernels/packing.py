@@ -38,13 +38,13 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["active_rows", "gather", "gather_blocks", "inverse_diagonal_rows", "shift_blocks",
+__all__ = ["active_rows", "address_pointer", "gather", "gather_blocks", "inverse_diagonal_rows", "shift_blocks",
            "shift_blocks_jacobi"]
 
 
 @intrinsic
-def _pointer(typingctx, address):
-    """An integer address as a ``void*`` (for ``numba.carray``)."""
+def address_pointer(typingctx, address):
+    """An integer address as a ``void*`` (for ``numba.carray``), in jitted code only."""
 
     def codegen(context, builder, signature, args):
         return builder.inttoptr(args[0], cgutils.voidptr_t)
@@ -75,7 +75,7 @@ def gather(addresses, lengths, out):
     pos = 0
     for k in range(addresses.shape[0]):
         n = lengths[k]
-        src = numba.carray(_pointer(addresses[k]), (n,), out.dtype)
+        src = numba.carray(address_pointer(addresses[k]), (n,), out.dtype)
         # An element loop rather than ``out[pos:pos + n] = src``: the same machine
         # code (a vectorised copy), but a slice assignment also compiles its
         # shape-mismatch error message (string formatting), which made this
@@ -113,8 +113,8 @@ def gather_blocks(lo, hi, idx_addresses, ptr_addresses, offsets, nnz_off, indptr
     for k in range(lo, hi):
         r0, r1, z0, z1 = offsets[k], offsets[k + 1], nnz_off[k], nnz_off[k + 1]
         ix, ip, rs = indices[z0:z1], indptr[r0:r1], row_sys[r0:r1]
-        src_ix = numba.carray(_pointer(idx_addresses[k]), (z1 - z0,), indices.dtype)
-        src_ip = numba.carray(_pointer(ptr_addresses[k]), (r1 - r0,), indptr.dtype)
+        src_ix = numba.carray(address_pointer(idx_addresses[k]), (z1 - z0,), indices.dtype)
+        src_ip = numba.carray(address_pointer(ptr_addresses[k]), (r1 - r0,), indptr.dtype)
         col = indices.dtype.type(r0)
         start = indptr.dtype.type(z0)
         for j in range(ix.shape[0]):
