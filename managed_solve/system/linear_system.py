@@ -222,6 +222,10 @@ class LinearSystem:
         (a rescaled matrix, new values of the same pattern, a resolved
         preconditioner).
         """
+        unknown = sorted(set(fields) - set(self.__dict__))
+        if unknown:
+            raise TypeError(f"LinearSystem.replaced({unknown[0]}=...): not a field of a "
+                            f"LinearSystem; expected one of {', '.join(sorted(self.__dict__))}.")
         out = object.__new__(LinearSystem)
         out.__dict__.update(self.__dict__)
         out.__dict__.update(fields)

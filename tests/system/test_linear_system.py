@@ -62,3 +62,14 @@ def test_to_cpu_keeps_options():
     assert (t.rtol, t.method, t.M, t.name) == (1e-6, "cg", "jacobi", "n")
     assert t.A is s.A  # already on the host: no copy
     assert s.to("sim:0").device == "cpu"
+
+
+def test_replaced_keeps_the_system_and_refuses_unknown_fields():
+    A = laplacian1d(6)
+    s = LinearSystem(A, np.ones(6), rtol=1e-9)
+    t = s.replaced(A=(2.0 * A).tocsr(), M="jacobi")
+    assert t is not s and t.M == "jacobi" and t.rtol == 1e-9 and t.b is s.b
+    np.testing.assert_allclose(t.A.toarray(), 2.0 * A.toarray())
+    assert s.A is A and s.M != "jacobi"  # the original is untouched
+    with pytest.raises(TypeError, match=r"replaced\(m=\.\.\.\).*expected one of"):
+        s.replaced(m="jacobi")
