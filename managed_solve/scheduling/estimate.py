@@ -156,6 +156,41 @@ def test_host_matrices(systems: Sequence[LinearSystem | None], cache: dict,
     return len(mats)
 
 
+def test_gpu_matrices(systems: Sequence[LinearSystem | None], cache: dict) -> int:
+    """The auto policy's matrix tests of the systems' GPU matrices, all at once.
+
+    Each distinct cupyx CSR matrix of an "auto" system gets its symmetry code
+    and Gershgorin bounds from one launch per GPU and dtype pair, read back
+    in one copy (:func:`managed_solve.system.device_checks.symmetry_many`),
+    into ``cache`` as :func:`.host_checks.test_symmetry` leaves the host
+    matrices'. Tested one by one, each would cost a transpose and several
+    host reads. A matrix whose rows are not canonical is left to the
+    per-matrix test. Returns the number of matrices tested.
+    """
+    from ..kernels.symmetry import DIFFERENT_PATTERN
+    from ..system.device_checks import symmetry_many
+
+    found: dict[int, Any] = {}
+    for s in systems:
+        if s is None or s.kind != "csr" or s.method != "auto" or id(s.A) in found:
+            continue
+        A = s.A
+        if not _backend.is_cupy_sparse(A) or A.nnz == 0:
+            continue
+        hit = cache.get(id(A))
+        if hit is None or hit[0] is not A:
+            found[id(A)] = A
+    mats = list(found.values())
+    for A, res in zip(mats, symmetry_many(mats) if mats else [], strict=True):
+        if res is None:
+            continue
+        code, bounds = res
+        if code != DIFFERENT_PATTERN:
+            cache[id(A)] = (A, bool(code))
+        cache[("gershgorin", id(A))] = (A, bounds)
+    return len(mats)
+
+
 def start_host_matrices(mats: Sequence[Any], cache: dict) -> dict[int, Future]:
     """:func:`test_host_matrices` of ``mats`` (:func:`host_matrices`) on a helper thread.
 

@@ -109,6 +109,7 @@ def _solve(systems: Iterable[Any], *, disperse: bool, devices: Any, method: str,
     results, checked = validate_all(items, method=method, M=M, rtol=rtol,
                                     memo={id(a): a for a in finite.finite()})
     valid: list[LinearSystem | None] = [checked.get(i) for i in range(len(items))]
+    estimation.test_gpu_matrices(valid, cache)  # systems already on a GPU: one read for all
     if validated is not None:
         validated[:] = valid
     if kept is not None:

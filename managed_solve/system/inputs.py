@@ -89,6 +89,8 @@ def _torch_sparse(t: Any, *, call: str) -> Any:
     col = torch_to_array(t.col_indices(), call=call, arg="A.col_indices()")
     val = torch_to_array(t.values(), call=call, arg="A.values()")
     xp = _backend.array_module(val)
+    if xp is not np and shape[0] == shape[1]:
+        return _checked_gpu_csr(val, col, crow, shape[0], call=call)
     sparse = _backend.sparse_module(xp)
     return sparse.csr_matrix((val, col, crow), shape=shape)
 
@@ -104,7 +106,49 @@ def _csr_triple(A: Any, *, call: str) -> Any:
                          f"len(col) == len(values) and len(crow) = n + 1 >= 2; got shapes "
                          f"{tuple(crow.shape)}, {tuple(col.shape)}, {tuple(val.shape)}")
     n = int(crow.shape[0]) - 1
+    if xp is not np:
+        return _checked_gpu_csr(val, col, crow, n, call=call)
     return _backend.sparse_module(xp).csr_matrix((val, col, crow), shape=(n, n))
+
+
+def _checked_gpu_csr(val: Any, col: Any, crow: Any, n: int, *, call: str) -> Any:
+    """A cupyx CSR matrix over GPU arrays, its pattern checked in one pass (one host read).
+
+    Integer indices of another width than the pointers' (torch's are int64)
+    are read as they are; a pattern that is not canonical is sorted and its
+    duplicates summed, as SciPy's ``sum_duplicates`` does.
+    """
+    from . import device_checks
+
+    if col.dtype.kind not in "iu" or crow.dtype.kind not in "iu":
+        raise TypeError(f"{call}: A's index arrays must be integers, got {crow.dtype} and {col.dtype}")
+    wide = np.dtype(np.int64) if max(col.dtype.itemsize, crow.dtype.itemsize) > 4 \
+        else np.dtype(np.int32)
+    crow, col = crow.astype(wide, copy=False), col.astype(wide, copy=False)
+    flags = _gpu_pattern_flags(crow, col, n, call=call)
+    if wide.itemsize > 4 and max(n, int(col.shape[0])) < np.iinfo(np.int32).max:
+        # Checked to lie in [0, n] and [0, nnz]: 32 bits hold them, as CuPy keeps them.
+        crow, col = crow.astype(np.int32), col.astype(np.int32)
+    A = device_checks.csr_from_parts(val, col, crow, n,
+                                     canonical=not flags & device_checks.FLAG_NOT_CANONICAL)
+    if flags & device_checks.FLAG_NOT_CANONICAL:
+        A.sum_duplicates()
+    return A
+
+
+def _gpu_pattern_flags(indptr: Any, indices: Any, n: int, *, call: str) -> int:
+    """:func:`device_checks.csr_structure`'s flags; raises on a pattern that is not CSR."""
+    from . import device_checks
+
+    flags = device_checks.csr_structure(indptr, indices, n)
+    if flags & device_checks.FLAG_BAD_INDPTR:
+        raise ValueError(f"{call}: A's row pointers (crow_indices / indptr) are not a CSR index: "
+                         f"they must start at 0, never decrease and end at the number of stored "
+                         f"entries ({int(indices.shape[0])}); rebuild A from valid arrays")
+    if flags & device_checks.FLAG_BAD_INDEX:
+        raise ValueError(f"{call}: A has column indices outside [0, {n}); fix the matrix's "
+                         "col_indices / indices")
+    return flags
 
 
 def as_operator(A: Any, *, call: str = "solve") -> tuple[Any, str]:
@@ -125,6 +169,14 @@ def as_operator(A: Any, *, call: str = "solve") -> tuple[Any, str]:
         if A.ndim != 2:
             raise ValueError(f"{call}: A must be 2-D, got {A.ndim}-D")
         A = A.tocsr()
+        if _backend.is_cupy_sparse(A) and A.shape[0] == A.shape[1] \
+                and getattr(A, "_has_canonical_format", None) is not True:
+            # One pass checks the pattern (and finds whether it is canonical)
+            # where CuPy's own test would read back one property at a time.
+            from .device_checks import FLAG_NOT_CANONICAL
+
+            flags = _gpu_pattern_flags(A.indptr, A.indices, A.shape[0], call=call)
+            A.has_canonical_format = not flags & FLAG_NOT_CANONICAL
         A.sum_duplicates()
         return A, "csr"
     if isinstance(A, np.ndarray) or _backend.is_cupy_array(A):
@@ -261,6 +313,36 @@ def checked_finite(a: Any, memo: dict | None) -> bool:
     if ok and memo is not None:
         memo[id(a)] = a
     return ok
+
+
+def first_nonfinite(arrays: list, memo: dict | None) -> int | None:
+    """The index of the first array holding a NaN or an Inf (None: all finite).
+
+    Host arrays are read one by one (:func:`checked_finite`); arrays on a GPU
+    are checked together with one host read
+    (:func:`managed_solve.system.device_checks.nonfinite`). Arrays found
+    finite go into ``memo`` (by object), as :func:`checked_finite` keeps them.
+    """
+    on_gpu = [k for k, a in enumerate(arrays) if _backend.is_cupy_array(a) and a.ndim == 1
+              and not (memo is not None and memo.get(id(a)) is a)]
+    bad_gpu: set[int] = set()
+    if len(on_gpu) > 1:
+        from .device_checks import nonfinite
+
+        found = nonfinite([arrays[k] for k in on_gpu])
+        bad_gpu = {k for k, bad in zip(on_gpu, found, strict=True) if bad}
+        if memo is not None:
+            for k in on_gpu:
+                if k not in bad_gpu:
+                    memo[id(arrays[k])] = arrays[k]
+    else:
+        on_gpu = []
+    for k, a in enumerate(arrays):
+        if k in bad_gpu:
+            return k
+        if k not in on_gpu and not checked_finite(a, memo):
+            return k
+    return None
 
 
 def nonnegative_finite(v: Any) -> bool:

@@ -17,7 +17,7 @@ from .inputs import (
     as_operator,
     as_vector,
     check_dtype,
-    checked_finite,
+    first_nonfinite,
     grad_source,
     nonnegative_finite,
     result_dtype,
@@ -128,22 +128,24 @@ class LinearSystem:
                 f"{'a GPU' if xp is not np else 'the host'}; put both on one device "
                 "(LinearSystem(...).to(device) moves both)."
             )
+        checks = []  # (array, what is wrong when it holds a NaN or an Inf)
         if kind == "csr":
             if A.dtype != dt:
                 A = A.astype(dt)
-            if check_finite and A.nnz and not checked_finite(A.data, _finite_memo):
-                raise ValueError(f"{call}: A has NaN or Inf entries; clean the matrix before solving")
+            if A.nnz:
+                checks.append((A.data, "A has NaN or Inf entries; clean the matrix before solving"))
         elif kind == "dense":
             A = A.astype(dt, copy=False)
-            if check_finite and not checked_finite(A, _finite_memo):
-                raise ValueError(f"{call}: A has NaN or Inf entries; clean the matrix before solving")
+            checks.append((A, "A has NaN or Inf entries; clean the matrix before solving"))
         b = b.astype(dt, copy=False)
-        if check_finite and not checked_finite(b, _finite_memo):
-            raise ValueError(f"{call}: b has NaN or Inf entries")
+        checks.append((b, "b has NaN or Inf entries"))
         if x0 is not None:
             x0 = xp.asarray(x0).astype(dt, copy=False)
-            if check_finite and not checked_finite(x0, _finite_memo):
-                raise ValueError(f"{call}: x0 has NaN or Inf entries")
+            checks.append((x0, "x0 has NaN or Inf entries"))
+        if check_finite:
+            bad = first_nonfinite([a for a, _ in checks], _finite_memo)
+            if bad is not None:
+                raise ValueError(f"{call}: {checks[bad][1]}")
 
         self.A, self.kind, self.b, self.x0 = A, kind, b, x0
         self.grad = grad

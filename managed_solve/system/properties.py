@@ -123,6 +123,19 @@ def is_symmetric(A: Any, cache: dict | None = None) -> bool:
 
             code = _host_symmetry(A, 1e-12, cache)
             result = None if code == DIFFERENT_PATTERN else bool(code)
+        if xp is not np and getattr(A, "_has_canonical_format", None) is True:
+            # Canonical (CuPy knows it, or the input checks found it): one
+            # launch and one host read, the bounds kept for the policy too.
+            from .device_checks import symmetry_many
+
+            found = symmetry_many([A], 1e-12)[0]
+            if found is not None:
+                from ..kernels.symmetry import DIFFERENT_PATTERN
+
+                code, bounds = found
+                if cache is not None:
+                    cache[("gershgorin", id(A))] = (A, bounds)
+                result = None if code == DIFFERENT_PATTERN else bool(code)
         if result is None:
             scale = float(xp.abs(A.data).max())  # sync: one read per distinct matrix
             limit = 1e-12 * scale
