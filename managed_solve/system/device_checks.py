@@ -60,10 +60,16 @@ def _module(device_id: int) -> Any:
         return cp.RawModule(code=source, options=("-std=c++17",), name_expressions=_names())
 
 
+_KERNELS: dict[tuple[int, str], Any] = {}
+
+
 def _kernel(device_id: int, name: str) -> Any:
-    with _lock:  # one compilation (or cache load) per device
-        module = _module(device_id)
-    return module.get_function(name)
+    kernel = _KERNELS.get((device_id, name))
+    if kernel is None:
+        with _lock:  # one compilation (or cache load) per device
+            kernel = _module(device_id).get_function(name)
+        _KERNELS[(device_id, name)] = kernel
+    return kernel
 
 
 def _blocks(count: int) -> int:

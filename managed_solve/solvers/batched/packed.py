@@ -16,7 +16,7 @@ import numpy as np
 
 from ... import _backend, config
 from ..engine import default_maxiter
-from . import workspace
+from . import gather, workspace
 
 __all__ = ["PackedBatch", "default_maxiter", "pack_host"]
 
@@ -276,6 +276,14 @@ class PackedBatch:
         else:
             xp, ctx = np, _NullCtx()
         any_x0 = any(s.x0 is not None for s in systems)
+        if idx is not None and not jacobi and gather.gatherable(systems, idx, dt):
+            # Every array on the target GPU already: one launch packs them all.
+            indptr, indices, data, b, x0 = gather.pack_gather(
+                systems, offsets, nnz_off, device_id=idx, dtype=dt, index_dtype=idt, x0=any_x0)
+            with ctx:
+                row_sys = xp.asarray(np.repeat(np.arange(len(systems), dtype=np.int32), sizes))
+            return cls._of(systems, indptr, indices, data, b, x0, offsets, row_sys, None,
+                           f"cuda:{idx}")
         with ctx:
             # Fill preallocated outputs slice by slice, so the device holds the
             # batch plus at most one system's temporary, never two copies.
@@ -305,14 +313,20 @@ class PackedBatch:
                 if jacobi:
                     _put(dinv, lo, hi, _inverse_diagonal(A, dt, call=f"PackedBatch.pack(systems[{k}])"), xp)
             row_sys = xp.asarray(np.repeat(np.arange(len(systems), dtype=np.int32), sizes))
+        return cls._of(systems, indptr, indices, data, b, x0, offsets, row_sys, dinv,
+                       f"cuda:{idx}" if idx is not None else str(device))
+
+    @classmethod
+    def _of(cls, systems: Sequence[Any], indptr: Any, indices: Any, data: Any, b: Any, x0: Any,
+            offsets: np.ndarray, row_sys: Any, dinv: Any, device: str) -> PackedBatch:
+        """The batch over packed arrays, with the systems' tolerances, limits and names."""
         rtol = np.array([s.rtol for s in systems], dtype=np.float64)
         atol = np.array([s.atol for s in systems], dtype=np.float64)
         maxiter = np.array([s.maxiter if s.maxiter is not None else default_maxiter(s.n)
                             for s in systems], dtype=np.int64)
         return cls(indptr=indptr, indices=indices, data=data, b=b, x0=x0, offsets=offsets,
                    row_sys=row_sys, rtol=rtol, atol=atol, maxiter=maxiter, dinv=dinv,
-                   device=f"cuda:{idx}" if idx is not None else str(device),
-                   names=[getattr(s, "name", None) for s in systems])
+                   device=device, names=[getattr(s, "name", None) for s in systems])
 
     @classmethod
     def from_csr(cls, A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 0.0,

@@ -64,6 +64,28 @@ def test_pack_round_trip(device):
     assert batch.names == ["s0", "s1", "s2", "s3"]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, index_dtype", [(np.float64, None), (np.float32, np.int64)])
+def test_systems_on_the_gpu_pack_in_one_gather_as_host_systems_pack(dtype, index_dtype):
+    from managed_solve.solvers.batched import gather
+
+    rng = np.random.default_rng(1)
+    on_host = [LinearSystem(s.A.astype(dtype), s.b.astype(dtype), rtol=s.rtol, maxiter=s.maxiter,
+                            x0=None if s.x0 is None else s.x0.astype(dtype), name=s.name)
+               for s in mixed_systems(rng)]
+    systems = [s.to("cuda:0") for s in on_host]
+    assert gather.gatherable(systems, 0, np.dtype(dtype))
+    on_gpu = PackedBatch.pack(systems, device="cuda:0", index_dtype=index_dtype)
+    on_host = PackedBatch.pack(on_host, device="cuda:0", index_dtype=index_dtype)
+    for name in ("indptr", "indices", "data", "b", "x0", "row_sys"):
+        got, want = getattr(on_gpu, name), getattr(on_host, name)
+        assert got.dtype == want.dtype, name
+        np.testing.assert_array_equal(host(got), host(want), err_msg=name)
+    assert on_gpu.names == on_host.names and on_gpu.maxiter.tolist() == on_host.maxiter.tolist()
+    # A system left on the host takes the slice-by-slice path.
+    assert not gather.gatherable(systems[:2] + [mixed_systems(rng)[0]], 0, np.dtype(dtype))
+
+
 def test_pack_defaults_and_dtypes():
     A = poisson2d(3)
     s64 = LinearSystem(A, np.ones(9))
