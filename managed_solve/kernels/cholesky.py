@@ -31,7 +31,7 @@ __all__ = ["factor", "solve"]
 #: Blocks with fewer entries (rows x columns) are factorised by loops, not BLAS.
 SMALL_BLOCK = 64
 #: Supernodes whose work in a solve (rows x columns x right-hand sides) is below this use loops.
-SMALL_SOLVE = 1 << 62
+SMALL_SOLVE = 2048
 
 
 @numba.njit(nogil=True, cache=True)

@@ -25,6 +25,8 @@ import numpy as np
 #: minimum degree at 16k rows) and factorise faster by as much as a third,
 #: for a few milliseconds more ordering.
 LEAF = 24
+#: Columns of a block solved a call (calls spread over the cores).
+SOLVE_COLUMNS = 16
 #: Values equal to their mirror within this fraction of the largest count as symmetric.
 SYMMETRY_RTOL = 1e-12
 
@@ -123,18 +125,39 @@ class Cholesky:
                                        if isinstance(v, np.ndarray)))
 
     def solve(self, b: Any, trans: str = "N") -> np.ndarray:
-        """``A^-1 b`` for b of shape (n,) or (n, k) (``trans`` is ignored: A is symmetric)."""
+        """``A^-1 b`` for b of shape (n,) or (n, k) (``trans`` is ignored: A is symmetric).
+
+        Every call of the kernel solves exactly :data:`SOLVE_COLUMNS` columns
+        (a vector, or a block's last piece, padded with zeros): BLAS then
+        makes the same calls for every column, so a column of a block is bit
+        for bit its solve alone (a block and its columns are judged alike),
+        and the supernodes' products are BLAS-3 even for one vector, at
+        about the cost of loops over that one.
+        """
         from ..kernels.cholesky import solve
 
         if self.L.shape[0] != self.symbolic["nnz"]:
             raise NotPositiveDefinite("the last factorisation failed")
         s = self.symbolic
         perm = s["perm"]
-        k = 1 if b.ndim == 1 else b.shape[1]
-        x = np.empty((self.n, k), dtype=self.dtype)
-        x[:] = np.asarray(b).reshape(self.n, k)[perm]
-        solve(s["first"], s["row_ptr"], s["rows"], s["value_ptr"], self.L, x.reshape(-1), k,
-              self._blas)
-        out = np.empty_like(x)
-        out[perm] = x
-        return out.reshape(b.shape)
+        vector = b.ndim == 1
+        k = 1 if vector else b.shape[1]
+        b = np.asarray(b).reshape(self.n, k)
+        out = np.empty((self.n, k), dtype=self.dtype)
+        starts = range(0, k, SOLVE_COLUMNS)
+
+        def piece(i: int) -> None:
+            lo = starts[i]
+            hi = min(lo + SOLVE_COLUMNS, k)
+            x = np.zeros((self.n, SOLVE_COLUMNS), dtype=self.dtype)  # a narrower piece padded
+            x[:, :hi - lo] = b[perm, lo:hi]
+            solve(s["first"], s["row_ptr"], s["rows"], s["value_ptr"], self.L, x.reshape(-1),
+                  SOLVE_COLUMNS, self._blas)
+            out[perm, lo:hi] = x[:, :hi - lo]
+
+        # One piece after another on this thread: BLAS spreads a large
+        # supernode's product over the cores itself, and pieces on threads of
+        # their own would contend for them (several times slower on two cores).
+        for i in range(len(starts)):
+            piece(i)
+        return out.reshape(-1) if vector else out
