@@ -81,3 +81,80 @@ def bench_direct_gpu(benchmark, machine_info, who, m):
     benchmark.pedantic(fn, setup=setup, rounds=5 if m <= 200 else 3, iterations=1, warmup_rounds=0)
     machine_info(benchmark, "cpu" if who == "scipy" else "cuda", n=A_h.shape[0], nnz=A_h.nnz,
                  role="candidate" if ours_ else "anchor", who=who)
+
+
+# ------------------------------------------------------------------------------ CPU
+# A prepared direct Solver on the host: its set-up (ordering, symbolic analysis
+# and numeric factorisation of our supernodal Cholesky) against update() with
+# new values on the same pattern (numeric factorisation only; target at most
+# 40 % of the set-up), and SciPy's splu (SuperLU, its default COLAMD) as the
+# anchor of the same run.
+CPU_SIZES = [127, 255, 511]
+CPU_ROUNDS = 5
+# Medians of this run by (entry, m), so later entries record their ratios.
+CPU_MEDIANS: dict[tuple[str, int], float] = {}
+
+
+def _cpu_record(benchmark, who: str, m: int, anchor: str | None = None, **extra) -> None:
+    median = benchmark.stats.stats.median
+    CPU_MEDIANS[(who, m)] = median
+    benchmark.extra_info.update(extra)
+    if anchor is not None and (anchor, m) in CPU_MEDIANS:
+        benchmark.extra_info[f"ratio_vs_{anchor}"] = median / CPU_MEDIANS[(anchor, m)]
+
+
+@pytest.mark.benchmark(group="direct-cpu")
+@pytest.mark.parametrize("m", CPU_SIZES)
+def bench_direct_cpu_splu_anchor(benchmark, machine_info, m):
+    A = poisson2d(m)
+    benchmark.pedantic(lambda: spla.splu(A.tocsc()), rounds=CPU_ROUNDS, iterations=1,
+                       warmup_rounds=1)
+    machine_info(benchmark, "cpu", role="anchor", n=A.shape[0], note="scipy splu(A) (COLAMD)")
+    _cpu_record(benchmark, "splu", m)
+
+
+@pytest.mark.benchmark(group="direct-cpu")
+@pytest.mark.parametrize("m", CPU_SIZES)
+def bench_direct_cpu_setup(benchmark, machine_info, m):
+    from managed_solve import Solver
+
+    A = poisson2d(m)
+
+    def run():
+        solver = Solver(A, method="direct", device="cpu")
+        solver.close()
+        return solver
+
+    benchmark.pedantic(run, rounds=CPU_ROUNDS, iterations=1, warmup_rounds=1)
+    with Solver(A, method="direct", device="cpu") as solver:
+        res = solver.solve(np.ones(A.shape[0]))
+        assert res.converged
+    machine_info(benchmark, "cpu", role="ours", n=A.shape[0],
+                 factorisation=res.info["factorisation"], note="Solver(A, method='direct')")
+    _cpu_record(benchmark, "setup", m, anchor="splu")
+
+
+@pytest.mark.benchmark(group="direct-cpu")
+@pytest.mark.parametrize("m", CPU_SIZES)
+def bench_direct_cpu_update(benchmark, machine_info, m):
+    from managed_solve import Solver
+
+    A = poisson2d(m)
+    A2 = A.copy()
+    A2.setdiag(A.diagonal() + np.linspace(0.1, 1.0, A.shape[0]))  # new values, same pattern
+    assert np.array_equal(A2.indices, A.indices)
+    with Solver(A, method="direct", device="cpu") as solver:
+        values = [A2, A]  # alternate, so that each round's values are new
+        turn = iter(range(1 << 30))
+        benchmark.pedantic(lambda: solver.update(values[next(turn) % 2]), rounds=CPU_ROUNDS,
+                           iterations=1, warmup_rounds=1)
+        solver.update(A2)
+        b = np.ones(A.shape[0])
+        res = solver.solve(b)
+        assert res.converged and np.linalg.norm(b - A2 @ res.x) <= 1e-8 * np.linalg.norm(b)
+    machine_info(benchmark, "cpu", role="ours", n=A.shape[0],
+                 factorisation=res.info["factorisation"], target="<= 0.4 x the set-up",
+                 note="solver.update(A2): same pattern, new values")
+    _cpu_record(benchmark, "update", m, anchor="splu")
+    if ("setup", m) in CPU_MEDIANS:
+        benchmark.extra_info["ratio_vs_setup"] = CPU_MEDIANS[("update", m)] / CPU_MEDIANS[("setup", m)]

@@ -364,6 +364,9 @@ class Solver:
         engine_A = self._engine_system.A
         for method, prepared in list(self._engines.items()):
             if isinstance(prepared, Prepared):
+                if prepared.engine == "direct" and self.symmetric is not None:
+                    # New values may break (or make) symmetry, which a Cholesky factor needs.
+                    prepared.options = replace(prepared.options, symmetric=self.symmetric)
                 try:
                     prepared.update(engine_A.data if system.kind == "csr" else engine_A)
                 except Singular:

@@ -14,6 +14,9 @@ is not free, so nothing is imported here):
 - ``packing``: the in-place index fix-up of block-diagonal batch packing
   (``managed_solve.solvers.batched.pack_host``; CPU only, the host builds batches);
 - ``symmetry``: a one-pass symmetry test of a host CSR matrix (CPU only);
+- ``cholesky_symbolic`` and ``cholesky``: the symbolic analysis and the
+  numeric factorisation and solves of a supernodal sparse Cholesky, with
+  ``blas`` calling SciPy's BLAS/LAPACK from jitted code (CPU only);
 - ``checks``: the finite-entry check and the symmetry test over many host
   arrays in one GIL-free call, by address (CPU only);
 - ``_compat``: the NumPy 2.5 / numba-cuda ``np.row_stack`` shim, imported

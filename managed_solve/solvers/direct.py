@@ -1,4 +1,9 @@
-"""Direct sparse solves: SciPy SuperLU on the CPU, cuDSS or cuSOLVER on a GPU.
+"""Direct sparse solves: supernodal Cholesky or SciPy SuperLU on the CPU, cuDSS or cuSOLVER on a GPU.
+
+Symmetric positive definite host matrices are factorised by our supernodal
+Cholesky (:mod:`managed_solve.solvers.cholesky`), whose analysis is kept so
+that :meth:`PreparedDirect.update` redoes only the numeric work; others (and
+one that proves indefinite) by SuperLU.
 
 A singular matrix is reported as a ``BREAKDOWN`` outcome with a message
 naming the fix, never as a crash: SuperLU raises on an exactly zero pivot,
@@ -17,6 +22,7 @@ import numpy as np
 from .. import _backend, config
 from ._common import BREAKDOWN, CONVERGED, MAXITER, Outcome, column_norms, stable_norm
 from .batched.threads import run_claimed, threads_for
+from .cholesky import Cholesky, NotPositiveDefinite, eligible
 from .engine import BlockOutcomes, Options, Prepared
 
 log = logging.getLogger("managed_solve")
@@ -119,7 +125,7 @@ class PreparedDirect(Prepared):
         super().__init__(device, options, A.shape[0])
         self._factor(A)
 
-    def _factor(self, A: Any) -> None:
+    def _factor(self, A: Any, cholesky: bool = True) -> None:
         self._release_held()
         self.A = A
         xp = _backend.array_module(A.data if _is_sparse(A) else A)
@@ -131,7 +137,7 @@ class PreparedDirect(Prepared):
         self._held: Any = None
         if xp is np:
             if _is_sparse(A):
-                self._lu, self.how = _OnLane.factorise(A, self.options.symmetric)
+                self._lu, self.how = host_factor(A, self.options.symmetric, cholesky=cholesky)
             else:
                 import scipy.linalg as sla
 
@@ -149,6 +155,8 @@ class PreparedDirect(Prepared):
             return 0
         if isinstance(lu, tuple):  # dense LU: the packed factors and the pivots
             return int(sum(np.asarray(a).nbytes for a in lu))
+        if isinstance(lu, Cholesky):
+            return lu.nbytes
         item = np.dtype(self.A.dtype).itemsize
         return int(lu.nnz * (item + 4) + 24 * self.n)  # L and U in CSC, permutations
 
@@ -363,12 +371,31 @@ class PreparedDirect(Prepared):
             "(use float64, a looser rtol, or scale the equations)."), info=info)
 
     def update(self, values: Any) -> None:
-        """New values on the same pattern: factorise again (SuperLU keeps no symbolic phase)."""
+        """New values on the same pattern: only the numeric work where the factor is a Cholesky one.
+
+        The Cholesky factor's analysis (ordering, elimination tree,
+        supernodes) is kept and only the numeric factorisation is redone;
+        new values that are not symmetric positive definite, and every other
+        factor (SuperLU keeps no symbolic phase), factorise again from the
+        start. ``options.symmetric`` is trusted as for :meth:`prepare`.
+        """
         self._check_open()
         from .krylov import same_pattern
 
         if _is_sparse(self.A):
-            self._factor(same_pattern(self.A, values, "csr", call="update"))
+            new = same_pattern(self.A, values, "csr", call="update")
+            if isinstance(self._lu, Cholesky):
+                try:
+                    if self.options.symmetric and eligible(new) is None:
+                        self._lu.refactor(new.data)
+                        self.A = new
+                        return
+                except NotPositiveDefinite as exc:
+                    log.info("managed_solve: new values not positive definite (%s); using SuperLU",
+                             exc)
+                self._factor(new, cholesky=False)
+                return
+            self._factor(new)
         else:
             new = self.xp.asarray(values)
             if new.shape != self.A.shape:
@@ -457,6 +484,28 @@ class _OnLane:
 #: sphere mesh of 164k vertices: 19M factor entries against 94M); on 2-D
 #: grids minimum degree fills in a little less up to some 50k rows.
 NESTED_DISSECTION_MIN_ROWS = 20_000
+
+
+def host_factor(A: Any, symmetric: bool | None, *, cholesky: bool = True) -> tuple[Any, str]:
+    """Factors of a host CSR matrix: supernodal Cholesky when it is SPD, else SuperLU.
+
+    A symmetric matrix (``symmetric`` True, values checked again) is tried
+    by :class:`~managed_solve.solvers.cholesky.Cholesky` when its diagonal
+    is positive (a cheap test that spares an indefinite one the analysis);
+    one that proves not positive definite, and every other, goes to
+    :func:`superlu` on its lane. Returns the factors (``solve(b, trans)``
+    and ``nnz``) and how they were made.
+    """
+    if cholesky and symmetric and A.shape[0] > 0 and bool(np.all(A.diagonal() > 0)):
+        try:
+            return Cholesky(A), CHOLESKY
+        except NotPositiveDefinite as exc:
+            log.info("managed_solve: no Cholesky factorisation (%s); using SuperLU", exc)
+    return _OnLane.factorise(A, symmetric)
+
+
+#: ``info["factorisation"]`` of a Cholesky factor.
+CHOLESKY = "Cholesky (supernodal, nested dissection)"
 
 
 def superlu(A: Any, symmetric: bool | None) -> tuple[Any, str]:
