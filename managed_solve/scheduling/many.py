@@ -29,10 +29,10 @@ from ..system import LinearSystem
 from . import adjoint, host_checks, process
 from . import estimate as estimation
 from .errors import raise_for_failures
-from .plan import SINGLE, Estimate, early_split, head_start, plan_work, select_devices
+from .plan import SINGLE, Estimate, head_start, plan_work, select_devices
 from .routes import prefetch_cuda_modules, run_sharded
 from .runner import Runner
-from .validate import check_arguments, finite_candidates, invalid_result, raw_rows, validate_all
+from .validate import check_arguments, finite_candidates, invalid_result, validate_all
 
 
 def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = None,
@@ -97,58 +97,49 @@ def _solve(systems: Iterable[Any], *, disperse: bool, devices: Any, method: str,
     """
     items = list(systems)
     mgr = manager if manager is not None else default_manager()
+    # Validation's finite check and the auto policy's tests of the inputs'
+    # host matrices: one pass on every core, this thread among the workers
+    # (helpers waiting for the GIL would otherwise wait on the loops below).
     cache: dict = {}  # symmetry per matrix object, for this call
     least = estimation.pass_least()
-    results: list[SolveResult | None] = [None] * len(items)
-    valid: list[LinearSystem | None] = [None] * len(items)
-    # With every accelerator in use (disperse), the devices do not depend on
-    # the inputs: a call of many systems then validates, plans and starts
-    # its largest systems (about its first batch on each device) while the
-    # others are still to be checked (``early_split``).
-    devs = select_devices(mgr, devices, disperse, {}) if disperse else None
-    later: list[int] = []
-    if devs is not None and kept is None and not all(d.kind == "cpu" for d in devs):
-        first_part, later = early_split([raw_rows(item) for item in items], devs)
-    else:
-        first_part = range(len(items))
-    _check_and_validate(items, first_part, method=method, M=M, rtol=rtol, least=least,
-                        cache=cache, results=results, valid=valid)
+    tests = host_checks.symmetry_pass(estimation.input_matrices(items, method, least))
+    finite = host_checks.FinitePass(finite_candidates(items))
+    host_checks.run_all([tests, finite])
+    tests.store(cache)
+    results, checked = validate_all(items, method=method, M=M, rtol=rtol,
+                                    memo={id(a): a for a in finite.finite()})
+    valid: list[LinearSystem | None] = [checked.get(i) for i in range(len(items))]
+    estimation.test_gpu_matrices(valid, cache)  # systems already on a GPU: one read for all
+    if validated is not None:
+        validated[:] = valid
     if kept is not None:
         kept.wanted = {i for i, s in enumerate(valid) if s is not None and s.grad is not None}
         if not kept.wanted:
             kept = None
 
-    if devs is None:
-        held: dict[str, int] = {}
-        for s in valid:
-            if s is not None:
-                held[s.device] = held.get(s.device, 0) + s.nbytes
-        devs = select_devices(mgr, devices, disperse, held)
+    held: dict[str, int] = {}
+    for s in valid:
+        if s is not None:
+            held[s.device] = held.get(s.device, 0) + s.nbytes
+    devs = select_devices(mgr, devices, disperse, held)
     host_only = all(d.kind == "cpu" for d in devs)
+    if not host_only:
+        prefetch_cuda_modules(valid, devs, method)  # compiles beside what follows
     kind = "cpu" if host_only else next(d.kind for d in devs if d.kind != "cpu")
     ref = devs[0]
-    early: dict = {}
-    passed: dict = {}
-
-    def prepare(part: list) -> None:
-        """What the estimates read, started for ``part`` (systems, None where invalid)."""
-        if not host_only:
-            prefetch_cuda_modules(part, devs, method)  # compiles beside what follows
-        if host_only:
-            estimation.count_shared(part, cache)  # one LU serves every system of a shared matrix
-        # The large host matrices' tests start on helper threads (their results
-        # gate a head start); small ones not tested above (validation replaced
-        # the object: a dtype conversion) run on every core, many a kernel call.
-        mats = estimation.host_matrices(part, cache, least)
-        early.update(estimation.prefetch_methods(part, kind, cache, skip={id(A) for A in mats}))
-        if host_only:  # the method decides the route (a host LU or a batch): known before the plan
-            host_checks.test_symmetry(mats, cache)
-        else:  # beside the estimates, the plan and the first batch's packing
-            started = estimation.start_host_matrices(mats, cache)
-            passed.update(started)
-            early.update(started)
-
-    prepare(valid)
+    if host_only:
+        estimation.count_shared(valid, cache)  # one LU serves every system of a shared matrix
+    # The large host matrices' tests start on helper threads (their results
+    # gate a head start); small ones not tested above (validation replaced
+    # the object: a dtype conversion) run on every core, many a kernel call.
+    mats = estimation.host_matrices(valid, cache, least)
+    early = estimation.prefetch_methods(valid, kind, cache, skip={id(A) for A in mats})
+    if host_only:  # the method decides the route (a host LU or a batch): known before the plan
+        host_checks.test_symmetry(mats, cache)
+        passed: dict = {}
+    else:  # beside the estimates, the plan and the first batch's packing
+        passed = estimation.start_host_matrices(mats, cache)
+        early.update(passed)
 
     def method_of(s: LinearSystem) -> str:
         """A deferred system's method (its test may still run on a helper thread)."""
@@ -187,31 +178,10 @@ def _solve(systems: Iterable[Any], *, disperse: bool, devices: Any, method: str,
         bar = tqdm.tqdm(total=len(items), unit="system", desc="solve_many", smoothing=0.1)
         bar.update(sum(r is not None for r in results))
     settings = config.current()
-
-    def validate_later() -> list[int]:
-        """The positions of ``later`` checked and validated now: those that are valid."""
-        _check_and_validate(items, later, method=method, M=M, rtol=rtol, least=least,
-                            cache=cache, results=results, valid=valid)
-        part: list[LinearSystem | None] = [None] * len(items)
-        for i in later:
-            part[i] = valid[i]
-        prepare(part)
-        if bar is not None:
-            bar.update(sum(results[i] is not None for i in later))
-        return [i for i in later if valid[i] is not None]
-
     try:
         batch_bytes = estimation.packed_bytes(mgr, valid)
         rows = [None if s is None else (s.n if s.kind == "csr" else 0) for s in valid]
-        if later:
-            rows_bound = sum(n for n in (raw_rows(items[i]) for i in later) if n) \
-                + sum(n for n in rows if n)
-            head = [i for i, n in enumerate(rows) if n is not None]
-            rest: list[int] = []
-            if not head:  # nothing valid in the first part: one plan for the rest
-                rest, later = validate_later(), []
-        else:
-            head, rest, rows_bound = head_start(rows, devs, host_only)
+        head, rest, rows_bound = head_start(rows, devs, host_only)
         gpus = sum(d.is_gpu for d in devs)  # simulated GPUs too: the same threads
         switch = settings.switch_interval
         with process.SWITCH_INTERVAL.held(switch, active=switch is not None and gpus >= 2):
@@ -229,8 +199,6 @@ def _solve(systems: Iterable[Any], *, disperse: bool, devices: Any, method: str,
                     # many CUDA calls (see the setting head_switch_interval).
                     beside = settings.head_switch_interval
                     with process.SWITCH_INTERVAL.held(beside, active=beside is not None):
-                        if later:
-                            rest = validate_later()
                         ests_rest = estimates(rest)
                     packed = sum(e.n for e in ests + ests_rest if e.route != SINGLE)
                     runner.extend(plan_work(ests_rest, devs, mgr, batch_bytes=batch_bytes,
@@ -257,32 +225,7 @@ def _solve(systems: Iterable[Any], *, disperse: bool, devices: Any, method: str,
         if bar is not None:
             bar.close()
 
-    if validated is not None:
-        validated[:] = valid
     missing = [i for i, r in enumerate(results) if r is None]
     if missing:  # every path above delivers; this guards the promise "nothing lost"
         raise RuntimeError(f"solve_many: internal error, no result for systems {missing[:10]}")
     return results  # type: ignore[return-value]
-
-
-def _check_and_validate(items: list, positions: Any, *, method: str, M: Any, rtol: float | None,
-                        least: int, cache: dict, results: list, valid: list) -> None:
-    """Check and validate the inputs at ``positions``: ``valid[i]`` or ``results[i]`` for each.
-
-    Validation's finite check and the auto policy's tests of the inputs'
-    host matrices: one pass on every core, this thread among the workers
-    (helpers waiting for the GIL would otherwise wait on the loops below).
-    Matrices already on a GPU are tested there, all in one launch.
-    """
-    positions = list(positions)
-    part = [items[i] for i in positions]
-    tests = host_checks.symmetry_pass(estimation.input_matrices(part, method, least))
-    finite = host_checks.FinitePass(finite_candidates(part))
-    host_checks.run_all([tests, finite])
-    tests.store(cache)
-    found, checked = validate_all(part, method=method, M=M, rtol=rtol,
-                                  memo={id(a): a for a in finite.finite()}, positions=positions)
-    for k, i in enumerate(positions):
-        results[i] = found[k]
-        valid[i] = checked.get(k)
-    estimation.test_gpu_matrices([valid[i] for i in positions], cache)

@@ -472,52 +472,6 @@ def head_start(ns: Sequence[int], devices: Sequence[Device],
     return pos[big].tolist(), pos[~big].tolist(), bound
 
 
-def early_split(rows: Sequence[int | None], devices: Sequence[Device]) -> tuple[list[int], list[int]]:
-    """(positions validated, planned and started first, the others) of a call of many inputs.
-
-    ``rows``: each input's rows as given (None where unknown before
-    validation). A call of more than ``head_start_systems`` inputs on
-    accelerators starts with the systems that run alone (as
-    :func:`head_start` picks them), else with its largest systems, up to
-    half its rows or about one batch per device, whichever is less: about
-    the batches the plan of the whole call would start with. The others are
-    checked, validated, estimated and planned while those are packed and
-    solved. Otherwise, or when the split would leave either part empty,
-    everything comes first.
-
-    Examples
-    --------
-    >>> from managed_solve.manager import DeviceManager
-    >>> gpus = DeviceManager(simulate="1x1GiB").accelerators
-    >>> first, later = early_split([100] * 300 + [5000] * 100, gpus)
-    >>> len(first), len(later), min(first)  # about one batch (32,768 rows on a simulated GPU)
-    (7, 393, 300)
-    >>> early_split([100] * 10, gpus)[1]  # a few systems: one part
-    []
-    """
-    everything = list(range(len(rows)))
-    if len(rows) <= config.current().head_start_systems or not devices:
-        return everything, []
-    n = np.fromiter((r or 0 for r in rows), np.int64, len(rows))
-    bound = int(n.sum())
-    kind = devices[0].kind
-    batch = target_rows(bound, len(devices), kind)
-    alone = min(ALONE_ROWS, max(1, batch // 4))
-    big = np.flatnonzero(n >= alone)
-    if big.size:
-        first = big
-    else:
-        order = np.lexsort((np.arange(len(rows)), -n))  # largest first, then input order
-        reach = min(bound // 2, batch * len(devices))
-        count = int(np.searchsorted(np.cumsum(n[order]), reach, side="left")) + 1
-        first = order[:count]
-    if first.size == 0 or first.size >= len(rows):
-        return everything, []
-    mask = np.zeros(len(rows), dtype=bool)
-    mask[first] = True
-    return np.flatnonzero(mask).tolist(), np.flatnonzero(~mask).tolist()
-
-
 def select_devices(manager: DeviceManager, devices: object, disperse: bool,
                    held_bytes: dict[str, int]) -> list[Device]:
     """The devices a call uses: those named (or every accelerator, else the CPU).

@@ -108,41 +108,14 @@ def with_x0(s: LinearSystem, x0: Any) -> LinearSystem:
     return t
 
 
-def raw_rows(item: Any) -> int | None:
-    """The rows of an input as given, before validation (None where they cannot be read cheaply).
-
-    Examples
-    --------
-    >>> import numpy as np, scipy.sparse as sp
-    >>> raw_rows((sp.eye(4, format="csr"), np.ones(4))), raw_rows(("not", "a system")), raw_rows(3)
-    (4, None, None)
-    """
-    if isinstance(item, LinearSystem):
-        return item.n
-    if isinstance(item, (tuple, list)) and len(item) == 2:
-        A = item[0]
-        if isinstance(A, tuple) and len(A) == 3:
-            crow = A[0]
-            return int(crow.shape[0]) - 1 if getattr(crow, "ndim", 0) == 1 else None
-        shape = getattr(A, "shape", None)
-        if shape is not None and len(shape) == 2:
-            try:
-                return int(shape[0])
-            except (TypeError, ValueError):
-                return None
-    return None
-
-
 def validate_all(items: list, *, method: str, M: Any, rtol: float | None,
-                 memo: dict | None = None, positions: list[int] | None = None
+                 memo: dict | None = None
                  ) -> tuple[list[SolveResult | None], dict[int, LinearSystem]]:
     """Every input as a LinearSystem (``valid``) or an INVALID_INPUT result (``results``).
 
     One memo of the arrays found finite serves the whole call, so a matrix
-    shared by many ``(A, b)`` pairs is scanned for NaN and Inf once.
-    ``positions`` gives each item's position in the call (for the names in
-    messages; default its place in ``items``); the returns are by place in
-    ``items``. Without a ``memo`` from the caller, the pairs' host arrays are scanned first,
+    shared by many ``(A, b)`` pairs is scanned for NaN and Inf once. Without
+    a ``memo`` from the caller, the pairs' host arrays are scanned first,
     many a kernel call over the host's cores (:func:`prefill_finite`); each
     LinearSystem then finds its arrays in the memo.
     """
@@ -151,12 +124,11 @@ def validate_all(items: list, *, method: str, M: Any, rtol: float | None,
     if memo is None:
         memo = {}
         prefill_finite(items, memo)
-    for k, item in enumerate(items):
-        i = positions[k] if positions is not None else k
+    for i, item in enumerate(items):
         try:
-            valid[k] = as_system(item, i, method=method, M=M, rtol=rtol, memo=memo)
+            valid[i] = as_system(item, i, method=method, M=M, rtol=rtol, memo=memo)
         except (TypeError, ValueError) as exc:
-            results[k] = invalid_result(exc, i, item)
+            results[i] = invalid_result(exc, i, item)
     return results, valid
 
 
