@@ -251,8 +251,6 @@ class PreparedDirect(Prepared):
         except Singular as exc:
             return [Outcome(None, BREAKDOWN, 0, float("nan"), f"{SINGULAR} ({exc})")
                     for _ in range(rhs.shape[1])]
-        if self.xp is not np:  # a GPU block (one cuDSS call): each column judged on the device
-            return [self._judge(rhs[:, j], X[:, j], trans) for j in range(rhs.shape[1])]
         return self._judge_block(rhs, X, trans)
 
     def _solve_vector(self, b: Any, x0: Any, trans: bool = False) -> Outcome:
@@ -273,9 +271,6 @@ class PreparedDirect(Prepared):
         """
         self._check_open()
         block = b.ndim == 2
-        if block and self.xp is not np:  # the GPU libraries here solve one column a call
-            return [self.solve_to(b[:, j], rtol[j], atol[j], trans=trans)
-                    for j in range(b.shape[1])]
         self._extra = {}
         try:
             x = self._apply(b, trans).astype(b.dtype, copy=False)
@@ -300,23 +295,25 @@ class PreparedDirect(Prepared):
 
     def _judge_block(self, B: Any, X: Any, trans: bool, *, rtols: Any = None,
                      atols: Any = None) -> BlockOutcomes:
-        """:meth:`_judge` for every column of a host block at once, one outcome a column.
+        """:meth:`_judge` for every column of a block at once, one outcome a column.
 
         One sparse product gives every column's residual ``B - A X`` and one
-        pass its k norms (k matrix-vector products and 3k reductions
-        otherwise); each column is then judged by its own residual exactly
+        pass its k norms, read back together (k matrix-vector products and
+        3k reductions, on a GPU 2k host reads, otherwise); each column is
+        then judged by its own residual exactly
         as :meth:`_judge` judges a vector, and only a column that misses its
         tolerance is refined, on its own. The outcomes' ``x`` are the columns
         of the returned block's ``x``, in C order as the caller's columns are
         stacked (the product reads C order fastest). ``rtols`` and ``atols``
         give each column a tolerance of its own (default: the options').
         """
+        xp = self.xp
         A = self.A.T if trans else self.A
-        X = np.ascontiguousarray(X)
-        b_norms = column_norms(np, B)  # one host pass for all k columns
+        X = xp.ascontiguousarray(X)
+        b_norms = column_norms(xp, B)  # one pass (one host read) for all k columns
         R = A @ X
-        np.subtract(B, R, out=R)  # R = B - A X without a second block
-        r_norms = column_norms(np, R)
+        xp.subtract(B, R, out=R)  # R = B - A X without a second block
+        r_norms = column_norms(xp, R)
         outs = BlockOutcomes(X)
         for j in range(B.shape[1]):
             b_norm = float(b_norms[j])
