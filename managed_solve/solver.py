@@ -1,16 +1,16 @@
 """Solver: one matrix set up once on one device, then solved for any number of right-hand sides.
 
 The flow: validate once, choose the device (the caller's, the GPU the arrays
-already lie on, or the DeviceManager's choice, with the bytes reserved until
-:meth:`Solver.close`), choose the method (:mod:`managed_solve.system.method`),
-prepare its engine there (factors, preconditioner), then for each
-right-hand side solve, check the true residual, fall back where "auto"
-guessed wrong, and learn the measured time for the next placement.
+lie on, or the DeviceManager's, bytes reserved until :meth:`Solver.close`),
+choose the method (:mod:`managed_solve.system.method`), prepare its engine
+there; then solve each right-hand side, check the true residual, fall back
+where "auto" guessed wrong, and learn the time for the next placement.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -33,7 +33,7 @@ from .solvers._common import (
 )
 from .solvers.direct import SINGULAR, DirectEngine, Singular
 from .solvers.engine import BREAKDOWN, MAXITER, BlockOutcomes, Options, Outcome, Prepared
-from .solvers.krylov import KrylovEngine
+from .solvers.krylov import KrylovEngine, same_pattern
 from .solvers.verify import fall_back, no_worse_than_the_start, refine, stagnated, status_of
 from .system import FALLBACK, LinearSystem
 from .system.inputs import (
@@ -153,6 +153,8 @@ class Solver:
               rhs: int | None = None) -> None:
         from .manager import default_manager
 
+        # Calls take turns: the engines work in workspaces of their own.
+        self._lock = threading.RLock()
         mgr = manager if manager is not None else default_manager()
         if device is not None:
             dev = named_device(device, mgr)
@@ -325,66 +327,66 @@ class Solver:
         Only the numeric set-up is redone (a new factorisation, a new
         preconditioner); a matrix of another pattern raises ValueError.
         """
-        self._check_open()
-        from .solvers.krylov import same_pattern
-
-        system = self.system
-        if system.kind == "csr":
-            if hasattr(A, "shape") and not hasattr(A, "indptr") and len(A.shape) == 2:
-                raise ValueError("Solver.update(A): give a sparse matrix of the prepared pattern "
-                                 "or its data array (A.data); prepare a new Solver otherwise.")
-            values = A
-            if hasattr(A, "indptr") or _backend.is_torch_tensor(A):
-                values, _kind = as_operator(A, call="Solver.update(A)")
-            if hasattr(values, "indptr") and _backend.array_module(values.data) is not \
-                    _backend.array_module(system.A.data):
-                values = values.get() if hasattr(values, "get") else \
-                    _backend.sparse_module(_backend.array_module(system.A.data)).csr_matrix(values)
-            new = same_pattern(system.A, values, "csr", call="Solver.update")
-            if not checked_finite(new.data, None):
-                raise ValueError("Solver.update(A): the new values have NaN or Inf entries.")
-        elif system.kind == "dense":
-            new = _backend.array_module(system.A).asarray(A).astype(system.dtype, copy=False)
-            if new.shape != system.A.shape:
-                raise ValueError(f"Solver.update(A): expected shape {system.A.shape}, got "
-                                 f"{tuple(new.shape)}; prepare a new Solver for a new shape.")
-        else:
-            raise ValueError("Solver.update(A): an operator has no values to update; prepare a "
-                             "new Solver.")
-        self.system = system.replaced(A=new)
-        self._symmetric_adjoint = None
-        if _backend.is_torch_tensor(A) and A.ndim == 1:  # the values on this pattern
-            self.grad = grad_source((system.A.indptr, system.A.indices, A), None,
-                                    call="Solver.update(A)")
-        else:
-            self.grad = grad_source(A, None, call="Solver.update(A)")
-        if system.method == "auto" or system.method == "direct":
-            self.symmetric = matrix_symmetry(self.system)
-        self._scale_matrix()
-        engine_A = self._engine_system.A
-        for method, prepared in list(self._engines.items()):
-            if isinstance(prepared, Prepared):
-                if prepared.engine == "direct" and self.symmetric is not None:
-                    # New values may break (or make) symmetry, which a Cholesky factor needs.
-                    prepared.options = replace(prepared.options, symmetric=self.symmetric)
-                try:
-                    prepared.update(engine_A.data if system.kind == "csr" else engine_A)
-                except Singular:
-                    prepared.close()
-                    del self._engines[method]
+        with self._lock:
+            self._check_open()
+            system = self.system
+            if system.kind == "csr":
+                if hasattr(A, "shape") and not hasattr(A, "indptr") and len(A.shape) == 2:
+                    raise ValueError("Solver.update(A): give a sparse matrix of the prepared pattern "
+                                     "or its data array (A.data); prepare a new Solver otherwise.")
+                values = A
+                if hasattr(A, "indptr") or _backend.is_torch_tensor(A):
+                    values, _kind = as_operator(A, call="Solver.update(A)")
+                if hasattr(values, "indptr") and _backend.array_module(values.data) is not \
+                        _backend.array_module(system.A.data):
+                    values = values.get() if hasattr(values, "get") else \
+                        _backend.sparse_module(_backend.array_module(system.A.data)).csr_matrix(values)
+                new = same_pattern(system.A, values, "csr", call="Solver.update")
+                if not checked_finite(new.data, None):
+                    raise ValueError("Solver.update(A): the new values have NaN or Inf entries.")
+            elif system.kind == "dense":
+                new = _backend.array_module(system.A).asarray(A).astype(system.dtype, copy=False)
+                if new.shape != system.A.shape:
+                    raise ValueError(f"Solver.update(A): expected shape {system.A.shape}, got "
+                                     f"{tuple(new.shape)}; prepare a new Solver for a new shape.")
             else:
-                del self._engines[method]
+                raise ValueError("Solver.update(A): an operator has no values to update; prepare a "
+                                 "new Solver.")
+            self.system = system.replaced(A=new)
+            self._symmetric_adjoint = None
+            if _backend.is_torch_tensor(A) and A.ndim == 1:  # the values on this pattern
+                self.grad = grad_source((system.A.indptr, system.A.indices, A), None,
+                                        call="Solver.update(A)")
+            else:
+                self.grad = grad_source(A, None, call="Solver.update(A)")
+            if system.method == "auto" or system.method == "direct":
+                self.symmetric = matrix_symmetry(self.system)
+            self._scale_matrix()
+            engine_A = self._engine_system.A
+            for method, prepared in list(self._engines.items()):
+                if isinstance(prepared, Prepared):
+                    if prepared.engine == "direct" and self.symmetric is not None:
+                        # New values may break (or make) symmetry, which a Cholesky factor needs.
+                        prepared.options = replace(prepared.options, symmetric=self.symmetric)
+                    try:
+                        prepared.update(engine_A.data if system.kind == "csr" else engine_A)
+                    except Singular:
+                        prepared.close()
+                        del self._engines[method]
+                else:
+                    del self._engines[method]
 
     def close(self) -> None:
         """Release the engines' workspace and the manager's reservation (idempotent)."""
-        for prepared in getattr(self, "_engines", {}).values():
-            if isinstance(prepared, Prepared):
-                prepared.close()
-        self._engines = {}
-        if getattr(self, "_reservation", None) is not None:
-            self._reservation.release()
-            self._reservation = None
-        self.closed = True
+        with self._lock:
+            for prepared in getattr(self, "_engines", {}).values():
+                if isinstance(prepared, Prepared):
+                    prepared.close()
+            self._engines = {}
+            if getattr(self, "_reservation", None) is not None:
+                self._reservation.release()
+                self._reservation = None
+            self.closed = True
 
     def __enter__(self) -> Solver:
         return self
@@ -393,9 +395,8 @@ class Solver:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else "open"
-        return (f"Solver(n={self.system.n}, method={self.method!r}, device="
-                f"{str(getattr(self, 'device', None))!r}, {state})")
+        device, state = getattr(self, "device", None), "closed" if self.closed else "open"
+        return f"Solver(n={self.system.n}, method={self.method!r}, device={str(device)!r}, {state})"
 
     def _check_open(self) -> None:
         if self.closed:
@@ -427,21 +428,23 @@ class Solver:
         return v
 
     def _solve(self, b: Any, x0: Any, *, transpose: bool) -> SolveResult:
-        self._check_open()
-        B = self._rhs(b, "b")
-        X0 = self._rhs(x0, "x0") if x0 is not None else None
-        if X0 is not None and X0.ndim != B.ndim:
-            raise ValueError(f"Solver.solve: x0 has shape {tuple(X0.shape)}, b {tuple(B.shape)}; "
-                             "give one initial guess per right-hand side.")
-        if B.ndim == 1:
-            return self.solve_one(B, X0, transpose=transpose)
-        return self._solve_block(B, X0, transpose=transpose)
+        with self._lock:
+            self._check_open()
+            B = self._rhs(b, "b")
+            X0 = self._rhs(x0, "x0") if x0 is not None else None
+            if X0 is not None and X0.ndim != B.ndim:
+                raise ValueError(f"Solver.solve: x0 has shape {tuple(X0.shape)}, b {tuple(B.shape)}; "
+                                 "give one initial guess per right-hand side.")
+            if B.ndim == 1:
+                return self.solve_one(B, X0, transpose=transpose)
+            return self._solve_block(B, X0, transpose=transpose)
 
     def solve_one(self, b: Any, x0: Any = None, *, transpose: bool = False,
                   name: str | None = None) -> SolveResult:
         """One right-hand side already of the solver's dtype on its device (no validation)."""
-        self._check_open()
-        return self._run([b], None if x0 is None else [x0], transpose, name)[0][0]
+        with self._lock:
+            self._check_open()
+            return self._run([b], None if x0 is None else [x0], transpose, name)[0][0]
 
     @property
     def block_column_bytes(self) -> int:
@@ -462,10 +465,8 @@ class Solver:
         k = B.shape[1]
         t0 = time.perf_counter()
         xp = _backend.array_module(B)
-        # Contiguous columns: GPU kernels and the Krylov engines' restarts read a
-        # vector as one stretch of memory, and a column of a row-major block is
-        # strided. A host factorisation solves and judges the block as a whole
-        # and reads its columns only where one needs more, so views do there.
+        # Contiguous columns for GPU kernels and Krylov restarts; a host factorisation
+        # takes the block whole and reads a column only where one needs more.
         views = xp is np and self.method == "direct"
 
         def columns(M: Any) -> list:

@@ -281,3 +281,66 @@ def test_bad_right_hand_sides_name_the_argument():
 def test_exported_at_the_top_level():
     assert ms.Solver is Solver
     assert "Solver(n=16" in repr(Solver(poisson2d(4), method="cg"))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("M", ["amg", None])
+def test_one_solver_shared_by_threads_gives_each_its_own_answer(device, M):
+    """Solves from several threads on one Solver (and its cycle's buffers) take turns."""
+    import threading
+
+    A = poisson2d(48)
+    rng = np.random.default_rng(7)
+    bs = [rng.standard_normal(A.shape[0]) for _ in range(12)]
+    out: dict[int, np.ndarray] = {}
+    with Solver(A, method="cg", M=M, rtol=1e-10, device=device) as solver:
+        def work(k: int) -> None:
+            for j in range(k, len(bs), 4):
+                r = solver.solve(bs[j])
+                assert r.converged
+                out[j] = ms._backend.to_host(r.x)
+
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    for j, b in enumerate(bs):
+        assert np.linalg.norm(A @ out[j] - b) <= 1e-9 * np.linalg.norm(b)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
+def test_two_solvers_sharing_one_amg_hierarchy_solve_side_by_side(device):
+    """One hierarchy as M of two solvers on two threads: its cycle's buffers are taken in turn."""
+    import threading
+
+    from managed_solve.solvers.amg import AMGPreconditioner
+
+    A = poisson2d(48)
+    if device != "cpu":
+        import cupyx.scipy.sparse as csp
+
+        A_dev = csp.csr_matrix(A)
+    else:
+        A_dev = A
+    hierarchy = AMGPreconditioner(A_dev)
+    rng = np.random.default_rng(8)
+    bs = [rng.standard_normal(A.shape[0]) for _ in range(8)]
+    out: dict[int, np.ndarray] = {}
+    solvers = [Solver(A, method="cg", M=hierarchy, rtol=1e-10, device=device) for _ in range(2)]
+
+    def work(k: int) -> None:
+        for j in range(k, len(bs), 2):
+            r = solvers[k].solve(bs[j])
+            assert r.converged
+            out[j] = ms._backend.to_host(r.x)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for s in solvers:
+        s.close()
+    for j, b in enumerate(bs):
+        assert np.linalg.norm(A @ out[j] - b) <= 1e-9 * np.linalg.norm(b)

@@ -12,6 +12,7 @@ as a CUDA graph (:meth:`CapturedCycle.capture`), replayed by one launch.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 log = logging.getLogger("managed_solve")
@@ -41,16 +42,29 @@ class CapturedCycle:
     def result(self) -> Any:  # pragma: no cover - defined by the subclasses
         raise NotImplementedError
 
+    @property
+    def lock(self) -> threading.RLock:
+        """Held while the cycle's buffers are in use: solves sharing this cycle take turns."""
+        lock = self.__dict__.get("_lock")
+        if lock is None:  # dict.setdefault is atomic: one lock, whichever thread comes first
+            lock = self.__dict__.setdefault("_lock", threading.RLock())
+        return lock
+
     def apply(self, r: Any, dtype: Any = None) -> Any:
-        """``M r`` for one vector (or the block a block cycle takes), as a new array of ``dtype``."""
+        """``M r`` for one vector (or the block a block cycle takes), as a new array of ``dtype``.
+
+        The cycle works in buffers of its own, so two threads applying one
+        preconditioner (two solvers sharing it) take turns.
+        """
         xp = self.xp
-        xp.copyto(self.b[0], r, casting="unsafe")
-        if self.graph is not None:
-            self.graph.launch()  # on the current stream, after the copy above
-        else:
-            self.run()
-        out = self.result()
-        return out.astype(dtype if dtype is not None else out.dtype)  # a copy: one kernel
+        with self.lock:
+            xp.copyto(self.b[0], r, casting="unsafe")
+            if self.graph is not None:
+                self.graph.launch()  # on the current stream, after the copy above
+            else:
+                self.run()
+            out = self.result()
+            return out.astype(dtype if dtype is not None else out.dtype)  # a copy: one kernel
 
     def capture(self, cp: Any, *, check: bool = True) -> bool:
         """Capture one cycle as a CUDA graph (CuPy only); False, logged, where that fails.

@@ -117,7 +117,12 @@ class BoundCG:
         """``A x = b`` to ``||r|| <= max(rtol ||b||, atol)`` in at most ``maxiter`` iterations.
 
         ``x`` of the outcome is a new array (the loop's own is reused by the next solve).
+        The loop runs in the cycle's buffers: solves sharing the cycle take turns.
         """
+        with self.cycle.lock:
+            return self._solve(b, x0, rtol=rtol, atol=atol, maxiter=maxiter)
+
+    def _solve(self, b: Any, x0: Any, *, rtol: float, atol: float, maxiter: int) -> Outcome:
         xp, ops, n, s = self.xp, self.ops, self.n, self.s
         b = xp.ascontiguousarray(b, dtype=self.dtype)
         tol = stop_threshold(rtol, atol, stable_norm(xp, b))  # sync: ||b||, once
