@@ -97,8 +97,9 @@ class CapturedCycle:
             return True
         probe = cp.cos(cp.arange(self.b[0].shape[0], dtype=self.b[0].dtype) * 0.7)
         # sync: the capture stream is non-blocking, so it would not wait for the
-        # set-up's work and the probe still queued on the current stream.
-        cp.cuda.Device().synchronize()
+        # set-up's work and the probe still queued on the current stream. That
+        # stream only: a device-wide wait fails while another thread captures.
+        cp.cuda.get_current_stream().synchronize()
         try:
             with cp.cuda.using_allocator(pool.malloc), stream:
                 cp.copyto(self.b[0], probe)

@@ -85,7 +85,9 @@ class BoundCG:
         pool = cp.cuda.MemoryPool()
         stream = cp.cuda.Stream(non_blocking=True)
         pinned = cupyx.empty_pinned((2,), dtype=np.float64)
-        cp.cuda.Device().synchronize()  # sync: the capture stream does not wait for the set-up
+        # sync: the capture stream does not wait for the set-up, queued on the
+        # current stream (a device-wide wait fails while another thread captures).
+        cp.cuda.get_current_stream().synchronize()
         try:
             with cp.cuda.using_allocator(pool.malloc), stream:
                 stream.begin_capture()
@@ -204,4 +206,5 @@ def bind(A: Any, M: Any) -> BoundCG:
     cycle = amg.fused_cycle
     xp = _backend.array_module(A.data)
     ops = LoopCudaOps(A.dtype, cycle.b[0].dtype, A.data.device.id)
-    return BoundCG(xp, ops, (A.indptr, A.indices, A.data), A.dtype, cycle, graph=amg.graph)
+    with cycle.lock:  # the capture runs one iteration in the cycle's buffers
+        return BoundCG(xp, ops, (A.indptr, A.indices, A.data), A.dtype, cycle, graph=amg.graph)
