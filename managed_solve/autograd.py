@@ -269,15 +269,15 @@ def matrix_grad(source: GradSource, u: Any, v: Any) -> Any:
         crow, col = A.crow_indices(), A.col_indices()
     else:  # "values": (crow, col) as the caller gave them
         crow, col = (torch.as_tensor(p, device=A.device) for p in source.pattern)
-    rows = _rows(crow)
+    rows = _rows(crow, col.numel())
     vals = _gather(u, v, rows, col)
     if source.form == "csr":
         return torch.sparse_csr_tensor(crow, col, vals, A.shape)
     return vals.reshape(A.shape)
 
 
-def _rows(crow: Any) -> Any:
-    """The row of each stored entry of a CSR pattern."""
+def _rows(crow: Any, nnz: int) -> Any:
+    """The row of each stored entry of a CSR pattern of ``nnz`` entries."""
     import torch
 
     n = crow.numel() - 1
@@ -285,7 +285,9 @@ def _rows(crow: Any) -> Any:
         c = crow.numpy()
         return torch.from_numpy(np.repeat(np.arange(n), np.diff(c)))
     crow = crow.long()
-    return torch.repeat_interleave(torch.arange(n, device=crow.device), crow[1:] - crow[:-1])
+    # The output's size given: no host read of the counts' sum (one a system).
+    return torch.repeat_interleave(torch.arange(n, device=crow.device), crow[1:] - crow[:-1],
+                                   output_size=nnz)
 
 
 def _gather(u: Any, v: Any, rows: Any, cols: Any) -> Any:
