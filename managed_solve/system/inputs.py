@@ -114,9 +114,10 @@ def _csr_triple(A: Any, *, call: str) -> Any:
 def _checked_gpu_csr(val: Any, col: Any, crow: Any, n: int, *, call: str) -> Any:
     """A cupyx CSR matrix over GPU arrays, its pattern checked in one pass (one host read).
 
-    Integer indices of another width than the pointers' (torch's are int64)
-    are read as they are; a pattern that is not canonical is sorted and its
-    duplicates summed, as SciPy's ``sum_duplicates`` does.
+    The pattern is checked in the wider of the two index widths, then kept
+    in 32 bits where its size allows (torch's int64 indices, as CuPy keeps
+    them); a pattern that is not canonical is sorted and its duplicates
+    summed, as SciPy's ``sum_duplicates`` does.
     """
     from . import device_checks
 
@@ -172,7 +173,8 @@ def as_operator(A: Any, *, call: str = "solve") -> tuple[Any, str]:
         if _backend.is_cupy_sparse(A) and A.shape[0] == A.shape[1] \
                 and getattr(A, "_has_canonical_format", None) is not True:
             # One pass checks the pattern (and finds whether it is canonical)
-            # where CuPy's own test would read back one property at a time.
+            # where CuPy's own test would read back one property at a time;
+            # a matrix CuPy already knows to be canonical is taken as it is.
             from .device_checks import FLAG_NOT_CANONICAL
 
             flags = _gpu_pattern_flags(A.indptr, A.indices, A.shape[0], call=call)
