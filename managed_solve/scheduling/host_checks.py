@@ -37,7 +37,7 @@ MIN_ARRAYS = 16
 RANGES_PER_THREAD = 4
 #: Predicted nanoseconds per stored entry of the symmetry test (the cursor
 #: walk) and per entry of the finite check (a streaming read).
-SYMMETRY_NS, FINITE_NS = 4.0, 1.0
+SYMMETRY_NS, FINITE_NS = 2.5, 1.0
 
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
