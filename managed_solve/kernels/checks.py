@@ -12,6 +12,10 @@ the GIL briefly) and hands out ranges to the host-kernel threads.
 
 Every address must be that of a C-contiguous array of the dtype of the
 ``like`` argument of the call, alive for the call.
+
+Numba's on-disk cache of these kernels is checked against this file only,
+not against :mod:`.symmetry` whose walk they inline: a change of that walk
+must come with a change here (this file's new timestamp recompiles them).
 """
 
 from __future__ import annotations
