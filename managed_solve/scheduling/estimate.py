@@ -131,11 +131,14 @@ def host_matrices(systems: Sequence[LinearSystem | None], cache: dict, least: in
     """
     found: dict[int, Any] = {}
     for s in systems:
-        if s is None or id(s.A) in found or id(s.A) in skip or not pass_tested(s, least):
+        if s is None:
             continue
-        hit = cache.get(id(s.A))
-        if hit is None or hit[0] is not s.A:
-            found[id(s.A)] = s.A
+        key = id(s.A)
+        if key in found or key in skip:
+            continue
+        hit = cache.get(key)  # tested already (the input pass): the common case, cheap first
+        if (hit is None or hit[0] is not s.A) and pass_tested(s, least):
+            found[key] = s.A
     return list(found.values())
 
 

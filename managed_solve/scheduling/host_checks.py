@@ -79,7 +79,9 @@ def run_all(passes: Sequence[Any]) -> None:
 
 
 def _addresses(arrays: Sequence[np.ndarray]) -> np.ndarray:
-    return np.fromiter((a.ctypes.data for a in arrays), np.int64, len(arrays))
+    from ..kernels.packing import addresses
+
+    return addresses(arrays)
 
 
 class FinitePass:
@@ -188,13 +190,14 @@ class SymmetryPass:
 
 def symmetry_pass(mats: Sequence[Any], rel: float = 1e-12) -> SymmetryPass:
     """:func:`test_symmetry`'s tables: the matrices largest first, by dtypes, with their addresses."""
-    mats = sorted(mats, key=lambda A: -A.nnz)
+    sized = sorted(((A.nnz, k, A) for k, A in enumerate(mats)), key=lambda e: (-e[0], e[1]))
     by_dtype: dict[tuple, list] = {}
-    for A in mats:
-        by_dtype.setdefault((A.indptr.dtype, A.indices.dtype, A.data.dtype), []).append(A)
+    for nnz, _k, A in sized:
+        by_dtype.setdefault((A.indptr.dtype, A.indices.dtype, A.data.dtype), []).append((nnz, A))
     groups = []
-    for (pdt, idt, ddt), group in by_dtype.items():
-        nnzs = np.fromiter((A.nnz for A in group), np.int64, len(group))
+    for (pdt, idt, ddt), entries in by_dtype.items():
+        group = [A for _nnz, A in entries]
+        nnzs = np.fromiter((nnz for nnz, _A in entries), np.int64, len(group))
         codes = np.zeros(len(group), dtype=np.int8)
         bounds = np.zeros((len(group), 4), dtype=np.float64)
         args = (_addresses([A.indptr for A in group]), _addresses([A.indices for A in group]),
