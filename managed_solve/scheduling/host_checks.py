@@ -130,9 +130,12 @@ def finite_arrays(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
 
 def symmetry_candidate(A: Any) -> bool:
     """Whether :func:`test_symmetry` takes a matrix: a non-empty canonical float SciPy CSR, contiguous."""
-    return (_backend.is_scipy_sparse(A) and A.format == "csr" and A.nnz > 0
-            and A.dtype in _FLOATS and A.has_canonical_format and A.data.flags.c_contiguous
-            and A.indices.flags.c_contiguous and A.indptr.flags.c_contiguous)
+    if not (_backend.is_scipy_sparse(A) and A.format == "csr"):
+        return False
+    data = A.data
+    return (A.nnz > 0 and data.dtype in _FLOATS and A.has_canonical_format
+            and data.flags.c_contiguous and A.indices.flags.c_contiguous
+            and A.indptr.flags.c_contiguous)
 
 
 def test_symmetry(mats: Sequence[Any], cache: dict, rel: float = 1e-12) -> None:

@@ -254,6 +254,8 @@ class LinearSystem:
     @property
     def device(self) -> str:
         """Where the arrays lie: ``"cpu"`` or ``"cuda:i"``."""
+        if type(self.b) is np.ndarray:  # the common case, without a type-name test
+            return "cpu"
         if _backend.is_cupy_array(self.b):
             return f"cuda:{self.b.device.id}"
         return "cpu"
