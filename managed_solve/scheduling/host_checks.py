@@ -160,7 +160,7 @@ class SymmetryPass:
     """
 
     def __init__(self, groups: list):
-        self.groups = groups  # (matrices, kernel arguments, codes, bounds) per dtype triple
+        self.groups = groups  # (matrices, kernel arguments, codes, bounds, finite) per dtype triple
         self.count = sum(len(g[0]) for g in groups)
         self.work = SYMMETRY_NS * float(sum(int(g[1][4].sum()) for g in groups))
 
@@ -168,7 +168,7 @@ class SymmetryPass:
         from ..kernels.checks import csr_symmetry_gershgorin_many
 
         out = []
-        for _mats, args, _codes, _bounds in self.groups:
+        for _mats, args, *_answers in self.groups:
             def call(lo: int, hi: int, args=args) -> None:
                 csr_symmetry_gershgorin_many(lo, hi, *args)
 
@@ -179,11 +179,26 @@ class SymmetryPass:
         """Each matrix's answers into ``cache`` (after :func:`run_all`)."""
         from ..kernels.symmetry import DIFFERENT_PATTERN
 
-        for group, _args, codes, bounds in self.groups:
+        for group, _args, codes, bounds, _finite in self.groups:
             for A, code, b in zip(group, codes.tolist(), bounds.tolist(), strict=True):
                 if code != DIFFERENT_PATTERN:
                     cache[id(A)] = (A, bool(code))
                 cache[("gershgorin", id(A))] = (A, tuple(b))
+
+    def covered(self) -> set[int]:
+        """The ids of the ``data`` arrays whose finite check the kernels make.
+
+        Each matrix's stored entries, when they are its whole ``data`` (a
+        longer array is left to the finite check of whole arrays).
+        """
+        return {id(A.data) for group, args, *_answers in self.groups
+                for A, nnz in zip(group, args[4].tolist(), strict=True) if A.data.shape[0] == nnz}
+
+    def finite_data(self) -> list[np.ndarray]:
+        """The :meth:`covered` ``data`` arrays found finite (after :func:`run_all`)."""
+        return [A.data for group, args, _codes, _bounds, finite in self.groups
+                for A, nnz, ok in zip(group, args[4].tolist(), finite.tolist(), strict=True)
+                if ok and A.data.shape[0] == nnz]
 
     def run(self, cache: dict) -> None:
         """Run the kernels over every range, then store the answers in ``cache``."""
@@ -203,9 +218,11 @@ def symmetry_pass(mats: Sequence[Any], rel: float = 1e-12) -> SymmetryPass:
         nnzs = np.fromiter((nnz for nnz, _A in entries), np.int64, len(group))
         codes = np.zeros(len(group), dtype=np.int8)
         bounds = np.zeros((len(group), 4), dtype=np.float64)
+        finite = np.zeros(len(group), dtype=np.uint8)
         args = (_addresses([A.indptr for A in group]), _addresses([A.indices for A in group]),
                 _addresses([A.data for A in group]),
                 np.fromiter((A.shape[0] for A in group), np.int64, len(group)), nnzs,
-                np.empty(0, pdt), np.empty(0, idt), np.empty(0, ddt), float(rel), codes, bounds)
-        groups.append((group, args, codes, bounds))
+                np.empty(0, pdt), np.empty(0, idt), np.empty(0, ddt), float(rel), codes, bounds,
+                finite)
+        groups.append((group, args, codes, bounds, finite))
     return SymmetryPass(groups)
