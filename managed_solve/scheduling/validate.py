@@ -156,10 +156,10 @@ def finite_candidates(items: list, covered: Collection[int] = ()) -> list:
         A, b = item
         if _backend.is_scipy_sparse(A) and A.format == "csr":
             data = A.data
-            if _scannable(data):
-                arrays.setdefault(id(data), data)
-        if _scannable(b):
-            arrays.setdefault(id(b), b)
+            if id(data) not in arrays and _scannable(data):
+                arrays[id(data)] = data
+        if id(b) not in arrays and _scannable(b):
+            arrays[id(b)] = b
     found = [a for a in arrays.values() if a is not None]
     return found if len(found) >= host_checks.MIN_ARRAYS else []
 
