@@ -14,7 +14,12 @@ Both passes give what the per-matrix functions give (the same kernels'
 bodies): :class:`FinitePass` finds the arrays for the memo that
 :class:`~managed_solve.LinearSystem` reads, and :class:`SymmetryPass` fills
 the cache that :func:`managed_solve.system.is_symmetric` and
-:func:`managed_solve.system.properties.gershgorin` read. ``solve_many`` runs
+:func:`managed_solve.system.properties.gershgorin` read. The symmetry
+kernels also check the entries they walked for NaN and Inf (still in
+cache), so ``solve_many`` leaves those ``data`` arrays out of the finite
+pass (:meth:`SymmetryPass.covered`) and adds the ones found finite to the
+memo (:meth:`SymmetryPass.finite_data`): each array is read from memory
+once. ``solve_many`` runs
 both at once (:func:`run_all`) before its validation loop, the calling
 thread among the workers: helpers that finish a kernel call and want the
 GIL back then wait for no Python loop of the caller's (each such wait may
