@@ -181,9 +181,10 @@ def is_torch_tensor(x: Any) -> bool:
 
 
 def is_scipy_sparse(x: Any) -> bool:
-    import scipy.sparse as sp
-
-    return sp.issparse(x)
+    # A SciPy sparse object exists only once scipy.sparse is imported: no
+    # import statement per call (this runs several times an input).
+    sp = sys.modules.get("scipy.sparse")
+    return sp is not None and sp.issparse(x)
 
 
 def array_module(*arrays: Any) -> ModuleType:

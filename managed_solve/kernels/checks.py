@@ -12,6 +12,10 @@ the GIL briefly) and hands out ranges to the host-kernel threads.
 
 Every address must be that of a C-contiguous array of the dtype of the
 ``like`` argument of the call, alive for the call.
+
+Numba's on-disk cache of these kernels is checked against this file only,
+not against :mod:`.symmetry` whose walk they inline: a change of that walk
+must come with a change here (this file's new timestamp recompiles them).
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ def all_finite_many(lo, hi, addresses, lengths, like, out):
 
 @numba.njit(nogil=True, cache=True)
 def csr_symmetry_gershgorin_many(lo, hi, ptr_addresses, idx_addresses, data_addresses, rows,
-                                 nnzs, ptr_like, idx_like, data_like, rel, codes, bounds):
+                                 nnzs, ptr_like, idx_like, data_like, rel, codes, bounds, finite):
     """:func:`~managed_solve.kernels.symmetry.csr_symmetry_gershgorin` of matrices ``lo:hi``, in one call.
 
     Parameters
@@ -74,6 +78,10 @@ def csr_symmetry_gershgorin_many(lo, hi, ptr_addresses, idx_addresses, data_addr
         Each matrix's code (``SYMMETRIC``, ``DIFFERENT_VALUES``, ``DIFFERENT_PATTERN``).
     bounds : float64 array, shape (count, 4)
         Each matrix's ``(lo, hi, dmin, dmax)``.
+    finite : uint8 array
+        1 where every stored entry of the matrix is finite, else 0
+        (:func:`all_finite_many`'s test, run on the entries just walked,
+        still in cache: validation then need not read them again).
     """
     for k in range(lo, hi):
         indptr = numba.carray(address_pointer(ptr_addresses[k]), (rows[k] + 1,), ptr_like.dtype)
@@ -85,3 +93,8 @@ def csr_symmetry_gershgorin_many(lo, hi, ptr_addresses, idx_addresses, data_addr
         bounds[k, 1] = g_hi
         bounds[k, 2] = d_min
         bounds[k, 3] = d_max
+        bad = False
+        for i in range(data.shape[0]):
+            v = data[i]
+            bad |= (v - v) != 0
+        finite[k] = 0 if bad else 1

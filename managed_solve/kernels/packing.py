@@ -32,13 +32,16 @@ format has at least ``2p + 2`` bits).
 
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Sequence
+
 import numba
 import numpy as np
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["active_rows", "address_pointer", "gather", "gather_blocks", "inverse_diagonal_rows", "shift_blocks",
+__all__ = ["active_rows", "address_pointer", "addresses", "gather", "gather_blocks", "inverse_diagonal_rows", "shift_blocks",
            "shift_blocks_jacobi"]
 
 
@@ -50,6 +53,24 @@ def address_pointer(typingctx, address):
         return builder.inttoptr(args[0], cgutils.voidptr_t)
 
     return types.voidptr(types.int64), codegen
+
+
+def addresses(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """The data addresses of C-contiguous NumPy arrays, as int64 (the tables these kernels read).
+
+    Through a ctypes view of each array's buffer (about 0.2 us an array)
+    rather than ``a.ctypes.data`` (about 1 us): callers read several arrays
+    of each of hundreds of systems, holding the GIL. A read-only or empty
+    array has no such view and takes ``a.ctypes.data``.
+    """
+    out = np.empty(len(arrays), dtype=np.int64)
+    view, address = ctypes.c_char.from_buffer, ctypes.addressof
+    for k, a in enumerate(arrays):
+        try:
+            out[k] = address(view(a))
+        except (TypeError, ValueError):
+            out[k] = a.ctypes.data
+    return out
 
 
 @numba.njit(nogil=True, cache=True)

@@ -213,9 +213,19 @@ def symmetry_gershgorin(indptr, indices, data, rel):
     :func:`managed_solve.kernels.checks.csr_symmetry_gershgorin_many` runs it
     on many matrices in one call, so one matrix gets the same answer, bit
     for bit, either way.
+
+    Only the entries left of the diagonal look up their mirrors (the cursor
+    look-ups dominate the walk): row ``j``'s cursor starts right of its
+    diagonal, and the mirrors ``(j, i)`` of rows ``i = j+1, j+2, ...`` meet
+    row ``j``'s entries there in order. Each pair is compared once, from
+    its lower entry (``|a - b|`` is the same either way); the pattern is
+    symmetric when every lower entry found its mirror and every cursor
+    reached its row's end (no upper entry left without one). ``max`` skips
+    a NaN (it keeps the running value), so the largest difference and
+    scale do not depend on the order either.
     """
     n = indptr.shape[0] - 1
-    cursor = indptr[:-1].copy()
+    cursor = np.empty(n, dtype=indptr.dtype)  # row j's first entry right of the diagonal not yet met
     same_pattern = True
     worst = 0.0
     scale = 0.0
@@ -225,26 +235,38 @@ def symmetry_gershgorin(indptr, indices, data, rel):
     for i in range(n):
         d = 0.0
         r = 0.0
-        for p in range(indptr[i], indptr[i + 1]):
+        end = indptr[i + 1]
+        upper = end
+        for p in range(indptr[i], end):
             j = indices[p]
             a = data[p]
             scale = max(scale, abs(a))
-            if j == i:
+            if j < i:
+                r += abs(a)
+                if same_pattern:
+                    q = cursor[j]
+                    if q == indptr[j + 1] or indices[q] != i:
+                        same_pattern = False
+                    else:
+                        cursor[j] = q + 1
+                        worst = max(worst, abs(a - data[q]))
+            elif j == i:
                 d += a
             else:
+                if upper == end:
+                    upper = p
                 r += abs(a)
-            if same_pattern:
-                q = cursor[j]
-                if q == indptr[j + 1] or indices[q] != i:
-                    same_pattern = False
-                else:
-                    cursor[j] = q + 1
-                    worst = max(worst, abs(a - data[q]))
+        cursor[i] = upper
         nan = nan or d != d
         lo = min(lo, d - r)
         hi = max(hi, d + r)
         dmin = min(dmin, d)
         dmax = max(dmax, d)
+    if same_pattern:
+        for j in range(n):
+            if cursor[j] != indptr[j + 1]:
+                same_pattern = False
+                break
     if not same_pattern:
         code = DIFFERENT_PATTERN
     else:

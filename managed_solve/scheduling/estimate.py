@@ -114,8 +114,8 @@ def input_matrices(items: Sequence[Any], method: str, least: int) -> list:
             A = item.A
         elif isinstance(item, (tuple, list)) and len(item) == 2:
             A, b = item
-            if type(b) is not np.ndarray or id(A) in found or not _backend.is_scipy_sparse(A) \
-                    or A.nnz >= least or not host_checks.symmetry_candidate(A):
+            if type(b) is not np.ndarray or id(A) in found \
+                    or not host_checks.symmetry_candidate(A) or A.nnz >= least:
                 continue
         else:
             continue
@@ -131,11 +131,14 @@ def host_matrices(systems: Sequence[LinearSystem | None], cache: dict, least: in
     """
     found: dict[int, Any] = {}
     for s in systems:
-        if s is None or id(s.A) in found or id(s.A) in skip or not pass_tested(s, least):
+        if s is None:
             continue
-        hit = cache.get(id(s.A))
-        if hit is None or hit[0] is not s.A:
-            found[id(s.A)] = s.A
+        key = id(s.A)
+        if key in found or key in skip:
+            continue
+        hit = cache.get(key)  # tested already (the input pass): the common case, cheap first
+        if (hit is None or hit[0] is not s.A) and pass_tested(s, least):
+            found[key] = s.A
     return list(found.values())
 
 
@@ -331,14 +334,23 @@ def _estimate(s: LinearSystem, i: int, device_kind: str, manager: DeviceManager 
     how, group = route(s, device_kind, cache)
     n, nnz = s.n, s.nnz
     w = s.dtype.itemsize
-    iw = s.index_dtype.itemsize if s.kind == "csr" else 8
-    where = home(s)
+    iw = s.A.indices.dtype.itemsize if s.kind == "csr" else 8
+    where = None if type(s.b) is np.ndarray else home(s)
     if how == BATCH:
         method, _dt, jac = group
-        its = predict_iterations(n, rtol=s.rtol, method=method, maxiter=s.maxiter)
-        cost = bytes_per_iteration(n, nnz, itemsize=w, index_itemsize=iw, method=method,
-                                   jacobi=jac) * its
-        nbytes = solve_bytes(n, nnz, itemsize=w, index_itemsize=iw, method=method, jacobi=jac)
+        # The same numbers for every system of one size and options (a call's
+        # systems often repeat a few sizes): kept in the call's cache.
+        key = ("batch cost", method, jac, n, nnz, w, iw, s.rtol, s.maxiter)
+        hit = cache.get(key) if cache is not None else None
+        if hit is None:
+            its = predict_iterations(n, rtol=s.rtol, method=method, maxiter=s.maxiter)
+            cost = bytes_per_iteration(n, nnz, itemsize=w, index_itemsize=iw, method=method,
+                                       jacobi=jac) * its
+            nbytes = solve_bytes(n, nnz, itemsize=w, index_itemsize=iw, method=method, jacobi=jac)
+            hit = (its, cost, nbytes)
+            if cache is not None:
+                cache[key] = hit
+        its, cost, nbytes = hit
         return Estimate(i, n, nnz, nbytes, cost, BATCH, group, where, its)
     if how == DIRECT:
         fill = s.workspace_bytes("direct")

@@ -14,7 +14,12 @@ Both passes give what the per-matrix functions give (the same kernels'
 bodies): :class:`FinitePass` finds the arrays for the memo that
 :class:`~managed_solve.LinearSystem` reads, and :class:`SymmetryPass` fills
 the cache that :func:`managed_solve.system.is_symmetric` and
-:func:`managed_solve.system.properties.gershgorin` read. ``solve_many`` runs
+:func:`managed_solve.system.properties.gershgorin` read. The symmetry
+kernels also check the entries they walked for NaN and Inf (still in
+cache), so ``solve_many`` leaves those ``data`` arrays out of the finite
+pass (:meth:`SymmetryPass.covered`) and adds the ones found finite to the
+memo (:meth:`SymmetryPass.finite_data`): each array is read from memory
+once. ``solve_many`` runs
 both at once (:func:`run_all`) before its validation loop, the calling
 thread among the workers: helpers that finish a kernel call and want the
 GIL back then wait for no Python loop of the caller's (each such wait may
@@ -37,7 +42,7 @@ MIN_ARRAYS = 16
 RANGES_PER_THREAD = 4
 #: Predicted nanoseconds per stored entry of the symmetry test (the cursor
 #: walk) and per entry of the finite check (a streaming read).
-SYMMETRY_NS, FINITE_NS = 4.0, 1.0
+SYMMETRY_NS, FINITE_NS = 2.5, 1.0
 
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
@@ -79,7 +84,9 @@ def run_all(passes: Sequence[Any]) -> None:
 
 
 def _addresses(arrays: Sequence[np.ndarray]) -> np.ndarray:
-    return np.fromiter((a.ctypes.data for a in arrays), np.int64, len(arrays))
+    from ..kernels.packing import addresses
+
+    return addresses(arrays)
 
 
 class FinitePass:
@@ -128,9 +135,12 @@ def finite_arrays(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
 
 def symmetry_candidate(A: Any) -> bool:
     """Whether :func:`test_symmetry` takes a matrix: a non-empty canonical float SciPy CSR, contiguous."""
-    return (_backend.is_scipy_sparse(A) and A.format == "csr" and A.nnz > 0
-            and A.dtype in _FLOATS and A.has_canonical_format and A.data.flags.c_contiguous
-            and A.indices.flags.c_contiguous and A.indptr.flags.c_contiguous)
+    if not (_backend.is_scipy_sparse(A) and A.format == "csr"):
+        return False
+    data = A.data
+    return (A.nnz > 0 and data.dtype in _FLOATS and A.has_canonical_format
+            and data.flags.c_contiguous and A.indices.flags.c_contiguous
+            and A.indptr.flags.c_contiguous)
 
 
 def test_symmetry(mats: Sequence[Any], cache: dict, rel: float = 1e-12) -> None:
@@ -155,7 +165,7 @@ class SymmetryPass:
     """
 
     def __init__(self, groups: list):
-        self.groups = groups  # (matrices, kernel arguments, codes, bounds) per dtype triple
+        self.groups = groups  # (matrices, kernel arguments, codes, bounds, finite) per dtype triple
         self.count = sum(len(g[0]) for g in groups)
         self.work = SYMMETRY_NS * float(sum(int(g[1][4].sum()) for g in groups))
 
@@ -163,7 +173,7 @@ class SymmetryPass:
         from ..kernels.checks import csr_symmetry_gershgorin_many
 
         out = []
-        for _mats, args, _codes, _bounds in self.groups:
+        for _mats, args, *_answers in self.groups:
             def call(lo: int, hi: int, args=args) -> None:
                 csr_symmetry_gershgorin_many(lo, hi, *args)
 
@@ -174,11 +184,26 @@ class SymmetryPass:
         """Each matrix's answers into ``cache`` (after :func:`run_all`)."""
         from ..kernels.symmetry import DIFFERENT_PATTERN
 
-        for group, _args, codes, bounds in self.groups:
+        for group, _args, codes, bounds, _finite in self.groups:
             for A, code, b in zip(group, codes.tolist(), bounds.tolist(), strict=True):
                 if code != DIFFERENT_PATTERN:
                     cache[id(A)] = (A, bool(code))
                 cache[("gershgorin", id(A))] = (A, tuple(b))
+
+    def covered(self) -> set[int]:
+        """The ids of the ``data`` arrays whose finite check the kernels make.
+
+        Each matrix's stored entries, when they are its whole ``data`` (a
+        longer array is left to the finite check of whole arrays).
+        """
+        return {id(A.data) for group, args, *_answers in self.groups
+                for A, nnz in zip(group, args[4].tolist(), strict=True) if A.data.shape[0] == nnz}
+
+    def finite_data(self) -> list[np.ndarray]:
+        """The :meth:`covered` ``data`` arrays found finite (after :func:`run_all`)."""
+        return [A.data for group, args, _codes, _bounds, finite in self.groups
+                for A, nnz, ok in zip(group, args[4].tolist(), finite.tolist(), strict=True)
+                if ok and A.data.shape[0] == nnz]
 
     def run(self, cache: dict) -> None:
         """Run the kernels over every range, then store the answers in ``cache``."""
@@ -188,18 +213,21 @@ class SymmetryPass:
 
 def symmetry_pass(mats: Sequence[Any], rel: float = 1e-12) -> SymmetryPass:
     """:func:`test_symmetry`'s tables: the matrices largest first, by dtypes, with their addresses."""
-    mats = sorted(mats, key=lambda A: -A.nnz)
+    sized = sorted(((A.nnz, k, A) for k, A in enumerate(mats)), key=lambda e: (-e[0], e[1]))
     by_dtype: dict[tuple, list] = {}
-    for A in mats:
-        by_dtype.setdefault((A.indptr.dtype, A.indices.dtype, A.data.dtype), []).append(A)
+    for nnz, _k, A in sized:
+        by_dtype.setdefault((A.indptr.dtype, A.indices.dtype, A.data.dtype), []).append((nnz, A))
     groups = []
-    for (pdt, idt, ddt), group in by_dtype.items():
-        nnzs = np.fromiter((A.nnz for A in group), np.int64, len(group))
+    for (pdt, idt, ddt), entries in by_dtype.items():
+        group = [A for _nnz, A in entries]
+        nnzs = np.fromiter((nnz for nnz, _A in entries), np.int64, len(group))
         codes = np.zeros(len(group), dtype=np.int8)
         bounds = np.zeros((len(group), 4), dtype=np.float64)
+        finite = np.zeros(len(group), dtype=np.uint8)
         args = (_addresses([A.indptr for A in group]), _addresses([A.indices for A in group]),
                 _addresses([A.data for A in group]),
                 np.fromiter((A.shape[0] for A in group), np.int64, len(group)), nnzs,
-                np.empty(0, pdt), np.empty(0, idt), np.empty(0, ddt), float(rel), codes, bounds)
-        groups.append((group, args, codes, bounds))
+                np.empty(0, pdt), np.empty(0, idt), np.empty(0, ddt), float(rel), codes, bounds,
+                finite)
+        groups.append((group, args, codes, bounds, finite))
     return SymmetryPass(groups)

@@ -103,11 +103,13 @@ def _solve(systems: Iterable[Any], *, disperse: bool, devices: Any, method: str,
     cache: dict = {}  # symmetry per matrix object, for this call
     least = estimation.pass_least()
     tests = host_checks.symmetry_pass(estimation.input_matrices(items, method, least))
-    finite = host_checks.FinitePass(finite_candidates(items))
+    # The tested matrices' entries are checked for NaN and Inf by the same kernel calls.
+    finite = host_checks.FinitePass(finite_candidates(items, tests.covered()))
     host_checks.run_all([tests, finite])
     tests.store(cache)
-    results, checked = validate_all(items, method=method, M=M, rtol=rtol,
-                                    memo={id(a): a for a in finite.finite()})
+    memo = {id(a): a for a in finite.finite()}
+    memo.update((id(a), a) for a in tests.finite_data())
+    results, checked = validate_all(items, method=method, M=M, rtol=rtol, memo=memo)
     valid: list[LinearSystem | None] = [checked.get(i) for i in range(len(items))]
     estimation.test_gpu_matrices(valid, cache)  # systems already on a GPU: one read for all
     if validated is not None:

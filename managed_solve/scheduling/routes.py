@@ -67,8 +67,8 @@ def prefetch_cuda_modules(systems: Sequence[LinearSystem | None], devs: Sequence
     gpus = [d.index for d in devs if d.is_cuda]
     if family is None or not gpus:
         return
-    dtypes = {s.dtype for s in systems if s is not None and s.kind == "csr"
-              and s.dtype in (np.dtype(np.float32), np.dtype(np.float64))}
+    floats = (np.dtype(np.float32), np.dtype(np.float64))
+    dtypes = {s.dtype for s in systems if s is not None and s.kind == "csr" and s.dtype in floats}
     if not dtypes:
         return
     from ..solvers.batched import prefetch_kernels

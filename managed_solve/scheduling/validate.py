@@ -8,6 +8,7 @@ backend validates on its driver with the same functions.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
@@ -138,26 +139,29 @@ def _scannable(a: Any) -> bool:
         and a.flags.c_contiguous
 
 
-def finite_candidates(items: list) -> list:
+def finite_candidates(items: list, covered: Collection[int] = ()) -> list:
     """The distinct host arrays of ``(A, b)`` pairs the many-array finite check reads.
 
     Each pair's SciPy CSR ``A.data`` and NumPy ``b``; arrays it cannot read
     (other types, strided views, integer dtypes) are left to the
-    LinearSystem's own check. None (an empty list) below
-    ``host_checks.MIN_ARRAYS`` arrays: a few checks cost less one by one.
+    LinearSystem's own check, and so are those whose ids are in ``covered``
+    (checked elsewhere: :meth:`.host_checks.SymmetryPass.covered`). None (an
+    empty list) below ``host_checks.MIN_ARRAYS`` arrays: a few checks cost
+    less one by one.
     """
-    arrays: dict[int, Any] = {}
+    arrays: dict[int, Any] = dict.fromkeys(covered)
     for item in items:
         if not isinstance(item, (tuple, list)) or len(item) != 2:
             continue
         A, b = item
         if _backend.is_scipy_sparse(A) and A.format == "csr":
             data = A.data
-            if _scannable(data):
-                arrays.setdefault(id(data), data)
-        if _scannable(b):
-            arrays.setdefault(id(b), b)
-    return list(arrays.values()) if len(arrays) >= host_checks.MIN_ARRAYS else []
+            if id(data) not in arrays and _scannable(data):
+                arrays[id(data)] = data
+        if id(b) not in arrays and _scannable(b):
+            arrays[id(b)] = b
+    found = [a for a in arrays.values() if a is not None]
+    return found if len(found) >= host_checks.MIN_ARRAYS else []
 
 
 def prefill_finite(items: list, memo: dict) -> int:

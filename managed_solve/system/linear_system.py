@@ -6,6 +6,7 @@ errors naming the argument, what was expected, what arrived and the fix.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -17,13 +18,17 @@ from .inputs import (
     as_operator,
     as_vector,
     check_dtype,
+    checked_finite,
     first_nonfinite,
     grad_source,
     nonnegative_finite,
     result_dtype,
 )
-from .method import METHODS, check_preconditioner, settle_auto
+from .method import METHODS, PRECONDITIONERS, check_preconditioner, settle_auto
 from .properties import is_symmetric
+
+A_NONFINITE = "A has NaN or Inf entries; clean the matrix before solving"
+B_NONFINITE = "b has NaN or Inf entries"
 
 
 class LinearSystem:
@@ -81,6 +86,10 @@ class LinearSystem:
         # _call: the public call to name in errors (solve() passes "solve(A, b)").
         # _finite_memo: arrays already found finite, by object, for a caller that
         # validates many systems sharing matrices within one call (solve_many).
+        if x0 is None and dtype is None and nullspace is None and type(b) is np.ndarray \
+                and self._host_csr(A, b, rtol, atol, maxiter, method, M, name, check_finite,
+                                   _finite_memo, _call):
+            return
         call = _call or (f"LinearSystem({name!r})" if name else "LinearSystem(A, b)")
         grad = grad_source(A, b, call=call)
         A, kind = as_operator(A, call=call)
@@ -133,12 +142,12 @@ class LinearSystem:
             if A.dtype != dt:
                 A = A.astype(dt)
             if A.nnz:
-                checks.append((A.data, "A has NaN or Inf entries; clean the matrix before solving"))
+                checks.append((A.data, A_NONFINITE))
         elif kind == "dense":
             A = A.astype(dt, copy=False)
-            checks.append((A, "A has NaN or Inf entries; clean the matrix before solving"))
+            checks.append((A, A_NONFINITE))
         b = b.astype(dt, copy=False)
-        checks.append((b, "b has NaN or Inf entries"))
+        checks.append((b, B_NONFINITE))
         if x0 is not None:
             x0 = xp.asarray(x0).astype(dt, copy=False)
             checks.append((x0, "x0 has NaN or Inf entries"))
@@ -156,6 +165,54 @@ class LinearSystem:
         self.method, self.M, self.name = method, M, name
         self.nullspace = nullspace_basis(nullspace, n, dt, xp, call=call)
         self.dtype = dt
+
+    def _host_csr(self, A: Any, b: np.ndarray, rtol: Any, atol: Any, maxiter: Any, method: Any,
+                  M: Any, name: Any, check_finite: bool, memo: dict | None,
+                  call: str | None) -> bool:
+        """Set the fields for the commonest input, if it is one; False leaves it to ``__init__``.
+
+        A SciPy CSR matrix (exactly that type) of float32 or float64 entries,
+        a 1-D NumPy ``b`` of the same dtype, options that pass every check:
+        the fields ``__init__`` would set, through a few attribute reads (with
+        one matrix per system, ``solve_many`` validates hundreds of these).
+        Anything else, any check that fails, returns False before a field is
+        set, and ``__init__`` then raises its own error; a NaN or an Inf
+        raises ``__init__``'s error here (its other checks all passed), so
+        the array is not read twice.
+        Nothing of such an input can require grad (no torch tensor, no
+        ``matvec``), so its ``grad`` is None.
+        """
+        sp = sys.modules.get("scipy.sparse")
+        if sp is None or (type(A) is not sp.csr_matrix and type(A) is not sp.csr_array):
+            return False
+        dt = b.dtype
+        if b.ndim != 1 or dt not in FLOAT_DTYPES or type(A.data) is not np.ndarray \
+                or A.data.dtype != dt:
+            return False
+        n, m = A.shape
+        if n != m or n == 0 or b.shape[0] != n:
+            return False
+        if not (nonnegative_finite(rtol) and nonnegative_finite(atol)) or (rtol == 0 and atol == 0):
+            return False
+        if maxiter is not None and not (type(maxiter) is int and maxiter >= 1):
+            return False
+        if method not in METHODS or not (M is None or (type(M) is str and M in PRECONDITIONERS)):
+            return False
+        A.sum_duplicates()  # canonical form, in place, as as_operator leaves it
+        if check_finite:
+            bad = A_NONFINITE if A.nnz and not checked_finite(A.data, memo) \
+                else B_NONFINITE if not checked_finite(b, memo) else None
+            if bad is not None:
+                call = call or (f"LinearSystem({name!r})" if name else "LinearSystem(A, b)")
+                raise ValueError(f"{call}: {bad}")
+        self.A, self.kind, self.b, self.x0 = A, "csr", b, None
+        self.grad = None
+        self.rtol, self.atol = float(rtol), float(atol)
+        self.maxiter = maxiter
+        self.method, self.M, self.name = method, settle_auto(M, "csr", n, method), name
+        self.nullspace = None
+        self.dtype = FLOAT_DTYPES[0] if dt == FLOAT_DTYPES[0] else FLOAT_DTYPES[1]
+        return True
 
     # ------------------------------------------------------------------ facts
     @property
@@ -197,6 +254,8 @@ class LinearSystem:
     @property
     def device(self) -> str:
         """Where the arrays lie: ``"cpu"`` or ``"cuda:i"``."""
+        if type(self.b) is np.ndarray:  # the common case, without a type-name test
+            return "cpu"
         if _backend.is_cupy_array(self.b):
             return f"cuda:{self.b.device.id}"
         return "cpu"

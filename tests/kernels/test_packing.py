@@ -244,3 +244,14 @@ def test_active_rows_lists_each_running_systems_rows(dtype):
     active_rows(starts, lens, out)
     want = np.concatenate([np.arange(offsets[j], offsets[j + 1]) for j in running])
     np.testing.assert_array_equal(out, want.astype(dtype))
+
+
+def test_addresses_are_the_arrays_data_addresses_read_only_and_empty_ones_too():
+    from managed_solve.kernels.packing import addresses
+
+    a = np.arange(10.0)
+    frozen = np.arange(4, dtype=np.int32)
+    frozen.flags.writeable = False
+    arrays = [a, a[3:], frozen, np.empty(0), np.ones(5, dtype=np.float32)]
+    assert addresses(arrays).tolist() == [x.ctypes.data for x in arrays]
+    assert addresses([]).shape == (0,)

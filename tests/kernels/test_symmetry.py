@@ -176,3 +176,46 @@ def test_matrices_sharing_a_pattern_are_checked_through_its_mirror_map():
         B = upper.copy()
         B.indices, B.indptr = upper.indices, upper.indptr
         assert not is_symmetric(B, cache)
+
+
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_fused_walk_codes_match_the_transpose_and_bounds_the_gershgorin_kernel(dtype, index_dtype):
+    """Each pair compared once from its lower entry: the code is the transpose test's, exactly.
+
+    Patterns symmetric or not (a triangle, one entry more above or below the
+    diagonal, empty rows, missing diagonals), values equal or not, a NaN.
+    """
+    from managed_solve.kernels.symmetry import csr_gershgorin, csr_symmetry_gershgorin
+
+    rng = np.random.default_rng(7)
+    for trial in range(120):
+        n = int(rng.integers(1, 40))
+        R = sp.random(n, n, density=rng.uniform(0.02, 0.5), random_state=rng, format="csr")
+        shape = trial % 6
+        A = (R + R.T).tocsr() if shape < 4 else (sp.triu(R) if shape == 4 else sp.tril(R)).tocsr()
+        A = A.tolil()
+        i, j = (int(v) for v in rng.integers(0, n, 2))
+        if shape == 1:
+            A[i, j] = A[i, j] + 1.0  # one more stored entry: its mirror may be missing
+        elif shape == 2:
+            A[i, j] = A[i, j] + 1e-3  # values differ (or the pattern, if (j, i) is not stored)
+        elif shape == 3 and trial % 12 == 3:
+            A[i, j] = np.nan
+        A = A.tocsr().astype(dtype)
+        A.sum_duplicates()
+        A.indices = A.indices.astype(index_dtype)
+        A.indptr = A.indptr.astype(index_dtype)
+        code, *bounds = csr_symmetry_gershgorin(A.indptr, A.indices, A.data, 1e-12)
+        P = sp.csr_matrix((np.ones(A.nnz), A.indices, A.indptr), shape=A.shape)  # stored entries
+        pattern = (P != P.T).nnz == 0
+        if not pattern:
+            assert code == DIFFERENT_PATTERN, trial
+        else:
+            diff = np.abs(A.toarray().astype(np.float64) - A.toarray().T.astype(np.float64))
+            vals = np.abs(A.data)
+            worst = float(np.nanmax(diff, initial=0.0)) if not np.isnan(diff).all() else 0.0
+            scale = float(np.nanmax(vals, initial=0.0)) if not np.isnan(vals).all() else 0.0
+            want = SYMMETRIC if worst <= 1e-12 * scale else DIFFERENT_VALUES
+            assert code == want, trial
+        np.testing.assert_array_equal(bounds, csr_gershgorin(A.indptr, A.indices, A.data))

@@ -43,15 +43,43 @@ def test_many_matrix_kernel_agrees_with_the_one_matrix_kernel():
     addr = lambda arrays: np.array([a.ctypes.data for a in arrays], np.int64)  # noqa: E731
     codes = np.full(len(mats), 9, np.int8)
     bounds = np.zeros((len(mats), 4))
+    finite = np.full(len(mats), 9, np.uint8)
     checks.csr_symmetry_gershgorin_many(
         0, len(mats), addr([A.indptr for A in mats]), addr([A.indices for A in mats]),
         addr([A.data for A in mats]), np.array([A.shape[0] for A in mats]),
         np.array([A.nnz for A in mats]), mats[0].indptr, mats[0].indices, mats[0].data, 1e-12,
-        codes, bounds)
+        codes, bounds, finite)
     for k, A in enumerate(mats):
         code, *ref = csr_symmetry_gershgorin(A.indptr, A.indices, A.data, 1e-12)
         assert codes[k] == code
         np.testing.assert_array_equal(bounds[k], ref)  # bit for bit, NaN where NaN
+        assert finite[k] == np.isfinite(A.data).all()
+    assert 0 in finite.tolist()  # the matrix with a NaN
+
+
+def test_symmetry_pass_checks_its_matrices_entries_and_the_finite_pass_leaves_them():
+    mats = mixed_matrices()
+    inf = poisson2d(6).copy()
+    inf.data[5] = -np.inf
+    longer = poisson2d(7)  # data longer than its stored entries: left to the whole-array check
+    longer.data = np.r_[longer.data, np.nan]
+    longer.indices = np.r_[longer.indices, 0].astype(longer.indices.dtype)
+    mats += [inf, longer]
+    pairs = [(A, np.ones(A.shape[0], dtype=A.dtype)) for A in mats]
+    pairs += [(poisson2d(5), np.ones(25)) for _ in range(16)]
+    work = host_checks.symmetry_pass(mats)
+    covered = work.covered()
+    assert id(longer.data) not in covered and id(inf.data) in covered
+    assert covered == {id(A.data) for A in mats if A.data.shape[0] == A.nnz}
+    arrays = validate.finite_candidates(pairs, covered)
+    assert not {id(a) for a in arrays} & covered and any(a is longer.data for a in arrays)
+    finite = host_checks.FinitePass(arrays)
+    with ms.config.override(host_threads=2, host_parallel_min_work=0.0):
+        host_checks.run_all([work, finite])
+    found = {id(a) for a in work.finite_data()} | {id(a) for a in finite.finite()}
+    for A, b in pairs:
+        assert (id(A.data) in found) == bool(np.isfinite(A.data).all()), A
+        assert id(b) in found
 
 
 def test_pass_fills_the_cache_as_the_per_matrix_tests_do():
@@ -231,6 +259,7 @@ def test_finite_check_and_symmetry_tests_share_one_hand_out_before_validation(mo
     mats = [poisson2d(m) for m in range(4, 24)]
     pairs = [(A, np.ones(A.shape[0])) for A in mats]
     results = solve_many(pairs, rtol=1e-8, manager=DeviceManager(simulate="1x1GiB"))
-    assert handed[0] == [f"SymmetryPass:{len(mats)}", f"FinitePass:{2 * len(mats)}"]
+    # The symmetry kernels check the matrices' entries; the finite pass the b's.
+    assert handed[0] == [f"SymmetryPass:{len(mats)}", f"FinitePass:{len(mats)}"]
     assert not finite_calls
     assert all(r.converged and r.method == "cg" for r in results)

@@ -73,3 +73,53 @@ def test_replaced_keeps_the_system_and_refuses_unknown_fields():
     assert s.A is A and s.M != "jacobi"  # the original is untouched
     with pytest.raises(TypeError, match=r"replaced\(m=\.\.\.\).*expected one of"):
         s.replaced(m="jacobi")
+
+
+def _fields(s):
+    return {k: (id(v) if isinstance(v, (np.ndarray, sp.spmatrix, sp.sparray)) else v)
+            for k, v in vars(s).items()}
+
+
+@pytest.mark.parametrize("form", [sp.csr_matrix, sp.csr_array])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_host_csr_and_a_vector_of_its_dtype_give_the_general_path_fields(form, dtype):
+    """The commonest input's quick path sets what the full checks set (dtype= takes those)."""
+    A = form(laplacian1d(300).astype(dtype))
+    b = np.ones(300, dtype=dtype)
+    for options in [{}, {"rtol": 0, "atol": 1e-3}, {"rtol": np.float64(1e-6), "maxiter": 7},
+                    {"method": "cg", "M": "jacobi"}, {"M": None, "name": "s"},
+                    {"method": "direct", "M": "auto"}, {"M": "amg", "check_finite": False}]:
+        quick = LinearSystem(A, b, **options)
+        full = LinearSystem(A, b, dtype=dtype, **options)
+        assert _fields(quick) == _fields(full), options
+        assert list(vars(quick)) == list(vars(full))
+        assert quick.dtype is np.dtype(dtype) or quick.dtype == np.dtype(dtype)
+        assert quick.A is A and quick.b is b and quick.grad is None
+    # A pattern that is not canonical is summed in place, as the full path does.
+    C = form((np.array([1.0, 2.0, 3.0], dtype), np.array([0, 0, 1]), np.array([0, 2, 3])),
+             shape=(2, 2))
+    s = LinearSystem(C, np.ones(2, dtype))
+    assert s.A is C and C.has_canonical_format and C.nnz == 2
+    np.testing.assert_array_equal(C.toarray(), [[3.0, 0.0], [0.0, 3.0]])
+
+
+@pytest.mark.parametrize(
+    "A,b,options,words",
+    [
+        (laplacian1d(6), np.r_[np.ones(5), np.nan], {}, "b has NaN or Inf entries"),
+        (laplacian1d(6) * np.inf, np.ones(6), {}, "A has NaN or Inf entries"),
+        (laplacian1d(6), np.ones(6), {"rtol": -1.0}, "rtol must be a finite number >= 0"),
+        (laplacian1d(6), np.ones(6), {"atol": np.nan}, "atol must be a finite number >= 0"),
+        (laplacian1d(6), np.ones(6), {"rtol": 0, "atol": 0}, "rtol and atol are both 0"),
+        (laplacian1d(6), np.ones(6), {"maxiter": 2.5}, "maxiter must be a positive integer"),
+        (laplacian1d(6), np.ones(6), {"method": "lu"}, "method='lu' is not known"),
+        (laplacian1d(6), np.ones(6), {"M": "ilu"}, "M='ilu' is not a known preconditioner"),
+        (laplacian1d(6), np.ones(7), {}, "b must have shape (6,)"),
+    ],
+)
+def test_a_host_csr_with_a_bad_option_or_entry_gets_the_full_checks_error(A, b, options, words):
+    with pytest.raises(ValueError) as quick:
+        LinearSystem(A, b, **options)
+    with pytest.raises(ValueError) as full:
+        LinearSystem(A, b, dtype=np.float64, **options)
+    assert str(quick.value) == str(full.value) and words in str(quick.value)

@@ -610,7 +610,9 @@ class _Family:
         dt = out.dtype
         self.addresses = None
         if all(p.dtype == dt and p.flags.c_contiguous for p in parts):
-            self.addresses = np.fromiter((p.ctypes.data for p in parts), np.int64, len(parts))
+            from ...kernels.packing import addresses
+
+            self.addresses = addresses(parts)
             if which is not None:
                 self.addresses = self.addresses[which]
 
