@@ -136,6 +136,31 @@ def thread_pool(name: str, workers: int) -> ThreadPoolExecutor:
         return pool
 
 
+# CUDA sources' kernels (raw_kernels), by device, source, names and options.
+_RAW_LOCK = threading.Lock()
+_RAW_MODULES: dict[tuple, dict[str, Any]] = {}
+
+
+def raw_kernels(device_id: int, code: str, names: dict[str, str],
+                options: tuple[str, ...] = ("-std=c++17",)) -> dict[str, Any]:
+    """Kernels of a CUDA C++ source, compiled once per device (or loaded from CuPy's disk cache).
+
+    ``names`` maps a key to a C++ name expression (template instantiations
+    included); the result maps the same keys to CuPy ``RawKernel`` objects.
+    For the small modules beside the code that launches them (the AMG
+    cycle's, the input checks', the batch gather's).
+    """
+    key = (int(device_id), code, tuple(sorted(names.items())), tuple(options))
+    with _RAW_LOCK:
+        if key not in _RAW_MODULES:
+            cp = cupy()
+            with cp.cuda.Device(device_id):
+                mod = cp.RawModule(code=code, options=options,
+                                   name_expressions=list(names.values()))
+                _RAW_MODULES[key] = {k: mod.get_function(v) for k, v in names.items()}
+        return _RAW_MODULES[key]
+
+
 _LANES = threading.local()  # per calling thread: its lane of each name
 _LANES_TAKEN: dict[str, int] = {}
 

@@ -255,20 +255,14 @@ def symbolic(mesh: Mesh, *, device: Any = "cpu", index_dtype: Any = None,
 
 def _csr(data: Any, indices: Any, indptr: Any, n: int, t: Target) -> Any:
     """A CSR matrix over the given arrays, without copies or re-checks of the pattern."""
-    sparse = _backend.sparse_module(t.xp)
-    if t.backend == "cuda" and hasattr(sparse.csr_matrix, "_from_parts"):
-        # cupyx's public constructor reads indptr's ends back to the host (a
-        # synchronisation) and re-derives the index width; _from_parts (CuPy 14)
-        # takes pre-validated arrays as they are.
-        return sparse.csr_matrix._from_parts(data, indices, indptr, (n, n), has_canonical_format=True)
-    A = sparse.csr_matrix((data, indices, indptr), shape=(n, n), copy=False)
-    if t.backend != "cuda":
-        # SciPy narrows int64 indices that fit into int32; keep the width asked for.
-        A.indices, A.indptr = indices, indptr
-    try:  # columns are sorted and unique by construction; spare the O(nnz) check
-        A.has_canonical_format = True
-    except AttributeError:
-        pass
+    if t.backend == "cuda":  # columns sorted and unique by construction
+        from .system.device_checks import csr_from_parts
+
+        return csr_from_parts(data, indices, indptr, n, canonical=True)
+    A = _backend.sparse_module(t.xp).csr_matrix((data, indices, indptr), shape=(n, n), copy=False)
+    # SciPy narrows int64 indices that fit into int32; keep the width asked for.
+    A.indices, A.indptr = indices, indptr
+    A.has_canonical_format = True  # sorted and unique: spare SciPy's O(nnz) check
     return A
 
 

@@ -283,37 +283,61 @@ def test_exported_at_the_top_level():
     assert "Solver(n=16" in repr(Solver(poisson2d(4), method="cg"))
 
 
+def _solved_on_threads(solvers: list, bs: list) -> dict:
+    """``bs[j]`` solved by ``solvers[j % len(solvers)]``, one thread a solver entry; results by j.
+
+    Failures inside a thread are raised again here, in the test's thread.
+    """
+    import threading
+
+    out: dict = {}
+    errors: list = []
+    count = len(solvers)
+
+    def work(k: int) -> None:
+        try:
+            for j in range(k, len(bs), count):
+                out[j] = solvers[k].solve(bs[j])
+        except BaseException as exc:  # noqa: BLE001 - raised again below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+def _assert_each_answer(A, bs: list, out: dict) -> None:
+    for j, b in enumerate(bs):
+        assert out[j].converged
+        x = ms._backend.to_host(out[j].x)
+        assert np.linalg.norm(A @ x - b) <= 1e-9 * np.linalg.norm(b)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("M", ["amg", None])
 def test_one_solver_shared_by_threads_gives_each_its_own_answer(device, M):
-    """Solves from several threads on one Solver (and its cycle's buffers) take turns."""
-    import threading
+    """Solves from several threads on one Solver (and its cycle's buffers) take turns.
 
-    A = poisson2d(48)
+    Each solve spans several of the interpreter's thread switches, so
+    without the solver's turns the threads' solves interleave in its workspace.
+    """
+    A = poisson2d(96)
     rng = np.random.default_rng(7)
     bs = [rng.standard_normal(A.shape[0]) for _ in range(12)]
-    out: dict[int, np.ndarray] = {}
-    with Solver(A, method="cg", M=M, rtol=1e-10, device=device) as solver:
-        def work(k: int) -> None:
-            for j in range(k, len(bs), 4):
-                r = solver.solve(bs[j])
-                assert r.converged
-                out[j] = ms._backend.to_host(r.x)
-
-        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    for j, b in enumerate(bs):
-        assert np.linalg.norm(A @ out[j] - b) <= 1e-9 * np.linalg.norm(b)
+    # maxiter: a solve whose workspace another thread overwrote stops, not runs on
+    with Solver(A, method="cg", M=M, rtol=1e-10, maxiter=3000, device=device) as solver:
+        out = _solved_on_threads([solver] * 4, bs)
+    _assert_each_answer(A, bs, out)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
 def test_two_solvers_sharing_one_amg_hierarchy_solve_side_by_side(device):
     """One hierarchy as M of two solvers on two threads: its cycle's buffers are taken in turn."""
-    import threading
-
     from managed_solve.solvers.amg import AMGPreconditioner
 
     A = poisson2d(48)
@@ -326,21 +350,10 @@ def test_two_solvers_sharing_one_amg_hierarchy_solve_side_by_side(device):
     hierarchy = AMGPreconditioner(A_dev)
     rng = np.random.default_rng(8)
     bs = [rng.standard_normal(A.shape[0]) for _ in range(8)]
-    out: dict[int, np.ndarray] = {}
     solvers = [Solver(A, method="cg", M=hierarchy, rtol=1e-10, device=device) for _ in range(2)]
-
-    def work(k: int) -> None:
-        for j in range(k, len(bs), 2):
-            r = solvers[k].solve(bs[j])
-            assert r.converged
-            out[j] = ms._backend.to_host(r.x)
-
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for s in solvers:
-        s.close()
-    for j, b in enumerate(bs):
-        assert np.linalg.norm(A @ out[j] - b) <= 1e-9 * np.linalg.norm(b)
+    try:
+        out = _solved_on_threads(solvers, bs)
+    finally:
+        for s in solvers:
+            s.close()
+    _assert_each_answer(A, bs, out)

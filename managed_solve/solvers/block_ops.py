@@ -175,22 +175,12 @@ def _names(T: str) -> dict[str, str]:
     return names
 
 
-_lock = threading.Lock()
-_modules: dict[tuple[int, str], dict[str, Any]] = {}
+_lock = threading.Lock()  # the fused functions' cache below
 
 
 def cuda_kernels(device_id: int, dtype: Any) -> dict[str, Any]:
     """The block kernels for one device and value dtype, compiled once and cached."""
-    key = (int(device_id), np.dtype(dtype).str)
-    with _lock:
-        if key not in _modules:
-            cp = _backend.cupy()
-            names = _names(_CTYPES[np.dtype(dtype)])
-            with cp.cuda.Device(device_id):
-                mod = cp.RawModule(code=CUDA_SOURCE, options=("-std=c++17",),
-                                   name_expressions=list(names.values()))
-                _modules[key] = {k: mod.get_function(v) for k, v in names.items()}
-        return _modules[key]
+    return _backend.raw_kernels(device_id, CUDA_SOURCE, _names(_CTYPES[np.dtype(dtype)]))
 
 
 class FusedOrPlain:

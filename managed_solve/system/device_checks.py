@@ -21,7 +21,6 @@ answers in a few words of device memory, read back in one copy:
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -42,34 +41,22 @@ THREADS, MAX_BLOCKS = 256, 2048
 
 _TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double",
           np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
-_lock = threading.Lock()
 
 
-def _names() -> list[str]:
-    out = [f"ms_nonfinite<{t}>" for t in ("float", "double")]
-    out += [f"ms_csr_structure<{i}>" for i in ("int", "long long")]
-    out += [f"ms_symmetry_many<{i}, {t}>" for i in ("int", "long long") for t in ("float", "double")]
-    return out
+_NAMES = (*(f"ms_nonfinite<{t}>" for t in ("float", "double")),
+          *(f"ms_csr_structure<{i}>" for i in ("int", "long long")),
+          *(f"ms_symmetry_many<{i}, {t}>" for i in ("int", "long long")
+            for t in ("float", "double")))
 
 
 @functools.cache
-def _module(device_id: int) -> Any:
-    cp = _backend.cupy()
+def _kernels(device_id: int) -> dict[str, Any]:
     source = Path(__file__).with_name("checks.cu").read_text(encoding="utf-8")
-    with cp.cuda.Device(device_id):
-        return cp.RawModule(code=source, options=("-std=c++17",), name_expressions=_names())
-
-
-_KERNELS: dict[tuple[int, str], Any] = {}
+    return _backend.raw_kernels(device_id, source, {name: name for name in _NAMES})
 
 
 def _kernel(device_id: int, name: str) -> Any:
-    kernel = _KERNELS.get((device_id, name))
-    if kernel is None:
-        with _lock:  # one compilation (or cache load) per device
-            kernel = _module(device_id).get_function(name)
-        _KERNELS[(device_id, name)] = kernel
-    return kernel
+    return _kernels(device_id)[name]
 
 
 def _blocks(count: int) -> int:
@@ -93,8 +80,9 @@ def csr_structure(indptr: Any, indices: Any, n: int) -> int:
     """
     cp = _backend.cupy()
     nnz = int(indices.shape[0])
-    if indptr.dtype != indices.dtype:
-        indices = indices.astype(indptr.dtype)
+    if indptr.dtype != indices.dtype:  # read both in the wider type: nothing wraps
+        wide = max(indptr.dtype, indices.dtype, key=lambda d: d.itemsize)
+        indptr, indices = indptr.astype(wide), indices.astype(wide)
     flags = cp.zeros(1, dtype=np.int32)
     kernel = _kernel(indptr.device.id, f"ms_csr_structure<{_type(indptr.dtype)}>")
     kernel((_blocks(max(n + 1, nnz)),), (THREADS,),
@@ -160,8 +148,9 @@ def symmetry_many(mats: Sequence[Any], rel: float = 1e-12) -> list[tuple[int | N
     ``DIFFERENT_VALUES`` when the mirrors differ by more, and
     ``DIFFERENT_PATTERN`` when some mirror is not stored; None when a row's
     columns are not strictly increasing (the caller's general test
-    decides). The matrices must have valid patterns (:func:`csr_structure`)
-    and at least one row.
+    decides), as for a matrix whose pointers and indices differ in type. The
+    matrices must have valid patterns (:func:`csr_structure`) and at least
+    one row.
     """
     from ..kernels.symmetry import DIFFERENT_PATTERN, DIFFERENT_VALUES, SYMMETRIC
 
@@ -172,12 +161,7 @@ def symmetry_many(mats: Sequence[Any], rel: float = 1e-12) -> list[tuple[int | N
         groups.setdefault((A.data.device.id, np.dtype(A.indptr.dtype), np.dtype(A.indices.dtype),
                            np.dtype(A.data.dtype)), []).append(k)
     for (dev, pdt, idt, ddt), members in groups.items():
-        if pdt != idt:  # the kernel reads both with one index type
-            for k in members:
-                A = mats[k]
-                mats_k = csr_from_parts(A.data, A.indices, A.indptr.astype(idt), A.shape[0],
-                                        canonical=False)
-                results[k] = symmetry_many([mats_k], rel)[0]
+        if pdt != idt:  # the kernel reads both with one index type: the general test decides
             continue
         group = [mats[k] for k in members]
         rows = np.fromiter((A.shape[0] for A in group), np.int64, len(group))

@@ -3,7 +3,7 @@
 :class:`CudaOps` has the interface of :class:`~.twins.TwinOps` (the NumPy
 twins), so :class:`~.fused.FusedCycle` queues the same sequence on either.
 The source is compiled once per device through the batched core's loader
-(:func:`managed_solve.solvers.batched.cuda.raw_kernels`), instantiated for
+(:func:`managed_solve._backend.raw_kernels`), instantiated for
 float and double and for every row-group width.
 
 Launch geometry: row kernels give a row ``G`` lanes (:func:`group_size`,
@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from ... import _backend
 from ..batched import cuda
 
 #: Threads per block.
@@ -59,7 +60,7 @@ def group_size(n: int, nnz: int) -> int:
 
 def kernels(device_id: int, dtype: Any) -> dict[str, Any]:
     """The compiled kernels for one device and value dtype (float32 or float64)."""
-    return cuda.raw_kernels(device_id, source(), instantiations(_TYPES[np.dtype(dtype)]))
+    return _backend.raw_kernels(device_id, source(), instantiations(_TYPES[np.dtype(dtype)]))
 
 
 class CudaOps:
@@ -138,7 +139,7 @@ class LoopCudaOps:
 
     def __init__(self, dtype: Any, cdtype: Any, device_id: int):
         names = loop_instantiations(_TYPES[np.dtype(dtype)], _TYPES[np.dtype(cdtype)])
-        self.k = cuda.raw_kernels(device_id, loop_source(), names)
+        self.k = _backend.raw_kernels(device_id, loop_source(), names)
         self.waves = cuda.sm_count(device_id) * 8
 
     def _grid(self, threads: int) -> tuple[int]:

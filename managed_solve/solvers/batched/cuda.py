@@ -126,29 +126,6 @@ def compile_module(device_id: int, dtype: Any, index_dtype: Any, *,
         return {k: mod.get_function(v) for k, v in names.items()}
 
 
-# Other CUDA sources' kernels (raw_kernels), by device, source, names and options.
-_raw_lock = threading.Lock()
-_raw_modules: dict[tuple, dict[str, Any]] = {}
-
-
-def raw_kernels(device_id: int, code: str, names: dict[str, str],
-                options: tuple[str, ...] = ("-std=c++17",)) -> dict[str, Any]:
-    """Kernels of another CUDA source (e.g. the AMG cycle's), compiled once per device, cached.
-
-    ``names`` maps a key to a C++ name expression (template instantiations
-    included); the result maps the same keys to CuPy ``RawKernel`` objects.
-    """
-    key = (int(device_id), code, tuple(sorted(names.items())), tuple(options))
-    with _raw_lock:
-        if key not in _raw_modules:
-            cp = _backend.cupy()
-            with cp.cuda.Device(device_id):
-                mod = cp.RawModule(code=code, options=options,
-                                   name_expressions=list(names.values()))
-                _raw_modules[key] = {k: mod.get_function(v) for k, v in names.items()}
-        return _raw_modules[key]
-
-
 def _key(device_id: int, dtype: Any, index_dtype: Any, family: str) -> tuple:
     if family not in FAMILIES:
         raise ValueError(f"kernels(family={family!r}): expected one of {FAMILIES}")

@@ -10,8 +10,8 @@ addresses and writes the batch's arrays in one pass.
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,19 +23,16 @@ __all__ = ["gatherable", "pack_gather"]
 THREADS, MAX_BLOCKS = 256, 4096
 _TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double",
           np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
-_lock = threading.Lock()
+
+
+_NAMES = tuple(f"ms_pack_gather<{t}, {i}, {o}>" for t in ("float", "double")
+               for i in ("int", "long long") for o in ("int", "long long"))
 
 
 @functools.cache
-def _module(device_id: int) -> Any:
-    from pathlib import Path
-
-    cp = _backend.cupy()
+def _kernels(device_id: int) -> dict[str, Any]:
     source = Path(__file__).with_name("gather.cu").read_text(encoding="utf-8")
-    names = [f"ms_pack_gather<{t}, {i}, {o}>" for t in ("float", "double")
-             for i in ("int", "long long") for o in ("int", "long long")]
-    with cp.cuda.Device(device_id):
-        return cp.RawModule(code=source, options=("-std=c++17",), name_expressions=names)
+    return _backend.raw_kernels(device_id, source, {name: name for name in _NAMES})
 
 
 def _on(a: Any, device_id: int, dtype: Any) -> bool:
@@ -81,9 +78,7 @@ def pack_gather(systems: Sequence[Any], offsets: np.ndarray, nnz_off: np.ndarray
         addresses(s.A.indptr for s in systems), addresses(s.A.indices for s in systems),
         addresses(s.A.data for s in systems), addresses(s.b for s in systems),
         addresses(s.x0 for s in systems)])
-    with _lock:  # one compilation (or cache load) per device
-        kernel = _module(device_id).get_function(
-            f"ms_pack_gather<{_TYPES[dt]}, {_TYPES[src]}, {_TYPES[idt]}>")
+    kernel = _kernels(device_id)[f"ms_pack_gather<{_TYPES[dt]}, {_TYPES[src]}, {_TYPES[idt]}>"]
     with cp.cuda.Device(device_id):
         d = cp.asarray(table)
         c1 = count + 1
