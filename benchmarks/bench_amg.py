@@ -51,16 +51,22 @@ def cycle_bytes(M):
 
     Per level (Chebyshev of degree k): the matrix in 2k + 2 kernels (k
     pre-smoothing steps, the residual-restriction, k + 1 post-smoothing
-    steps), P twice (restriction, prolongation), and about 6 vectors a
-    product kernel (b, dinv, x read and written, d read and written) plus 3 in
-    the prolongation (and 5 in an elementwise zero-start scaling, where no
-    smoothing step comes before the restriction to fold it into); the
-    coarse inverse once.
+    steps), P twice (restriction, prolongation), and the vectors: the first
+    pre-smoothing step reads b and dinv and writes x (and d for k >= 2), every
+    other step reads b, dinv, x and writes x, and all but the first
+    post-smoothing step also read the previous iterate (or d); the
+    restriction reads b and x, the prolongation reads and writes x. Jacobi:
+    about 4 vectors a step. The coarse inverse once.
     """
     total = 0
     c = M._cycle  # noqa: SLF001 - the arrays the cycle runs on
-    steps = 2 * M.degree + 1 if M.smoother == "chebyshev" else 2 * M.sweeps - 1
-    scaling = 0 if steps > 1 else 5  # folded into the first step where one comes before the restriction
+    cheb = M.smoother == "chebyshev"
+    steps = 2 * M.degree + 1 if cheb else 2 * M.sweeps - 1
+    if cheb:
+        k = M.degree
+        vectors = (3 + (k >= 2)) + 5 * (k - 1) + 2 + 2 + 4 + 5 * k
+    else:
+        vectors = 4 * steps + (0 if steps > 1 else 5) + 2 + 2
     for A, P in c.mats:
         if P is None:
             total += c.coarse_inv.nbytes
@@ -68,7 +74,7 @@ def cycle_bytes(M):
         item = A[2].itemsize
         n = A[0].shape[0] - 1
         total += (steps + 1) * sum(a.nbytes for a in A) + 2 * sum(a.nbytes for a in P)
-        total += (6 * steps + scaling + 3 + 2) * n * item
+        total += vectors * n * item
     return total
 
 

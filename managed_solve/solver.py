@@ -156,20 +156,18 @@ class Solver:
         # Calls take turns: the engines work in workspaces of their own.
         self._lock = threading.RLock()
         mgr = manager if manager is not None else default_manager()
-        if device is not None:
-            dev = named_device(device, mgr)
-        elif cuda_ordinal(system.device) is not None:
-            dev = named_device(system.device, mgr)
-        else:
-            dev = None
-        # The method decides the workspace; "auto" on a device still unknown is
-        # resolved as for an accelerator (no direct), then again once placed.
+        on = device if device is not None else \
+            (system.device if cuda_ordinal(system.device) is not None else None)
+        dev = named_device(on, mgr) if on is not None else None
+        # The method and M decide the workspace (an AMG hierarchy counted); "auto" on a
+        # device still unknown is resolved as for an accelerator, then again once placed.
         symmetric = matrix_symmetry(system) if system.method in ("auto", "direct") else None
-        planned = choose_method(system, dev.kind if dev is not None else "cuda",
-                                symmetric=symmetric, rhs=rhs)
+        kind = dev.kind if dev is not None else "cuda"
+        planned = choose_method(system, kind, symmetric=symmetric, rhs=rhs)
+        M = choose_preconditioner(system, kind, planned, symmetric=symmetric)
         # Through the manager's size heuristic (managed_solve.USE_HEURISTIC), as
         # every reservation of an object is.
-        nbytes = mgr.size_of(system.nbytes + system.workspace_bytes(planned))
+        nbytes = mgr.size_of(system.nbytes + system.workspace_bytes(planned, M))
         self._reservation = reserve_for(mgr, nbytes, dev, system, planned)
         self.closed = False
         try:
@@ -183,7 +181,8 @@ class Solver:
             self.callback = callback
             self.method = planned if placed_here and self.system is system else \
                 choose_method(self.system, dev.kind, symmetric=symmetric, rhs=rhs)
-            M = choose_preconditioner(self.system, dev.kind, self.method, symmetric=symmetric)
+            if dev.kind != kind or self.method != planned:
+                M = choose_preconditioner(self.system, dev.kind, self.method, symmetric=symmetric)
             if M is not self.system.M:
                 self.system = self.system.replaced(M=M)
             self._engines: dict[str, Prepared | Outcome] = {}

@@ -221,6 +221,23 @@ def test_solve_transpose_of_a_non_symmetric_matrix(backend, method):
     np.testing.assert_allclose(host(res.x), sla.spsolve(A.T.tocsc(), b), rtol=1e-7, atol=1e-10)
 
 
+def test_an_amg_solver_reserves_its_hierarchy():
+    from managed_solve.system.cost import amg_bytes
+
+    dm = DeviceManager(simulate="1x1GiB")
+    A = poisson2d(40)
+    plain = Solver(A, method="cg", M=None, manager=dm)
+    dev = plain.device
+    base = dm.reserved_bytes(dev)
+    amg_solver = Solver(A, method="cg", M="amg", manager=dm, device=dev)
+    grown = dm.reserved_bytes(dev) - base
+    assert grown >= base + amg_bytes(A.shape[0], A.nnz)  # the same system, plus the hierarchy
+    assert amg_solver.solve(np.ones(1600)).converged
+    amg_solver.close()
+    plain.close()
+    assert dm.reserved_bytes(dev) == 0
+
+
 def test_close_releases_the_reservation_and_refuses_later_solves():
     dm = DeviceManager(simulate="1x1GiB")
     A = poisson2d(30)

@@ -246,10 +246,16 @@ class LinearSystem:
             a = 0
         return int(a + self.b.nbytes + (self.x0.nbytes if self.x0 is not None else 0))
 
-    def workspace_bytes(self, method: str | None = None) -> int:
-        """Extra bytes a solve needs: x plus the method's work vectors (see :mod:`.cost`)."""
+    def workspace_bytes(self, method: str | None = None, M: Any = None) -> int:
+        """Extra bytes a solve needs: x plus the method's work vectors (see :mod:`.cost`).
+
+        ``M``: the preconditioner chosen for the solve (``self.M`` by default);
+        ``"amg"`` counts its hierarchy.
+        """
+        M = self.M if M is None else M
         return workspace_bytes(method or self.method, self.n, self.nnz,
-                               itemsize=self.dtype.itemsize, preconditioned=self.M is not None)
+                               itemsize=self.dtype.itemsize, preconditioned=M is not None,
+                               amg=isinstance(M, str) and M == "amg")
 
     @property
     def device(self) -> str:

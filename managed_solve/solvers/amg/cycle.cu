@@ -83,22 +83,30 @@ __global__ void amg_scale(amg_ll n, const T* __restrict__ b, const T* __restrict
 
 // One smoothing step from x_old (read by every row's neighbours, so written
 // to x_new, never in place):
-//   r = dinv_i (b_i - (A x_old)_i);  dn = a d_i + c r  (a == 0: d_i not read);
-//   d_i = dn (write_d);  x_new_i = x_old_i + dn.
+//   r = dinv_i (b_i - (A x_old)_i);  dn = a p_i + c r;  x_new_i = x_old_i + dn;
+//   d_i = dn (write_d).
+// p_i, the previous step's update, by ``prev``: 0 none (a == 0: the first
+// step after a correction, Jacobi); 1 d_i (stored by the step before);
+// 2 x_old_i - x_new_i, read before x_new_i is written: the two buffers
+// alternate, so x_new's still holds the iterate before x_old. Mode 2 stores
+// no d, and a degree-1 Chebyshev smoothing needs no d vector at all.
 // Chebyshev: (a, c) of the recurrence; its first step after a correction
-// a = 0, c = 1 / theta. Jacobi: a = 0, c = 1, write_d = 0.
+// a = 0, c = 1 / theta. Jacobi: a = 0, c = 1.
 template <typename T, int G>
 __global__ void amg_step(amg_ll n, const int* __restrict__ indptr, const int* __restrict__ indices,
                          const T* __restrict__ data, const T* __restrict__ dinv,
                          const T* __restrict__ b, const T* __restrict__ x_old,
-                         T* __restrict__ x_new, T* __restrict__ d, T a, T c, int write_d) {
+                         T* __restrict__ x_new, T* __restrict__ d, T a, T c, int write_d,
+                         int prev) {
     AMG_ROWS(n)
         const T ax = amg_row_dot<G>(indptr, indices, data, x_old, row, active, lane);
         if (active && lane == 0) {
             const T r = dinv[row] * (b[row] - ax);
-            const T dn = (a == (T)0 ? (T)0 : a * d[row]) + c * r;
+            const T xo = x_old[row];
+            const T p = prev == 1 ? d[row] : (prev == 2 ? xo - x_new[row] : (T)0);
+            const T dn = a * p + c * r;
             if (write_d) d[row] = dn;
-            x_new[row] = x_old[row] + dn;
+            x_new[row] = xo + dn;
         }
     AMG_ROWS_END
 }

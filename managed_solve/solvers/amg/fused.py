@@ -7,7 +7,11 @@ the tests run the same sequence. Per level and cycle (Chebyshev of degree
 
 - pre-smoothing from zero: ``x = d = dinv b / theta``, then ``k`` steps,
   each one kernel: ``r = dinv (b - A x)``, ``d = a d + c r``,
-  ``x_new = x + d``. The zero-start scaling is folded into the first step
+  ``x_new = x + d``. A step takes the previous update ``d`` as
+  ``x - x_prev`` from the two alternating ``x`` buffers (the one it writes
+  still holds ``x_prev``); only the step after the folded first one, whose
+  ``x0`` is never stored, reads a stored ``d``: a degree-1 smoothing keeps no
+  ``d`` vector and writes none. The zero-start scaling is folded into the first step
   (its product reads ``dinv b / theta`` of the neighbours as it goes), so
   it costs no pass of its own; Jacobi with one sweep, which has no step
   before the restriction, keeps the elementwise scaling. The residual is recomputed from ``x`` inside the
@@ -23,7 +27,7 @@ the tests run the same sequence. Per level and cycle (Chebyshev of degree
   ``k + 1`` smoothing steps (the first with ``a = 0, c = 1 / theta``).
 
 Jacobi runs the same steps with ``a = 0, c = 1``. A level holds ``b``, two
-``x`` buffers and ``d`` (the coarsest ``b`` and ``x``); which ``x`` buffer
+``x`` buffers and, for degree 2 and more, ``d`` (the coarsest ``b`` and ``x``); which ``x`` buffer
 ends a smoothing is fixed by the step count, so the sequence, and every
 pointer in it, is the same on every run: nothing allocates, nothing is read
 on the host, and the whole cycle is captured as one CUDA graph.
@@ -53,7 +57,11 @@ class FusedCycle(CapturedCycle):
         self.b = [xp.zeros(n, dtype=dtype) for n in self.sizes]
         self.xs = [(xp.zeros(n, dtype=dtype), xp.zeros(n, dtype=dtype)) if lv < last
                    else (xp.zeros(n, dtype=dtype),) for lv, n in enumerate(self.sizes)]
-        self.d = [xp.zeros(n, dtype=dtype) for n in self.sizes[:last]]
+        # d: the update a step hands to the next where x0 is never stored (the
+        # pre-smoothing's second step, Chebyshev of degree 2 and more); every
+        # other step reads it from the x buffers, so degree 1 keeps no d.
+        self.d = [xp.zeros(n if sm.kind == "chebyshev" and len(sm.coeffs) > 1 else 1,
+                           dtype=dtype) for n, sm in zip(self.sizes[:last], smoothers, strict=False)]
         self.x = [pair[0] for pair in self.xs]  # each level's first buffer
         self.graph = None
         self._graph_keep = ()
@@ -66,16 +74,19 @@ class FusedCycle(CapturedCycle):
         cheb = sm.kind == "chebyshev"
         scale = 1.0 / sm.theta if cheb else 1.0
         steps = sm.coeffs if cheb else ((0.0, 1.0),) * (sm.steps - 1)
+        prev = 0
         if steps:  # the scaling folded into the first step: one pass fewer
             a, c = steps[0]
-            self.ops.first(n, *A, sm.dinv, b, scale, X[1], d, a, c, int(cheb))
-            cur, steps = 1, steps[1:]
+            # x0 is never stored: the next step takes this step's update from d
+            self.ops.first(n, *A, sm.dinv, b, scale, X[1], d, a, c, int(cheb and len(steps) > 1))
+            cur, steps, prev = 1, steps[1:], 1
         else:
-            self.ops.scale(n, b, sm.dinv, scale, X[0], d, int(cheb))
+            self.ops.scale(n, b, sm.dinv, scale, X[0], d, 0)
             cur = 0
         for a, c in steps:
-            self.ops.step(n, *A, sm.dinv, b, X[cur], X[1 - cur], d, a, c, int(cheb))
-            cur = 1 - cur
+            self.ops.step(n, *A, sm.dinv, b, X[cur], X[1 - cur], d, a, c, 0,
+                          prev if cheb else 0)
+            cur, prev = 1 - cur, 2
         return cur
 
     def _post(self, lv: int, cur: int) -> int:
@@ -83,9 +94,11 @@ class FusedCycle(CapturedCycle):
         X, b, d = self.xs[lv], self.b[lv], self.d[lv]
         cheb = sm.kind == "chebyshev"
         steps = ((0.0, 1.0 / sm.theta), *sm.coeffs) if cheb else ((0.0, 1.0),) * sm.steps
+        prev = 0  # the first step after the correction has no previous update
         for a, c in steps:
-            self.ops.step(n, *A, sm.dinv, b, X[cur], X[1 - cur], d, a, c, int(cheb))
-            cur = 1 - cur
+            self.ops.step(n, *A, sm.dinv, b, X[cur], X[1 - cur], d, a, c, 0,
+                          prev if cheb else 0)
+            cur, prev = 1 - cur, 2
         return cur
 
     def run(self) -> None:

@@ -36,6 +36,15 @@ from .tentative import fit_candidates
 
 #: Prolongator damping over rho(D^-1 A) (PyAMG's and the literature's 4/3).
 PROLONGATOR_OMEGA = 4.0 / 3.0
+#: Coarse unknowns per fine unknown above which a strength threshold has cut
+#: too many couplings (isolated nodes become aggregates of their own): the
+#: level is aggregated again over all its couplings.
+WEAK_COARSENING = 0.5
+#: Coarsest size the dense inverse is meant for: coarsening goes on past
+#: ``max_levels`` while the coarsest is larger (its inverse is read every cycle).
+DENSE_COARSEST = 4096
+#: Coarsest size beyond which the dense inverse is refused (8 n^2 bytes).
+DENSE_LIMIT = 20000
 
 
 @dataclass
@@ -101,24 +110,28 @@ def smooth_and_coarsen(level: Level, xp: Any, sparse: Any, T: Any = None) -> Any
     return as_csr(R @ (A @ level.P))
 
 
-def build(A: Any, B: Any, xp: Any, sparse: Any, *, theta: float = 0.0, blocksize: int = 1,
+def build(A: Any, B: Any, xp: Any, sparse: Any, *, theta: float = 0.04, blocksize: int = 1,
           max_coarse: int = 500, max_levels: int = 10, seed: int = 0) -> list[Level]:
     """The levels of a smoothed-aggregation hierarchy for the CSR matrix ``A``.
 
     ``B`` (n, K) is the near-null space. Coarsening stops at ``max_coarse``
-    unknowns, at ``max_levels`` levels, or where aggregation no longer
-    reduces the size.
+    unknowns, at ``max_levels`` levels (unless the coarsest is still larger
+    than :data:`DENSE_COARSEST`), or where aggregation no longer reduces the
+    size. A level whose strength threshold leaves too little to aggregate
+    (:data:`WEAK_COARSENING`) is aggregated over all its couplings.
     """
     levels = [Level(as_csr(A), blocksize=int(blocksize), B=B)]
     while True:
         level = levels[-1]
         n = level.A.shape[0]
-        if n <= max_coarse or len(levels) >= max_levels:
+        if n <= max_coarse or (len(levels) >= max_levels and n <= DENSE_COARSEST):
             break
         bs = level.blocksize
-        G = symmetric_strength(level.A, theta, bs, xp, sparse)
-        agg_nodes, count = aggregate(xp, G, seed)
         K = level.B.shape[1]
+        agg_nodes, count = aggregate(xp, symmetric_strength(level.A, theta, bs, xp, sparse), seed)
+        if theta > 0 and count * K > WEAK_COARSENING * n:
+            agg_nodes, count = aggregate(xp, symmetric_strength(level.A, 0.0, bs, xp, sparse),
+                                         seed)
         if count == 0 or count * K >= n:
             break  # aggregation stalls (e.g. a diagonal matrix): this level is the coarsest
         agg = agg_nodes if bs == 1 else agg_nodes[xp.arange(n) // bs]
@@ -142,8 +155,17 @@ def coarse_inverse(A: Any, xp: Any) -> Any:
     """The dense inverse of the coarsest matrix (its pseudo-inverse if singular).
 
     Rows and columns emptied by a dropped near-null-space vector get a unit
-    diagonal first; their right-hand side is always zero.
+    diagonal first; their right-hand side is always zero. A coarsest matrix
+    of more than :data:`DENSE_LIMIT` unknowns (coarsening stalled: few
+    couplings to aggregate along) is refused with ``ValueError``.
     """
+    n = A.shape[0]
+    if n > DENSE_LIMIT:
+        raise ValueError(
+            f"amg(A): coarsening stalled at {n} unknowns, too many for the dense coarsest "
+            f"solve (at most {DENSE_LIMIT}). A matrix with few off-diagonal couplings is "
+            "solved well with M='jacobi'; a near-null space (nullspace=) with more vectors "
+            "than an aggregate's unknowns also stalls it.")
     D = A.toarray().astype(xp.float64)
     empty = (abs(D).sum(axis=1) == 0) & (abs(D).sum(axis=0) == 0)
     idx = xp.flatnonzero(empty)

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ... import _backend
+from ...system.cost import amg_bytes
 from . import hierarchy
 from .cycle import VCycle
 from .fused import FusedCycle
@@ -33,6 +34,14 @@ BLOCK_LANES = 4
 #: set-up: degree 1: 13 / 15 / 9, degree 2: 11 / 14 / 8, degree 3: 11 / 13 / 7,
 #: at 11, 15.6 and 20.2 matrix-passes' worth of bytes a cycle (2D).
 GPU_DEGREE, HOST_DEGREE = 1, 2
+#: Default strength threshold. Galerkin operators below the finest level hold
+#: many small couplings; aggregating along them (threshold 0) makes poor
+#: coarse levels. CG iterations to rtol 1e-8 with our set-up, threshold
+#: 0 / 0.04 / 0.08 / 0.12: 2D Poisson 2048^2 18 / 11 / 11 / 18, 4096^2
+#: 20 / 12 / 12 / 18; 3D 7-point 128^3 11 / 9 / 11 / 11; rotated anisotropic
+#: 512^2 134 / 82 / 80 / 78; elasticity 256^2 with rigid-body modes
+#: 14 / 11 / 11 / 13. The operator complexity grows by 2-16% at 0.04.
+THETA = 0.04
 CYCLES = ("auto", "native", "pyamg")
 
 
@@ -52,7 +61,8 @@ class AMGPreconditioner:
     blocksize : int, optional
         Unknowns per node: aggregation keeps a node's unknowns together.
     theta : float
-        Strength threshold of the symmetric measure (0 keeps all couplings).
+        Strength threshold of the symmetric measure (0 keeps all couplings;
+        :data:`THETA` by default, for either set-up).
     smoother : {"chebyshev", "jacobi", "l1_jacobi"}
     degree : int, optional
         Chebyshev polynomial degree (SpMVs per smoothing). By default 1 on a
@@ -95,7 +105,7 @@ class AMGPreconditioner:
     """
 
     def __init__(self, A: Any, *, setup: str = "auto", nullspace: Any = None,
-                 blocksize: int | None = None, theta: float = 0.0, smoother: str = "chebyshev",
+                 blocksize: int | None = None, theta: float = THETA, smoother: str = "chebyshev",
                  degree: int | None = None, sweeps: int = 1, max_coarse: int = 500, max_levels: int = 10,
                  dtype: Any = None, cycle: str = "auto", graph: bool | None = None,
                  seed: int = 0):
@@ -390,27 +400,11 @@ def csr_arrays(levels: list, dtype: Any, xp: Any) -> list[tuple[Any, Any]]:
 
 
 def hierarchy_bytes_estimate(n: int, nnz: int, itemsize: int = 8,
-                             cycle_itemsize: int | None = None) -> int:
+                             cycle_itemsize: int | None = None, *, fused: bool = False) -> int:
     """A planning estimate of :attr:`AMGPreconditioner.nbytes` before the set-up.
 
-    Smoothed aggregation on PDE matrices, measured on 2D (5 entries a row)
-    and 3D (7) Poisson and interpolated in the mean row length ``d``:
-    coarse-level entries ``0.42 + 0.146 (d - 5)`` per fine entry (operator
-    complexity - 1), ``P`` entries ``3.1 + 0.79 (d - 5)`` per fine row over
-    all levels, ``1.18 - 0.02 (d - 5)`` unknowns on all levels but the
-    coarsest per fine unknown. Counted: the coarse matrices, the
-    prolongators, the aggregates (int32) and per level the cycle's four
-    vectors and the smoother's scaling in the cycle's precision
-    (``cycle_itemsize``, the matrix's by default). A lower-precision cycle
-    keeps the coarse levels in its precision only, and a copy of A's values.
+    The cost model's :func:`~managed_solve.system.cost.amg_bytes`; ``fused``:
+    the GPU's fused cycle (four vectors a level), else the host's (five).
     """
-    cyc = itemsize if cycle_itemsize is None else int(cycle_itemsize)
-    d = min(max(nnz / max(n, 1), 3.0), 9.0) - 5.0
-    coarse, p_rows, grid = 0.42 + 0.146 * d, 3.1 + 0.79 * d, 1.18 - 0.02 * d
-    rows = grid * n
-    total = (coarse * nnz + p_rows * n) * (cyc + 4)  # coarse A and P: values and indices
-    total += 2 * 4 * rows  # row pointers of the coarse A and of P
-    total += 4 * rows + 5 * cyc * rows  # aggregates; b, two x, d and the scaling
-    if cyc != itemsize:
-        total += nnz * cyc  # the cycle's copy of A's values
-    return int(total)
+    return amg_bytes(n, nnz, itemsize=itemsize, cycle_itemsize=cycle_itemsize,
+                     vectors=4 if fused else 5)

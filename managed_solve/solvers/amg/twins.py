@@ -29,12 +29,20 @@ def amg_scale(n: int, b: Any, dinv: Any, s: float, x: Any, d: Any, write_d: int)
 
 
 def amg_step(n: int, indptr: Any, indices: Any, data: Any, dinv: Any, b: Any, x_old: Any,
-             x_new: Any, d: Any, a: float, c: float, write_d: int) -> None:
-    """One smoothing step: ``r = dinv (b - A x_old)``, ``d = a d + c r``, ``x_new = x_old + d``."""
+             x_new: Any, d: Any, a: float, c: float, write_d: int, prev: int) -> None:
+    """One smoothing step: ``r = dinv (b - A x_old)``, ``dn = a p + c r``, ``x_new = x_old + dn``.
+
+    ``p`` by ``prev``: 0 none, 1 ``d``, 2 ``x_old - x_new`` (x_new's buffer
+    still holds the iterate before x_old).
+    """
     t = data.dtype.type
     ax = _csr(indptr, indices, data, n, x_old.shape[0]) @ x_old
     r = dinv[:n] * (b[:n] - ax)
-    dn = t(c) * r if a == 0 else t(a) * d[:n] + t(c) * r
+    if prev == 0:
+        dn = t(c) * r
+    else:
+        p = d[:n] if prev == 1 else x_old[:n] - x_new[:n]
+        dn = t(a) * p + t(c) * r
     dn = dn.astype(data.dtype, copy=False)
     if write_d:
         d[:n] = dn

@@ -55,10 +55,12 @@ def test_twin_steps_reproduce_the_smoother(kind, zero):
     if zero:
         tw.amg_scale(n, b, sm.dinv, 1.0 / sm.theta if cheb else 1.0, X[0], dd, int(cheb))
         steps = steps[1:]
-    cur = 0
+    # the previous update: from d after the scaling, else from the two x buffers
+    cur, prev = 0, (1 if zero else 0)
     for a, c in steps:
-        tw.amg_step(n, *triple(A), sm.dinv, b, X[cur], X[1 - cur], dd, a, c, int(cheb))
-        cur = 1 - cur
+        tw.amg_step(n, *triple(A), sm.dinv, b, X[cur], X[1 - cur], dd, a, c, 0,
+                    prev if cheb else 0)
+        cur, prev = 1 - cur, 2
     assert rel(X[cur], x) < 1e-13
 
 
@@ -70,7 +72,7 @@ def test_twin_first_step_is_the_scaling_then_a_step(a, c, write_d):
     b, dinv = rng.standard_normal(n), 1.0 / A.diagonal()
     x0, d0, x1 = np.empty(n), np.empty(n), np.empty(n)
     tw.amg_scale(n, b, dinv, 0.3, x0, d0, 1)
-    tw.amg_step(n, *triple(A), dinv, b, x0, x1, d0, a, c, write_d)
+    tw.amg_step(n, *triple(A), dinv, b, x0, x1, d0, a, c, write_d, 1)
     xf, df = np.full(n, np.nan), np.full(n, np.nan)
     tw.amg_first(n, *triple(A), dinv, b, 0.3, xf, df, a, c, write_d)
     assert rel(xf, x1) < 1e-15
@@ -135,7 +137,9 @@ def kernel_matrices():
     out = {"poisson2d": poisson2d(30), "poisson3d": poisson3d(9), "dense-rows": R,
            "tridiagonal": sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(500, 500)).tocsr(),
            "diagonal": sp.diags(np.linspace(1.0, 2.0, 100)).tocsr(),
-           "wide": sp.random(64, 64, density=0.9, random_state=7, format="csr")}
+           "wide": sp.random(64, 64, density=0.9, random_state=7, format="csr"),
+           "mid": sp.random(300, 300, density=0.1, random_state=8, format="csr"),
+           "very-wide": sp.random(300, 300, density=0.8, random_state=9, format="csr")}
     for M in out.values():
         M.sort_indices()
     return out, rng
@@ -151,7 +155,7 @@ def test_cuda_kernels_match_their_twins(cp, dtype, tol):
     widths = set()
     for name, A in mats.items():
         n = A.shape[0]
-        widths.add(group_size(n, A.nnz))
+        widths.add(group_size(n, A.nnz, np.dtype(dtype).itemsize))
         P = sp.random(n, max(n // 5, 1), density=min(1.0, 3.0 / max(n // 5, 1)), random_state=8,
                       format="csr").astype(dtype)
         h = {k: rng.standard_normal(n).astype(dtype) for k in ("b", "x", "d", "dinv")}
@@ -163,12 +167,17 @@ def test_cuda_kernels_match_their_twins(cp, dtype, tol):
         def poisoned(m):
             return np.full(m, np.nan, dtype=dtype), cp.full(m, cp.nan, dtype=dtype)
 
-        for a, c, wd in [(0.0, 0.7, 1), (0.4, 1.3, 1), (0.0, 1.0, 0)]:
-            (xn, xn_d), d_h, d_d = poisoned(n), h["d"].copy(), g["d"].copy()
-            tw.amg_step(n, *At, h["dinv"], h["b"], h["x"], xn, d_h, a, c, wd)
-            ops.step(n, *Ad, g["dinv"], g["b"], g["x"], xn_d, d_d, a, c, wd)
-            assert rel(host(xn_d), xn) < tol, (name, "step x", a, c)
-            assert rel(host(d_d), d_h) < tol, (name, "step d", a, c)
+        for a, c, wd, prev in [(0.0, 0.7, 1, 0), (0.4, 1.3, 1, 1), (0.0, 1.0, 0, 0),
+                               (0.4, 1.3, 0, 2), (0.4, 1.3, 1, 2)]:
+            # prev 2: the previous update is x - x_new, x_new's buffer read before it is written
+            xn, xn_d = (h["d"].copy(), g["d"].copy()) if prev == 2 else poisoned(n)
+            d_h, d_d = (h["d"].copy(), g["d"].copy()) if prev == 1 else poisoned(n)
+            tw.amg_step(n, *At, h["dinv"], h["b"], h["x"], xn, d_h, a, c, wd, prev)
+            ops.step(n, *Ad, g["dinv"], g["b"], g["x"], xn_d, d_d, a, c, wd, prev)
+            assert np.isfinite(xn).all()
+            assert rel(host(xn_d), xn) < tol, (name, "step x", a, c, prev)
+            if wd:
+                assert rel(host(d_d), d_h) < tol, (name, "step d", a, c, prev)
         for a, c, wd in [(0.0, 0.7, 1), (0.4, 1.3, 1), (0.0, 1.0, 0)]:
             (xn, xn_d), (d_h, d_d) = poisoned(n), poisoned(n)
             tw.amg_first(n, *At, h["dinv"], h["b"], 0.3, xn, d_h, a, c, wd)
@@ -189,7 +198,7 @@ def test_cuda_kernels_match_their_twins(cp, dtype, tol):
         tw.amg_prolong(n, *Pt, xc, y)
         ops.prolong(n, *Pd, cp.asarray(xc), y_d)
         assert rel(host(y_d), y) < tol, (name, "prolong")
-    assert widths >= {1, 4, 32}  # tridiagonal, Poisson, the wide rows
+    assert widths >= {1, 4, 8, 32}  # tridiagonal, 30, 57 and 240 entries a row
     for m in (1, 31, 33, 300):
         inv = rng.standard_normal((m, m)).astype(dtype)
         b = rng.standard_normal(m).astype(dtype)
