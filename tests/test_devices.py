@@ -398,3 +398,25 @@ def test_opening_a_context_makes_free_bytes_come_from_the_runtime():
     with cp.cuda.Device(dev.index):
         free, _total = cp.cuda.runtime.memGetInfo()
     assert abs(dev.free_bytes() - free) < (512 << 20)
+
+
+@pytest.mark.gpu
+def test_a_gpu_solve_many_reads_free_memory_through_its_context_not_nvml():
+    import dataclasses
+
+    import managed_solve as ms
+    from tests._problems import poisson2d
+
+    real = next(d for d in discover(devices=None, simulate=None) if d.kind == "cuda")
+    asked = []
+
+    def nvml_free(handle):
+        asked.append(handle)
+        return MemoryQuery().nvml_free(handle)
+
+    dev = dataclasses.replace(real, memory=MemoryQuery(nvml_free=nvml_free))
+    pairs = [(poisson2d(m), np.ones(m * m)) for m in (8, 9, 10) * 8]
+    res = ms.solve_many(pairs, manager=ms.DeviceManager([dev]))
+    assert all(r.converged and str(r.device) == str(dev) for r in res)
+    assert _backend.cuda_context(dev.index) is not None
+    assert asked == []

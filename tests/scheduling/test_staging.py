@@ -107,7 +107,7 @@ def test_pinned_arrays_carve_one_block_into_aligned_disjoint_arrays():
         assert (lo - base) % CARVE_ALIGN == 0
         spans.append((lo, hi))
     spans.sort()
-    assert all(h1 <= l2 for (_l1, h1), (l2, _h2) in zip(spans, spans[1:]))
+    assert all(h1 <= l2 for (_l1, h1), (l2, _h2) in zip(spans, spans[1:], strict=False))
     assert spans[-1][1] <= base + len(made[0])
     for k, a in enumerate(arrays):  # writes land in their own array only
         a[...] = k + 1
@@ -127,7 +127,7 @@ def test_pinned_arena_serves_small_buffers_from_shared_slabs():
     assert arena.slabs == len(made) == 3
     assert all(len(keep) == 1 and keep[0] in made for keep in holders)  # each holds its slab
     spans = sorted(_span(a) for a in small)
-    assert all(h1 <= l2 for (_l1, h1), (l2, _h2) in zip(spans, spans[1:]))
+    assert all(h1 <= l2 for (_l1, h1), (l2, _h2) in zip(spans, spans[1:], strict=False))
     slabs = [_span(np.frombuffer(m, np.uint8)) for m in made]
     for lo, hi in spans:  # inside one slab, at an aligned offset
         (base, _end), = [(b, e) for b, e in slabs if b <= lo and hi <= e]
