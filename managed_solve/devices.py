@@ -134,6 +134,69 @@ def format_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+def _nvml_free_bytes(handle: Any) -> int:
+    nvml = _nvml()
+    if nvml is None:
+        raise RuntimeError("NVML is unavailable")
+    return int(nvml.nvmlDeviceGetMemoryInfo(handle).free)
+
+
+@dataclass(frozen=True)
+class MemoryQuery:
+    """How a CUDA GPU's free memory is read: the CUDA runtime where this process has a context, else NVML.
+
+    Both read device-wide free memory (other processes' allocations count).
+    ``cudaMemGetInfo`` answers in microseconds but needs a CUDA context on the
+    device; NVML needs none, but its first query in a process takes a tenth
+    of a second. So the runtime answers once this process opened the
+    device's context (:func:`managed_solve._backend.open_cuda_context`, which
+    a GPU run of ``solve_many`` starts first), waiting for a context still
+    being made; NVML answers elsewhere, so asking never makes a context on a
+    GPU the process does not use.
+
+    Parameters
+    ----------
+    context : callable
+        ``context(index)``: the future of the device's context, or None when
+        this process never opened it.
+    runtime_free : callable
+        ``runtime_free(index)``: ``cudaMemGetInfo``'s free bytes.
+    nvml_free : callable
+        ``nvml_free(handle)``: NVML's free bytes for a device handle.
+
+    Examples
+    --------
+    >>> from concurrent.futures import Future
+    >>> opened = Future(); opened.set_result(0)
+    >>> asked = []
+    >>> query = MemoryQuery(context=lambda i: opened, runtime_free=lambda i: asked.append("runtime") or 7,
+    ...                     nvml_free=lambda h: asked.append("nvml") or 5)
+    >>> query.free_bytes(0, "handle"), asked
+    (7, ['runtime'])
+    """
+
+    context: Callable[[int], Any] = _backend.cuda_context
+    runtime_free: Callable[[int], int] = _backend.cuda_free_bytes
+    nvml_free: Callable[[Any], int] = _nvml_free_bytes
+
+    def free_bytes(self, index: int, nvml_handle: Any = None) -> int:
+        """Free bytes of GPU ``index`` (``nvml_handle``: its NVML handle, None without NVML)."""
+        opened = self.context(index)
+        if opened is not None:
+            try:
+                opened.result()  # a context still being made: its query would wait as long
+            except Exception as exc:  # the context failed: NVML can still answer
+                log.debug("no CUDA context on cuda:%d (%s); asking NVML", index, exc)
+            else:
+                return int(self.runtime_free(index))
+        if nvml_handle is not None:
+            try:
+                return int(self.nvml_free(nvml_handle))
+            except Exception as exc:
+                log.debug("NVML memory query failed on cuda:%d: %s", index, exc)
+        return int(self.runtime_free(index))
+
+
 @dataclass(eq=False)
 class Device:
     """One place where arrays live and solvers run.
@@ -168,6 +231,8 @@ class Device:
     bandwidth: float = _DEFAULT_CPU_BANDWIDTH
     pci_bus_id: str | None = None
     _nvml_handle: object = field(default=None, repr=False)
+    #: How free memory is read on a CUDA GPU (tests give stand-ins).
+    memory: MemoryQuery = field(default_factory=MemoryQuery, repr=False)
     # Simulated devices: bytes "allocated" on them (tests set it), and an
     # optional fault hook called before each piece of work placed there.
     sim_used_bytes: int = 0
@@ -221,7 +286,7 @@ class Device:
             return _host_available_bytes()
         if self.kind == "sim":
             return max(0, self.total_bytes - self.sim_used_bytes)
-        return _cuda_free_bytes(self)
+        return self.memory.free_bytes(self.index, self._nvml_handle)
 
     def context(self):
         """A context manager making this device current (a no-op off CUDA)."""
@@ -307,19 +372,6 @@ def _nvml(import_module: Callable[[str], ModuleType] = importlib.import_module):
         log.debug("NVML unavailable: %s", exc)
         return None
     return mod
-
-
-def _cuda_free_bytes(dev: Device) -> int:
-    nvml = _nvml() if dev._nvml_handle is not None else None
-    if nvml is not None:
-        try:
-            return int(nvml.nvmlDeviceGetMemoryInfo(dev._nvml_handle).free)
-        except Exception as exc:
-            log.debug("NVML memory query failed on %s: %s", dev, exc)
-    cp = _backend.cupy()
-    with cp.cuda.Device(dev.index):
-        free, _total = cp.cuda.runtime.memGetInfo()
-    return int(free)
 
 
 def cuda_free_bytes_including_pool(dev: Device) -> int:

@@ -8,6 +8,7 @@ import sys
 import time
 import types
 import warnings
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from managed_solve.devices import (
     Device,
     DeviceWarning,
     Discovery,
+    MemoryQuery,
     cpu_device,
     discover,
     discover_cuda,
@@ -312,3 +314,109 @@ def test_mps_means_the_cpu_with_one_warning_and_meta_is_refused(fresh_warnings):
         assert parse_device_name("mps:0") == ("cpu", 0)  # once per process
     with pytest.raises(ValueError, match="meta device holds shapes"):
         parse_device_name("meta")
+
+
+# -------------------------------------------------------------- free memory of a CUDA GPU
+def _query(context, asked, *, nvml=None):
+    """A MemoryQuery over stand-ins that record which source answered."""
+    def runtime_free(index):
+        asked.append(("runtime", index))
+        return 1000 + index
+
+    def nvml_free(handle):
+        asked.append(("nvml", handle))
+        if nvml is not None:
+            raise nvml
+        return 500
+
+    return MemoryQuery(context=context, runtime_free=runtime_free, nvml_free=nvml_free)
+
+
+def _future(result=None, exc=None):
+    fut = Future()
+    fut.set_exception(exc) if exc is not None else fut.set_result(result)
+    return fut
+
+
+def test_free_bytes_of_a_gpu_with_a_context_come_from_the_runtime_not_nvml():
+    asked = []
+    dev = Device("cuda", 1, "stand-in GPU", 1 << 30, _nvml_handle="h1",
+                 memory=_query(lambda i: _future(i) if i == 1 else None, asked))
+    assert dev.free_bytes() == 1001
+    assert asked == [("runtime", 1)]
+
+
+def test_free_bytes_of_a_gpu_without_a_context_come_from_nvml_and_make_none():
+    asked = []
+    dev = Device("cuda", 0, "stand-in GPU", 1 << 30, _nvml_handle="h0",
+                 memory=_query(lambda i: None, asked))
+    assert dev.free_bytes() == 500
+    assert asked == [("nvml", "h0")]
+
+
+def test_free_bytes_fall_back_to_the_runtime_without_nvml_or_when_it_fails():
+    asked = []
+    no_handle = Device("cuda", 0, "stand-in GPU", 1 << 30, memory=_query(lambda i: None, asked))
+    assert no_handle.free_bytes() == 1000 and asked == [("runtime", 0)]
+    asked.clear()
+    broken = Device("cuda", 2, "stand-in GPU", 1 << 30, _nvml_handle="h2",
+                    memory=_query(lambda i: None, asked, nvml=RuntimeError("NVML gone")))
+    assert broken.free_bytes() == 1002 and asked == [("nvml", "h2"), ("runtime", 2)]
+
+
+def test_free_bytes_ask_nvml_when_making_the_context_failed():
+    asked = []
+    failed = _future(exc=RuntimeError("cudaErrorDevicesUnavailable"))
+    dev = Device("cuda", 0, "stand-in GPU", 1 << 30, _nvml_handle="h0",
+                 memory=_query(lambda i: failed, asked))
+    assert dev.free_bytes() == 500 and asked == [("nvml", "h0")]
+
+
+def test_free_bytes_wait_for_a_context_being_made():
+    import threading
+
+    asked, making = [], Future()
+    dev = Device("cuda", 0, "stand-in GPU", 1 << 30, _nvml_handle="h0",
+                 memory=_query(lambda i: making, asked))
+    out = []
+    reader = threading.Thread(target=lambda: out.append(dev.free_bytes()))
+    reader.start()
+    reader.join(timeout=0.2)
+    assert reader.is_alive() and not asked  # neither source asked while the context is made
+    making.set_result(0)
+    reader.join(timeout=30)
+    assert out == [1000] and asked == [("runtime", 0)]
+
+
+@pytest.mark.gpu
+def test_opening_a_context_makes_free_bytes_come_from_the_runtime():
+    gpus = [d for d in discover(devices=None, simulate=None) if d.kind == "cuda"]
+    dev = gpus[0]
+    assert _backend.open_cuda_context(dev.index).result(timeout=60) == dev.index
+    assert _backend.open_cuda_context(dev.index) is _backend.cuda_context(dev.index)  # once
+    cp = _backend.cupy()
+    with cp.cuda.Device(dev.index):
+        free, _total = cp.cuda.runtime.memGetInfo()
+    assert abs(dev.free_bytes() - free) < (512 << 20)
+
+
+@pytest.mark.gpu
+def test_a_gpu_solve_many_reads_free_memory_through_its_context_not_nvml():
+    import dataclasses
+
+    import managed_solve as ms
+    from tests._problems import poisson2d
+
+    real = next(d for d in discover(devices=None, simulate=None) if d.kind == "cuda")
+    asked = []
+
+    def nvml_free(handle):
+        asked.append(handle)
+        return MemoryQuery().nvml_free(handle)
+
+    dev = dataclasses.replace(real, memory=MemoryQuery(nvml_free=nvml_free))
+    pairs = [(poisson2d(m), np.ones(m * m)) for m in (8, 9, 10) * 8]
+    res = ms.solve_many(pairs, manager=ms.DeviceManager([dev]))
+    assert all(r.converged and str(r.device) == str(dev) for r in res)
+    assert _backend.cuda_context(dev.index) is not None
+    assert asked == []

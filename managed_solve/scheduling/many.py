@@ -30,7 +30,7 @@ from . import adjoint, host_checks, process
 from . import estimate as estimation
 from .errors import raise_for_failures
 from .plan import SINGLE, Estimate, head_start, plan_work, select_devices
-from .routes import prefetch_cuda_modules, run_sharded
+from .routes import prefetch_cuda_modules, run_sharded, start_cuda
 from .runner import Runner
 from .validate import check_arguments, finite_candidates, invalid_result, validate_all
 
@@ -97,6 +97,9 @@ def _solve(systems: Iterable[Any], *, disperse: bool, devices: Any, method: str,
     """
     items = list(systems)
     mgr = manager if manager is not None else default_manager()
+    # A GPU run's contexts and CUDA modules start first, on helper threads,
+    # beside the host checks below.
+    start_cuda(items, mgr, devices, disperse, method)
     # Validation's finite check and the auto policy's tests of the inputs'
     # host matrices: one pass on every core, this thread among the workers
     # (helpers waiting for the GIL would otherwise wait on the loops below).

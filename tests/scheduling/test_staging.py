@@ -32,15 +32,19 @@ def test_vectorised_host_pack_matches_block_diagonal(jacobi, chunk_nnz):
         systems.append(LinearSystem(A, rng.standard_normal(A.shape[0]), name=f"shared{k}"))
     assert systems[-1].A is systems[1].A and systems[-2].A is systems[-4].A
     assert systems[-2].A.indices.dtype == np.int64
-    made = []
+    blocks = []
 
-    def empty(size, dtype):  # stands in for the pinned allocator used towards GPUs
-        made.append(np.full(size, -1, dtype=dtype))
-        return made[-1]
+    def allocate(specs):  # stands in for the page-locked block used towards GPUs
+        from managed_solve._backend import carve, carve_layout
 
-    ours = pack_host(systems, jacobi=jacobi, empty=empty, chunk_nnz=chunk_nnz)
+        blocks.append(bytearray(b"\xff" * carve_layout(specs)[1]))  # no zeros to lean on
+        return carve(blocks[-1], specs)
+
+    ours = pack_host(systems, jacobi=jacobi, allocate=allocate, chunk_nnz=chunk_nnz)
+    assert len(blocks) == 1  # every array of the batch in one block
     for attr in ("indptr", "indices", "data", "b", "x0", "row_sys") + (("dinv",) if jacobi else ()):
-        assert any(getattr(ours, attr) is m for m in made), attr
+        assert getattr(ours, attr).base is not None, attr
+        assert np.shares_memory(getattr(ours, attr), np.frombuffer(blocks[0], np.uint8)), attr
     # Reference: SciPy's block diagonal and plain concatenations.
     ref = sp.block_diag([s.A for s in systems], format="csr")
     np.testing.assert_array_equal(ours.indptr, ref.indptr)
@@ -72,3 +76,83 @@ def test_host_pack_names_a_system_jacobi_cannot_scale(chunk_nnz):
 
     with pytest.raises(ValueError, match="zero-diagonal has a zero on its diagonal"):
         pack_host(systems, jacobi=True, chunk_nnz=chunk_nnz)
+
+
+# -------------------------------------------------------------- page-locked staging blocks
+def _counting_alloc(made):
+    def alloc(nbytes):
+        made.append(bytearray(nbytes))
+        return made[-1]
+    return alloc
+
+
+def _span(a):
+    """(first byte, end byte) of an array's memory."""
+    start = a.__array_interface__["data"][0]
+    return start, start + a.nbytes
+
+
+def test_pinned_arrays_carve_one_block_into_aligned_disjoint_arrays():
+    from managed_solve._backend import CARVE_ALIGN, pinned_arrays
+
+    made, keep = [], []
+    specs = [(1001, np.float64), (1001, np.int32), (3, np.int64), (0, np.float32), (17, np.uint8)]
+    arrays = pinned_arrays(specs, keep, alloc=_counting_alloc(made))
+    assert len(made) == 1 and keep == made  # one block, held by the caller's list
+    base = _span(np.frombuffer(made[0], np.uint8))[0]
+    spans = []
+    for a, (count, dt) in zip(arrays, specs, strict=True):
+        assert a.shape == (count,) and a.dtype == dt and a.flags.writeable
+        lo, hi = _span(a)
+        assert (lo - base) % CARVE_ALIGN == 0
+        spans.append((lo, hi))
+    spans.sort()
+    assert all(h1 <= l2 for (_l1, h1), (l2, _h2) in zip(spans, spans[1:], strict=False))
+    assert spans[-1][1] <= base + len(made[0])
+    for k, a in enumerate(arrays):  # writes land in their own array only
+        a[...] = k + 1
+    for k, a in enumerate(arrays):
+        assert (a == k + 1).all()
+
+
+def test_pinned_arena_serves_small_buffers_from_shared_slabs():
+    from managed_solve._backend import CARVE_ALIGN, PinnedArena
+
+    made = []
+    arena = PinnedArena(_counting_alloc(made), slab_bytes=4096, largest=1024)
+    holders = [[] for _ in range(12)]
+    small = [arena.empty(100, np.float64 if k % 2 else np.int32, keep)
+             for k, keep in enumerate(holders)]
+    # 12 buffers of <= 800 bytes, 1024-byte steps at most: three 4 KiB slabs, not twelve blocks.
+    assert arena.slabs == len(made) == 3
+    assert all(len(keep) == 1 and keep[0] in made for keep in holders)  # each holds its slab
+    spans = sorted(_span(a) for a in small)
+    assert all(h1 <= l2 for (_l1, h1), (l2, _h2) in zip(spans, spans[1:], strict=False))
+    slabs = [_span(np.frombuffer(m, np.uint8)) for m in made]
+    for lo, hi in spans:  # inside one slab, at an aligned offset
+        (base, _end), = [(b, e) for b, e in slabs if b <= lo and hi <= e]
+        assert (lo - base) % CARVE_ALIGN == 0
+    for k, a in enumerate(small):
+        a[...] = k
+    assert all((a == k).all() for k, a in enumerate(small))
+    big_keep = []
+    big = arena.empty(2048, np.uint8, big_keep)  # past `largest`: a block of its own
+    assert len(made) == 4 and big_keep == [made[-1]] and big.nbytes == 2048
+    assert arena.slabs == 3
+
+
+@pytest.mark.gpu
+def test_a_batch_bound_for_a_gpu_is_staged_in_one_page_locked_block():
+    from managed_solve.solvers.batched import PackedBatch
+
+    rng = np.random.default_rng(5)
+    systems = [LinearSystem(poisson2d(int(m)), rng.standard_normal(int(m) ** 2))
+               for m in rng.integers(3, 12, size=9)]
+    batch = PackedBatch.pack(systems, device="cuda:0", jacobi=True)
+    keep, host = batch.host_buffers
+    assert len(keep) == 1  # data, indices, indptr, b, row_sys and dinv: one block
+    ref = sp.block_diag([s.A for s in systems], format="csr")
+    np.testing.assert_array_equal(batch.indptr.get(), ref.indptr)
+    np.testing.assert_array_equal(batch.data.get(), ref.data)
+    np.testing.assert_allclose(batch.dinv.get(), 1.0 / ref.diagonal())
+    np.testing.assert_array_equal(batch.b.get(), np.concatenate([s.b for s in systems]))

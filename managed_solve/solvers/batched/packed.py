@@ -440,7 +440,7 @@ PACK_WORKERS = 8
 
 def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cpu",
               dtype: Any = None, index_dtype: Any = None,
-              empty: Callable[[int, Any], np.ndarray] | None = None,
+              allocate: Callable[[list[tuple[int, Any]]], list[np.ndarray]] | None = None,
               chunk_nnz: int | None = None, pool: str = "pack") -> PackedBatch:
     """:meth:`PackedBatch.pack` of host CSR systems: copied in parallel pieces, one fix-up pass each.
 
@@ -453,7 +453,9 @@ def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cp
     the index arrays are copied and shifted in the same pass
     (:func:`~managed_solve.kernels.packing.gather_blocks`). Pieces run on the
     thread pool named ``pool`` (:func:`managed_solve._backend.thread_pool`).
-    ``empty(size, dtype)`` allocates the outputs (pinned memory for GPUs).
+    ``allocate(specs)`` allocates the outputs at once, one array per
+    ``(size, dtype)`` of ``specs`` (towards a GPU: one page-locked block,
+    :func:`managed_solve._backend.pinned_arrays`).
     ``chunk_nnz`` defaults to ``config.current().pack_chunk_nnz``.
     """
     from ...kernels.packing import (
@@ -463,7 +465,7 @@ def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cp
         shift_blocks_jacobi,
     )
 
-    empty = empty or (lambda size, dtype: np.empty(size, dtype=dtype))
+    allocate = allocate or (lambda specs: [np.empty(size, dtype=dt) for size, dt in specs])
     chunk_nnz = int(chunk_nnz or config.current().pack_chunk_nnz)
     k = len(systems)
     # The per-system attributes are read once, here: every later step slices these lists.
@@ -494,15 +496,16 @@ def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cp
     np.cumsum(nnzs, out=nnz_off[1:])
     n, nnz = int(offsets[-1]), int(nnz_off[-1])
     idt = _index_dtype(n, nnz, index_dtype)
-    data, indices, indptr, b = empty(nnz, dt), empty(nnz, idt), empty(n + 1, idt), empty(n, dt)
     x0s = [s.x0 for s in systems]
-    x0 = None
-    if any(v is not None for v in x0s):
-        x0 = empty(n, dt)
+    any_x0 = any(v is not None for v in x0s)
+    specs = [(nnz, dt), (nnz, idt), (n + 1, idt), (n, dt), (n, np.dtype(np.int32))]
+    specs += [(n, dt)] * (int(any_x0) + int(jacobi))
+    data, indices, indptr, b, row_sys, *more = allocate(specs)
+    x0 = more.pop(0) if any_x0 else None
+    dinv = more.pop(0) if jacobi else None
+    if any_x0:
         zeros = np.zeros(int(sizes.max()), dtype=dt)  # one buffer, sliced for systems without x0
         x0s = [v if v is not None else zeros[:m] for v, m in zip(x0s, sizes.tolist(), strict=True)]
-    dinv = empty(n, dt) if jacobi else None
-    row_sys = empty(n, np.int32)
     indptr[-1] = nnz
 
     # Families whose arrays all have the batch's dtype are copied by address in
@@ -630,23 +633,23 @@ class _Family:
 
 def _pack_host_to_gpu(systems: Sequence[Any], *, jacobi: bool, device_id: int, dtype: Any,
                       index_dtype: Any) -> PackedBatch:
-    """Host systems packed into page-locked buffers, then one asynchronous copy per array.
+    """Host systems packed into one page-locked block, then one asynchronous copy per array.
 
     Copying each system's arrays on its own would cost 4 small synchronous
     copies a system; here the copies go on the current stream, so a caller staging on a second stream overlaps them with
     the compute of another batch.
     """
     cp = _backend.cupy()
-    # Every page-locked buffer lives as long as the batch (its copy may be in flight).
+    # The batch's page-locked block lives as long as the batch (its copy may be in flight).
     keep: list = []
 
-    def pinned(shape: int, dt: Any) -> np.ndarray:
-        return _backend.pinned_empty(shape, dt, keep)
+    def pinned(specs: list) -> list[np.ndarray]:
+        return _backend.pinned_arrays(specs, keep)
 
     # A pool per GPU: two GPUs' stagers packing at once each get their own
     # threads (one shared pool made each wait behind the other's pieces).
     host = pack_host(systems, jacobi=jacobi, device="cpu", dtype=dtype, index_dtype=index_dtype,
-                     empty=pinned, pool=f"pack-cuda:{device_id}")
+                     allocate=pinned, pool=f"pack-cuda:{device_id}")
     stream = cp.cuda.get_current_stream()
 
     def up(a: Any) -> Any:
