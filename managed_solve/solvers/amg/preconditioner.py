@@ -200,7 +200,9 @@ class AMGPreconditioner:
         C.indices, C.indptr = M.indices, M.indptr  # the constructor may have copied them
         return C
 
-    def _make_cycle(self) -> None:
+    def _make_cycle(self, checked: bool = False) -> None:
+        """The cycle over ``self.levels``; ``checked``: the same kernel sequence's capture was
+        checked before (a numeric re-setup), so this one's is not checked again."""
         xp, dt = self.xp, self.dtype
         cast = self._cast
         self._block: Any = None  # the block cycle of the last width used, made on use
@@ -225,7 +227,7 @@ class AMGPreconditioner:
             lev.dinv = None  # a set-up temporary: the smoothers hold their scaling
         self._pyamg_M = self._ml.aspreconditioner(cycle="V") if self.cycle == "pyamg" else None
         if self.graph:
-            self._cycle.capture(xp)
+            self._cycle.capture(xp, check=not checked)
 
     def update(self, values: Any) -> None:
         """New values of A on the same pattern: keep the aggregates, recompute the rest.
@@ -249,7 +251,7 @@ class AMGPreconditioner:
             self._build(A)
         else:
             hierarchy.refresh(self.levels, A, self.xp, self.sparse)
-            self._make_cycle()
+            self._make_cycle(checked=getattr(self._cycle, "graph", None) is not None)
 
     # -- application -------------------------------------------------------------
     def __call__(self, r: Any) -> Any:
