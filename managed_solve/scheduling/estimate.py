@@ -2,8 +2,9 @@
 
 :func:`estimate_call` is the step: it starts what runs beside the rest of
 the call (the batched CUDA modules' compilation, large matrices' tests) and
-hands the plan step a :class:`.plan.Work`. The method comes from the one auto policy (:func:`managed_solve.system.method.choose_method`,
-the one ``solve()`` uses), the bytes and cost from the one cost model
+hands the plan step a :class:`.plan.Work`. The method comes from the one
+auto policy (:func:`managed_solve.system.method.choose_method`, the one
+``solve()`` uses), the bytes and cost from the one cost model
 (:mod:`managed_solve.system.cost`). The route follows from the method:
 
 - ``BATCH``: CG, BiCGStab or GMRES on a CSR matrix with no or a Jacobi
