@@ -25,8 +25,8 @@ from bench_w2_many import poisson2d, w2_pairs, w2_sizes  # noqa: E402
 
 from managed_solve.devices import Device  # noqa: E402
 from managed_solve.manager import DeviceManager  # noqa: E402
-from managed_solve.scheduling.estimate import estimate_system, packed_bytes  # noqa: E402
-from managed_solve.scheduling.plan import Slot, plan_work  # noqa: E402
+from managed_solve.scheduling.estimate import estimate_system  # noqa: E402
+from managed_solve.scheduling.plan import Slot, packed_bytes, plan_work  # noqa: E402
 from managed_solve.scheduling.validate import as_system  # noqa: E402
 from managed_solve.solvers.batched import pack_host  # noqa: E402
 

@@ -29,9 +29,11 @@ from managed_solve import LinearSystem, _backend, config  # noqa: E402
 from managed_solve.manager import DeviceManager  # noqa: E402
 from managed_solve.scheduling import estimate as estimation  # noqa: E402
 from managed_solve.scheduling import host_checks, many, routes, staging  # noqa: E402
+from managed_solve.scheduling import plan as planning  # noqa: E402
+from managed_solve.scheduling import validate as validation  # noqa: E402
 from managed_solve.scheduling.runner import Runner  # noqa: E402
-from managed_solve.scheduling.staging import Stager  # noqa: E402
 from managed_solve.solvers import batched  # noqa: E402
+from managed_solve.solvers.batched import engine as batched_engine  # noqa: E402
 from managed_solve.solvers.batched import gpu as batched_gpu  # noqa: E402
 from managed_solve.solvers.batched import packed  # noqa: E402
 from managed_solve.system import method  # noqa: E402
@@ -91,13 +93,13 @@ def _rows(a, k):
 def install():
     timed(staging, "pack_batch", note=_rows)
     timed(routes, "solve_packed", note=lambda a, k: _rows(a, k))
-    timed(many, "plan_work")
-    timed(many, "validate_all", label="validate (all systems)")
+    timed(planning, "plan_work")
+    timed(validation, "validate_all", label="validate (all systems)")
     timed(estimation, "estimate_system", label="estimate (per system)")
-    timed(many, "run_sharded")
+    timed(routes, "run_sharded")
     timed(packed, "pack_host", note=_rows)
     timed(packed.PackedBatch, "unpack")
-    timed(batched, "cg_batched", note=lambda a, k: f"{a[0].nsys} sys, {a[0].n:,} rows")
+    timed(batched_engine, "cg_batched", note=lambda a, k: f"{a[0].nsys} sys, {a[0].n:,} rows")
     timed(batched_gpu, "solve", label="cuda solve",
           result_note=lambda out: f"gpu {1e3 * out[7]:.1f} ms, {out[5]} checkpoints, "
                                   f"{out[6]} compactions, its<= {int(out[1].max())}")
@@ -109,16 +111,16 @@ def install():
     timed(Runner, "deliver", label="deliver (per result)")
     timed(Runner, "deliver_many", label="deliver (per batch)")
     timed(estimation, "prefetch_methods")
-    timed(many, "head_start")
+    timed(estimation, "head_start")
     timed(Runner, "extend", label="plan extended")
     timed(Runner, "complete", label="results (finisher)")
     timed(Runner, "join", label="runner join")
-    timed(Stager, "close", label="stager close")
+    timed(staging, "stage", label="stage (stage thread)")
     timed(many, "solve_many")
     timed(routes, "packed_results", note=lambda a, k: f"{len(a[0])} sys")
     timed(routes, "run_packed")
-    timed(many, "select_devices")
-    timed(estimation, "packed_bytes")
+    timed(planning, "select_devices")
+    timed(planning, "packed_bytes")
     timed(method, "is_symmetric", label="is_symmetric (per call)")
     timed(host_checks.SymmetryPass, "run", label="symmetry pass",
           note=lambda a, k: f"{sum(len(g[0]) for g in a[0].groups)} matrices")

@@ -1,6 +1,7 @@
 """The host steps of ``solve_many`` before its first batch, on W2 with one matrix per system: a diagnostic.
 
-Runs, one by one and in the order ``scheduling.many._solve`` runs them,
+Runs, one by one and in the order ``solve_many``'s steps run them
+(``scheduling.validate.validate_call``, ``estimate_call``, ``plan_call``),
 the steps before the runner starts (the input tables of the symmetry and
 finite checks, the kernels over every core, validation, the method
 prefetch, the estimates, the plan), then ``pack_host`` of the systems in
@@ -28,40 +29,33 @@ from bench_w2_many import RTOL, poisson2d, w2_sizes  # noqa: E402
 from managed_solve.manager import DeviceManager  # noqa: E402
 from managed_solve.scheduling import estimate as estimation  # noqa: E402
 from managed_solve.scheduling import host_checks  # noqa: E402
-from managed_solve.scheduling.plan import plan_work, select_devices  # noqa: E402
-from managed_solve.scheduling.validate import finite_candidates, validate_all  # noqa: E402
+from managed_solve.scheduling.plan import packed_bytes, plan_work, select_devices  # noqa: E402
+from managed_solve.scheduling.validate import validate_all  # noqa: E402
 from managed_solve.solvers.batched import pack_host  # noqa: E402
 
 
 def steps(items: list, manager: DeviceManager) -> dict[str, float]:
-    """Seconds of each step of one call's start (``_solve`` up to the runner, then packing)."""
+    """Seconds of each step of one call's start (up to the runner, then packing)."""
     t: dict[str, float] = {}
     clock = time.perf_counter
     t0 = clock()
     cache: dict = {}
-    least = estimation.pass_least()
-    mats = estimation.input_matrices(items, "auto", least)
+    least = host_checks.pass_least()
+    mats = host_checks.input_matrices(items, "auto", least)
     t1 = clock()
     tests = host_checks.symmetry_pass(mats)
     t2 = clock()
-    # A checkout whose symmetry pass does not check entries: the finite pass reads them all.
-    covers = hasattr(tests, "covered")
-    finite = host_checks.FinitePass(finite_candidates(items, tests.covered()) if covers
-                                    else finite_candidates(items))
+    finite = host_checks.FinitePass(host_checks.finite_candidates(items, tests.covered()))
     t3 = clock()
     host_checks.run_all([tests, finite])
     t4 = clock()
     tests.store(cache)
     memo = {id(a): a for a in finite.finite()}
-    if covers:
-        memo.update((id(a), a) for a in tests.finite_data())
+    memo.update((id(a), a) for a in tests.finite_data())
     _results, checked = validate_all(items, method="auto", M=None, rtol=RTOL, memo=memo)
     valid = [checked.get(i) for i in range(len(items))]
     t5 = clock()
-    held: dict[str, int] = {}
-    for s in valid:
-        held[s.device] = held.get(s.device, 0) + s.nbytes
-    devs = select_devices(manager, None, True, held)
+    devs = select_devices(manager, None, True, valid)
     kind = next(d.kind for d in devs if d.kind != "cpu")
     found = estimation.host_matrices(valid, cache, least)
     early = estimation.prefetch_methods(valid, kind, cache, skip={id(A) for A in found})
@@ -73,7 +67,7 @@ def steps(items: list, manager: DeviceManager) -> dict[str, float]:
                                        reference=devs[0], cache=cache)
             for i, s in enumerate(valid)]
     t7 = clock()
-    plan_work(ests, devs, manager, batch_bytes=estimation.packed_bytes(manager, valid))
+    plan_work(ests, devs, manager, batch_bytes=packed_bytes(manager, valid))
     t8 = clock()
     for lo in range(0, len(valid), 100):
         pack_host(valid[lo:lo + 100])

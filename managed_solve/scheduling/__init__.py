@@ -8,7 +8,7 @@
 - ``routes``: how each route runs (batched core, ``solve()``, host LU, sharded).
 - ``verify``: the verify-and-fall-back rule every route applies.
 - ``process``: interpreter settings held while a call runs, when the caller opts in.
-- ``many``: the ``solve_many`` entry.
+- ``many``: the ``solve_many`` entry, each step entered once.
 """
 
 from .errors import SolveManyError as SolveManyError

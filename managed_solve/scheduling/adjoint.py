@@ -285,6 +285,19 @@ class Kept:
         return got
 
 
+def keep(systems: Sequence[LinearSystem | None], manager: DeviceManager) -> Kept | None:
+    """Where the routes keep what the adjoints of a call's systems reuse; None if nothing is wanted.
+
+    Something is kept for the systems whose inputs require grad, when the
+    caller's thread records gradients (grad mode is per thread: read here,
+    on the caller's).
+    """
+    if not autograd.recording():
+        return None
+    wanted = {i for i, s in enumerate(systems) if s is not None and s.grad is not None}
+    return Kept(manager, wanted) if wanted else None
+
+
 def attach(results: list[SolveResult], validated: Sequence[LinearSystem | None],
            kept: Kept | None, solve_batch: Callable[[list[LinearSystem]], list[SolveResult]]
            ) -> None:
@@ -350,7 +363,7 @@ def _batch_adjoints(kb: KeptBatch, items: dict[int, tuple[int, Any]],
     the verify-and-fall-back rule of the forward applies (restarts, fallbacks
     on the adjoint systems).
     """
-    from ..solvers.batched import PackedBatch
+    from ..solvers.batched import BatchedEngine, PackedBatch
 
     dev = kb.device
     with dev.context(), routes.host_kernels(dev):
@@ -375,7 +388,8 @@ def _batch_adjoints(kb: KeptBatch, items: dict[int, tuple[int, Any]],
                             offsets=op.offsets, row_sys=op.row_sys, rtol=op.rtol, atol=op.atol,
                             maxiter=op.maxiter, dinv=op.dinv, device=op.device,
                             names=[a.name for a in adjoints])
-        out = routes.solve_packed(adjoints, batch, kb.method, dev, manager)
+        out = routes.solve_packed(adjoints, BatchedEngine().prepare_batch(batch), kb.method, dev,
+                                  manager)
     return {i: out[k] for k, (i, _g) in items.items()}
 
 

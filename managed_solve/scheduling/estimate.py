@@ -1,7 +1,10 @@
-"""Step 2 of ``solve_many``: the route, device bytes and cost of each system.
+"""Step 2 of ``solve_many``: the route, device bytes and cost of each system on the call's devices.
 
-The method comes from the one auto policy (:func:`managed_solve.system.method.choose_method`,
-the one ``solve()`` uses), the bytes and cost from the one cost model
+:func:`estimate_call` is the step: it starts what runs beside the rest of
+the call (the batched CUDA modules' compilation, large matrices' tests) and
+hands the plan step a :class:`.plan.Work`. The method comes from the one
+auto policy (:func:`managed_solve.system.method.choose_method`, the one
+``solve()`` uses), the bytes and cost from the one cost model
 (:mod:`managed_solve.system.cost`). The route follows from the method:
 
 - ``BATCH``: CG, BiCGStab or GMRES on a CSR matrix with no or a Jacobi
@@ -13,8 +16,8 @@ the one ``solve()`` uses), the bytes and cost from the one cost model
   ``solve()``, one system each.
 
 The auto method's tests (symmetry, Gershgorin bounds) of the inputs' host
-matrices run before validation, many matrices a GIL-free kernel call on
-every core (:func:`input_matrices`, :mod:`.host_checks`). Those of matrices
+matrices run in validation's pass, many matrices a GIL-free kernel call on
+every core (:func:`.host_checks.check_inputs`). Those of matrices
 validation replaced run after it (:func:`test_host_matrices`; on a call
 with accelerators on a helper thread, :func:`start_host_matrices`, their
 systems' methods deferred to their batches: :func:`deferred_estimate`).
@@ -26,20 +29,22 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 
 from .. import _backend, config
+from ..device_args import resolve_devices
 from ..devices import Device
 from ..manager import DeviceManager
 from ..system import LinearSystem, is_symmetric
-from ..system.cost import bytes_per_iteration, predict_iterations, solve_bytes
+from ..system.cost import bytes_per_iteration, krylov_cost, predict_iterations, solve_bytes
 from ..system.method import amg_min_n, choose_method
-from . import host_checks
-from .plan import BATCH, DEFERRED, DIRECT, SINGLE, Estimate
+from . import host_checks, process
+from .plan import ALONE_ROWS, BATCH, DEFERRED, DIRECT, SINGLE, Estimate, Work, target_rows
+from .validate import Checked, invalid_result
 
 #: Methods the batched core runs (an "auto" system whose method is another runs alone).
 BATCHED_METHODS = ("cg", "bicgstab", "gmres")
@@ -78,57 +83,14 @@ def count_shared(systems: Sequence[LinearSystem | None], cache: dict) -> None:
             cache[("rhs", key)] = (A, count)
 
 
-def pass_tested(s: LinearSystem, least: int) -> bool:
-    """Whether :func:`test_host_matrices` tests ``s``'s matrix (``least``: :func:`pass_least`)."""
-    return (s.kind == "csr" and s.method == "auto" and type(s.b) is np.ndarray
-            and s.A.nnz < least and host_checks.symmetry_candidate(s.A))
-
-
-def pass_least() -> int:
-    """Stored entries from which a matrix's test is left out of :func:`test_host_matrices`.
-
-    The chunked test's size (setting ``symmetry_parallel_nnz``), or
-    ``prefetch_min_nnz`` if smaller: from there a matrix's test runs on its
-    own beside the estimate loop (:func:`prefetch_methods`).
-    """
-    settings = config.current()
-    return min(settings.symmetry_parallel_nnz, settings.prefetch_min_nnz)
-
-
-def input_matrices(items: Sequence[Any], method: str, least: int) -> list:
-    """The distinct host matrices of ``solve_many``'s raw inputs that :func:`pass_tested` would take.
-
-    Read before validation, so their tests run beside it: ``(A, b)`` pairs of
-    a SciPy CSR ``A`` (:func:`.host_checks.symmetry_candidate`) and a NumPy
-    ``b``, and LinearSystems, when the call leaves the method to "auto". A
-    matrix that validation replaces (a dtype conversion) is tested again
-    under its new object; an invalid input's answer is never read.
-    """
-    found: dict[int, Any] = {}
-    if method != "auto":
-        return []
-    for item in items:
-        if isinstance(item, LinearSystem):
-            if not pass_tested(item, least):
-                continue
-            A = item.A
-        elif isinstance(item, (tuple, list)) and len(item) == 2:
-            A, b = item
-            if type(b) is not np.ndarray or id(A) in found \
-                    or not host_checks.symmetry_candidate(A) or A.nnz >= least:
-                continue
-        else:
-            continue
-        found.setdefault(id(A), A)
-    return list(found.values())
-
-
-def host_matrices(systems: Sequence[LinearSystem | None], cache: dict, least: int,
+def host_matrices(systems: Sequence[LinearSystem | None], cache: dict, least: int | None = None,
                   skip: Collection[int] = ()) -> list:
-    """The distinct matrices :func:`test_host_matrices` tests (untested, :func:`pass_tested`).
+    """The distinct matrices :func:`test_host_matrices` tests (untested, :func:`.host_checks.pass_tested`).
 
-    Matrices whose ids are in ``skip`` (under test already) are left out.
+    ``least``: default :func:`.host_checks.pass_least`. Matrices whose ids
+    are in ``skip`` (under test already) are left out.
     """
+    least = host_checks.pass_least() if least is None else least
     found: dict[int, Any] = {}
     for s in systems:
         if s is None:
@@ -137,7 +99,7 @@ def host_matrices(systems: Sequence[LinearSystem | None], cache: dict, least: in
         if key in found or key in skip:
             continue
         hit = cache.get(key)  # tested already (the input pass): the common case, cheap first
-        if (hit is None or hit[0] is not s.A) and pass_tested(s, least):
+        if (hit is None or hit[0] is not s.A) and host_checks.pass_tested(s, least):
             found[key] = s.A
     return list(found.values())
 
@@ -147,14 +109,14 @@ def test_host_matrices(systems: Sequence[LinearSystem | None], cache: dict,
     """Run the auto policy's matrix tests on every core, before the estimates.
 
     Each distinct host CSR matrix of an "auto" system below ``least``
-    stored entries (default :func:`pass_least`) gets its
+    stored entries (default :func:`.host_checks.pass_least`) gets its
     one-pass symmetry and Gershgorin test, many matrices a GIL-free kernel
     call (:func:`.host_checks.test_symmetry`), shared out largest first over
     the calling thread and the host-kernel helpers. The estimate loop then
     finds every answer in ``cache``; :func:`prefetch_methods` leaves these
     matrices alone. Returns the number of matrices tested.
     """
-    mats = host_matrices(systems, cache, pass_least() if least is None else least)
+    mats = host_matrices(systems, cache, least)
     host_checks.test_symmetry(mats, cache)
     return len(mats)
 
@@ -343,11 +305,8 @@ def _estimate(s: LinearSystem, i: int, device_kind: str, manager: DeviceManager 
         key = ("batch cost", method, jac, n, nnz, w, iw, s.rtol, s.maxiter)
         hit = cache.get(key) if cache is not None else None
         if hit is None:
-            its = predict_iterations(n, rtol=s.rtol, method=method, maxiter=s.maxiter)
-            cost = bytes_per_iteration(n, nnz, itemsize=w, index_itemsize=iw, method=method,
-                                       jacobi=jac) * its
-            nbytes = solve_bytes(n, nnz, itemsize=w, index_itemsize=iw, method=method, jacobi=jac)
-            hit = (its, cost, nbytes)
+            hit = krylov_cost(n, nnz, rtol=s.rtol, maxiter=s.maxiter, method=method, itemsize=w,
+                              index_itemsize=iw, jacobi=jac)
             if cache is not None:
                 cache[key] = hit
         its, cost, nbytes = hit
@@ -448,35 +407,203 @@ def _fulfil(target: Future, done: Future) -> None:
         target.set_result(done.result())
 
 
-def packed_bytes(manager: DeviceManager,
-                 systems: Sequence[LinearSystem | None]) -> Callable[[Sequence[Estimate]], int]:
-    """Bytes to reserve for a batch: the batched engine's own prediction, through the heuristic.
+# --------------------------------------------------------------------------- the step
+def estimate_call(checked: Checked, manager: DeviceManager, devs: Sequence[Device],
+                  method: str) -> Work:
+    """Each valid system's route, bytes and cost on the call's devices ``devs``.
 
-    Returns the function the planner calls with a batch's estimates
-    (``plan_work(..., batch_bytes=...)``); routes other than ``BATCH`` sum
-    their systems' estimates.
+    ``checked`` is validation's answer (its cache holds the inputs' matrix
+    tests); ``method`` the call's. The auto policy's tests still missing run first: GPU matrices
+    in one read (:func:`test_gpu_matrices`), host matrices that validation
+    replaced on every core (or, with accelerators, on a helper thread, their
+    systems' methods deferred to their batches: :func:`deferred_estimate`),
+    large ones beside the estimate loop (:func:`prefetch_methods`). A system
+    whose estimate raises ``TypeError``/``ValueError`` becomes an
+    ``INVALID_INPUT`` result. With many systems and a few large ones
+    (:func:`head_start`), only the large ones are estimated now; the others
+    when the plan asks (``Work.rest``), while those compute.
     """
-    try:
-        from ..solvers.batched import PackedBatch
-    except ImportError:  # the core is not installed: the planner's own model
-        PackedBatch = None
+    valid, results, cache = checked.systems, checked.results, checked.cache
+    test_gpu_matrices(valid, cache)  # systems already on a GPU: one read for all
+    devs = list(devs)
+    host_only = all(d.kind == "cpu" for d in devs)
+    if not host_only:
+        prefetch_cuda_modules(valid, devs, method)  # compiles beside what follows
+    kind = "cpu" if host_only else next(d.kind for d in devs if d.kind != "cpu")
+    ref = devs[0]
+    if host_only:
+        count_shared(valid, cache)  # one LU serves every system of a shared matrix
+    # The large host matrices' tests start on helper threads (their results
+    # gate a head start); small ones not tested in validation's pass (it
+    # replaced the object: a dtype conversion) run on every core, many a
+    # kernel call.
+    mats = host_matrices(valid, cache)
+    early = prefetch_methods(valid, kind, cache, skip={id(A) for A in mats})
+    if host_only:  # the method decides the route (a host LU or a batch): known before the plan
+        host_checks.test_symmetry(mats, cache)
+        passed: dict = {}
+    else:  # beside the estimates, the plan and the first batch's packing
+        passed = start_host_matrices(mats, cache)
+        early.update(passed)
 
-    def nbytes(members: Sequence[Estimate]) -> int:
-        e0 = members[0]
-        if e0.route != BATCH:
-            return manager.size_of(int(sum(e.nbytes for e in members)))
-        method, dt, jacobi = e0.group
-        method = "bicgstab" if method == DEFERRED else method  # the larger workspace of the two
-        n = sum(e.n for e in members)
-        nnz = sum(e.nnz for e in members)
-        idx = np.int32 if max(n, nnz) < 2**31 - 1 else np.int64
-        if PackedBatch is not None:
-            x0 = any(systems[e.index].x0 is not None for e in members)
-            raw = PackedBatch.predict_bytes(n, nnz, len(members), np.dtype(dt), np.dtype(idx), method,
-                                            jacobi=bool(jacobi), x0=x0)
-            raw += 8 * n  # the true-residual check's product A @ x
-        else:
-            raw = sum(e.nbytes for e in members)
-        return manager.size_of(int(raw))
+    def method_of(s: LinearSystem) -> str:
+        """A deferred system's method (its test may still run on a helper thread)."""
+        pending = early.get(id(s.A))
+        if pending is not None:
+            pending.result()
+        return resolve_method(s, kind, cache)
 
-    return nbytes
+    def estimates(indices: Iterable[int], defer: bool = False) -> list[Estimate]:
+        out = []
+        for i in indices:
+            s = valid[i]
+            try:
+                if early and s.kind == "csr":
+                    pending = early.get(id(s.A))
+                    # Deferred: the method is found while the batch is packed and
+                    # copied. Every system of the pass (whether or not it ended
+                    # yet: the plan must not depend on timing); a large matrix
+                    # whose own test is still running, in a head start.
+                    if pending is not None and deferrable(s, kind) \
+                            and (id(s.A) in passed or (defer and not pending.done())):
+                        out.append(deferred_estimate(s, i))
+                        continue
+                    if pending is not None:
+                        pending.result()  # the large matrix's method, found beside this loop
+                out.append(estimate_system(s, i, device_kind=kind, manager=manager,
+                                           reference=ref, cache=cache))
+            except (TypeError, ValueError) as exc:
+                valid[i] = None
+                results[i] = invalid_result(exc, i, s)
+        return out
+
+    rows = [None if s is None else (s.n if s.kind == "csr" else 0) for s in valid]
+    head, rest, rows_bound = head_start(rows, devs, host_only)
+    if not head:
+        return Work(valid, results, devs, estimates(rest), method_of)
+
+    def later() -> list[Estimate]:
+        # Python beside the workers' first copies and graph captures, which take
+        # the GIL back after each of their many CUDA calls (setting head_switch_interval).
+        beside = config.current().head_switch_interval
+        with process.SWITCH_INTERVAL.held(beside, active=beside is not None):
+            return estimates(rest)
+
+    return Work(valid, results, devs, estimates(head, defer=True), method_of, later, rows_bound)
+
+
+def head_start(ns: Sequence[int | None], devices: Sequence[Device],
+               host_only: bool) -> tuple[list[int], list[int], int]:
+    """(positions estimated and started first, the others, a bound on the rows batches will hold).
+
+    ``ns``: the rows of each valid system, by position (0 for those that are
+    not CSR, None for invalid ones). A call holding many systems (the
+    setting ``head_start_systems``) and a few large ones estimates, plans and
+    starts the large ones first; the others are estimated and planned while
+    the devices compute those, and their batches join the queues (planned
+    against the same slots, so the dispersal is the one a single plan makes
+    when the large batches are the longest). A system is started first when
+    it has at least the rows that make a system run alone under the largest
+    batch size the call can plan (from the rows of every CSR system, a bound
+    on those the batches will hold), so it runs alone in the full plan too.
+    Accelerators (simulated ones too) only.
+    """
+    positions = [i for i, n in enumerate(ns) if n is not None]
+    least = config.current().head_start_systems
+    if host_only or len(positions) <= least:
+        return [], positions, 0
+    n = np.fromiter((ns[i] for i in positions), np.int64, len(positions))
+    bound = int(n.sum())
+    alone = min(ALONE_ROWS, max(1, target_rows(bound, len(devices), devices[0].kind) // 4))
+    big = n >= alone
+    if not big.any() or len(positions) - int(big.sum()) < least:
+        return [], positions, 0
+    pos = np.asarray(positions, dtype=np.int64)
+    return pos[big].tolist(), pos[~big].tolist(), bound
+
+
+def prefetch_cuda_modules(systems: Sequence[LinearSystem | None], devs: Sequence[Device],
+                          method: str) -> None:
+    """Start compiling (or loading) the batched CUDA modules this call will launch, on helper threads.
+
+    On a cold cache the modules take seconds to compile; NVRTC runs without
+    the GIL, so the call's estimates, plan and packing go on meanwhile. The
+    family follows ``method`` ("auto" mostly ends in CG: its module first,
+    BiCGStab's when a system turns out non-symmetric); systems' value dtypes
+    with int32 indices (a batch's unless it has more than 2**31 rows or
+    entries; others compile when met).
+    """
+    family = {"auto": "cg", "cg": "cg", "bicgstab": "bicgstab", "gmres": "gmres"}.get(method)
+    gpus = [d.index for d in devs if d.is_cuda]
+    if family is None or not gpus:
+        return
+    floats = (np.dtype(np.float32), np.dtype(np.float64))
+    dtypes = {s.dtype for s in systems if s is not None and s.kind == "csr" and s.dtype in floats}
+    if not dtypes:
+        return
+    from ..solvers.batched import prefetch_kernels
+
+    for dt in sorted(dtypes, key=str):
+        prefetch_kernels(gpus, dt, np.int32, (family,))
+
+
+def start_cuda(items: Sequence[Any], manager: DeviceManager, devices: Any, disperse: bool,
+               method: str) -> None:
+    """Start a GPU run's CUDA side before its host work: the GPUs' contexts and the batched modules.
+
+    Both run on helper threads without the GIL (a context takes about a
+    tenth of a second to make; a module loads from CuPy's cache or compiles),
+    beside the host checks, whose first call in a process sets Numba up
+    (a quarter of a second of Python). Only where the GPUs are known before
+    validation: every accelerator (``disperse``, the default) or those
+    named in ``devices``. The modules' dtypes are read off the raw inputs
+    (:func:`input_dtypes`); :func:`prefetch_cuda_modules`, after validation,
+    adds any this missed.
+    """
+    if devices is None:
+        devs = manager.accelerators
+    else:
+        try:
+            devs = resolve_devices(devices, manager.inventory, call="solve_many", arg="devices")
+        except (TypeError, ValueError):
+            return  # the call's own device selection reports it
+    gpus = [d.index for d in devs if d.is_cuda]
+    if not gpus or (not disperse and len(devs) > 1):  # the one GPU used is chosen later
+        return
+    for index in gpus:
+        _backend.open_cuda_context(index)
+    family = {"auto": "cg", "cg": "cg", "bicgstab": "bicgstab", "gmres": "gmres"}.get(method)
+    if family is None:
+        return
+    from ..solvers.batched import prefetch_kernels
+
+    for dt in sorted(input_dtypes(items), key=str):
+        prefetch_kernels(gpus, dt, np.int32, (family,))
+
+
+_F32 = np.dtype(np.float32)
+
+
+def input_dtypes(items: Sequence[Any]) -> set[np.dtype]:
+    """The value dtypes validation will give ``solve_many``'s raw inputs, as far as read without it.
+
+    A LinearSystem's own; an ``(A, b)`` pair's float32 when both are
+    float32, float64 when both are real numbers otherwise (the rule of
+    :mod:`managed_solve.system.inputs`). Inputs that are neither, or whose
+    dtypes are not NumPy's (torch tensors), are left out.
+    """
+    out: set[np.dtype] = set()
+    for item in items:
+        try:
+            if isinstance(item, LinearSystem):
+                if item.kind == "csr":
+                    out.add(np.dtype(item.dtype))
+            elif isinstance(item, (tuple, list)) and len(item) == 2:
+                dts = {np.dtype(item[0].dtype), np.dtype(item[1].dtype)}
+                if dts == {_F32}:
+                    out.add(_F32)
+                elif all(dt.kind in "fiub" for dt in dts):
+                    out.add(np.dtype(np.float64))
+        except (AttributeError, TypeError):
+            continue
+    return out

@@ -7,7 +7,7 @@ hundreds of small calls; each takes the GIL back when it returns, and
 beside the call's other Python threads each re-take may wait for the
 interpreter's switch interval. Here the arrays' addresses are read once
 and ranges of them go out to the caller and the host-kernel helpers
-(:func:`managed_solve.solvers.batched.threads.run_claimed`), one GIL-free
+(:func:`managed_solve.solvers.batched.threads.run_kernels`), one GIL-free
 kernel call (:mod:`managed_solve.kernels.checks`) per range.
 
 Both passes give what the per-matrix functions give (the same kernels'
@@ -19,21 +19,22 @@ kernels also check the entries they walked for NaN and Inf (still in
 cache), so ``solve_many`` leaves those ``data`` arrays out of the finite
 pass (:meth:`SymmetryPass.covered`) and adds the ones found finite to the
 memo (:meth:`SymmetryPass.finite_data`): each array is read from memory
-once. ``solve_many`` runs
-both at once (:func:`run_all`) before its validation loop, the calling
-thread among the workers: helpers that finish a kernel call and want the
-GIL back then wait for no Python loop of the caller's (each such wait may
-last the interpreter's switch interval).
+once. Validation runs both at once (:func:`check_inputs`) before its loop,
+the calling thread among the workers: helpers that finish a kernel call and
+want the GIL back then wait for no Python loop of the caller's (each such
+wait may last the interpreter's switch interval).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
 
-from .. import _backend
+from .. import _backend, config
+from ..system import LinearSystem
+from ..system.inputs import FLOAT_DTYPES
 
 #: Below this many arrays (or matrices) a pass is left to the per-array
 #: functions: an address table and a hand-out cost more than a few calls.
@@ -48,39 +49,17 @@ SYMMETRY_NS, FINITE_NS = 2.5, 1.0
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def work_ranges(work: np.ndarray, threads: int) -> list[tuple[int, int]]:
-    """Consecutive ranges of about equal ``work``, about ``RANGES_PER_THREAD`` per thread."""
-    count = len(work)
-    parts = max(1, min(count, RANGES_PER_THREAD * threads))
-    if parts == 1:
-        return [(0, count)]
-    edges = np.cumsum(work)
-    cuts = np.searchsorted(edges, np.linspace(0.0, float(edges[-1]), parts + 1)[1:-1], side="right")
-    bounds = [0, *sorted(set(int(c) for c in cuts if 0 < c < count)), count]
-    return list(zip(bounds[:-1], bounds[1:], strict=True))
-
-
 def run_all(passes: Sequence[Any]) -> None:
-    """Every kernel call of ``passes`` (objects with ``work``, ``count`` and ``calls(threads)``), one hand-out.
+    """Every kernel call of ``passes`` (objects with ``work``, ``count`` and ``jobs()``), one hand-out.
 
-    The calling thread and the host-kernel helpers claim the ranges
-    (:func:`managed_solve.solvers.batched.threads.run_claimed`); threads by
-    the host kernels' rule for the passes' predicted nanoseconds.
+    The calling thread and the host-kernel helpers claim ranges of each
+    pass's items (:func:`managed_solve.solvers.batched.threads.run_kernels`,
+    threads by the host kernels' rule for the passes' predicted nanoseconds).
     """
-    from ..solvers.batched.threads import run_claimed, threads_for
+    from ..solvers.batched.threads import run_kernels
 
-    count = sum(p.count for p in passes)
-    if not count:
-        return
-    threads = threads_for(sum(p.work for p in passes), count)
-    tasks = [(call, lo, hi) for p in passes for call, ranges in p.calls(threads)
-             for lo, hi in ranges]
-
-    def task(k: int) -> None:
-        call, lo, hi = tasks[k]
-        call(lo, hi)
-
-    run_claimed(task, len(tasks), threads)
+    run_kernels([job for p in passes for job in p.jobs()], sum(p.work for p in passes),
+                sum(p.count for p in passes), RANGES_PER_THREAD)
 
 
 def _addresses(arrays: Sequence[np.ndarray]) -> np.ndarray:
@@ -109,16 +88,12 @@ class FinitePass:
         self.count = len(arrays)
         self.work = FINITE_NS * float(sum(int(g[2].sum()) for g in self.groups))
 
-    def calls(self, threads: int) -> list:
+    def jobs(self) -> list:
+        """``(kernel, args, weights)`` per dtype: one kernel call per range of arrays (:func:`run_all`)."""
         from ..kernels.checks import all_finite_many
 
-        out = []
-        for _group, addresses, lengths, like, flags in self.groups:
-            def call(lo: int, hi: int, args=(addresses, lengths, like, flags)) -> None:
-                all_finite_many(lo, hi, *args)
-
-            out.append((call, work_ranges(lengths.astype(np.float64), threads)))
-        return out
+        return [(all_finite_many, (addresses, lengths, like, flags), lengths.astype(np.float64))
+                for _group, addresses, lengths, like, flags in self.groups]
 
     def finite(self) -> list[np.ndarray]:
         """The arrays found finite (after :func:`run_all`)."""
@@ -169,16 +144,12 @@ class SymmetryPass:
         self.count = sum(len(g[0]) for g in groups)
         self.work = SYMMETRY_NS * float(sum(int(g[1][4].sum()) for g in groups))
 
-    def calls(self, threads: int) -> list:
+    def jobs(self) -> list:
+        """``(kernel, args, weights)`` per dtype triple: one kernel call per range of matrices."""
         from ..kernels.checks import csr_symmetry_gershgorin_many
 
-        out = []
-        for _mats, args, *_answers in self.groups:
-            def call(lo: int, hi: int, args=args) -> None:
-                csr_symmetry_gershgorin_many(lo, hi, *args)
-
-            out.append((call, work_ranges(args[4].astype(np.float64), threads)))
-        return out
+        return [(csr_symmetry_gershgorin_many, args, args[4].astype(np.float64))
+                for _mats, args, *_answers in self.groups]
 
     def store(self, cache: dict) -> None:
         """Each matrix's answers into ``cache`` (after :func:`run_all`)."""
@@ -231,3 +202,100 @@ def symmetry_pass(mats: Sequence[Any], rel: float = 1e-12) -> SymmetryPass:
                 finite)
         groups.append((group, args, codes, bounds, finite))
     return SymmetryPass(groups)
+
+
+# --------------------------------------------------------------------------- the inputs' pass
+def check_inputs(items: Sequence[Any], method: str, cache: dict) -> dict[int, Any]:
+    """Both passes over ``solve_many``'s raw inputs, one hand-out; the memo of arrays found finite.
+
+    The auto policy's tests of the inputs' host matrices (:func:`input_matrices`,
+    answers into ``cache``) and validation's finite check of the arrays those
+    tests do not read (:func:`finite_candidates`) run together, the calling
+    thread among the workers (helpers waiting for the GIL would otherwise
+    wait on validation's loop). Returns ``{id(array): array}`` of the arrays
+    found finite, the memo :class:`~managed_solve.LinearSystem` reads.
+    """
+    tests = symmetry_pass(input_matrices(items, method, pass_least()))
+    # The tested matrices' entries are checked for NaN and Inf by the same kernel calls.
+    finite = FinitePass(finite_candidates(items, tests.covered()))
+    run_all([tests, finite])
+    tests.store(cache)
+    memo = {id(a): a for a in finite.finite()}
+    memo.update((id(a), a) for a in tests.finite_data())
+    return memo
+
+
+def pass_least() -> int:
+    """Stored entries from which a matrix's test is left out of the many-matrix pass.
+
+    The chunked test's size (setting ``symmetry_parallel_nnz``), or
+    ``prefetch_min_nnz`` if smaller: from there a matrix's test runs on its
+    own beside the estimate loop
+    (:func:`managed_solve.scheduling.estimate.prefetch_methods`).
+    """
+    settings = config.current()
+    return min(settings.symmetry_parallel_nnz, settings.prefetch_min_nnz)
+
+
+def pass_tested(s: LinearSystem, least: int) -> bool:
+    """Whether the many-matrix pass tests ``s``'s matrix (``least``: :func:`pass_least`)."""
+    return (s.kind == "csr" and s.method == "auto" and type(s.b) is np.ndarray
+            and s.A.nnz < least and symmetry_candidate(s.A))
+
+
+def input_matrices(items: Sequence[Any], method: str, least: int) -> list:
+    """The distinct host matrices of ``solve_many``'s raw inputs that :func:`pass_tested` would take.
+
+    Read before validation, so their tests run beside it: ``(A, b)`` pairs of
+    a SciPy CSR ``A`` (:func:`symmetry_candidate`) and a NumPy ``b``, and
+    LinearSystems, when the call leaves the method to "auto". A matrix that
+    validation replaces (a dtype conversion) is tested again under its new
+    object; an invalid input's answer is never read.
+    """
+    found: dict[int, Any] = {}
+    if method != "auto":
+        return []
+    for item in items:
+        if isinstance(item, LinearSystem):
+            if not pass_tested(item, least):
+                continue
+            A = item.A
+        elif isinstance(item, (tuple, list)) and len(item) == 2:
+            A, b = item
+            if type(b) is not np.ndarray or id(A) in found \
+                    or not symmetry_candidate(A) or A.nnz >= least:
+                continue
+        else:
+            continue
+        found.setdefault(id(A), A)
+    return list(found.values())
+
+
+def _scannable(a: Any) -> bool:
+    """A 1-D C-contiguous float32/float64 NumPy array (what the many-array finite check reads)."""
+    return type(a) is np.ndarray and a.ndim == 1 and a.dtype in FLOAT_DTYPES \
+        and a.flags.c_contiguous
+
+
+def finite_candidates(items: Sequence[Any], covered: Collection[int] = ()) -> list:
+    """The distinct host arrays of ``(A, b)`` pairs the many-array finite check reads.
+
+    Each pair's SciPy CSR ``A.data`` and NumPy ``b``; arrays it cannot read
+    (other types, strided views, integer dtypes) are left to the
+    LinearSystem's own check, and so are those whose ids are in ``covered``
+    (checked elsewhere: :meth:`SymmetryPass.covered`). None (an empty list)
+    below ``MIN_ARRAYS`` arrays: a few checks cost less one by one.
+    """
+    arrays: dict[int, Any] = dict.fromkeys(covered)
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            continue
+        A, b = item
+        if _backend.is_scipy_sparse(A) and A.format == "csr":
+            data = A.data
+            if id(data) not in arrays and _scannable(data):
+                arrays[id(data)] = data
+        if id(b) not in arrays and _scannable(b):
+            arrays[id(b)] = b
+    found = [a for a in arrays.values() if a is not None]
+    return found if len(found) >= MIN_ARRAYS else []

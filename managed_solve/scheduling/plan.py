@@ -1,8 +1,11 @@
 """Step 3 of ``solve_many``: pack batches and disperse them over the devices (nothing runs).
 
-Pure functions over plain numbers and a device inventory (:class:`Slot`): no
-arrays are touched, no device is asked anything, so the plan is tested with
-simulated devices on any machine. The cost of each system comes from
+:func:`plan_call` is the step: it takes the estimate step's :class:`Work`
+and hands the run step a :class:`Plan`. Pure functions over plain numbers
+and a device inventory (:class:`Slot`): no arrays are touched, no device is
+asked anything, so the plan is tested with simulated devices on any machine.
+A batch's bytes come from the batched engine's own model
+(:func:`packed_bytes`). The cost of each system comes from
 :mod:`managed_solve.system.cost` (bytes streamed), which the DeviceManager
 turns into seconds with each device's learned speed.
 """
@@ -13,6 +16,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -22,6 +26,7 @@ from ..devices import Device, is_cuda_kind
 from ..manager import DeviceManager
 from ..sharded import choose_shard_count
 from ..system.cost import predict_iterations
+from ..system.linear_system import LinearSystem
 
 log = logging.getLogger("managed_solve")
 
@@ -68,6 +73,21 @@ class Estimate:
     group: tuple = ()  # systems share a batch only within one group (method, dtype, jacobi)
     home: str | None = None  # device the arrays already lie on
     iterations: float = 0.0  # predicted Krylov iterations (0: not predicted; pack() uses n)
+
+
+@dataclass
+class Work:
+    """What the estimate step hands to the plan step: the call's systems, devices and estimates."""
+
+    systems: list  # each input's LinearSystem, by position (None: invalid)
+    results: list  # INVALID_INPUT results by position (None elsewhere), filled in as the call runs
+    devices: list[Device]
+    estimates: list[Estimate]  # every valid system's; with a head start, the large ones'
+    method_of: Callable[[Any], str]  # a deferred system's method, found when its batch needs it
+    # Head start: the other systems' estimates, made when called (while the
+    # large ones compute), and a bound on the rows the batches will hold.
+    rest: Callable[[], list[Estimate]] | None = None
+    packed_rows: int = 0
 
 
 @dataclass(slots=True)
@@ -354,6 +374,10 @@ class Plan:
     rows: int
     oversized: list[int]  # input positions too large for any one device's room
     sharded: list[int] = field(default_factory=list)  # of those, solved over several GPUs
+    batch_bytes: Callable[[Sequence[Estimate]], int] | None = None  # bytes to reserve for a batch
+    # The rest of the call's plan, planned when called (a head start: while
+    # this part computes); None when this part is the whole plan.
+    more: Callable[[], Plan] | None = None
 
     def finish_times(self) -> dict[str, float]:
         return {s.name: s.busy for s in self.slots}
@@ -383,7 +407,7 @@ def plan_work(estimates: Iterable[Estimate], devices: Sequence[Device], manager:
     (``Plan.sharded``; solved by the sharded solver once the batches are
     done); otherwise it goes to the CPU.
 
-    A call planned in parts (see :func:`head_start`) passes the rows that all
+    A call planned in parts (see :func:`.estimate.head_start`) passes the rows that all
     its batched systems hold (``packed_rows``, which sets the batch size), the
     slots of the part before (whose ``busy`` holds that part's work) and the
     first free batch id.
@@ -431,7 +455,8 @@ def plan_work(estimates: Iterable[Estimate], devices: Sequence[Device], manager:
             for s in slots:
                 if s.name == cpu:
                     s.busy += b.cost / s.speed
-    return Plan(queues, slots, ests, next_id, rows, [e.index for e in too_big], sharded)
+    return Plan(queues, slots, ests, next_id, rows, [e.index for e in too_big], sharded,
+                batch_bytes)
 
 
 def place_oversized(e: Estimate, batch_id: int, batch_bytes: Callable | None) -> Batch:
@@ -442,42 +467,70 @@ def place_oversized(e: Estimate, batch_id: int, batch_bytes: Callable | None) ->
     return Batch(batch_id, [e.index], e.route, e.group, e.n, e.nnz, nbytes, e.cost)
 
 
-def head_start(ns: Sequence[int], devices: Sequence[Device],
-               host_only: bool) -> tuple[list[int], list[int], int]:
-    """(positions started first, the others, a bound on the rows batches will hold).
+def plan_call(work: Work, manager: DeviceManager) -> Plan:
+    """The plan of a call: its batches packed and dispersed over ``work.devices`` (nothing runs).
 
-    ``ns``: the rows of each valid system, by position (0 for those that are
-    not CSR). A call holding many systems (the setting
-    ``head_start_systems``) and a few large ones estimates, plans and starts
-    the large ones first; the others are estimated and planned while the
-    devices compute those, and their batches join the queues (planned
-    against the same slots, so the dispersal is the one a single plan makes
-    when the large batches are the longest). A system is started first when
-    it has at least the rows that make a system run alone under the largest
-    batch size the call can plan (from the rows of every CSR system, a bound
-    on those the batches will hold), so it runs alone in the full plan too.
-    Accelerators (simulated ones too) only.
+    With a head start (``work.rest``), the plan of the large systems, whose
+    ``more`` plans the others (estimated then) against the same slots.
     """
-    positions = [i for i, n in enumerate(ns) if n is not None]
-    least = config.current().head_start_systems
-    if host_only or len(positions) <= least:
-        return [], positions, 0
-    n = np.fromiter((ns[i] for i in positions), np.int64, len(positions))
-    bound = int(n.sum())
-    alone = min(ALONE_ROWS, max(1, target_rows(bound, len(devices), devices[0].kind) // 4))
-    big = n >= alone
-    if not big.any() or len(positions) - int(big.sum()) < least:
-        return [], positions, 0
-    pos = np.asarray(positions, dtype=np.int64)
-    return pos[big].tolist(), pos[~big].tolist(), bound
+    batch_bytes = packed_bytes(manager, work.systems)
+    if work.rest is None:
+        return plan_work(work.estimates, work.devices, manager, batch_bytes=batch_bytes)
+    first = plan_work(work.estimates, work.devices, manager, batch_bytes=batch_bytes,
+                      packed_rows=work.packed_rows)
+    rest = work.rest
+
+    def more() -> Plan:
+        ests = rest()
+        packed = sum(e.n for e in work.estimates + ests if e.route != SINGLE)
+        return plan_work(ests, work.devices, manager, batch_bytes=batch_bytes, slots=first.slots,
+                         packed_rows=packed, first_id=first.next_id)
+
+    first.more = more
+    return first
+
+
+def packed_bytes(manager: DeviceManager, systems: Sequence[LinearSystem | None]
+                 ) -> Callable[[Sequence[Estimate]], int]:
+    """Bytes to reserve for a batch: the batched engine's own prediction, through the heuristic.
+
+    Returns the function the planner calls with a batch's estimates
+    (``plan_work(..., batch_bytes=...)``); routes other than ``BATCH`` sum
+    their systems' estimates.
+    """
+    try:
+        from ..solvers.batched import PackedBatch
+    except ImportError:  # the core is not installed: the planner's own model
+        PackedBatch = None
+
+    def nbytes(members: Sequence[Estimate]) -> int:
+        e0 = members[0]
+        if e0.route != BATCH:
+            return manager.size_of(int(sum(e.nbytes for e in members)))
+        method, dt, jacobi = e0.group
+        method = "bicgstab" if method == DEFERRED else method  # the larger workspace of the two
+        n = sum(e.n for e in members)
+        nnz = sum(e.nnz for e in members)
+        idx = np.int32 if max(n, nnz) < 2**31 - 1 else np.int64
+        if PackedBatch is not None:
+            x0 = any(systems[e.index].x0 is not None for e in members)
+            raw = PackedBatch.predict_bytes(n, nnz, len(members), np.dtype(dt), np.dtype(idx), method,
+                                            jacobi=bool(jacobi), x0=x0)
+            raw += 8 * n  # the true-residual check's product A @ x
+        else:
+            raw = sum(e.nbytes for e in members)
+        return manager.size_of(int(raw))
+
+    return nbytes
 
 
 def select_devices(manager: DeviceManager, devices: object, disperse: bool,
-                   held_bytes: dict[str, int]) -> list[Device]:
+                   systems: Sequence[LinearSystem | None]) -> list[Device]:
     """The devices a call uses: those named (or every accelerator, else the CPU).
 
     Without ``disperse``, one of them: the one already holding most of the
-    input bytes (``held_bytes``, by device name), else the one with most room.
+    bytes of ``systems`` (the call's, None for invalid ones), else the one
+    with most room.
     """
     if devices is not None:  # each once, in the order named; the manager's own (it keeps the ledger)
         devs = list(dict.fromkeys(resolve_devices(devices, manager.inventory,
@@ -486,5 +539,9 @@ def select_devices(manager: DeviceManager, devices: object, disperse: bool,
         devs = manager.accelerators or [manager.cpu]
     if disperse or len(devs) == 1:
         return devs
+    held_bytes: dict[str, int] = {}
+    for s in systems:
+        if s is not None:
+            held_bytes[s.device] = held_bytes.get(s.device, 0) + s.nbytes
     best = max(devs, key=lambda d: (held_bytes.get(str(d), 0), manager.available_bytes(d)))
     return [best]

@@ -1,8 +1,9 @@
 """How each route of ``solve_many`` runs its systems on one device.
 
-- ``BATCH``: one packed batch through the batched Krylov core
-  (:func:`run_packed` on the device, then :func:`packed_results` builds each
-  system's result, checking its true residual);
+- ``BATCH``: one batch prepared by the batched engine
+  (``BatchedEngine.prepare_batch``, on the stage thread) and solved by it:
+  :func:`compute_batch` on the device, then :func:`batch_results` builds each
+  system's result, checking its true residual (:func:`run_batch`: both);
 - ``DIRECT``: a sparse LU on the host (:func:`host_lu`), one system per core;
 - ``SINGLE``: ``solve()`` on the device (:func:`run_single`);
 - sharded: one system too large for any device, over every accelerator
@@ -23,7 +24,6 @@ from typing import Any
 import numpy as np
 
 from .. import _backend, _solve
-from ..device_args import resolve_devices
 from ..devices import Device
 from ..manager import DeviceManager
 from ..result import SlicedResult, SolveResult, Status
@@ -53,108 +53,40 @@ def host_kernels(dev: Device) -> Any:
 
 
 # --------------------------------------------------------------------------- BATCH
-def prefetch_cuda_modules(systems: Sequence[LinearSystem | None], devs: Sequence[Device],
-                          method: str) -> None:
-    """Start compiling (or loading) the batched CUDA modules this call will launch, on helper threads.
+def compute_batch(prepared: Any, method: str, dev: Device) -> tuple:
+    """The device part of a batch on ``dev`` (:func:`run_packed`), under the host-kernel lock there."""
+    with host_kernels(dev):
+        return run_packed(prepared, method)
 
-    On a cold cache the modules take seconds to compile; NVRTC runs without
-    the GIL, so the call's validation, symmetry tests and packing go on
-    meanwhile. The family follows ``method`` ("auto" mostly ends in CG: its
-    module first, BiCGStab's when a system turns out non-symmetric);
-    systems' value dtypes with int32 indices (a batch's unless it has more
-    than 2**31 rows or entries; others compile when met).
+
+def batch_results(systems: list[LinearSystem], prepared: Any, method: str, dev: Device,
+                  manager: DeviceManager, solved: tuple, info: dict) -> list[SolveResult]:
+    """The host part of a batch computed by :func:`compute_batch` (:func:`packed_results`).
+
+    Built beside the device's next batch: the host-kernel lock is taken
+    only around the restarts and fallbacks it solves.
     """
-    family = {"auto": "cg", "cg": "cg", "bicgstab": "bicgstab", "gmres": "gmres"}.get(method)
-    gpus = [d.index for d in devs if d.is_cuda]
-    if family is None or not gpus:
-        return
-    floats = (np.dtype(np.float32), np.dtype(np.float64))
-    dtypes = {s.dtype for s in systems if s is not None and s.kind == "csr" and s.dtype in floats}
-    if not dtypes:
-        return
-    from ..solvers.batched import prefetch_kernels
-
-    for dt in sorted(dtypes, key=str):
-        prefetch_kernels(gpus, dt, np.int32, (family,))
+    return packed_results(systems, prepared, method, dev, manager, solved, info=info,
+                          guard=host_kernels(dev))
 
 
-def start_cuda(items: Sequence[Any], manager: DeviceManager, devices: Any, disperse: bool,
-               method: str) -> None:
-    """Start a GPU run's CUDA side before its host work: the GPUs' contexts and the batched modules.
+def run_batch(systems: list[LinearSystem], prepared: Any, method: str, dev: Device,
+              manager: DeviceManager, info: dict) -> list[SolveResult]:
+    """Both parts of a batch in one piece (:func:`solve_packed`), under the host-kernel lock."""
+    with host_kernels(dev):
+        return solve_packed(systems, prepared, method, dev, manager, info=info)
 
-    Both run on helper threads without the GIL (a context takes about a
-    tenth of a second to make; a module loads from CuPy's cache or compiles),
-    beside the host checks, whose first call in a process sets Numba up
-    (a quarter of a second of Python). Only where the GPUs are known before
-    validation: every accelerator (``disperse``, the default) or those
-    named in ``devices``. The modules' dtypes are read off the raw inputs
-    (:func:`input_dtypes`); :func:`prefetch_cuda_modules`, after validation,
-    adds any this missed.
+
+def run_packed(prepared: Any, method: str) -> tuple:
+    """The device part of a batch: the batched engine's solve, then each system's true residual norm.
+
+    ``prepared``: the batch as the batched engine prepared it
+    (``BatchedEngine.prepare_batch``). Returns ``(outcome, residual norms,
+    b norms, seconds)``, the norms on the host.
     """
-    if devices is None:
-        devs = manager.accelerators
-    else:
-        try:
-            devs = resolve_devices(devices, manager.inventory, call="solve_many", arg="devices")
-        except (TypeError, ValueError):
-            return  # the call's own device selection reports it
-    gpus = [d.index for d in devs if d.is_cuda]
-    if not gpus or (not disperse and len(devs) > 1):  # the one GPU used is chosen later
-        return
-    for index in gpus:
-        _backend.open_cuda_context(index)
-    family = {"auto": "cg", "cg": "cg", "bicgstab": "bicgstab", "gmres": "gmres"}.get(method)
-    if family is None:
-        return
-    from ..solvers.batched import prefetch_kernels
-
-    for dt in sorted(input_dtypes(items), key=str):
-        prefetch_kernels(gpus, dt, np.int32, (family,))
-
-
-_F32 = np.dtype(np.float32)
-
-
-def input_dtypes(items: Sequence[Any]) -> set[np.dtype]:
-    """The value dtypes validation will give ``solve_many``'s raw inputs, as far as read without it.
-
-    A LinearSystem's own; an ``(A, b)`` pair's float32 when both are
-    float32, float64 when both are real numbers otherwise (the rule of
-    :mod:`managed_solve.system.inputs`). Inputs that are neither, or whose
-    dtypes are not NumPy's (torch tensors), are left out.
-    """
-    out: set[np.dtype] = set()
-    for item in items:
-        try:
-            if isinstance(item, LinearSystem):
-                if item.kind == "csr":
-                    out.add(np.dtype(item.dtype))
-            elif isinstance(item, (tuple, list)) and len(item) == 2:
-                dts = {np.dtype(item[0].dtype), np.dtype(item[1].dtype)}
-                if dts == {_F32}:
-                    out.add(_F32)
-                elif all(dt.kind in "fiub" for dt in dts):
-                    out.add(np.dtype(np.float64))
-        except (AttributeError, TypeError):
-            continue
-    return out
-
-
-def batched_solver(method: str) -> Callable[..., Any]:
-    """The batched core's solver of ``method`` ("cg", "bicgstab" or "gmres")."""
-    from ..solvers.batched import bicgstab_batched, cg_batched, gmres_batched
-
-    return {"cg": cg_batched, "bicgstab": bicgstab_batched, "gmres": gmres_batched}[method]
-
-
-def run_packed(packed: Any, method: str) -> tuple:
-    """The device part of a batch: the batched core, then each system's true residual norm.
-
-    Returns ``(outcome, residual norms, b norms, seconds)``, the norms on the host.
-    """
-    core = batched_solver(method)
+    packed = prepared.batch
     t0 = time.perf_counter()
-    out = core(packed)
+    out = prepared.solve(method=method)
     seconds = time.perf_counter() - t0
     xp = packed.xp
     if out.true_norms is not None:  # the host kernels computed them as each system stopped
@@ -208,18 +140,18 @@ def rescale_extreme_norms(packed: Any, x: Any, rn: np.ndarray, bn: np.ndarray) -
         rn[k] = stable_norm(xp, b - A @ x[a:z])
 
 
-def solve_packed(systems: list[LinearSystem], packed: Any, method: str, device: Device,
+def solve_packed(systems: list[LinearSystem], prepared: Any, method: str, device: Device,
                  manager: DeviceManager, *, restart: bool = True,
                  info: dict | None = None) -> list[SolveResult]:
-    """One packed batch through the batched core, each system's true residual checked.
+    """One prepared batch through the batched engine, each system's true residual checked.
 
     ``info`` entries go into every result's ``info``. See :func:`packed_results`.
     """
-    return packed_results(systems, packed, method, device, manager, run_packed(packed, method),
-                          restart=restart, info=info)
+    return packed_results(systems, prepared, method, device, manager,
+                          run_packed(prepared, method), restart=restart, info=info)
 
 
-def packed_results(systems: list[LinearSystem], packed: Any, method: str, device: Device,
+def packed_results(systems: list[LinearSystem], prepared: Any, method: str, device: Device,
                    manager: DeviceManager, solved: tuple, *, restart: bool = True,
                    info: dict | None = None, guard: Any = None) -> list[SolveResult]:
     """The host part of a batch: each system's result, by the verify-and-fall-back rule.
@@ -234,9 +166,10 @@ def packed_results(systems: list[LinearSystem], packed: Any, method: str, device
     fallbacks), for a caller that does not hold it already: host kernels run
     one batch at a time (:func:`host_kernels`).
     """
-    from ..solvers.batched import PackedBatch
+    from ..solvers.batched import BatchedEngine
 
     guard = guard if guard is not None else nullcontext()
+    packed = prepared.batch
     out, rn, bn, seconds = solved
     offsets = packed.offsets.tolist()
     results: list[SolveResult] = []
@@ -274,7 +207,7 @@ def packed_results(systems: list[LinearSystem], packed: Any, method: str, device
 
     def again(ks: list[int], subset: list[LinearSystem], how: str, restart: bool, note: tuple) -> None:
         """Solve ``subset`` (systems ks, changed) as one more batch; their results replace the first."""
-        sub = PackedBatch.pack(subset, device=str(device), jacobi=packed.dinv is not None)
+        sub = BatchedEngine().prepare_batch(subset, str(device), jacobi=packed.dinv is not None)
         with guard:
             redo = solve_packed(subset, sub, how, device, manager, restart=restart, info=info)
         for k, res in zip(ks, redo, strict=True):
@@ -309,16 +242,6 @@ def solve_alone(s: LinearSystem, x0: Any, method: str, device: Device,
     res = _solve.solve(t, device=device, manager=manager)
     res.info["polished"] = True
     return res
-
-
-def device_seconds(results: Sequence[SolveResult]) -> float | None:
-    """The GPU time of a batch's solve (CUDA events), from a result the batch itself gave."""
-    for r in results:
-        info = r.info
-        gpu = info.get("gpu_seconds")
-        if gpu and not info.get("restarted") and not info.get("polished"):
-            return float(gpu)
-    return None
 
 
 # --------------------------------------------------------------------------- DIRECT

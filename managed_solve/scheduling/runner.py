@@ -1,10 +1,13 @@
 """Step 4 of ``solve_many``: run a plan, one worker per device, and recover from failures.
 
-Each device's worker takes batches from its queue (an idle accelerator takes
-queued batches of a busier one of the same kind: work stealing), reserves
-each batch's bytes in the DeviceManager's ledger while it runs, stages the
-next batch while the current one computes (:mod:`.staging`), and runs each
-batch by its route (:mod:`.routes`). A batch that hits an out-of-memory or
+:func:`run_call` is the step: it takes the plan step's :class:`.plan.Plan`
+and returns every system's result in input order. Each device's worker
+takes batches from its queue (an idle accelerator takes queued batches of a
+busier one of the same kind: work stealing), reserves each batch's bytes in
+the DeviceManager's ledger while it runs, has its stage thread copy the next
+batch while the current one computes (:mod:`.staging`), and hands each batch
+to its route once (:mod:`.routes`; on an accelerator the results are built
+on its finish thread, beside the next batch's compute). A batch that hits an out-of-memory or
 device error is split and its halves retried elsewhere, finally on the CPU;
 measured times are recorded so the next call balances better. Every system
 is delivered exactly once.
@@ -18,7 +21,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from .. import _backend, config
@@ -29,13 +32,72 @@ from ..system import LinearSystem
 from . import routes, staging
 from .errors import Regroup, is_device_error
 from .estimate import BATCHED_METHODS
-from .plan import BATCH, DEFERRED, DIRECT, SINGLE, Batch, Plan, choose_slot, make_slots, split
-from .staging import Staged, Stager, done_future
+from .plan import BATCH, DEFERRED, DIRECT, SINGLE, Batch, Plan, Work, choose_slot, make_slots, split
+from .staging import Staged
 from .validate import invalid_result
 
 log = logging.getLogger("managed_solve")
 
 _AHEAD = object()  # Runner._pop: a batch was staged for this worker; take it
+
+
+def run_call(plan: Plan, work: Work, manager: DeviceManager, *, progress: bool = False,
+             kept: Any = None) -> list[SolveResult]:
+    """Run the plan (and the part ``plan.more`` plans, while this one computes); results in input order.
+
+    ``work`` holds the call's systems, devices and the results already
+    known (invalid inputs); ``kept`` (:class:`.adjoint.Kept`) receives what
+    the routes prepared for systems whose inputs require grad. Sharded
+    systems run after the batches, over every accelerator at once.
+    """
+    results = work.results
+    bar = None
+    if progress:
+        tqdm = _backend.require("tqdm", "solve_many(progress=True)")
+        bar = tqdm.tqdm(total=len(results), unit="system", desc="solve_many", smoothing=0.1)
+        bar.update(sum(r is not None for r in results))
+    try:
+        runner = Runner(work.systems, plan, work.devices, manager, results, bar=bar,
+                        more=plan.more is not None, method_of=work.method_of, kept=kept)
+        runner.start()
+        if plan.more is not None:
+            try:
+                runner.extend(plan.more())  # planned while the first part computes
+            except BaseException:
+                if runner.more:
+                    runner.extend(None)  # the workers finish what they have, then stop
+                runner.join()
+                raise
+        runner.join()
+        # Sharded systems use every accelerator at once: after the batches.
+        for i in plan.sharded:
+            results[i] = routes.run_sharded(work.systems[i], work.devices, manager)
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    missing = [i for i, r in enumerate(results) if r is None]
+    if missing:  # every path above delivers; this guards the promise "nothing lost"
+        raise RuntimeError(f"solve_many: internal error, no result for systems {missing[:10]}")
+    return results
+
+
+def done_future(fn: Callable[..., Any], *args: Any) -> Future:
+    """``fn(*args)`` run now, as a finished future (staging without a stage thread: the CPU)."""
+    fut: Future = Future()
+    fut.set_result(fn(*args))
+    return fut
+
+
+def device_seconds(results: Sequence[SolveResult]) -> float | None:
+    """The GPU time of a batch's solve (CUDA events), from a result the batch itself gave."""
+    for r in results:
+        info = r.info
+        gpu = info.get("gpu_seconds")
+        if gpu and not info.get("restarted") and not info.get("polished"):
+            return float(gpu)
+    return None
 
 
 class Runner:
@@ -47,15 +109,15 @@ class Runner:
     """
 
     def __init__(self, systems: list[LinearSystem | None], plan: Plan, devices: Sequence[Device],
-                 manager: DeviceManager, results: list[SolveResult | None], *, bar: Any,
-                 batch_bytes: Callable | None, more: bool = False,
+                 manager: DeviceManager, results: list[SolveResult | None], *, bar: Any = None,
+                 batch_bytes: Callable | None = None, more: bool = False,
                  method_of: Callable[[LinearSystem], str] | None = None, kept: Any = None):
         self.systems = systems
         self.plan = plan
         self.manager = manager
         self.results = results
         self.bar = bar
-        self.batch_bytes = batch_bytes
+        self.batch_bytes = batch_bytes if batch_bytes is not None else plan.batch_bytes
         self.devices = list(devices)
         cpu = manager.cpu
         self.all_devices = self.devices + ([cpu] if cpu not in self.devices else [])
@@ -72,14 +134,15 @@ class Runner:
         # What the routes prepared for systems whose inputs require grad
         # (scheduling.adjoint.Kept): their adjoints reuse it.
         self.kept = kept
-        # LU factors shared by the call's systems with one matrix (host LU route).
-        self.factors = routes.FactorCache()
+        # LU factors shared by the call's systems with one matrix (host LU route),
+        # made when a host LU batch first runs (:meth:`_factors`).
+        self.factors: routes.FactorCache | None = None
         self.next_id = plan.next_id
         self.threads: list[threading.Thread] = []
-        # Per accelerator: its stager while its worker runs, and the batch staged
-        # next (its copy under way beside the current batch's compute).
+        # Per accelerator: its stage thread while its worker runs, and the batch
+        # staged next (its copy under way beside the current batch's compute).
         self.stage_lock = threading.Lock()
-        self.stagers: dict[str, Stager] = {}
+        self.stagers: dict[str, ThreadPoolExecutor] = {}
         self.ahead: dict[str, Staged | None] = {}
         # Per accelerator, while its worker runs: the thread that builds its
         # batches' results (see _finish_split).
@@ -247,7 +310,15 @@ class Runner:
     def join(self) -> None:
         for t in self.threads:
             t.join()
-        self.factors.close(keep=self.kept.engines() if self.kept is not None else ())
+        if self.factors is not None:
+            self.factors.close(keep=self.kept.engines() if self.kept is not None else ())
+
+    def _factors(self) -> routes.FactorCache:
+        """The call's LU factors by matrix (made on first use, shared by the workers)."""
+        with self.cond:
+            if self.factors is None:
+                self.factors = routes.FactorCache()
+            return self.factors
 
     def extend(self, plan: Plan | None) -> None:
         """Add the rest of the plan (None: nothing more comes) while the workers run.
@@ -301,7 +372,8 @@ class Runner:
     def _worker(self, dev: Device) -> None:
         """Run a device's queue; on accelerators, stage the next batch while this one computes."""
         name = str(dev)
-        stager = Stager(dev) if dev.kind != "cpu" else None
+        stager = ThreadPoolExecutor(1, thread_name_prefix=f"stage-{dev}") \
+            if dev.kind != "cpu" else None
         if stager is not None:
             with self.stage_lock:
                 self.stagers[name] = stager
@@ -325,12 +397,12 @@ class Runner:
             if stager is not None:
                 with self.stage_lock:
                     del self.stagers[name]
-                stager.close()
+                stager.shutdown(wait=True)
             finisher = self.finishers.pop(name, None)
             if finisher is not None:
                 finisher.shutdown(wait=True)
 
-    def _start(self, b: Batch, dev: Device, stager: Stager | None) -> Staged | None:
+    def _start(self, b: Batch, dev: Device, stager: ThreadPoolExecutor | None) -> Staged | None:
         """Reserve the batch's bytes, ask the fault hook, start its host->device copy."""
         res = None
         try:
@@ -346,8 +418,9 @@ class Runner:
                 method, _dt, jacobi = b.group
                 if method == DEFERRED:
                     method = functools.partial(self._batch_method, b)
-                args = (staging.pack_batch, systems, jacobi, dev, method)
-                fut = stager.submit(*args) if stager is not None else done_future(*args)
+                args = (systems, jacobi, dev, method)
+                fut = stager.submit(staging.stage, *args) if stager is not None \
+                    else done_future(staging.pack_batch, *args)
             return Staged(b, res, fut)
         except BaseException as exc:  # noqa: BLE001 - every failure must end in results
             if res is not None:
@@ -376,16 +449,15 @@ class Runner:
             t0 = time.perf_counter()
             with st.reservation, dev.context():
                 if b.route == BATCH:
-                    packed = st.packed.result()
+                    prepared = st.packed.result()
                     method = self._batch_method(b)
                     systems = [self.systems[i] for i in b.indices]
-                    with routes.host_kernels(dev):
-                        out = routes.solve_packed(systems, packed, method, dev, self.manager,
-                                                  info=batch_info)
+                    out = routes.run_batch(systems, prepared, method, dev, self.manager,
+                                           batch_info)
                 elif b.route == DIRECT:
                     symmetric = bool(b.group[2])
                     out = routes.host_lus([self.systems[i] for i in b.indices], symmetric,
-                                          self.manager, self.factors,
+                                          self.manager, self._factors(),
                                           [self._keeper(i, kept and kept.add_factors)
                                            for i in b.indices])
                 else:
@@ -397,7 +469,7 @@ class Runner:
             self._failed(st, dev, exc)
             return
         if b.route == BATCH and kept is not None:
-            kept.add_batch(b.indices, packed, method, dev, out)
+            kept.add_batch(b.indices, prepared.batch, method, dev, out)
         self._deliver_batch(b, dev, out, seconds, batch_info)
 
     def _keeper(self, i: int, add: Any) -> Callable[[Any], None] | None:
@@ -419,16 +491,15 @@ class Runner:
         try:
             t0 = time.perf_counter()
             with dev.context():
-                packed = st.packed.result()
+                prepared = st.packed.result()
                 method = self._batch_method(b)
-                with routes.host_kernels(dev):
-                    solved = routes.run_packed(packed, method)
+                solved = routes.compute_batch(prepared, method, dev)
         except BaseException as exc:  # noqa: BLE001 - every failure must end in results
             self._failed(st, dev, exc)
             return
-        finisher.submit(self.complete, st, dev, packed, method, solved, batch_info, t0)
+        finisher.submit(self.complete, st, dev, prepared, method, solved, batch_info, t0)
 
-    def complete(self, st: Staged, dev: Device, packed: Any, method: str, solved: tuple,
+    def complete(self, st: Staged, dev: Device, prepared: Any, method: str, solved: tuple,
                  batch_info: dict, t0: float) -> None:
         """The results of a batch computed by :meth:`_finish_split` (on the finisher thread)."""
         b = st.batch
@@ -437,14 +508,14 @@ class Runner:
             # On the host, restarts and polishes hold the host-kernel lock (not the
             # building of results, so the worker's next batch computes meanwhile).
             with st.reservation, dev.context():
-                out = routes.packed_results(systems, packed, method, dev, self.manager, solved,
-                                            info=batch_info, guard=routes.host_kernels(dev))
+                out = routes.batch_results(systems, prepared, method, dev, self.manager, solved,
+                                           batch_info)
             seconds = time.perf_counter() - t0
         except BaseException as exc:  # noqa: BLE001 - every failure must end in results
             self._failed(st, dev, exc)
             return
         if self.kept is not None:
-            self.kept.add_batch(b.indices, packed, method, dev, out)
+            self.kept.add_batch(b.indices, prepared.batch, method, dev, out)
         self._deliver_batch(b, dev, out, seconds, batch_info)
 
     def _failed(self, st: Staged, dev: Device, exc: BaseException) -> None:
@@ -456,7 +527,7 @@ class Runner:
                        batch_info: dict) -> None:
         """Learn a finished batch's time, hand out its results, let the queue go on."""
         self.manager.record(("solve_many", b.route, b.group), seconds, b.nbytes, device=dev,
-                            cost=b.cost, device_seconds=routes.device_seconds(out))
+                            cost=b.cost, device_seconds=device_seconds(out))
         with self.cond:
             self.batches_run.append((str(dev), b.id, b.nsys))
         dname = str(dev)

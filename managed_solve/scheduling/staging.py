@@ -1,18 +1,20 @@
-"""Host -> device copies of the next batch while the current one computes.
+"""What a device's stage thread does: the host -> device copy of its next batch.
 
 Each accelerator's worker stages batch k+1 (packs it into one block-diagonal
-CSR on its device, and on a GPU builds its solver workspace) before it
-computes batch k. On a GPU the copy runs on a second CUDA stream from a
-helper thread, so it overlaps the compute; on simulated devices the same code
-runs with the pack on the host (there is no stream), so the pipeline is
-tested on CPUs.
+CSR on its device through the batched engine, and on a GPU builds its
+solver workspace) before it computes batch k. The runner submits
+:func:`stage` to the device's stage thread; on a GPU the copy runs on a
+second CUDA stream (:func:`copy_stream`), so it overlaps the compute; on
+simulated devices the same code runs with the pack on the host (there is no
+stream), so the pipeline is tested on CPUs. The CPU packs its batches on its
+worker (:func:`pack_batch`).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,65 +30,36 @@ class Staged:
 
     batch: Batch
     reservation: Any
-    packed: Future | None  # the PackedBatch on its device (BATCH route only)
+    packed: Future | None  # the batched engine's prepared batch on its device (BATCH route only)
 
 
 def pack_batch(systems: list[LinearSystem], jacobi: bool, dev: Device,
                method: str | Callable[[], str]) -> Any:
-    """A batch on its device (host systems go over in bulk: see ``PackedBatch.pack``).
+    """A batch prepared on its device by the batched engine (``BatchedEngine.prepare_batch``).
 
-    On a GPU the solver's workspace is built here too (its bytes are in the
-    batch's reservation), off the worker's path between two batches.
-    ``method`` is the batch's method, or a function that finds it (a
-    deferred method: waited for here, after the copy). Simulated devices
-    (``"sim:k"``) get their batches on the host.
+    Host systems go over in bulk. On a GPU the solver's workspace is built
+    here too (its bytes are in the batch's reservation), off the worker's
+    path between two batches. ``method`` is the batch's method, or a
+    function that finds it (a deferred method: waited for there, after the
+    copy). Simulated devices (``"sim:k"``) get their batches on the host.
     """
-    from ..solvers.batched import PackedBatch, prepare
+    from ..solvers.batched import BatchedEngine
 
-    packed = PackedBatch.pack(systems, device=str(dev), jacobi=jacobi)
-    if dev.is_cuda:
-        method = method() if callable(method) else method
-        if method in ("cg", "bicgstab"):  # the fused core's; GMRES has none
-            prepare(packed, method)
-    return packed
+    return BatchedEngine().prepare_batch(systems, str(dev), jacobi=jacobi, method=method)
 
 
-def done_future(fn: Callable[..., Any], *args: Any) -> Future:
-    """``fn(*args)`` run now, as a finished future (staging without a stager: the CPU)."""
-    fut: Future = Future()
-    fut.set_result(fn(*args))
-    return fut
-
-
-class Stager:
-    """Runs the packing of batches (the host -> device copies) on a helper thread.
-
-    On a GPU the work runs on the device's copy stream (:func:`copy_stream`)
-    and is complete when its future is.
-    """
-
-    def __init__(self, dev: Device):
-        self.dev = dev
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"stage-{dev}")
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """``fn(*args)`` on the helper thread (on a GPU: on its copy stream)."""
-        if not self.dev.is_cuda:
-            return self.pool.submit(fn, *args)
-
-        def staged():
-            cp = _backend.cupy()
-            with self.dev.context():
-                stream = copy_stream(cp, self.dev)
-                with stream:
-                    out = fn(*args)
-                stream.synchronize()  # sync: the copy is complete before the compute stream reads it
-                return out
-
-        return self.pool.submit(staged)
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True)
+def stage(systems: list[LinearSystem], jacobi: bool, dev: Device,
+          method: str | Callable[[], str]) -> Any:
+    """:func:`pack_batch` on a device's stage thread; on a GPU on its copy stream, complete on return."""
+    if not dev.is_cuda:
+        return pack_batch(systems, jacobi, dev, method)
+    cp = _backend.cupy()
+    with dev.context():
+        stream = copy_stream(cp, dev)
+        with stream:
+            out = pack_batch(systems, jacobi, dev, method)
+        stream.synchronize()  # sync: the copy is complete before the compute stream reads it
+        return out
 
 
 _COPY_STREAMS: dict[str, Any] = {}

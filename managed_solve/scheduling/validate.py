@@ -1,27 +1,65 @@
 """Step 1 of ``solve_many``: the call's arguments, then each input as a :class:`LinearSystem`.
 
-A bad input becomes an ``INVALID_INPUT`` result (:func:`invalid_result`) and
-the other systems go on; a bad argument of the call raises at once. The Ray
-backend validates on its driver with the same functions.
+:func:`validate_call` is the step: a bad argument of the call raises at
+once; the inputs' host arrays are checked for NaN and Inf, and the auto
+policy's tests of their host matrices run, in one pass over the cores
+(:func:`.host_checks.check_inputs`); then each input becomes a
+LinearSystem, a bad one an ``INVALID_INPUT`` result (:func:`invalid_result`)
+while the other systems go on. The Ray backend validates on its driver with
+the same functions.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from .. import _backend
 from ..result import SolveResult, Status
 from ..system import METHODS, LinearSystem, check_preconditioner
-from ..system.inputs import FLOAT_DTYPES
 from ..system.method import settle_auto
 from . import host_checks
 
 RETURN_ON = ("device", "host")
 ON_ERROR = ("return", "raise")
+
+
+@dataclass
+class Checked:
+    """What validation hands to the estimate step: the call's systems, by input position."""
+
+    systems: list[LinearSystem | None]  # None where the input is invalid
+    results: list[SolveResult | None]  # INVALID_INPUT results where it is; None elsewhere
+    cache: dict  # the auto policy's tests of this call's matrices (symmetry, bounds), by id
+    grad: bool  # some system's inputs require grad
+
+
+def validate_call(systems: Iterable[Any], *, method: str, M: Any, rtol: float | None,
+                  return_on: str, on_error: str, progress: bool) -> Checked:
+    """Check the call's arguments (raising on a bad one), then every input (:class:`Checked`).
+
+    The finite check of the inputs' host arrays and the auto policy's tests
+    of their host matrices run first, many a kernel call on every core
+    (:func:`.host_checks.check_inputs`); the tests' answers stay in
+    ``Checked.cache`` for the estimate step.
+
+    Examples
+    --------
+    >>> import numpy as np, scipy.sparse as sp
+    >>> A = sp.identity(4, format="csr")
+    >>> c = validate_call([(A, np.ones(4)), (A, np.ones(3))], method="auto", M=None, rtol=None,
+    ...                   return_on="device", on_error="return", progress=False)
+    >>> [s is not None for s in c.systems], c.results[1].status.name
+    ([True, False], 'INVALID_INPUT')
+    """
+    check_arguments(method, M, rtol, return_on, on_error, progress)
+    items = list(systems)
+    cache: dict = {}
+    memo = host_checks.check_inputs(items, method, cache)
+    results, checked = validate_all(items, method=method, M=M, rtol=rtol, memo=memo)
+    valid = [checked.get(i) for i in range(len(items))]
+    return Checked(valid, results, cache, any(s is not None and s.grad is not None for s in valid))
 
 
 def check_arguments(method: str, M: Any, rtol: float | None, return_on: str, on_error: str,
@@ -133,44 +171,13 @@ def validate_all(items: list, *, method: str, M: Any, rtol: float | None,
     return results, valid
 
 
-def _scannable(a: Any) -> bool:
-    """A 1-D C-contiguous float32/float64 NumPy array (what the many-array finite check reads)."""
-    return type(a) is np.ndarray and a.ndim == 1 and a.dtype in FLOAT_DTYPES \
-        and a.flags.c_contiguous
-
-
-def finite_candidates(items: list, covered: Collection[int] = ()) -> list:
-    """The distinct host arrays of ``(A, b)`` pairs the many-array finite check reads.
-
-    Each pair's SciPy CSR ``A.data`` and NumPy ``b``; arrays it cannot read
-    (other types, strided views, integer dtypes) are left to the
-    LinearSystem's own check, and so are those whose ids are in ``covered``
-    (checked elsewhere: :meth:`.host_checks.SymmetryPass.covered`). None (an
-    empty list) below ``host_checks.MIN_ARRAYS`` arrays: a few checks cost
-    less one by one.
-    """
-    arrays: dict[int, Any] = dict.fromkeys(covered)
-    for item in items:
-        if not isinstance(item, (tuple, list)) or len(item) != 2:
-            continue
-        A, b = item
-        if _backend.is_scipy_sparse(A) and A.format == "csr":
-            data = A.data
-            if id(data) not in arrays and _scannable(data):
-                arrays[id(data)] = data
-        if id(b) not in arrays and _scannable(b):
-            arrays[id(b)] = b
-    found = [a for a in arrays.values() if a is not None]
-    return found if len(found) >= host_checks.MIN_ARRAYS else []
-
-
 def prefill_finite(items: list, memo: dict) -> int:
-    """Mark in ``memo`` the arrays of :func:`finite_candidates` found finite, in one pass over the cores.
+    """Mark in ``memo`` the arrays of :func:`.host_checks.finite_candidates` found finite, in one pass.
 
     Arrays with a NaN or an Inf are left out, so the LinearSystem checks
     them itself and names the bad one. Returns the number of arrays marked.
     """
-    arrays = finite_candidates(items)
+    arrays = host_checks.finite_candidates(items)
     if not arrays:
         return 0
     found = host_checks.finite_arrays(arrays)

@@ -98,6 +98,29 @@ def solve_bytes(n: int, nnz: int, *, itemsize: int = 8, index_itemsize: int = 4,
     return int(csr + vectors * n * itemsize + 4 * n + per_system * nsys)
 
 
+def krylov_cost(n: int, nnz: int, *, rtol: float, maxiter: int | None, method: str = "cg",
+                itemsize: int = 8, index_itemsize: int = 4, jacobi: bool = False
+                ) -> tuple[float, float, int]:
+    """(predicted iterations, bytes the whole solve streams, device bytes it holds) of a Krylov solve.
+
+    :func:`predict_iterations`, :func:`bytes_per_iteration` times those
+    iterations, and :func:`solve_bytes`: the planner's three numbers for one
+    system in a batch.
+
+    Examples
+    --------
+    >>> its, streamed, held = krylov_cost(100, 460, rtol=1e-8, maxiter=None)
+    >>> round(its), streamed == bytes_per_iteration(100, 460) * its, held == solve_bytes(100, 460)
+    (19, True, True)
+    """
+    its = predict_iterations(n, rtol=rtol, method=method, maxiter=maxiter)
+    streamed = bytes_per_iteration(n, nnz, itemsize=itemsize, index_itemsize=index_itemsize,
+                                   method=method, jacobi=jacobi) * its
+    held = solve_bytes(n, nnz, itemsize=itemsize, index_itemsize=index_itemsize, method=method,
+                       jacobi=jacobi)
+    return its, streamed, held
+
+
 def workspace_bytes(method: str, n: int, nnz: int, *, itemsize: int = 8,
                     preconditioned: bool = False, amg: bool = False) -> int:
     """Extra bytes one solve needs besides the system: x plus the method's work vectors.

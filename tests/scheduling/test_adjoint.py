@@ -29,7 +29,6 @@ class SetUps:
 
     def __init__(self, monkeypatch):
         self.counts = {"validate": 0, "estimate": 0, "pack": 0, "prepare": 0, "solve_many": 0}
-        self._spy(monkeypatch, many, "validate_all", "validate")
         self._spy(monkeypatch, validate, "validate_all", "validate")
         self._spy(monkeypatch, estimate, "estimate_system", "estimate")
         self._spy(monkeypatch, many, "solve_many", "solve_many")

@@ -12,6 +12,7 @@ from managed_solve.kernels import checks
 from managed_solve.kernels.symmetry import csr_symmetry_gershgorin
 from managed_solve.manager import DeviceManager
 from managed_solve.scheduling import host_checks, solve_many, validate
+from managed_solve.solvers.batched import threads
 from managed_solve.system import inputs, is_symmetric
 from managed_solve.system.properties import gershgorin
 from tests._problems import helmholtz2d, poisson2d
@@ -71,7 +72,7 @@ def test_symmetry_pass_checks_its_matrices_entries_and_the_finite_pass_leaves_th
     covered = work.covered()
     assert id(longer.data) not in covered and id(inf.data) in covered
     assert covered == {id(A.data) for A in mats if A.data.shape[0] == A.nnz}
-    arrays = validate.finite_candidates(pairs, covered)
+    arrays = host_checks.finite_candidates(pairs, covered)
     assert not {id(a) for a in arrays} & covered and any(a is longer.data for a in arrays)
     finite = host_checks.FinitePass(arrays)
     with ms.config.override(host_threads=2, host_parallel_min_work=0.0):
@@ -100,11 +101,11 @@ def test_pass_fills_the_cache_as_the_per_matrix_tests_do():
 
 def test_ranges_cover_every_matrix_once():
     work = np.array([5.0, 1.0, 1.0, 1.0, 8.0, 2.0, 2.0])
-    for threads in (1, 2, 3, 16):
-        ranges = host_checks.work_ranges(work, threads)
+    for count in (1, 2, 3, 16):
+        ranges = threads.work_ranges(work, count, host_checks.RANGES_PER_THREAD)
         covered = [k for lo, hi in ranges for k in range(lo, hi)]
         assert covered == list(range(len(work)))
-        assert len(ranges) <= host_checks.RANGES_PER_THREAD * threads
+        assert len(ranges) <= host_checks.RANGES_PER_THREAD * count
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -201,7 +202,6 @@ def test_a_deferred_batch_of_two_methods_runs_as_one_batch_per_method(monkeypatc
 
 def test_the_pass_starts_on_the_raw_inputs_and_converted_matrices_are_tested_again(monkeypatch):
     """Inputs' matrices are tested before validation; one that validation replaces is tested under its new object."""
-    from managed_solve.scheduling import estimate as estimation
     from managed_solve.system.method import choose_method
 
     passes = []
@@ -216,8 +216,8 @@ def test_the_pass_starts_on_the_raw_inputs_and_converted_matrices_are_tested_aga
     pairs = [(A, np.ones(A.shape[0])) for A in mats]
     pairs.append((poisson2d(6).astype(np.float32), np.ones(36)))  # A becomes float64: a new object
     pairs.append((convection(5).astype(np.int64), np.ones(25)))  # integers: not read before validation
-    assert len(estimation.input_matrices(pairs, "auto", estimation.pass_least())) == len(mats) + 1
-    assert estimation.input_matrices(pairs, "cg", estimation.pass_least()) == []
+    assert len(host_checks.input_matrices(pairs, "auto", host_checks.pass_least())) == len(mats) + 1
+    assert host_checks.input_matrices(pairs, "cg", host_checks.pass_least()) == []
     results = solve_many(pairs, rtol=1e-8, manager=DeviceManager(simulate="1x1GiB"))
     assert passes == [len(mats) + 1, 2]  # the inputs', then the two validation made
     systems = [LinearSystem(A, b) for A, b in pairs]

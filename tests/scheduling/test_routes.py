@@ -8,7 +8,8 @@ import scipy.sparse as sp
 import scipy.sparse.linalg as spla
 
 from managed_solve import DeviceManager, LinearSystem, Status
-from managed_solve.scheduling import routes, solve_many
+from managed_solve.scheduling import estimate as estimation
+from managed_solve.scheduling import routes, runner, solve_many
 from managed_solve.solvers.direct import direct
 from tests._problems import poisson2d
 from tests.scheduling._helpers import assert_solves
@@ -20,8 +21,9 @@ def test_true_residual_check_restarts_drifted_systems(monkeypatch, where):
 
     On a GPU the restart packs host systems with their x0 on the GPU.
     """
-    real_solver = routes.batched_solver
-    cg_batched = real_solver("cg")
+    from managed_solve.solvers.batched import engine
+
+    cg_batched = engine.cg_batched
     calls = []
 
     def drifting_cg(batch, **kw):
@@ -34,7 +36,7 @@ def test_true_residual_check_restarts_drifted_systems(monkeypatch, where):
             out.true_norms = None  # the host kernels' norms are of the unspoiled x
         return out
 
-    monkeypatch.setattr(routes, "batched_solver", lambda m: drifting_cg if m == "cg" else real_solver(m))
+    monkeypatch.setattr(engine, "cg_batched", drifting_cg)  # the batched engine's CG core
     systems = [LinearSystem(poisson2d(m), np.ones(m * m), name=f"p{m}") for m in range(4, 12)]
     dm = DeviceManager(simulate="1x64MiB") if where == "sim" else DeviceManager(["cuda:0"])
     results = solve_many(systems, manager=dm)
@@ -49,11 +51,11 @@ def test_device_time_of_a_batch_comes_from_its_own_results():
     def res(**info):
         return SolveResult(None, Status.CONVERGED, info=info)
 
-    assert routes.device_seconds([res(), res(gpu_seconds=None)]) is None  # host batches: none
+    assert runner.device_seconds([res(), res(gpu_seconds=None)]) is None  # host batches: none
     # A restarted or polished result carries another solve's time; the batch's own counts.
     out = [res(gpu_seconds=0.001, restarted=True), res(gpu_seconds=0.5, polished=True),
            res(gpu_seconds=0.04), res(gpu_seconds=0.04)]
-    assert routes.device_seconds(out) == 0.04
+    assert runner.device_seconds(out) == 0.04
 
 
 def test_host_lu_matches_the_packages_sparse_lu_and_meets_the_tolerance():
@@ -183,14 +185,14 @@ def test_solve_many_on_gpus_starts_the_cuda_modules_it_will_launch(monkeypatch):
     gpus = [Device("cuda", 0, "gpu0", 1 << 30), Device("cuda", 1, "gpu1", 1 << 30)]
     systems = [LinearSystem(poisson2d(5), np.ones(25)),
                LinearSystem(poisson2d(4).astype(np.float32), np.ones(16, np.float32)), None]
-    routes.prefetch_cuda_modules(systems, [cpu_device(), *gpus], "auto")
+    estimation.prefetch_cuda_modules(systems, [cpu_device(), *gpus], "auto")
     assert calls == [([0, 1], "float32", "int32", ("cg",)), ([0, 1], "float64", "int32", ("cg",))]
     calls.clear()
-    routes.prefetch_cuda_modules(systems, gpus[1:], "gmres")
+    estimation.prefetch_cuda_modules(systems, gpus[1:], "gmres")
     assert calls == [([1], "float32", "int32", ("gmres",)), ([1], "float64", "int32", ("gmres",))]
     calls.clear()
-    routes.prefetch_cuda_modules(systems, [cpu_device(), Device("sim", 0, "sim", 1 << 30)], "cg")
-    routes.prefetch_cuda_modules(systems, gpus, "direct")
+    estimation.prefetch_cuda_modules(systems, [cpu_device(), Device("sim", 0, "sim", 1 << 30)], "cg")
+    estimation.prefetch_cuda_modules(systems, gpus, "direct")
     assert calls == []
 
 
@@ -209,21 +211,21 @@ def test_a_gpu_call_opens_its_gpus_and_starts_their_modules_before_validation(mo
     A32 = poisson2d(4).astype(np.float32)
     items = [(poisson2d(5), np.ones(25)), (A32, np.ones(16, np.float32)),
              (A32, np.ones(16)), ("not", "a system")]
-    routes.start_cuda(items, mgr, None, True, "auto")
+    estimation.start_cuda(items, mgr, None, True, "auto")
     assert opened == [0, 1]
     assert calls == [([0, 1], "float32", ("cg",)), ([0, 1], "float64", ("cg",))]
     opened.clear(), calls.clear()
-    routes.start_cuda(items[:1], mgr, "cuda:1", False, "bicgstab")  # one GPU named
+    estimation.start_cuda(items[:1], mgr, "cuda:1", False, "bicgstab")  # one GPU named
     assert opened == [1] and calls == [([1], "float64", ("bicgstab",))]
     opened.clear(), calls.clear()
-    routes.start_cuda(items, mgr, None, False, "auto")  # disperse=False: chosen after validation
-    routes.start_cuda(items, mgr, "cpu", True, "auto")
-    routes.start_cuda(items, mgr, "cuda:7", True, "auto")  # the call's selection reports it
+    estimation.start_cuda(items, mgr, None, False, "auto")  # disperse=False: chosen after validation
+    estimation.start_cuda(items, mgr, "cpu", True, "auto")
+    estimation.start_cuda(items, mgr, "cuda:7", True, "auto")  # the call's selection reports it
     assert opened == [] and calls == []
-    routes.start_cuda(items, mgr, "cuda:0", True, "minres")  # no batched module, still a GPU run
+    estimation.start_cuda(items, mgr, "cuda:0", True, "minres")  # no batched module, still a GPU run
     assert opened == [0] and calls == []
     sim = DeviceManager(simulate="2x1GiB")
-    routes.start_cuda(items, sim, None, True, "auto")
+    estimation.start_cuda(items, sim, None, True, "auto")
     assert opened == [0] and calls == []
 
 
@@ -233,9 +235,9 @@ def test_input_dtypes_follow_validation():
              (A, np.ones(16, np.int64)), LinearSystem(A, np.ones(16))]
     validated = {np.dtype((s if isinstance(s, LinearSystem) else LinearSystem(*s)).dtype)
                  for s in items}
-    assert routes.input_dtypes(items) == validated == {np.dtype(np.float32), np.dtype(np.float64)}
-    assert routes.input_dtypes(items[1:]) == {np.dtype(np.float64)}
-    assert routes.input_dtypes([(A, np.ones(16, np.complex128)), (A,), 3]) == set()
+    assert estimation.input_dtypes(items) == validated == {np.dtype(np.float32), np.dtype(np.float64)}
+    assert estimation.input_dtypes(items[1:]) == {np.dtype(np.float64)}
+    assert estimation.input_dtypes([(A, np.ones(16, np.complex128)), (A,), 3]) == set()
 
 
 def _spy_solve_to(monkeypatch):

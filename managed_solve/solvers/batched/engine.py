@@ -1,11 +1,19 @@
-"""The batched engine in the engine shape: one CSR matrix prepared once, solved for many right-hand sides.
+"""The batched engine in the engine shape: prepare once on a device, then solve.
 
-``BatchedEngine().prepare(A, options, device)`` packs the operator (pattern,
-values, Jacobi diagonal) on the device once; each ``solve(b)`` then packs
-only the right-hand side. A block of k right-hand sides, ``b`` of shape
-(n, k), is solved as one batch of k systems sharing the matrix (its blocks
-are tiled once per k on the device and kept), so the columns converge, stop
-and report independently.
+Two entries, one shape (``prepare(...) -> prepared``, ``prepared.solve(...)``),
+one core (:func:`run_core`):
+
+- ``BatchedEngine().prepare(A, options, device)`` packs one operator
+  (pattern, values, Jacobi diagonal) on the device once; each ``solve(b)``
+  then packs only the right-hand side. A block of k right-hand sides, ``b``
+  of shape (n, k), is solved as one batch of k systems sharing the matrix
+  (its blocks are tiled once per k on the device and kept), so the columns
+  converge, stop and report independently. ``solve()`` takes this entry.
+- ``BatchedEngine().prepare_batch(systems, device)`` packs many systems
+  (each its own matrix, right-hand side, tolerance and limit) into one
+  block-diagonal batch; on a GPU the fused core's workspace is built then
+  too. ``solve(method=...)`` solves every system of it. ``solve_many``'s
+  batched route takes this entry.
 
 Examples
 --------
@@ -23,6 +31,7 @@ Examples
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -33,6 +42,7 @@ from ..engine import BREAKDOWN, Options, Outcome, Prepared, default_maxiter
 from .bicgstab import bicgstab_batched
 from .cg import cg_batched
 from .gmres import gmres_batched
+from .gpu import prepare as prepare_workspace
 from .outcome import BatchOutcome
 from .packed import PackedBatch
 from .workspace import GMRES_RESTART
@@ -74,6 +84,87 @@ class BatchedEngine:
             An operator that is not a sparse matrix, or an unsupported dtype.
         """
         return BatchedPrepared(operator, options, device)
+
+    def prepare_batch(self, systems: Any, device: Any = "cpu", *, jacobi: bool = False,
+                      method: str | Callable[[], str] | None = None) -> PreparedBatch:
+        """Pack many systems into one block-diagonal batch on ``device``, for :meth:`PreparedBatch.solve`.
+
+        Parameters
+        ----------
+        systems : sequence of LinearSystem, or PackedBatch
+            CSR systems (packed here, host systems in bulk:
+            :meth:`PackedBatch.pack`), or a batch packed already.
+        device : str
+            ``"cpu"``, ``"sim:k"`` (host arrays) or ``"cuda:i"``.
+        jacobi : bool
+            Pack each system's inverse diagonal (Jacobi preconditioning).
+        method : str or callable, optional
+            The batch's method, or a function that finds it (called only
+            where a workspace is built). On a GPU, for CG and BiCGStab, the
+            fused core's workspace and first CUDA graph are built now, on the
+            current stream (the caller synchronises it before solving).
+
+        Examples
+        --------
+        >>> import numpy as np, scipy.sparse as sp
+        >>> from managed_solve import LinearSystem
+        >>> A = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(5, 5), format="csr")
+        >>> prepared = BatchedEngine().prepare_batch([LinearSystem(A, np.ones(5)),
+        ...                                           LinearSystem(2 * A, np.ones(5))])
+        >>> out = prepared.solve(method="cg")
+        >>> out.status.tolist(), out.iterations.tolist()
+        ([0, 0], [3, 3])
+        """
+        return PreparedBatch(systems, device, jacobi=jacobi, method=method)
+
+
+class PreparedBatch:
+    """Many systems packed on one device (:meth:`BatchedEngine.prepare_batch`); ``solve`` runs them all."""
+
+    engine = "batched"
+
+    def __init__(self, systems: Any, device: Any = "cpu", *, jacobi: bool = False,
+                 method: str | Callable[[], str] | None = None):
+        batch = systems if isinstance(systems, PackedBatch) else \
+            PackedBatch.pack(systems, device=str(device), jacobi=jacobi)
+        if batch.xp is not np and method is not None:
+            method = method() if callable(method) else method
+            if method in ("cg", "bicgstab"):  # the fused core's; GMRES has none
+                prepare_workspace(batch, method)
+        self.batch = batch
+        self.method = method if isinstance(method, str) else None
+
+    def solve(self, rhs: Any = None, x0: Any = None, *, method: str | None = None) -> BatchOutcome:
+        """Solve every system of the batch; each keeps its own scalars, stopping rule and status.
+
+        ``rhs``/``x0``: packed vectors of the batch's rows replacing the
+        systems' own (None: theirs). ``method``: default the one given to
+        ``prepare_batch``.
+        """
+        method = method or self.method
+        if method is None:
+            raise ValueError("PreparedBatch.solve(method=None): give the method ('cg', "
+                             "'bicgstab' or 'gmres'); prepare_batch was given none.")
+        batch = self.batch
+        if rhs is not None or x0 is not None:
+            batch = PackedBatch(indptr=batch.indptr, indices=batch.indices, data=batch.data,
+                                b=batch.b if rhs is None else rhs,
+                                x0=batch.x0 if x0 is None else x0, offsets=batch.offsets,
+                                row_sys=batch.row_sys, rtol=batch.rtol, atol=batch.atol,
+                                maxiter=batch.maxiter, dinv=batch.dinv, device=batch.device,
+                                names=batch.names)
+        return run_core(batch, method)
+
+
+def run_core(batch: PackedBatch, method: str, *, first_check: int | None = None) -> BatchOutcome:
+    """The batched core of ``method`` ("cg", "bicgstab" or "gmres") on a packed batch."""
+    if method == "gmres":
+        return gmres_batched(batch, restart=GMRES_RESTART)
+    if method == "cg":
+        return cg_batched(batch, first_check=first_check)
+    if method == "bicgstab":
+        return bicgstab_batched(batch, first_check=first_check)
+    raise ValueError(f"the batched engine runs 'cg', 'bicgstab' or 'gmres', not {method!r}")
 
 
 class BatchedPrepared(Prepared):
@@ -199,11 +290,7 @@ class BatchedPrepared(Prepared):
                            device=base.device)
 
     def _run(self, batch: PackedBatch) -> BatchOutcome:
-        method = self.options.method
-        if method == "gmres":
-            return gmres_batched(batch, restart=GMRES_RESTART)
-        solve = cg_batched if method == "cg" else bicgstab_batched
-        return solve(batch, first_check=self.options.first_check)
+        return run_core(batch, self.options.method, first_check=self.options.first_check)
 
     def _outcome(self, out: BatchOutcome, s: int, x: Any) -> Outcome:
         code = int(out.status[s])

@@ -32,7 +32,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
@@ -196,6 +196,50 @@ def run_claimed(task: Callable[[int], None], count: int, threads: int,
     if errors:
         raise errors[0]
     return ran
+
+
+def work_ranges(work: np.ndarray, threads: int, per_thread: int = 4) -> list[tuple[int, int]]:
+    """Consecutive ranges of about equal ``work``, about ``per_thread`` per thread.
+
+    Examples
+    --------
+    >>> work_ranges(np.ones(8), 1), work_ranges(np.ones(8), 2, per_thread=2)
+    ([(0, 2), (2, 4), (4, 6), (6, 8)], [(0, 2), (2, 4), (4, 6), (6, 8)])
+    """
+    count = len(work)
+    parts = max(1, min(count, per_thread * threads))
+    if parts == 1:
+        return [(0, count)]
+    edges = np.cumsum(work)
+    cuts = np.searchsorted(edges, np.linspace(0.0, float(edges[-1]), parts + 1)[1:-1], side="right")
+    bounds = [0, *sorted(set(int(c) for c in cuts if 0 < c < count)), count]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def run_kernels(jobs: Sequence[tuple[Any, tuple, np.ndarray]], work: float, count: int,
+                per_thread: int = 4) -> int:
+    """Run ``kernel(lo, hi, *args)`` over ranges of each job's items, on the caller and helpers.
+
+    ``jobs``: ``(kernel, args, weights)`` with one weight per item of the
+    job (its predicted work); each job's items are cut into ranges of about
+    equal weight, about ``per_thread`` per thread, claimed by the calling
+    thread and the helpers (:func:`run_claimed`). ``work`` (predicted
+    nanoseconds, about) and ``count`` (items in all) decide the threads, by
+    :func:`threads_for`. The kernels are called here, so the caller hands
+    over no callback. Returns the threads used.
+    """
+    if not count:
+        return 0
+    threads = threads_for(work, count)
+    tasks = [(kernel, lo, hi, args) for kernel, args, weights in jobs
+             for lo, hi in work_ranges(weights, threads, per_thread)]
+
+    def task(k: int) -> None:
+        kernel, lo, hi, args = tasks[k]
+        kernel(lo, hi, *args)
+
+    run_claimed(task, len(tasks), threads)
+    return threads
 
 
 def run_systems(kernel: Any, batch: Any, method: str, args: tuple) -> int:

@@ -153,3 +153,76 @@ def test_a_strided_right_hand_side_gives_the_contiguous_answer():
     strided = cg_fused(A, B[:, 2], rtol=1e-12)
     dense = cg_fused(A, np.ascontiguousarray(B[:, 2]), rtol=1e-12)
     np.testing.assert_array_equal(strided.x, dense.x)
+
+
+# -- the batch entry: many systems, each its own matrix and right-hand side (solve_many's route)
+@pytest.mark.parametrize("jacobi", [False, True])
+@pytest.mark.parametrize("method", ["cg", "bicgstab", "gmres"])
+def test_a_prepared_batch_solves_as_the_batched_core_does(method, jacobi):
+    from managed_solve.solvers.batched import bicgstab_batched, gmres_batched
+
+    core = {"cg": cg_batched, "bicgstab": bicgstab_batched, "gmres": gmres_batched}[method]
+    rng = np.random.default_rng(7)
+    mats = [poisson2d(5), matrix(method), poisson2d(7), matrix(method)]
+    systems = [LinearSystem(A, rng.standard_normal(A.shape[0]), rtol=1e-9 * (k + 1))
+               for k, A in enumerate(mats)]
+    prepared = BatchedEngine().prepare_batch(systems, "cpu", jacobi=jacobi, method=method)
+    assert prepared.engine == "batched" and prepared.batch.nsys == 4
+    assert (prepared.batch.dinv is not None) == jacobi
+    out = prepared.solve()
+    ref = core(PackedBatch.pack(systems, jacobi=jacobi))
+    np.testing.assert_array_equal(out.status, ref.status)
+    np.testing.assert_array_equal(out.iterations, ref.iterations)
+    np.testing.assert_array_equal(out.x, ref.x)
+    for s, x in zip(systems, prepared.batch.unpack(out.x), strict=True):
+        assert np.linalg.norm(s.b - s.A @ x) <= 10 * s.rtol * np.linalg.norm(s.b)
+
+
+def test_a_prepared_batch_takes_new_right_hand_sides_and_a_method_when_solved():
+    A = poisson2d(6)
+    systems = [LinearSystem(A, np.ones(36)), LinearSystem(2 * A, np.arange(36.0))]
+    prepared = BatchedEngine().prepare_batch(systems)  # no method yet (a deferred one)
+    with pytest.raises(ValueError, match="give the method"):
+        prepared.solve()
+    base = prepared.solve(method="cg")
+    doubled = prepared.solve(2.0 * prepared.batch.b, method="cg")
+    np.testing.assert_allclose(doubled.x, 2.0 * base.x, rtol=1e-6, atol=1e-9)
+    np.testing.assert_array_equal(prepared.batch.b[:36], 1.0)  # the batch keeps its own b
+    with pytest.raises(ValueError, match="'cg', 'bicgstab' or 'gmres'"):
+        prepared.solve(method="minres")
+    # A batch packed already is taken as it is.
+    again = BatchedEngine().prepare_batch(prepared.batch, method="cg")
+    assert again.batch is prepared.batch
+    np.testing.assert_array_equal(again.solve().x, base.x)
+
+
+def test_a_deferred_method_is_found_only_where_a_workspace_is_built():
+    """On the host no workspace is built, so a deferred method is not waited for."""
+    asked = []
+    systems = [LinearSystem(poisson2d(5), np.ones(25))]
+    prepared = BatchedEngine().prepare_batch(systems, "sim:0", method=lambda: asked.append(1) or "cg")
+    assert asked == [] and prepared.method is None
+    assert prepared.solve(method="cg").status.tolist() == [0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["cg", "bicgstab", "gmres"])
+def test_gpu_a_prepared_batch_builds_its_workspace_once_and_solves_as_the_core(method):
+    import cupy as cp
+
+    from managed_solve.solvers.batched import bicgstab_batched, gmres_batched
+
+    core = {"cg": cg_batched, "bicgstab": bicgstab_batched, "gmres": gmres_batched}[method]
+    rng = np.random.default_rng(8)
+    systems = [LinearSystem(matrix(method), rng.standard_normal(81), rtol=1e-9) for _ in range(3)]
+    asked = []
+    prepared = BatchedEngine().prepare_batch(systems, "cuda:0",
+                                             method=lambda: asked.append(1) or method)
+    assert asked == [1] and prepared.method == method
+    assert isinstance(prepared.batch.data, cp.ndarray)
+    assert (prepared.batch.workspace is not None) == (method != "gmres")  # GMRES has no fused one
+    out = prepared.solve()
+    assert prepared.batch.workspace is None  # used once
+    ref = core(PackedBatch.pack(systems, device="cuda:0"))
+    assert (out.status == 0).all() and (np.abs(out.iterations - ref.iterations) <= 1).all()
+    np.testing.assert_allclose(cp.asnumpy(out.x), cp.asnumpy(ref.x), rtol=1e-6, atol=1e-9)

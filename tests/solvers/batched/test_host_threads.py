@@ -166,3 +166,26 @@ def test_run_systems_uses_the_threads_the_policy_grants(monkeypatch):
         cg_batched(big)
     assert granted[0][1] == 1  # too little work for a helper
     assert granted[1] == (6, 2)  # six tasks over two threads
+
+
+def test_run_kernels_calls_each_kernel_over_ranges_covering_its_items_once():
+    """The kernels run here over ranges of about equal weight; the caller hands over no callback."""
+    seen: dict[str, list[int]] = {"a": [], "b": []}
+    lock = threading.Lock()
+
+    def kernel(lo, hi, name, offset):
+        with lock:
+            seen[name].extend(range(lo + offset, hi + offset))
+
+    weights_a = np.array([5.0, 1.0, 1.0, 1.0, 8.0, 2.0, 2.0])
+    weights_b = np.ones(3)
+    with config.override(host_threads=2, host_parallel_min_work=0.0):
+        used = threads.run_kernels([(kernel, ("a", 0), weights_a), (kernel, ("b", 100), weights_b)],
+                           work=1e9, count=10)
+    assert used == 2
+    assert sorted(seen["a"]) == list(range(7)) and sorted(seen["b"]) == [100, 101, 102]
+    assert threads.run_kernels([], work=0.0, count=0) == 0
+    for count in (1, 2, 3, 16):
+        ranges = threads.work_ranges(weights_a, count)
+        assert [k for lo, hi in ranges for k in range(lo, hi)] == list(range(7))
+        assert len(ranges) <= 4 * count
