@@ -209,6 +209,14 @@ def warmup(device: Any = None, methods: Iterable[str] = METHODS, *,
                     record(device=name, step=f"CUDA module {m} ({dt.name})",
                            seconds=time.perf_counter() - t0, compiled=[], loaded_from_cache=[],
                            cuda_module="compiled" if fresh else "loaded from cache")
+            # The compaction list of a GPU batch whose systems finish at different
+            # iterations: the small systems below all finish together, so never build it.
+            from .kernels.packing import active_rows
+
+            before, t0 = jit_snapshot(), time.perf_counter()
+            active_rows(np.zeros(1, np.int64), np.ones(1, np.int64), np.empty(1, np.int32))
+            record(device=name, step="compaction rows", seconds=time.perf_counter() - t0,
+                   **compiled_since(before))
         for dt in dts:
             for m in methods:
                 before, t0 = jit_snapshot(), time.perf_counter()

@@ -116,4 +116,26 @@ def test_warmup_on_a_gpu_loads_the_batched_cuda_modules():
     assert [s["step"] for s in modules] == ["CUDA module cg (float64)", "CUDA module gmres (float64)"]
     assert all(s["cuda_module"] in ("compiled", "loaded from cache") for s in modules)
     assert cuda.loaded(0, np.float64, np.int32, "cg") and cuda.loaded(0, np.float64, np.int32, "gmres")
-    assert [s["step"] for s in steps if not s.get("cuda_module")] == ["cg (float64)", "gmres (float64)"]
+    assert [s["step"] for s in steps if not s.get("cuda_module")] == \
+        ["compaction rows", "cg (float64)", "gmres (float64)"]
+
+
+@pytest.mark.gpu
+def test_warmup_on_a_gpu_then_a_w2_like_call_compiles_nothing_more():
+    """The GPU path of a call of many systems of several sizes (their compaction list
+    included) runs only what warmup prepared."""
+    import scipy.sparse as sp
+
+    from managed_solve._warmup import compiled_since, jit_snapshot
+
+    ms.warmup("cuda:0", methods=["cg"])
+    before = jit_snapshot()
+
+    def poisson(m):
+        T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(m, m))
+        return sp.kronsum(T, T, format="csr")
+
+    pairs = [(poisson(m), np.ones(m * m)) for m in range(16, 96, 4)]
+    res = ms.solve_many(pairs, devices=["cuda:0"], return_on="host")
+    assert all(r.converged for r in res)
+    assert compiled_since(before)["compiled"] == []

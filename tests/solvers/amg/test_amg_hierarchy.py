@@ -117,6 +117,18 @@ def test_refresh_equals_a_fresh_set_up_on_the_same_aggregates(backend):
         np.testing.assert_allclose(hostm(a.A).toarray(), hostm(b.A).toarray(), atol=1e-12)
 
 
+@pytest.mark.parametrize("limit", [1, 50, 10_000, 1 << 40])
+def test_a_product_in_row_blocks_equals_the_whole_product(backend, limit):
+    xp, sparse = array_modules(backend)
+    X = sp.random(120, 90, density=0.05, random_state=3, format="csr")
+    X = (sp.diags((np.arange(120) % 7 != 2).astype(float)) @ X).tocsr()  # empty rows
+    X.eliminate_zeros()
+    Y = sp.random(90, 70, density=0.1, random_state=4, format="csr")
+    Z = hierarchy.product(on(backend, X), on(backend, Y), xp, sparse, limit=limit)
+    assert Z.shape == (120, 70) and Z.has_canonical_format
+    np.testing.assert_allclose(hostm(Z).toarray(), (X @ Y).toarray(), rtol=1e-13, atol=1e-15)
+
+
 def test_coarse_inverse_handles_singular_and_empty_rows(backend):
     xp, sparse = array_modules(backend)
     L = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(5, 5)).tolil()
