@@ -298,12 +298,27 @@ def test_cudss_threading_layer_is_looked_for_once_and_reset_makes_new_handles(fa
     assert fake.options[-1].handle == 101 and not hasattr(fake.options[-1], "multithreading_lib")
 
 
+def needs_cudss():
+    """Skip unless nvmath-python and the cuDSS library it binds both load.
+
+    nvmath-python installs without cuDSS (its own wheel); the package then
+    solves with cuSOLVER, which the other GPU tests cover.
+    """
+    pytest.importorskip("nvmath.sparse.advanced")
+    try:
+        from nvmath.bindings import cudss
+
+        cudss.destroy(cudss.create())
+    except Exception as exc:  # the library missing, or no usable GPU
+        pytest.skip(f"cuDSS does not load here: {exc}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_cudss_solves_like_scipy(dtype, symmetric):
     """The real cuDSS path (runs where nvmath-python and cuDSS are installed)."""
-    pytest.importorskip("nvmath.sparse.advanced")
+    needs_cudss()
     # 14,400 unknowns: fill-in matters
     A = poisson2d(120, dtype) if symmetric else poisson2d_plus_diagonal(120, 0.7, offset=3, dtype=dtype)
     x_true = np.random.default_rng(5).standard_normal(A.shape[0]).astype(dtype)
@@ -323,7 +338,7 @@ def test_cudss_solves_like_scipy(dtype, symmetric):
 @pytest.mark.gpu
 def test_cudss_solver_takes_a_block_and_reuses_its_factors():
     """A prepared direct Solver on a GPU: an (n, k) block in one cuDSS solve, like SciPy's splu."""
-    pytest.importorskip("nvmath.sparse.advanced")
+    needs_cudss()
     from managed_solve import Solver
     from managed_solve.solvers import release_factorisations
 
@@ -344,7 +359,7 @@ def test_cudss_solver_takes_a_block_and_reuses_its_factors():
 
 @pytest.mark.gpu
 def test_cudss_singular_matrix_is_breakdown():
-    pytest.importorskip("nvmath.sparse.advanced")
+    needs_cudss()
     A = neumann2d(8)  # pure Neumann: singular
     Ad, bd = on("cuda", A, np.arange(1.0, 65.0))
     res = solve(Ad, bd, method="direct")
@@ -355,7 +370,7 @@ def test_cudss_singular_matrix_is_breakdown():
 @pytest.mark.gpu
 def test_cudss_reuses_analysis_and_factors():
     """The same matrix solves only; new values on the same pattern factorise; threads share safely."""
-    pytest.importorskip("nvmath.sparse.advanced")
+    needs_cudss()
     import threading
 
     from managed_solve.solvers import release_factorisations
@@ -419,7 +434,7 @@ def test_cudss_held_factors_are_not_shared_and_go_back_to_the_cache(fake_cudss):
 @pytest.mark.gpu
 def test_cudss_solvers_of_one_pattern_keep_their_own_factors():
     """Two open direct Solvers (a heat and a Poisson matrix of one mesh) never refactorise in turn."""
-    pytest.importorskip("nvmath.sparse.advanced")
+    needs_cudss()
     from managed_solve import Solver, _backend
     from managed_solve.solvers import release_factorisations
 
