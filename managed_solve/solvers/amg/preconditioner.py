@@ -34,14 +34,6 @@ BLOCK_LANES = 4
 #: set-up: degree 1: 13 / 15 / 9, degree 2: 11 / 14 / 8, degree 3: 11 / 13 / 7,
 #: at 11, 15.6 and 20.2 matrix-passes' worth of bytes a cycle (2D).
 GPU_DEGREE, HOST_DEGREE = 1, 2
-#: Default strength threshold. Galerkin operators below the finest level hold
-#: many small couplings; aggregating along them (threshold 0) makes poor
-#: coarse levels. CG iterations to rtol 1e-8 with our set-up, threshold
-#: 0 / 0.04 / 0.08 / 0.12: 2D Poisson 2048^2 18 / 11 / 11 / 18, 4096^2
-#: 20 / 12 / 12 / 18; 3D 7-point 128^3 11 / 9 / 11 / 11; rotated anisotropic
-#: 512^2 134 / 82 / 80 / 78; elasticity 256^2 with rigid-body modes
-#: 14 / 11 / 11 / 13. The operator complexity grows by 2-16% at 0.04.
-THETA = 0.04
 CYCLES = ("auto", "native", "pyamg")
 
 
@@ -62,7 +54,7 @@ class AMGPreconditioner:
         Unknowns per node: aggregation keeps a node's unknowns together.
     theta : float
         Strength threshold of the symmetric measure (0 keeps all couplings;
-        :data:`THETA` by default, for either set-up).
+        :data:`~.hierarchy.THETA` by default, for either set-up).
     smoother : {"chebyshev", "jacobi", "l1_jacobi"}
     degree : int, optional
         Chebyshev polynomial degree (SpMVs per smoothing). By default 1 on a
@@ -105,7 +97,7 @@ class AMGPreconditioner:
     """
 
     def __init__(self, A: Any, *, setup: str = "auto", nullspace: Any = None,
-                 blocksize: int | None = None, theta: float = THETA, smoother: str = "chebyshev",
+                 blocksize: int | None = None, theta: float = hierarchy.THETA, smoother: str = "chebyshev",
                  degree: int | None = None, sweeps: int = 1, max_coarse: int = 500, max_levels: int = 10,
                  dtype: Any = None, cycle: str = "auto", graph: bool | None = None,
                  seed: int = 0):
