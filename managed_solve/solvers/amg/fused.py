@@ -61,7 +61,7 @@ class FusedCycle(CapturedCycle):
         # pre-smoothing's second step, Chebyshev of degree 2 and more); every
         # other step reads it from the x buffers, so degree 1 keeps no d.
         self.d = [xp.zeros(n if sm.kind == "chebyshev" and len(sm.coeffs) > 1 else 1,
-                           dtype=dtype) for n, sm in zip(self.sizes[:last], smoothers, strict=False)]
+                           dtype=dtype) for n, sm in zip(self.sizes[:last], smoothers, strict=True)]
         self.x = [pair[0] for pair in self.xs]  # each level's first buffer
         self.graph = None
         self._graph_keep = ()
