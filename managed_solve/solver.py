@@ -607,7 +607,10 @@ class Solver:
             if x is not None and used == "direct" and N is None and "refinements" in out.info:
                 residual = out.residual_norm  # the factorisation's check read the true residual
             elif x is not None:
-                residual = true_residual_norm(A, b, x)
+                # The engine's own from-scratch residual where it made one of this
+                # very x (A and b unscaled, x not projected): the same figure.
+                known = None if scaled or N is not None else out.checked_residual(x)
+                residual = known if known is not None else true_residual_norm(A, b, x)
                 # That read waited for the solve's queued masked iterations: free what
                 # the fused GPU core kept alive for them (nothing on other paths).
                 batched.release_done()

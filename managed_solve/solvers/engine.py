@@ -54,6 +54,16 @@ class Outcome:
     message: str = ""
     host_syncs: int = 0
     info: dict = field(default_factory=dict)
+    #: ``(x, ||b - A x||)`` where the engine computed the true residual of the
+    #: ``x`` it returns from scratch (a fused product and sum, read on the host):
+    #: the verify rule then reads that instead of forming ``b - A x`` again.
+    #: Valid only while ``x`` is that same array.
+    true_residual: tuple | None = None
+
+    def checked_residual(self, x: Any) -> float | None:
+        """The engine's true residual norm of ``x`` (the same array it returned), else None."""
+        got = self.true_residual
+        return got[1] if got is not None and got[0] is x else None
 
 
 class BlockOutcomes(list):

@@ -7,9 +7,16 @@ The source is compiled once per device through the batched core's loader
 float and double and for every row-group width.
 
 Launch geometry: row kernels give a row ``G`` lanes (:func:`group_size`,
-from the mean row length) and loop over rows grid-stride, with at most one
-full wave of blocks (8 blocks of 256 threads per multiprocessor), so any
-``n`` (17M rows and beyond) is covered by a bounded grid.
+from the mean row length and the value width) and loop over rows
+grid-stride, with at most :data:`WAVES` waves of blocks (a wave: 8 blocks
+of 256 threads per multiprocessor), so any ``n`` (17M rows and beyond) is
+covered by a bounded grid. Eight waves rather than one: the block
+scheduler then evens out rows of unequal cost and the last, partial pass
+over the rows. Per-iteration times of AMG-CG on an H100, 2D Poisson, one
+wave against eight: 4096^2 float64 5.74 against 5.29 ms, float32 4.03
+against 3.81; 2048^2 float64 1.45 against 1.42, float32 1.08 against 1.05.
+More waves again gain on the cycle's kernels at 4096^2 but lose on the
+loop's sums (one atomic addition a block).
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from ..batched import cuda
 
 #: Threads per block.
 THREADS = 256
+#: Waves of blocks a launch covers at most (see the module's docstring).
+WAVES = 8
 #: Row-group widths instantiated (lanes a row).
 GROUPS = (1, 2, 4, 8, 16, 32)
 _TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
@@ -53,15 +62,17 @@ def group_size(n: int, nnz: int, itemsize: int = 8) -> int:
 
     Few lanes a row: a row's scalar work (its b, dinv and x, the write of
     the result) is done by one lane of its group, so narrow groups keep more
-    lanes loading. Per-kernel times at 2D Poisson 4096^2 on an H100 (levels
-    of 5, 11 and 22 entries a row, P of 2.5-3.7): float64 fastest with 2
-    lanes up to 16 entries, float32 with 1 lane up to 12, and 4 at 22
-    (a 5-entry smoothing step: float64 625 us with 2 lanes against 972 with
-    4; float32 384 us with 1 against 673 with 4). Longer rows get about one
-    lane per 5 entries, up to a warp.
+    lanes loading. Per-kernel times of the cycle at 2D Poisson 2048^2 and
+    4096^2 on an H100 (levels of 5, 11 and 22 entries a row, P of 2.5-3.7):
+    float64 fastest with 2 lanes up to 16 entries (a 5-entry smoothing step
+    at 4096^2: 625 us with 2 lanes against 972 with 4), float32 with 1 lane
+    below 8 entries and 2 from 8 (the 11-entry level's first smoothing step
+    at 4096^2: 264 us with 1 lane against 176 with 2; its 5-entry steps:
+    384 us with 1 against 673 with 4). Longer rows get about one lane per 5
+    entries, up to a warp.
     """
     mean = nnz / max(n, 1)
-    if mean < (12.0 if itemsize <= 4 else 4.0):
+    if mean < (8.0 if itemsize <= 4 else 4.0):
         return 1
     if mean < 16.0:
         return 2
@@ -79,10 +90,10 @@ class CudaOps:
     def __init__(self, dtype: Any, device_id: int):
         self.t = np.dtype(dtype).type
         self.k = kernels(device_id, dtype)
-        self.waves = cuda.sm_count(device_id) * 8
+        self.blocks = cuda.sm_count(device_id) * 8 * WAVES
 
     def _grid(self, threads: int) -> tuple[int]:
-        return (max(1, min(math.ceil(threads / THREADS), self.waves)),)
+        return (max(1, min(math.ceil(threads / THREADS), self.blocks)),)
 
     def scale(self, n: int, b: Any, dinv: Any, s: float, x: Any, d: Any, write_d: int) -> None:
         self.k["scale"](self._grid(n), (THREADS,),
@@ -150,10 +161,10 @@ class LoopCudaOps:
     def __init__(self, dtype: Any, cdtype: Any, device_id: int):
         names = loop_instantiations(_TYPES[np.dtype(dtype)], _TYPES[np.dtype(cdtype)])
         self.k = _backend.raw_kernels(device_id, loop_source(), names)
-        self.waves = cuda.sm_count(device_id) * 8
+        self.blocks = cuda.sm_count(device_id) * 8 * WAVES
 
     def _grid(self, threads: int) -> tuple[int]:
-        return (max(1, min(math.ceil(threads / THREADS), self.waves)),)
+        return (max(1, min(math.ceil(threads / THREADS), self.blocks)),)
 
     def spmv_dot(self, n: int, indptr: Any, indices: Any, data: Any, p: Any, q: Any,
                  s: Any) -> None:

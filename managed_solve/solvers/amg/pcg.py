@@ -12,7 +12,11 @@ dot ``r.z``, one thread for the scalars, ``p = z + beta p``), every scalar
 kept on the device, and is captured, the cycle's kernels included, as one
 CUDA graph. The host launches it and reads ``||r||`` and the breakdown flag
 from pinned memory once an iteration: a V-cycle costs milliseconds, the
-read microseconds, and no iteration runs past convergence.
+read microseconds, and no iteration runs past convergence. The loop ends
+with the true residual of the ``x`` it returns, ``b - A x`` and its sum in
+one pass of the residual kernel, which the verify rule then reads instead
+of forming ``b - A x`` again (at 4.2M unknowns a from-scratch residual
+through cuSPARSE and a norm cost 0.4 ms, read twice a solve).
 
 The same sequence runs on the NumPy twins (:class:`~.twins.LoopTwinOps`)
 over a host :class:`~.fused.FusedCycle`, where the tests pin it against the
@@ -27,11 +31,11 @@ from typing import Any
 import numpy as np
 
 from ... import _backend
-from .._common import stable_norm, stop_threshold
+from .._common import SAFE_NORM_RANGE, stable_norm, stop_threshold
 from ..engine import BREAKDOWN, CONVERGED, MAXITER, Outcome
 from .fused import FusedCycle
 from .preconditioner import AMGPreconditioner
-from .twins import BAD, NSCALARS, RNORM, RZ, RZN, TOL
+from .twins import BAD, NSCALARS, RNORM, RR, RZ, RZN, TOL
 
 log = logging.getLogger("managed_solve")
 
@@ -62,6 +66,7 @@ class BoundCG:
         self.r = self.rc if self.rc.dtype == dt else xp.zeros(n, dtype=dt)
         self.x, self.p, self.q = (xp.zeros(n, dtype=dt) for _ in range(3))
         self.s = xp.zeros(NSCALARS, dtype=np.float64)
+        self.s_check = xp.zeros(NSCALARS, dtype=np.float64)  # the closing residual's sum
         self.graph: Any = None
         self._keep: tuple = ()
         self.pinned: Any = None
@@ -122,7 +127,25 @@ class BoundCG:
         The loop runs in the cycle's buffers: solves sharing the cycle take turns.
         """
         with self.cycle.lock:
-            return self._solve(b, x0, rtol=rtol, atol=atol, maxiter=maxiter)
+            out = self._solve(b, x0, rtol=rtol, atol=atol, maxiter=maxiter)
+            out.x = self.x.copy()
+            out.true_residual = (out.x, self._true_residual(b))
+            out.host_syncs += 1
+            return out
+
+    def _true_residual(self, b: Any) -> float:
+        """``||b - A x||`` of the loop's ``x`` from scratch: one fused pass (product, sum), one read.
+
+        The verify rule's check, made here where the loop's kernel and a
+        scratch vector are at hand (``q``, free once the loop ends).
+        """
+        xp, s = self.xp, self.s_check
+        b = xp.ascontiguousarray(b, dtype=self.dtype)
+        s.fill(0)
+        self.ops.residual(self.n, *self.A3, b, self.x, self.q, self.q, s)
+        got = float(np.sqrt(float(_backend.to_host(s[RR]))))  # sync: the true residual
+        lo, hi = SAFE_NORM_RANGE
+        return got if lo < got < hi else stable_norm(xp, self.q)  # extremes: rescaled
 
     def _solve(self, b: Any, x0: Any, *, rtol: float, atol: float, maxiter: int) -> Outcome:
         xp, ops, n, s = self.xp, self.ops, self.n, self.s
@@ -140,7 +163,7 @@ class BoundCG:
         syncs = 2
         r0 = float(np.sqrt(float(_backend.to_host(xp.dot(self.r, self.r)))))  # sync: r0
         if r0 <= tol:
-            return Outcome(self.x.copy(), CONVERGED, 0, r0, host_syncs=syncs,
+            return Outcome(None, CONVERGED, 0, r0, host_syncs=syncs,
                            info={"path": "amg-cg"})
         if self.cycle.graph is not None:  # z = M r: the preconditioner's own graph
             self.cycle.graph.launch()
@@ -159,15 +182,15 @@ class BoundCG:
             rnorm, bad = self._step()
             syncs += 1
             if bad:
-                return Outcome(self.x.copy(), BREAKDOWN, it, rnorm, INDEFINITE,
+                return Outcome(None, BREAKDOWN, it, rnorm, INDEFINITE,
                                host_syncs=syncs, info=info)
             if rnorm <= tol:
-                return Outcome(self.x.copy(), CONVERGED, it, rnorm, host_syncs=syncs,
+                return Outcome(None, CONVERGED, it, rnorm, host_syncs=syncs,
                                info={**info, "converged_at": it})
             if not (rnorm == rnorm and rnorm != float("inf")):
-                return Outcome(self.x.copy(), BREAKDOWN, it, rnorm, NONFINITE,
+                return Outcome(None, BREAKDOWN, it, rnorm, NONFINITE,
                                host_syncs=syncs, info=info)
-        return Outcome(self.x.copy(), MAXITER, maxiter, rnorm, host_syncs=syncs, info=info)
+        return Outcome(None, MAXITER, maxiter, rnorm, host_syncs=syncs, info=info)
 
 
 def amg_of(M: Any) -> Any:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import scipy.sparse as sp
+import scipy.sparse.linalg  # noqa: F401 - sp.linalg
 
 from managed_solve.solvers.amg import amg
 from managed_solve.solvers.amg import twins as tw
@@ -109,6 +110,52 @@ def test_twin_loop_reports_non_positive_curvature():
     ref = cg(ind, b, rtol=1e-10, M=lambda r: other.apply(r, np.float64), maxiter=300)
     out = loop.solve(b, rtol=1e-10, maxiter=300)
     assert out.code == ref.code and out.iterations == ref.iterations, (out, ref.code)
+
+
+@pytest.mark.parametrize("x0", [False, True])
+def test_twin_loop_hands_over_the_true_residual_of_its_x(x0):
+    """The outcome carries ||b - A x|| of the very x it returns (the verify rule reads it)."""
+    A = poisson2d(40)
+    rng = np.random.default_rng(11)
+    b = rng.standard_normal(A.shape[0])
+    loop, _ = pair(A)
+    for maxiter in (3, 200):  # stopped early (a large residual) and converged
+        out = loop.solve(b, rng.standard_normal(A.shape[0]) if x0 else None, rtol=1e-9,
+                         maxiter=maxiter)
+        assert out.code == (MAXITER if maxiter == 3 else CONVERGED)
+        want = np.linalg.norm(b - A @ out.x)
+        assert out.checked_residual(out.x) == pytest.approx(want, rel=1e-10)
+        assert out.checked_residual(out.x.copy()) is None  # another array: not vouched for
+        assert out.host_syncs >= out.iterations + 2
+
+
+def test_the_verify_rule_reads_the_engines_true_residual():
+    """refine takes the engine's figure for the x it returned (one product fewer a solve)."""
+    from managed_solve.solvers.engine import Outcome
+    from managed_solve.solvers.verify import no_worse_than_the_start, refine
+
+    A = poisson2d(20)
+    b = np.ones(A.shape[0])
+    x = np.zeros(A.shape[0])  # residual ||b||: far from converged
+
+    class Refuses:
+        maxiter = 10
+
+        def solve_limited(self, *args, **kw):
+            raise AssertionError("a refinement ran although the engine's residual met tol")
+
+    # the engine vouches for a residual within tol: no restart, whatever b - A x is
+    out = Outcome(x, CONVERGED, 5, 1e-12, true_residual=(x, 1e-12))
+    assert refine(A, b, Refuses(), out, 1e-8, False) is out
+    # vouching for another array counts for nothing: the rule forms b - A x itself
+    other = Outcome(x, CONVERGED, 5, 1e-12, true_residual=(x.copy(), 1e-12))
+    with pytest.raises(AssertionError, match="refinement ran"):
+        refine(A, b, Refuses(), other, 1e-8, False)
+    # a failed solve is judged on the engine's figure too (here one worse than the start)
+    exact = np.asarray(sp.linalg.spsolve(A.tocsc(), b))
+    failed = Outcome(exact, MAXITER, 5, 1.0, true_residual=(exact, 1e9))
+    got = no_worse_than_the_start(A, b, None, failed, 1e-8)
+    assert "initial guess" in got.info["returned"] and not got.x.any()
 
 
 def test_twin_kernels_reduce_into_the_scalars():
@@ -214,3 +261,64 @@ def test_gpu_loop_breakdown_maxiter_and_update(cp):
     assert rel(host(second.x), host(first.x) / 2.0) < 1e-6
     # a callback, or GMRES, keeps the generic loop
     assert not engine_solver(Ad, M, callback=lambda xk: None).bound
+
+
+@pytest.mark.gpu
+def test_gpu_solver_reports_the_loops_true_residual(cp, monkeypatch):
+    """A Solver's residual is the loop's from-scratch figure: no second b - A x is formed."""
+    import cupyx.scipy.sparse as csp
+
+    import managed_solve as ms
+    from managed_solve import solver as solver_module
+    from managed_solve.solvers import verify
+
+    A = poisson2d(200)
+    b = np.random.default_rng(12).standard_normal(A.shape[0])
+    Ad, bd = csp.csr_matrix(A), cp.asarray(b)
+    calls = []
+
+    def counted(real):
+        return lambda *a: calls.append(1) or real(*a)
+
+    for dtype in ("float64", "float32"):
+        solver = ms.Solver(Ad, method="cg", M=amg(Ad, setup="native", dtype=dtype), rtol=1e-10)
+        solver.solve(bd)  # set-up and graphs
+        calls.clear()
+        for module in (solver_module, verify):
+            monkeypatch.setattr(module, "true_residual_norm",
+                                counted(module.true_residual_norm))
+        res = solver.solve(bd)
+        monkeypatch.undo()
+        assert res.converged and res.info["path"] == "amg-cg"
+        want = np.linalg.norm(b - A @ host(res.x))
+        assert res.residual_norm == pytest.approx(want, rel=1e-8)
+        assert res.residual_norm <= 1e-10 * np.linalg.norm(b)
+        assert not calls
+        solver.close()
+
+
+@pytest.mark.gpu
+def test_gpu_loop_kernels_match_their_twins_on_wide_rows(cp):
+    """The loop's product (its lanes take four entries a round) on rows of 1 to 240 entries."""
+    from managed_solve.solvers.amg.kernels import LoopCudaOps, group_size
+
+    rng = np.random.default_rng(13)
+    mats = {"tridiagonal": sp.diags([1.0, -2.0, 1.0], [-1, 0, 1], shape=(500, 500)),
+            "poisson": poisson2d(30),
+            "mid": sp.random(300, 300, density=0.1, random_state=8),
+            "very-wide": sp.random(300, 300, density=0.8, random_state=9)}
+    widths = set()
+    for name, A in mats.items():
+        A = sp.csr_matrix(A)
+        A.sort_indices()
+        n = A.shape[0]
+        widths.add(group_size(n, A.nnz, 8))
+        ops = LoopCudaOps(np.float64, np.float64, cp.cuda.Device().id)
+        p = rng.standard_normal(n)
+        s_h, q_h = np.zeros(tw.NSCALARS), np.empty(n)
+        tw.pcg_spmv_dot(n, *triple(A), p, q_h, s_h)
+        s_d, q_d = cp.zeros(tw.NSCALARS), cp.full(n, cp.nan)
+        ops.spmv_dot(n, *(cp.asarray(a) for a in triple(A)), cp.asarray(p), q_d, s_d)
+        assert rel(host(q_d), q_h) < 1e-13, name
+        assert float(s_d[tw.PQ]) == pytest.approx(s_h[tw.PQ], rel=1e-12), name
+    assert widths >= {1, 2, 4, 32}
