@@ -36,13 +36,12 @@ from typing import Any
 import numpy as np
 
 from .. import _backend, config
-from ..device_args import resolve_devices
 from ..devices import Device
 from ..manager import DeviceManager
 from ..system import LinearSystem, is_symmetric
 from ..system.cost import bytes_per_iteration, krylov_cost, predict_iterations, solve_bytes
 from ..system.method import amg_min_n, choose_method
-from . import host_checks, process
+from . import host_checks
 from .plan import ALONE_ROWS, BATCH, DEFERRED, DIRECT, SINGLE, Estimate, Work, target_rows
 from .validate import Checked, invalid_result
 
@@ -486,7 +485,7 @@ def estimate_call(checked: Checked, manager: DeviceManager, devs: Sequence[Devic
         # Python beside the workers' first copies and graph captures, which take
         # the GIL back after each of their many CUDA calls (setting head_switch_interval).
         beside = config.current().head_switch_interval
-        with process.SWITCH_INTERVAL.held(beside, active=beside is not None):
+        with _backend.SWITCH_INTERVAL.held(beside, active=beside is not None):
             return estimates(rest)
 
     return Work(valid, results, devs, estimates(head, defer=True), method_of, later, rows_bound)
@@ -545,65 +544,3 @@ def prefetch_cuda_modules(systems: Sequence[LinearSystem | None], devs: Sequence
 
     for dt in sorted(dtypes, key=str):
         prefetch_kernels(gpus, dt, np.int32, (family,))
-
-
-def start_cuda(items: Sequence[Any], manager: DeviceManager, devices: Any, disperse: bool,
-               method: str) -> None:
-    """Start a GPU run's CUDA side before its host work: the GPUs' contexts and the batched modules.
-
-    Both run on helper threads without the GIL (a context takes about a
-    tenth of a second to make; a module loads from CuPy's cache or compiles),
-    beside the host checks, whose first call in a process sets Numba up
-    (a quarter of a second of Python). Only where the GPUs are known before
-    validation: every accelerator (``disperse``, the default) or those
-    named in ``devices``. The modules' dtypes are read off the raw inputs
-    (:func:`input_dtypes`); :func:`prefetch_cuda_modules`, after validation,
-    adds any this missed.
-    """
-    if devices is None:
-        devs = manager.accelerators
-    else:
-        try:
-            devs = resolve_devices(devices, manager.inventory, call="solve_many", arg="devices")
-        except (TypeError, ValueError):
-            return  # the call's own device selection reports it
-    gpus = [d.index for d in devs if d.is_cuda]
-    if not gpus or (not disperse and len(devs) > 1):  # the one GPU used is chosen later
-        return
-    for index in gpus:
-        _backend.open_cuda_context(index)
-    family = {"auto": "cg", "cg": "cg", "bicgstab": "bicgstab", "gmres": "gmres"}.get(method)
-    if family is None:
-        return
-    from ..solvers.batched import prefetch_kernels
-
-    for dt in sorted(input_dtypes(items), key=str):
-        prefetch_kernels(gpus, dt, np.int32, (family,))
-
-
-_F32 = np.dtype(np.float32)
-
-
-def input_dtypes(items: Sequence[Any]) -> set[np.dtype]:
-    """The value dtypes validation will give ``solve_many``'s raw inputs, as far as read without it.
-
-    A LinearSystem's own; an ``(A, b)`` pair's float32 when both are
-    float32, float64 when both are real numbers otherwise (the rule of
-    :mod:`managed_solve.system.inputs`). Inputs that are neither, or whose
-    dtypes are not NumPy's (torch tensors), are left out.
-    """
-    out: set[np.dtype] = set()
-    for item in items:
-        try:
-            if isinstance(item, LinearSystem):
-                if item.kind == "csr":
-                    out.add(np.dtype(item.dtype))
-            elif isinstance(item, (tuple, list)) and len(item) == 2:
-                dts = {np.dtype(item[0].dtype), np.dtype(item[1].dtype)}
-                if dts == {_F32}:
-                    out.add(_F32)
-                elif all(dt.kind in "fiub" for dt in dts):
-                    out.add(np.dtype(np.float64))
-        except (AttributeError, TypeError):
-            continue
-    return out

@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 
 from .. import _backend, config
-from ..device_args import resolve_devices
 from ..devices import Device, is_cuda_kind
 from ..manager import DeviceManager
 from ..sharded import choose_shard_count
@@ -522,26 +521,3 @@ def packed_bytes(manager: DeviceManager, systems: Sequence[LinearSystem | None]
         return manager.size_of(int(raw))
 
     return nbytes
-
-
-def select_devices(manager: DeviceManager, devices: object, disperse: bool,
-                   systems: Sequence[LinearSystem | None]) -> list[Device]:
-    """The devices a call uses: those named (or every accelerator, else the CPU).
-
-    Without ``disperse``, one of them: the one already holding most of the
-    bytes of ``systems`` (the call's, None for invalid ones), else the one
-    with most room.
-    """
-    if devices is not None:  # each once, in the order named; the manager's own (it keeps the ledger)
-        devs = list(dict.fromkeys(resolve_devices(devices, manager.inventory,
-                                                  call="solve_many", arg="devices")))
-    else:
-        devs = manager.accelerators or [manager.cpu]
-    if disperse or len(devs) == 1:
-        return devs
-    held_bytes: dict[str, int] = {}
-    for s in systems:
-        if s is not None:
-            held_bytes[s.device] = held_bytes.get(s.device, 0) + s.nbytes
-    best = max(devs, key=lambda d: (held_bytes.get(str(d), 0), manager.available_bytes(d)))
-    return [best]
