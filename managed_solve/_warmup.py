@@ -26,7 +26,7 @@ from . import _backend, config
 from ._solve_many import solve_many
 from .manager import DeviceManager
 from .scheduling.host_checks import MIN_ARRAYS
-from .solvers.batched.threads import row_threads
+from .solvers.batched.cpu import row_threads
 
 #: The methods whose batched kernels :func:`warmup` prepares by default.
 METHODS = ("cg", "bicgstab", "gmres")

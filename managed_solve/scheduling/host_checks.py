@@ -7,7 +7,7 @@ hundreds of small calls; each takes the GIL back when it returns, and
 beside the call's other Python threads each re-take may wait for the
 interpreter's switch interval. Here the arrays' addresses are read once
 and ranges of them go out to the caller and the host-kernel helpers
-(:func:`managed_solve.solvers.batched.threads.run_kernels`), one GIL-free
+(:func:`managed_solve.solvers.batched.cpu.run_kernels`), one GIL-free
 kernel call (:mod:`managed_solve.kernels.checks`) per range.
 
 Both passes give what the per-matrix functions give (the same kernels'
@@ -53,10 +53,10 @@ def run_all(passes: Sequence[Any]) -> None:
     """Every kernel call of ``passes`` (objects with ``work``, ``count`` and ``jobs()``), one hand-out.
 
     The calling thread and the host-kernel helpers claim ranges of each
-    pass's items (:func:`managed_solve.solvers.batched.threads.run_kernels`,
+    pass's items (:func:`managed_solve.solvers.batched.cpu.run_kernels`,
     threads by the host kernels' rule for the passes' predicted nanoseconds).
     """
-    from ..solvers.batched.threads import run_kernels
+    from ..solvers.batched.cpu import run_kernels
 
     run_kernels([job for p in passes for job in p.jobs()], sum(p.work for p in passes),
                 sum(p.count for p in passes), RANGES_PER_THREAD)

@@ -390,9 +390,9 @@ def make_slots(devices: Sequence[Device], manager: DeviceManager,
     manager's prediction where given: a runner re-placing a failed batch
     knows its own queues.
     """
-    return [Slot(str(d), manager.available_bytes(d), manager.speed(d),
-                 busy.get(str(d), 0.0) if busy is not None else manager.predicted_finish(d), d.kind)
-            for d in devices]
+    view = manager.plan_view(devices)
+    return [Slot(str(d), room, speed, busy.get(str(d), 0.0) if busy is not None else finish, d.kind)
+            for d, (room, speed, finish) in zip(devices, view, strict=True)]
 
 
 def plan_work(estimates: Iterable[Estimate], devices: Sequence[Device], manager: DeviceManager, *,

@@ -41,7 +41,7 @@ log = logging.getLogger("managed_solve")
 
 # Host-side Krylov work (CPU and simulated devices, which compute with
 # NumPy/Numba on the host) runs one batch at a time: each batch already
-# shares its systems out over every core (solvers/batched/threads.py), and
+# shares its systems out over every core (solvers/batched/cpu.py), and
 # Numba's workqueue threading layer aborts when two threads launch parallel
 # kernels (one large system's row-parallel sweeps) at once.
 _HOST_KERNEL_LOCK = threading.Lock()
