@@ -9,6 +9,7 @@ the argument, what was expected, what arrived and the fix.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -317,6 +318,19 @@ def checked_finite(a: Any, memo: dict | None) -> bool:
     return ok
 
 
+def host_nonfinite(arrays: Sequence[np.ndarray], memo: dict | None) -> int | None:
+    """The index of the first host array holding a NaN or an Inf (None: all finite).
+
+    Each by :func:`checked_finite`, in order: the check of a host system's
+    arrays, which are usually in ``memo`` already (``solve_many`` checks its
+    inputs' arrays in one pass first).
+    """
+    for k, a in enumerate(arrays):
+        if not checked_finite(a, memo):
+            return k
+    return None
+
+
 def first_nonfinite(arrays: list, memo: dict | None) -> int | None:
     """The index of the first array holding a NaN or an Inf (None: all finite).
 
@@ -345,10 +359,3 @@ def first_nonfinite(arrays: list, memo: dict | None) -> int | None:
         if k not in on_gpu and not checked_finite(a, memo):
             return k
     return None
-
-
-def nonnegative_finite(v: Any) -> bool:
-    """``v`` is a finite number >= 0 (Python numbers without a NumPy call)."""
-    if type(v) is float or type(v) is int:
-        return math.isfinite(v) and v >= 0
-    return bool(np.isfinite(v) and v >= 0)
