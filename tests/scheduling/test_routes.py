@@ -23,11 +23,11 @@ def test_true_residual_check_restarts_drifted_systems(monkeypatch, where):
     """
     from managed_solve.solvers.batched import engine
 
-    cg_batched = engine.cg_batched
+    run_core = engine.run_core
     calls = []
 
-    def drifting_cg(batch, **kw):
-        out = cg_batched(batch, **kw)
+    def drifting_cg(batch, method, **kw):
+        out = run_core(batch, method, **kw)
         calls.append(batch.nsys)
         if len(calls) == 1:  # first batch: spoil every other system's answer, claim convergence
             for name, v in zip(batch.names, batch.unpack(out.x), strict=True):
@@ -36,7 +36,7 @@ def test_true_residual_check_restarts_drifted_systems(monkeypatch, where):
             out.true_norms = None  # the host kernels' norms are of the unspoiled x
         return out
 
-    monkeypatch.setattr(engine, "cg_batched", drifting_cg)  # the batched engine's CG core
+    monkeypatch.setattr(engine, "run_core", drifting_cg)  # the batched engine's core (CG here)
     systems = [LinearSystem(poisson2d(m), np.ones(m * m), name=f"p{m}") for m in range(4, 12)]
     dm = DeviceManager(simulate="1x64MiB") if where == "sim" else DeviceManager(["cuda:0"])
     results = solve_many(systems, manager=dm)
