@@ -17,7 +17,7 @@ auto policy (:func:`managed_solve.system.method.choose_method`, the one
 
 The auto method's tests (symmetry, Gershgorin bounds) of the inputs' host
 matrices run in validation's pass, many matrices a GIL-free kernel call on
-every core (:func:`.host_checks.check_inputs`). Those of matrices
+every core (:func:`.validate.check_inputs`). Those of matrices
 validation replaced run after it (:func:`test_host_matrices`; on a call
 with accelerators on a helper thread, :func:`start_host_matrices`, their
 systems' methods deferred to their batches: :func:`deferred_estimate`).
@@ -41,7 +41,7 @@ from ..manager import DeviceManager
 from ..system import LinearSystem, is_symmetric
 from ..system.cost import bytes_per_iteration, krylov_cost, predict_iterations, solve_bytes
 from ..system.method import amg_min_n, choose_method
-from . import host_checks
+from . import validate as validation
 from .plan import ALONE_ROWS, BATCH, DEFERRED, DIRECT, SINGLE, Estimate, Work, target_rows
 from .validate import Checked, invalid_result
 
@@ -84,12 +84,12 @@ def count_shared(systems: Sequence[LinearSystem | None], cache: dict) -> None:
 
 def host_matrices(systems: Sequence[LinearSystem | None], cache: dict, least: int | None = None,
                   skip: Collection[int] = ()) -> list:
-    """The distinct matrices :func:`test_host_matrices` tests (untested, :func:`.host_checks.pass_tested`).
+    """The distinct matrices :func:`test_host_matrices` tests (untested, :func:`.validate.pass_tested`).
 
-    ``least``: default :func:`.host_checks.pass_least`. Matrices whose ids
+    ``least``: default :func:`.validate.pass_least`. Matrices whose ids
     are in ``skip`` (under test already) are left out.
     """
-    least = host_checks.pass_least() if least is None else least
+    least = validation.pass_least() if least is None else least
     found: dict[int, Any] = {}
     for s in systems:
         if s is None:
@@ -98,7 +98,7 @@ def host_matrices(systems: Sequence[LinearSystem | None], cache: dict, least: in
         if key in found or key in skip:
             continue
         hit = cache.get(key)  # tested already (the input pass): the common case, cheap first
-        if (hit is None or hit[0] is not s.A) and host_checks.pass_tested(s, least):
+        if (hit is None or hit[0] is not s.A) and validation.pass_tested(s, least):
             found[key] = s.A
     return list(found.values())
 
@@ -108,15 +108,15 @@ def test_host_matrices(systems: Sequence[LinearSystem | None], cache: dict,
     """Run the auto policy's matrix tests on every core, before the estimates.
 
     Each distinct host CSR matrix of an "auto" system below ``least``
-    stored entries (default :func:`.host_checks.pass_least`) gets its
+    stored entries (default :func:`.validate.pass_least`) gets its
     one-pass symmetry and Gershgorin test, many matrices a GIL-free kernel
-    call (:func:`.host_checks.test_symmetry`), shared out largest first over
+    call (:func:`.validate.test_symmetry`), shared out largest first over
     the calling thread and the host-kernel helpers. The estimate loop then
     finds every answer in ``cache``; :func:`prefetch_methods` leaves these
     matrices alone. Returns the number of matrices tested.
     """
     mats = host_matrices(systems, cache, least)
-    host_checks.test_symmetry(mats, cache)
+    validation.test_symmetry(mats, cache)
     return len(mats)
 
 
@@ -126,7 +126,7 @@ def test_gpu_matrices(systems: Sequence[LinearSystem | None], cache: dict) -> in
     Each distinct cupyx CSR matrix of an "auto" system gets its symmetry code
     and Gershgorin bounds from one launch per GPU and dtype pair, read back
     in one copy (:func:`managed_solve.system.device_checks.symmetry_many`),
-    into ``cache`` as :func:`.host_checks.test_symmetry` leaves the host
+    into ``cache`` as :func:`.validate.test_symmetry` leaves the host
     matrices'. Tested one by one, each would cost a transpose and several
     host reads. A matrix whose rows are not canonical is left to the
     per-matrix test. Returns the number of matrices tested.
@@ -167,7 +167,7 @@ def start_host_matrices(mats: Sequence[Any], cache: dict) -> dict[int, Future]:
     """
     if not mats:
         return {}
-    work = host_checks.symmetry_pass(mats)
+    work = validation.symmetry_pass(mats)
     pool = _backend.thread_pool("prefetch", max(2, min(8, _backend.cpu_count() // 2)))
     fut = pool.submit(work.run, cache)
     return {id(A): fut for A in mats}
@@ -436,10 +436,10 @@ def estimate_call(checked: Checked, manager: DeviceManager, devs: Sequence[Devic
     # gate a head start); small ones not tested in validation's pass (it
     # replaced the object: a dtype conversion) run on every core, many a
     # kernel call.
-    mats = host_matrices(valid, cache)
+    mats = host_matrices(valid, cache, checked.least)
     early = prefetch_methods(valid, kind, cache, skip={id(A) for A in mats})
     if host_only:  # the method decides the route (a host LU or a batch): known before the plan
-        host_checks.test_symmetry(mats, cache)
+        validation.test_symmetry(mats, cache)
         passed: dict = {}
     else:  # beside the estimates, the plan and the first batch's packing
         passed = start_host_matrices(mats, cache)
