@@ -498,9 +498,9 @@ def packed_bytes(manager: DeviceManager, systems: Sequence[LinearSystem | None]
     their systems' estimates.
     """
     try:
-        from ..solvers.batched import PackedBatch
+        from ..solvers.batched import predict_bytes
     except ImportError:  # the core is not installed: the planner's own model
-        PackedBatch = None
+        predict_bytes = None
 
     def nbytes(members: Sequence[Estimate]) -> int:
         e0 = members[0]
@@ -511,10 +511,10 @@ def packed_bytes(manager: DeviceManager, systems: Sequence[LinearSystem | None]
         n = sum(e.n for e in members)
         nnz = sum(e.nnz for e in members)
         idx = np.int32 if max(n, nnz) < 2**31 - 1 else np.int64
-        if PackedBatch is not None:
+        if predict_bytes is not None:
             x0 = any(systems[e.index].x0 is not None for e in members)
-            raw = PackedBatch.predict_bytes(n, nnz, len(members), np.dtype(dt), np.dtype(idx), method,
-                                            jacobi=bool(jacobi), x0=x0)
+            raw = predict_bytes(n, nnz, len(members), np.dtype(dt), np.dtype(idx), method,
+                                jacobi=bool(jacobi), x0=x0)
             raw += 8 * n  # the true-residual check's product A @ x
         else:
             raw = sum(e.nbytes for e in members)
