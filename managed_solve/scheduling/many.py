@@ -3,19 +3,24 @@
 Each step is one function of its module, which hands the next a plain
 object:
 
-1. :func:`.validate.validate_call` checks the call's arguments and turns each
-   input into a :class:`LinearSystem` (a bad one becomes an
-   ``INVALID_INPUT`` result, the rest go on): :class:`.validate.Checked`;
+1. :func:`.validate.validate_call` checks the call's arguments, runs the
+   host checks of the inputs (NaN and Inf, the auto policy's matrix tests)
+   in one pass over the cores, and turns each input into a
+   :class:`LinearSystem` (a bad one becomes an ``INVALID_INPUT`` result,
+   the rest go on): :class:`.validate.Checked`;
    :func:`select_devices`, here, then names the devices the call uses
    (:func:`start_cuda`, before validation, has started their CUDA side);
 2. :func:`.estimate.estimate_call` finds each system's route, bytes and cost
    on them: :class:`.plan.Work`;
 3. :func:`.plan.plan_call` packs batches and disperses them longest-first
    over the devices: :class:`.plan.Plan`;
-4. :func:`.runner.run_call` runs one worker per device, staging copies
-   beside compute (:mod:`.staging`), handing each batch to its route
-   (:mod:`.routes`), splitting and retrying what fails; the results come
-   back in input order.
+4. :func:`.runner.run_call` runs one worker per device, its stage thread
+   copying the next batch beside the current compute, handing each batch to
+   its route (:mod:`.routes`), splitting and retrying what fails; the
+   results come back in input order.
+
+The interpreter settings a call may hold while it runs (when the caller opts
+in) are the process's, in :mod:`managed_solve._backend`.
 
 With many systems and a few large ones (setting ``head_start_systems``), the
 large ones start computing before the others are estimated and planned

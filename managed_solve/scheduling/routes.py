@@ -9,7 +9,8 @@
 - sharded: one system too large for any device, over every accelerator
   (:func:`run_sharded`).
 
-Every route applies the one verify-and-fall-back rule of :mod:`.verify`.
+Every route applies the one verify-and-fall-back rule of
+:mod:`managed_solve.solvers.verify`.
 """
 
 from __future__ import annotations
