@@ -9,7 +9,6 @@ the argument, what was expected, what arrived and the fix.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -318,16 +317,19 @@ def checked_finite(a: Any, memo: dict | None) -> bool:
     return ok
 
 
-def host_nonfinite(arrays: Sequence[np.ndarray], memo: dict | None) -> int | None:
-    """The index of the first host array holding a NaN or an Inf (None: all finite).
+def host_nonfinite(data: np.ndarray | None, b: np.ndarray, memo: dict | None) -> np.ndarray | None:
+    """The first of a host CSR system's arrays holding a NaN or an Inf (None: both finite).
 
-    Each by :func:`checked_finite`, in order: the check of a host system's
-    arrays, which are usually in ``memo`` already (``solve_many`` checks its
-    inputs' arrays in one pass first).
+    ``data`` (A's stored entries; None when it stores none), then ``b``, each
+    by :func:`checked_finite`. ``solve_many`` checks its inputs' arrays in one
+    pass first, so both are usually in ``memo``: looked up here, one call a
+    system.
     """
-    for k, a in enumerate(arrays):
-        if not checked_finite(a, memo):
-            return k
+    if data is not None and (memo is None or memo.get(id(data)) is not data) \
+            and not checked_finite(data, memo):
+        return data
+    if (memo is None or memo.get(id(b)) is not b) and not checked_finite(b, memo):
+        return b
     return None
 
 

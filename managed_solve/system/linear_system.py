@@ -207,11 +207,10 @@ class LinearSystem:
             return False
         A.sum_duplicates()  # canonical form, in place, as as_operator leaves it
         if check_finite:
-            arrays = (A.data, b) if A.nnz else (b,)
-            bad = host_nonfinite(arrays, memo)
+            bad = host_nonfinite(A.data if A.nnz else None, b, memo)
             if bad is not None:
                 call = call or (f"LinearSystem({name!r})" if name else "LinearSystem(A, b)")
-                raise ValueError(f"{call}: {A_NONFINITE if arrays[bad] is A.data else B_NONFINITE}")
+                raise ValueError(f"{call}: {B_NONFINITE if bad is b else A_NONFINITE}")
         self.A, self.kind, self.b, self.x0 = A, "csr", b, None
         self.grad = None
         self.rtol, self.atol = float(rtol), float(atol)

@@ -211,7 +211,8 @@ def test_host_nonfinite_names_the_first_bad_array_and_remembers_the_good_ones():
 
     good, bad = np.ones(5), np.array([1.0, np.nan, 2.0])
     memo: dict = {}
-    assert host_nonfinite((good, bad, np.array([np.inf])), memo) == 1
+    assert host_nonfinite(bad, good, memo) is bad
+    assert memo == {}  # b not read after A's entries failed
+    assert host_nonfinite(good, bad, memo) is bad
     assert memo == {id(good): good}  # found finite, kept; the bad one is not
-    assert host_nonfinite((good,), memo) is None
-    assert host_nonfinite((), None) is None
+    assert host_nonfinite(None, good, memo) is None and host_nonfinite(good, good, None) is None
