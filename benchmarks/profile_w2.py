@@ -28,8 +28,9 @@ from bench_w2_many import RTOL, poisson2d, w2_pairs, w2_sizes  # noqa: E402
 from managed_solve import LinearSystem, _backend, config  # noqa: E402
 from managed_solve.manager import DeviceManager  # noqa: E402
 from managed_solve.scheduling import estimate as estimation  # noqa: E402
-from managed_solve.scheduling import host_checks, many, routes, staging  # noqa: E402
+from managed_solve.scheduling import many, routes  # noqa: E402
 from managed_solve.scheduling import plan as planning  # noqa: E402
+from managed_solve.scheduling import runner as running  # noqa: E402
 from managed_solve.scheduling import validate as validation  # noqa: E402
 from managed_solve.scheduling.runner import Runner  # noqa: E402
 from managed_solve.solvers import batched  # noqa: E402
@@ -91,7 +92,7 @@ def _rows(a, k):
 
 
 def install():
-    timed(staging, "pack_batch", note=_rows)
+    timed(running, "pack_batch", note=_rows)
     timed(routes, "solve_packed", note=lambda a, k: _rows(a, k))
     timed(planning, "plan_work")
     timed(validation, "validate_all", label="validate (all systems)")
@@ -115,16 +116,16 @@ def install():
     timed(Runner, "extend", label="plan extended")
     timed(Runner, "complete", label="results (finisher)")
     timed(Runner, "join", label="runner join")
-    timed(staging, "stage", label="stage (stage thread)")
+    timed(running, "stage", label="stage (stage thread)")
     timed(many, "solve_many")
     timed(routes, "packed_results", note=lambda a, k: f"{len(a[0])} sys")
     timed(routes, "run_packed")
-    timed(planning, "select_devices")
+    timed(many, "select_devices")
     timed(planning, "packed_bytes")
     timed(method, "is_symmetric", label="is_symmetric (per call)")
-    timed(host_checks.SymmetryPass, "run", label="symmetry pass",
+    timed(validation.SymmetryPass, "run", label="symmetry pass",
           note=lambda a, k: f"{sum(len(g[0]) for g in a[0].groups)} matrices")
-    timed(host_checks, "finite_arrays", label="finite pass", note=lambda a, k: f"{len(a[0])} arrays")
+    timed(validation, "finite_arrays", label="finite pass", note=lambda a, k: f"{len(a[0])} arrays")
     timed(Runner, "_batch_method", label="batch method (waits for its tests)")
     timed(method, "positive_diagonal", label="positive_diagonal (per call)")
     gc.callbacks.append(_gc_event)

@@ -28,9 +28,9 @@ from bench_w2_many import RTOL, poisson2d, w2_sizes  # noqa: E402
 
 from managed_solve.manager import DeviceManager  # noqa: E402
 from managed_solve.scheduling import estimate as estimation  # noqa: E402
-from managed_solve.scheduling import host_checks  # noqa: E402
-from managed_solve.scheduling.plan import packed_bytes, plan_work, select_devices  # noqa: E402
-from managed_solve.scheduling.validate import validate_all  # noqa: E402
+from managed_solve.scheduling import validate as validation  # noqa: E402
+from managed_solve.scheduling.many import select_devices  # noqa: E402
+from managed_solve.scheduling.plan import packed_bytes, plan_work  # noqa: E402
 from managed_solve.solvers.batched import pack_host  # noqa: E402
 
 
@@ -40,19 +40,19 @@ def steps(items: list, manager: DeviceManager) -> dict[str, float]:
     clock = time.perf_counter
     t0 = clock()
     cache: dict = {}
-    least = host_checks.pass_least()
-    mats = host_checks.input_matrices(items, "auto", least)
+    least = validation.pass_least()
+    mats = validation.input_matrices(items, "auto", least)
     t1 = clock()
-    tests = host_checks.symmetry_pass(mats)
+    tests = validation.symmetry_pass(mats)
     t2 = clock()
-    finite = host_checks.FinitePass(host_checks.finite_candidates(items, tests.covered()))
+    finite = validation.FinitePass(validation.finite_candidates(items, tests.covered()))
     t3 = clock()
-    host_checks.run_all([tests, finite])
+    validation.run_all([tests, finite])
     t4 = clock()
     tests.store(cache)
     memo = {id(a): a for a in finite.finite()}
     memo.update((id(a), a) for a in tests.finite_data())
-    _results, checked = validate_all(items, method="auto", M=None, rtol=RTOL, memo=memo)
+    _results, checked = validation.validate_all(items, method="auto", M=None, rtol=RTOL, memo=memo)
     valid = [checked.get(i) for i in range(len(items))]
     t5 = clock()
     devs = select_devices(manager, None, True, valid)

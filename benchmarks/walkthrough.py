@@ -13,11 +13,13 @@ package, and prints
 2. the distinct modules passed through;
 3. the crossings between modules of the package: a call from a frame in
    module X to a function of module Y != X. Each is marked by the layer
-   contract of ``pyproject.toml`` (the import-linter ``layers`` contract,
+   contract of ``pyproject.toml`` (the import-linter ``layers`` contracts,
    read from the file): ``down`` when Y's layer is below X's, ``level`` when
-   both lie in the same layer (siblings such as ``scheduling.runner`` ->
-   ``scheduling.routes``, or ``solvers`` -> ``sharded``), ``up`` when Y's
-   layer is above X's (a callback handed down and called from below).
+   both lie in the same layer (siblings such as ``solvers.batched.packed`` ->
+   ``solvers.engine``, or ``solvers`` -> ``sharded``), ``up`` when Y's
+   layer is above X's (a callback handed down and called from below). Two
+   modules of a package with a layers contract of its own
+   (``scheduling.runner`` -> ``scheduling.routes``) compare by that one.
 
 Which number is "the crossings"
 -------------------------------
@@ -100,22 +102,38 @@ _TRANSPARENT = frozenset({"<genexpr>", "<listcomp>", "<dictcomp>", "<setcomp>"})
 
 
 # --------------------------------------------------------------------------- layers
-def read_layers(pyproject: Path) -> list[list[str]]:
-    """The layers contract of ``pyproject.toml``, highest layer first, each a list of names."""
+def read_layers(pyproject: Path) -> dict[str, list[list[str]]]:
+    """The layers contracts of ``pyproject.toml`` by container, highest layer first, each a list of names.
+
+    The package's own contract (container ``managed_solve``) and those that
+    layer a package inside it (``managed_solve.scheduling``, ...).
+    """
     with open(pyproject, "rb") as fh:
         cfg = tomllib.load(fh)
+    out: dict[str, list[list[str]]] = {}
     for contract in cfg["tool"]["importlinter"]["contracts"]:
         if contract.get("type") == "layers":
-            return [[part.strip() for part in layer.split(":") if part.strip()]
-                    for layer in contract["layers"]]
-    raise SystemExit(f"{pyproject}: no import-linter 'layers' contract")
+            layers = [[part.strip() for part in layer.replace("|", ":").split(":") if part.strip()]
+                      for layer in contract["layers"]]
+            for container in contract.get("containers", [PACKAGE]):
+                out[container] = layers
+    if PACKAGE not in out:
+        raise SystemExit(f"{pyproject}: no import-linter 'layers' contract of {PACKAGE}")
+    return out
 
 
 class Layers:
-    """Module name -> layer rank (0 the highest); the package's ``__init__`` sits above all."""
+    """Module name -> layer rank (0 the highest); the package's ``__init__`` sits above all.
 
-    def __init__(self, layers: list[list[str]]):
-        self.rank = {name: r for r, names in enumerate(layers) for name in names}
+    Two modules of one package that has a layers contract of its own
+    (``scheduling.many`` and ``scheduling.runner``) compare by that
+    contract; otherwise by the package's.
+    """
+
+    def __init__(self, contracts: dict[str, list[list[str]]]):
+        self.ranks = {container: {name: r for r, names in enumerate(layers) for name in names}
+                      for container, layers in contracts.items()}
+        self.rank = self.ranks[PACKAGE]
 
     def of(self, module: str) -> int:
         parts = module.split(".")
@@ -127,8 +145,17 @@ class Layers:
         return rank
 
     def direction(self, caller: str, callee: str) -> str:
-        a, b = self.of(caller), self.of(callee)
-        return "down" if b > a else "up" if b < a else "level"
+        a, b = caller.split("."), callee.split(".")
+        k = 0
+        while k < min(len(a), len(b)) and a[k] == b[k]:
+            k += 1
+        if k >= 2 and k < len(a) and k < len(b):  # siblings inside a package of the package
+            ranks = self.ranks.get(".".join(a[:k]))
+            if ranks is not None and a[k] in ranks and b[k] in ranks:
+                ra, rb = ranks[a[k]], ranks[b[k]]
+                return "down" if rb > ra else "up" if rb < ra else "level"
+        ra, rb = self.of(caller), self.of(callee)
+        return "down" if rb > ra else "up" if rb < ra else "level"
 
     def foundation(self, module: str) -> bool:
         """True for a module of the lowest layer (settings, arrays, devices, results, kernels)."""

@@ -9,13 +9,15 @@ bodies, as CuPy's ``get_array_module`` does.
 from __future__ import annotations
 
 import functools
+import gc
 import importlib
 import logging
 import os
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
@@ -411,3 +413,65 @@ def synchronize(device: Any = None) -> None:
 def cpu_count() -> int:
     """Cores of this machine, read once (``os.cpu_count()`` reads the system each call)."""
     return os.cpu_count() or 1
+
+
+# --------------------------------------------------------------------------- interpreter settings
+# One process feeds every GPU: a full garbage collection, or a GIL hand-off
+# that waits out the interpreter's switch interval, stalls all of them. The
+# caller may ask ``solve_many`` to pause the cyclic collector and shorten the
+# switch interval (settings ``pause_gc``, ``switch_interval``,
+# ``head_switch_interval`` of :mod:`managed_solve.config`); by default it
+# changes neither.
+class ProcessSetting:
+    """An interpreter setting held while any solve_many call needs it.
+
+    Calls (and nested phases of one call) may ask for different values: the
+    smallest one asked for holds (a shorter GIL switch interval; collection
+    off, False < True); the caller's own value comes back when the last
+    request ends.
+
+    Examples
+    --------
+    >>> values = [7.0]
+    >>> setting = ProcessSetting(lambda: values[-1], values.append)
+    >>> with setting.held(5.0):
+    ...     with setting.held(1.0):
+    ...         values[-1]
+    1.0
+    >>> values[-1]
+    7.0
+    """
+
+    def __init__(self, get: Callable[[], Any], put: Callable[[Any], None]):
+        self.get, self.put = get, put
+        self.lock = threading.Lock()
+        self.requests: list[Any] = []
+        self.saved: Any = None
+
+    @contextmanager
+    def held(self, value: Any, active: bool = True) -> Iterator[None]:
+        """Hold ``value`` for the block (nothing when ``active`` is false)."""
+        if not active:
+            yield
+            return
+        with self.lock:
+            if not self.requests:
+                self.saved = self.get()
+            self.requests.append(value)
+            self.put(min(self.requests))
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.requests.remove(value)
+                self.put(min(self.requests) if self.requests else self.saved)
+
+
+def _set_gc(enabled: bool) -> None:
+    (gc.enable if enabled else gc.disable)()
+
+
+#: Automatic (cyclic) garbage collection, held off with ``held(False)``.
+COLLECTION = ProcessSetting(gc.isenabled, _set_gc)
+#: The GIL switch interval in seconds.
+SWITCH_INTERVAL = ProcessSetting(sys.getswitchinterval, sys.setswitchinterval)

@@ -25,8 +25,8 @@ import numpy as np
 from . import _backend, config
 from ._solve_many import solve_many
 from .manager import DeviceManager
-from .scheduling.host_checks import MIN_ARRAYS
-from .solvers.batched.threads import row_threads
+from .scheduling.validate import MIN_ARRAYS
+from .solvers.batched.cpu import row_threads
 
 #: The methods whose batched kernels :func:`warmup` prepares by default.
 METHODS = ("cg", "bicgstab", "gmres")
@@ -108,7 +108,7 @@ def _convection(m: int, dtype: Any) -> Any:
 
 def _systems(method: str, dtype: Any) -> list:
     """Systems with a matrix each, enough that validation and the auto policy take their
-    many-matrix kernels (``scheduling.host_checks``), as a call of many systems does."""
+    many-matrix kernels (``scheduling.validate``), as a call of many systems does."""
     make = _poisson if method == "cg" else _convection
     count = -(-MIN_ARRAYS // 2)  # each system brings two arrays (A's entries, b)
     return [(make(m, dtype), np.ones(m * m, dtype=dtype)) for m in (40, 44) * (-(-count // 2))]

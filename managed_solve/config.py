@@ -184,7 +184,7 @@ class Settings:
     batched_vector_min_nnz_per_row: int = 32
     batched_gmres_graphs: bool = True
     batched_gmres_vectorised_on_host: bool = False
-    # -- host kernels of the batched engine (solvers/batched/threads.py)
+    # -- host kernels of the batched engine (solvers/batched/cpu.py)
     host_threads: int | None = None
     host_parallel_min_work: float = 2e5
     host_row_parallel_min_rows: int = 1 << 18

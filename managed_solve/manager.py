@@ -307,6 +307,14 @@ class DeviceManager:
         with self._cond:
             return self._ledger[device].busy_seconds + seconds
 
+    def plan_view(self, devices: Sequence[Device]) -> list[tuple[int, float, float]]:
+        """``(available bytes, speed, predicted finish)`` of each device: a planner's one question.
+
+        :meth:`available_bytes`, :meth:`speed`, :meth:`predicted_finish`, read in one hold of the ledger."""
+        with self._cond:
+            return [(self.available_bytes(d), self._speed[str(d)], self._ledger[d].busy_seconds)
+                    for d in devices]
+
     # ------------------------------------------------------------------ hints
     def predict(self, signature: Any = None, *, nbytes: int = 0, cost: float | None = None,
                 device: Device | str | None = None) -> Prediction:

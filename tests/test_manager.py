@@ -592,3 +592,15 @@ def test_a_spill_warns_once_with_the_reason_and_the_fix():
     r.release()
     held.release()
     forget_warnings()
+
+
+def test_plan_view_answers_as_the_three_questions_it_replaces():
+    """plan_view: each device's room, speed and predicted finish, as the methods give them."""
+    dm = DeviceManager(simulate="2x1GiB")
+    a, b = dm.accelerators
+    with dm.reserve(300 * MiB, device=a, seconds=2.0):
+        dm.record("work", 0.5, device=b, cost=4e9)  # b learns a speed of its own
+        view = dm.plan_view([a, b, dm.cpu])
+        assert view == [(dm.available_bytes(d), dm.speed(d), dm.predicted_finish(d))
+                        for d in (a, b, dm.cpu)]
+        assert view[0][0] < view[1][0] and view[0][2] == 2.0 and view[1][2] == 0.0

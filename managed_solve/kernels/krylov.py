@@ -171,7 +171,7 @@ def cg_some(order, start, stop, indptr, indices, data, b, x, dinv, r, z, p, q, o
     """CG on systems ``order[start:stop]`` of a packed batch, one after another.
 
     Serial and without the GIL: host threads each call it on the systems
-    they claim (:mod:`managed_solve.solvers.batched.threads`). Besides the
+    they claim (:mod:`managed_solve.solvers.batched.cpu`). Besides the
     recurrence's ``out_rr``, each system's true ``||b - A x||^2`` and
     ``||b||^2`` go to ``out_true`` and ``out_bb`` (:func:`residual_sums`).
     """

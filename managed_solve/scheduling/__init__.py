@@ -1,14 +1,18 @@
-"""``solve_many`` on this machine: validate -> estimate -> plan -> run -> gather (re-exports only).
+"""``solve_many`` on this machine: validate -> estimate -> plan -> run (re-exports only).
 
-- ``validate``: the call's arguments; each input as a LinearSystem or an INVALID_INPUT result.
+- ``many``: the ``solve_many`` entry, each step entered once from it; the
+  call's devices and the early start of their CUDA side.
+- ``validate``: the call's arguments; the host checks of the inputs (NaN and
+  Inf, the auto policy's matrix tests) in one pass over the cores; each input
+  as a LinearSystem or an INVALID_INPUT result.
 - ``estimate``: each system's route (the auto policy), bytes and cost (the cost model).
 - ``plan``: Estimate/Batch/Slot, packing, longest-first dispersal, the plan of a call.
-- ``runner``: one worker per device, queues, work stealing, split-and-retry recovery.
-- ``staging``: host -> device copies of the next batch beside the current compute.
-- ``routes``: how each route runs (batched core, ``solve()``, host LU, sharded).
-- ``verify``: the verify-and-fall-back rule every route applies.
-- ``process``: interpreter settings held while a call runs, when the caller opts in.
-- ``many``: the ``solve_many`` entry, each step entered once.
+- ``runner``: one worker per device, queues, work stealing, the stage threads'
+  host -> device copies of the next batch beside the current compute,
+  split-and-retry recovery.
+- ``routes``: how each route runs (batched core, ``solve()``, host LU,
+  sharded), each applying the verify-and-fall-back rule of ``solvers.verify``.
+- ``adjoint``: what the routes keep for the adjoints of systems that require grad.
 """
 
 from .errors import SolveManyError as SolveManyError

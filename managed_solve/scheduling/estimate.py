@@ -17,7 +17,7 @@ auto policy (:func:`managed_solve.system.method.choose_method`, the one
 
 The auto method's tests (symmetry, Gershgorin bounds) of the inputs' host
 matrices run in validation's pass, many matrices a GIL-free kernel call on
-every core (:func:`.host_checks.check_inputs`). Those of matrices
+every core (:func:`.validate.check_inputs`). Those of matrices
 validation replaced run after it (:func:`test_host_matrices`; on a call
 with accelerators on a helper thread, :func:`start_host_matrices`, their
 systems' methods deferred to their batches: :func:`deferred_estimate`).
@@ -36,13 +36,12 @@ from typing import Any
 import numpy as np
 
 from .. import _backend, config
-from ..device_args import resolve_devices
 from ..devices import Device
 from ..manager import DeviceManager
 from ..system import LinearSystem, is_symmetric
 from ..system.cost import bytes_per_iteration, krylov_cost, predict_iterations, solve_bytes
 from ..system.method import amg_min_n, choose_method
-from . import host_checks, process
+from . import validate as validation
 from .plan import ALONE_ROWS, BATCH, DEFERRED, DIRECT, SINGLE, Estimate, Work, target_rows
 from .validate import Checked, invalid_result
 
@@ -85,12 +84,12 @@ def count_shared(systems: Sequence[LinearSystem | None], cache: dict) -> None:
 
 def host_matrices(systems: Sequence[LinearSystem | None], cache: dict, least: int | None = None,
                   skip: Collection[int] = ()) -> list:
-    """The distinct matrices :func:`test_host_matrices` tests (untested, :func:`.host_checks.pass_tested`).
+    """The distinct matrices :func:`test_host_matrices` tests (untested, :func:`.validate.pass_tested`).
 
-    ``least``: default :func:`.host_checks.pass_least`. Matrices whose ids
+    ``least``: default :func:`.validate.pass_least`. Matrices whose ids
     are in ``skip`` (under test already) are left out.
     """
-    least = host_checks.pass_least() if least is None else least
+    least = validation.pass_least() if least is None else least
     found: dict[int, Any] = {}
     for s in systems:
         if s is None:
@@ -99,7 +98,7 @@ def host_matrices(systems: Sequence[LinearSystem | None], cache: dict, least: in
         if key in found or key in skip:
             continue
         hit = cache.get(key)  # tested already (the input pass): the common case, cheap first
-        if (hit is None or hit[0] is not s.A) and host_checks.pass_tested(s, least):
+        if (hit is None or hit[0] is not s.A) and validation.pass_tested(s, least):
             found[key] = s.A
     return list(found.values())
 
@@ -109,15 +108,15 @@ def test_host_matrices(systems: Sequence[LinearSystem | None], cache: dict,
     """Run the auto policy's matrix tests on every core, before the estimates.
 
     Each distinct host CSR matrix of an "auto" system below ``least``
-    stored entries (default :func:`.host_checks.pass_least`) gets its
+    stored entries (default :func:`.validate.pass_least`) gets its
     one-pass symmetry and Gershgorin test, many matrices a GIL-free kernel
-    call (:func:`.host_checks.test_symmetry`), shared out largest first over
+    call (:func:`.validate.test_symmetry`), shared out largest first over
     the calling thread and the host-kernel helpers. The estimate loop then
     finds every answer in ``cache``; :func:`prefetch_methods` leaves these
     matrices alone. Returns the number of matrices tested.
     """
     mats = host_matrices(systems, cache, least)
-    host_checks.test_symmetry(mats, cache)
+    validation.test_symmetry(mats, cache)
     return len(mats)
 
 
@@ -127,7 +126,7 @@ def test_gpu_matrices(systems: Sequence[LinearSystem | None], cache: dict) -> in
     Each distinct cupyx CSR matrix of an "auto" system gets its symmetry code
     and Gershgorin bounds from one launch per GPU and dtype pair, read back
     in one copy (:func:`managed_solve.system.device_checks.symmetry_many`),
-    into ``cache`` as :func:`.host_checks.test_symmetry` leaves the host
+    into ``cache`` as :func:`.validate.test_symmetry` leaves the host
     matrices'. Tested one by one, each would cost a transpose and several
     host reads. A matrix whose rows are not canonical is left to the
     per-matrix test. Returns the number of matrices tested.
@@ -168,7 +167,7 @@ def start_host_matrices(mats: Sequence[Any], cache: dict) -> dict[int, Future]:
     """
     if not mats:
         return {}
-    work = host_checks.symmetry_pass(mats)
+    work = validation.symmetry_pass(mats)
     pool = _backend.thread_pool("prefetch", max(2, min(8, _backend.cpu_count() // 2)))
     fut = pool.submit(work.run, cache)
     return {id(A): fut for A in mats}
@@ -437,10 +436,10 @@ def estimate_call(checked: Checked, manager: DeviceManager, devs: Sequence[Devic
     # gate a head start); small ones not tested in validation's pass (it
     # replaced the object: a dtype conversion) run on every core, many a
     # kernel call.
-    mats = host_matrices(valid, cache)
+    mats = host_matrices(valid, cache, checked.least)
     early = prefetch_methods(valid, kind, cache, skip={id(A) for A in mats})
     if host_only:  # the method decides the route (a host LU or a batch): known before the plan
-        host_checks.test_symmetry(mats, cache)
+        validation.test_symmetry(mats, cache)
         passed: dict = {}
     else:  # beside the estimates, the plan and the first batch's packing
         passed = start_host_matrices(mats, cache)
@@ -486,7 +485,7 @@ def estimate_call(checked: Checked, manager: DeviceManager, devs: Sequence[Devic
         # Python beside the workers' first copies and graph captures, which take
         # the GIL back after each of their many CUDA calls (setting head_switch_interval).
         beside = config.current().head_switch_interval
-        with process.SWITCH_INTERVAL.held(beside, active=beside is not None):
+        with _backend.SWITCH_INTERVAL.held(beside, active=beside is not None):
             return estimates(rest)
 
     return Work(valid, results, devs, estimates(head, defer=True), method_of, later, rows_bound)
@@ -545,65 +544,3 @@ def prefetch_cuda_modules(systems: Sequence[LinearSystem | None], devs: Sequence
 
     for dt in sorted(dtypes, key=str):
         prefetch_kernels(gpus, dt, np.int32, (family,))
-
-
-def start_cuda(items: Sequence[Any], manager: DeviceManager, devices: Any, disperse: bool,
-               method: str) -> None:
-    """Start a GPU run's CUDA side before its host work: the GPUs' contexts and the batched modules.
-
-    Both run on helper threads without the GIL (a context takes about a
-    tenth of a second to make; a module loads from CuPy's cache or compiles),
-    beside the host checks, whose first call in a process sets Numba up
-    (a quarter of a second of Python). Only where the GPUs are known before
-    validation: every accelerator (``disperse``, the default) or those
-    named in ``devices``. The modules' dtypes are read off the raw inputs
-    (:func:`input_dtypes`); :func:`prefetch_cuda_modules`, after validation,
-    adds any this missed.
-    """
-    if devices is None:
-        devs = manager.accelerators
-    else:
-        try:
-            devs = resolve_devices(devices, manager.inventory, call="solve_many", arg="devices")
-        except (TypeError, ValueError):
-            return  # the call's own device selection reports it
-    gpus = [d.index for d in devs if d.is_cuda]
-    if not gpus or (not disperse and len(devs) > 1):  # the one GPU used is chosen later
-        return
-    for index in gpus:
-        _backend.open_cuda_context(index)
-    family = {"auto": "cg", "cg": "cg", "bicgstab": "bicgstab", "gmres": "gmres"}.get(method)
-    if family is None:
-        return
-    from ..solvers.batched import prefetch_kernels
-
-    for dt in sorted(input_dtypes(items), key=str):
-        prefetch_kernels(gpus, dt, np.int32, (family,))
-
-
-_F32 = np.dtype(np.float32)
-
-
-def input_dtypes(items: Sequence[Any]) -> set[np.dtype]:
-    """The value dtypes validation will give ``solve_many``'s raw inputs, as far as read without it.
-
-    A LinearSystem's own; an ``(A, b)`` pair's float32 when both are
-    float32, float64 when both are real numbers otherwise (the rule of
-    :mod:`managed_solve.system.inputs`). Inputs that are neither, or whose
-    dtypes are not NumPy's (torch tensors), are left out.
-    """
-    out: set[np.dtype] = set()
-    for item in items:
-        try:
-            if isinstance(item, LinearSystem):
-                if item.kind == "csr":
-                    out.add(np.dtype(item.dtype))
-            elif isinstance(item, (tuple, list)) and len(item) == 2:
-                dts = {np.dtype(item[0].dtype), np.dtype(item[1].dtype)}
-                if dts == {_F32}:
-                    out.add(_F32)
-                elif all(dt.kind in "fiub" for dt in dts):
-                    out.add(np.dtype(np.float64))
-        except (AttributeError, TypeError):
-            continue
-    return out

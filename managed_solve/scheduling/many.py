@@ -3,18 +3,24 @@
 Each step is one function of its module, which hands the next a plain
 object:
 
-1. :func:`.validate.validate_call` checks the call's arguments and turns each
-   input into a :class:`LinearSystem` (a bad one becomes an
-   ``INVALID_INPUT`` result, the rest go on): :class:`.validate.Checked`;
-   :func:`.plan.select_devices` then names the devices the call uses;
+1. :func:`.validate.validate_call` checks the call's arguments, runs the
+   host checks of the inputs (NaN and Inf, the auto policy's matrix tests)
+   in one pass over the cores, and turns each input into a
+   :class:`LinearSystem` (a bad one becomes an ``INVALID_INPUT`` result,
+   the rest go on): :class:`.validate.Checked`;
+   :func:`select_devices`, here, then names the devices the call uses
+   (:func:`start_cuda`, before validation, has started their CUDA side);
 2. :func:`.estimate.estimate_call` finds each system's route, bytes and cost
    on them: :class:`.plan.Work`;
 3. :func:`.plan.plan_call` packs batches and disperses them longest-first
    over the devices: :class:`.plan.Plan`;
-4. :func:`.runner.run_call` runs one worker per device, staging copies
-   beside compute (:mod:`.staging`), handing each batch to its route
-   (:mod:`.routes`), splitting and retrying what fails; the results come
-   back in input order.
+4. :func:`.runner.run_call` runs one worker per device, its stage thread
+   copying the next batch beside the current compute, handing each batch to
+   its route (:mod:`.routes`), splitting and retrying what fails; the
+   results come back in input order.
+
+The interpreter settings a call may hold while it runs (when the caller opts
+in) are the process's, in :mod:`managed_solve._backend`.
 
 With many systems and a few large ones (setting ``head_start_systems``), the
 large ones start computing before the others are estimated and planned
@@ -25,15 +31,18 @@ autograd.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from .. import _backend, config
+from ..device_args import resolve_devices
+from ..devices import Device
 from ..manager import DeviceManager, default_manager
 from ..result import SolveResult
-from . import adjoint, process
+from ..system import LinearSystem
+from . import adjoint
 from . import estimate as estimation
 from . import plan as planning
 from . import runner as running
@@ -68,18 +77,18 @@ def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = 
     mgr = manager if manager is not None else default_manager()
     # A GPU run's contexts and CUDA modules start first, on helper threads,
     # beside validation's host checks.
-    estimation.start_cuda(items, mgr, devices, disperse, method)
-    with process.COLLECTION.held(False, active=settings.pause_gc):
+    start_cuda(items, mgr, devices, disperse, method)
+    with _backend.COLLECTION.held(False, active=settings.pause_gc):
         checked = validation.validate_call(items, method=method, M=M, rtol=rtol,
                                            return_on=return_on, on_error=on_error,
                                            progress=progress)
         if checked.grad:  # the routes keep what the adjoints reuse, released with the graph
             kept = adjoint.keep(checked.systems, mgr)
         try:
-            devs = planning.select_devices(mgr, devices, disperse, checked.systems)
+            devs = select_devices(mgr, devices, disperse, checked.systems)
             gpus = sum(d.is_gpu for d in devs)  # simulated GPUs too: the same threads
             switch = settings.switch_interval
-            with process.SWITCH_INTERVAL.held(switch, active=switch is not None and gpus >= 2):
+            with _backend.SWITCH_INTERVAL.held(switch, active=switch is not None and gpus >= 2):
                 work = estimation.estimate_call(checked, mgr, devs, method)
                 plan = planning.plan_call(work, mgr)
                 out = running.run_call(plan, work, mgr, progress=progress, kept=kept)
@@ -99,4 +108,90 @@ def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = 
             adjoints, disperse=disperse, devices=devices, manager=manager))
     if on_error == "raise":
         raise_for_failures(out)
+    return out
+
+
+def select_devices(manager: DeviceManager, devices: object, disperse: bool,
+                   systems: Sequence[LinearSystem | None]) -> list[Device]:
+    """The devices a call uses: those named (or every accelerator, else the CPU).
+
+    Without ``disperse``, one of them: the one already holding most of the
+    bytes of ``systems`` (the call's, None for invalid ones), else the one
+    with most room.
+    """
+    if devices is not None:  # each once, in the order named; the manager's own (it keeps the ledger)
+        devs = list(dict.fromkeys(resolve_devices(devices, manager.inventory,
+                                                  call="solve_many", arg="devices")))
+    else:
+        devs = manager.accelerators or [manager.cpu]
+    if disperse or len(devs) == 1:
+        return devs
+    held_bytes: dict[str, int] = {}
+    for s in systems:
+        if s is not None:
+            held_bytes[s.device] = held_bytes.get(s.device, 0) + s.nbytes
+    best = max(devs, key=lambda d: (held_bytes.get(str(d), 0), manager.available_bytes(d)))
+    return [best]
+
+
+def start_cuda(items: Sequence[Any], manager: DeviceManager, devices: Any, disperse: bool,
+               method: str) -> None:
+    """Start a GPU run's CUDA side before its host work: the GPUs' contexts and the batched modules.
+
+    Both run on helper threads without the GIL (a context takes about a
+    tenth of a second to make; a module loads from CuPy's cache or compiles),
+    beside the host checks, whose first call in a process sets Numba up
+    (a quarter of a second of Python). Only where the GPUs are known before
+    validation: every accelerator (``disperse``, the default) or those
+    named in ``devices``. The modules' dtypes are read off the raw inputs
+    (:func:`input_dtypes`); :func:`.estimate.prefetch_cuda_modules`, after
+    validation,
+    adds any this missed.
+    """
+    if devices is None:
+        devs = manager.accelerators
+    else:
+        try:
+            devs = resolve_devices(devices, manager.inventory, call="solve_many", arg="devices")
+        except (TypeError, ValueError):
+            return  # the call's own device selection reports it
+    gpus = [d.index for d in devs if d.is_cuda]
+    if not gpus or (not disperse and len(devs) > 1):  # the one GPU used is chosen later
+        return
+    for index in gpus:
+        _backend.open_cuda_context(index)
+    family = {"auto": "cg", "cg": "cg", "bicgstab": "bicgstab", "gmres": "gmres"}.get(method)
+    if family is None:
+        return
+    from ..solvers.batched import prefetch_kernels
+
+    for dt in sorted(input_dtypes(items), key=str):
+        prefetch_kernels(gpus, dt, np.int32, (family,))
+
+
+_F32 = np.dtype(np.float32)
+
+
+def input_dtypes(items: Sequence[Any]) -> set[np.dtype]:
+    """The value dtypes validation will give ``solve_many``'s raw inputs, as far as read without it.
+
+    A LinearSystem's own; an ``(A, b)`` pair's float32 when both are
+    float32, float64 when both are real numbers otherwise (the rule of
+    :mod:`managed_solve.system.inputs`). Inputs that are neither, or whose
+    dtypes are not NumPy's (torch tensors), are left out.
+    """
+    out: set[np.dtype] = set()
+    for item in items:
+        try:
+            if isinstance(item, LinearSystem):
+                if item.kind == "csr":
+                    out.add(np.dtype(item.dtype))
+            elif isinstance(item, (tuple, list)) and len(item) == 2:
+                dts = {np.dtype(item[0].dtype), np.dtype(item[1].dtype)}
+                if dts == {_F32}:
+                    out.add(_F32)
+                elif all(dt.kind in "fiub" for dt in dts):
+                    out.add(np.dtype(np.float64))
+        except (AttributeError, TypeError):
+            continue
     return out

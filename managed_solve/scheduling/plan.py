@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 
 from .. import _backend, config
-from ..device_args import resolve_devices
 from ..devices import Device, is_cuda_kind
 from ..manager import DeviceManager
 from ..sharded import choose_shard_count
@@ -391,9 +390,9 @@ def make_slots(devices: Sequence[Device], manager: DeviceManager,
     manager's prediction where given: a runner re-placing a failed batch
     knows its own queues.
     """
-    return [Slot(str(d), manager.available_bytes(d), manager.speed(d),
-                 busy.get(str(d), 0.0) if busy is not None else manager.predicted_finish(d), d.kind)
-            for d in devices]
+    view = manager.plan_view(devices)
+    return [Slot(str(d), room, speed, busy.get(str(d), 0.0) if busy is not None else finish, d.kind)
+            for d, (room, speed, finish) in zip(devices, view, strict=True)]
 
 
 def plan_work(estimates: Iterable[Estimate], devices: Sequence[Device], manager: DeviceManager, *,
@@ -499,9 +498,9 @@ def packed_bytes(manager: DeviceManager, systems: Sequence[LinearSystem | None]
     their systems' estimates.
     """
     try:
-        from ..solvers.batched import PackedBatch
+        from ..solvers.batched import predict_bytes
     except ImportError:  # the core is not installed: the planner's own model
-        PackedBatch = None
+        predict_bytes = None
 
     def nbytes(members: Sequence[Estimate]) -> int:
         e0 = members[0]
@@ -512,36 +511,13 @@ def packed_bytes(manager: DeviceManager, systems: Sequence[LinearSystem | None]
         n = sum(e.n for e in members)
         nnz = sum(e.nnz for e in members)
         idx = np.int32 if max(n, nnz) < 2**31 - 1 else np.int64
-        if PackedBatch is not None:
+        if predict_bytes is not None:
             x0 = any(systems[e.index].x0 is not None for e in members)
-            raw = PackedBatch.predict_bytes(n, nnz, len(members), np.dtype(dt), np.dtype(idx), method,
-                                            jacobi=bool(jacobi), x0=x0)
+            raw = predict_bytes(n, nnz, len(members), np.dtype(dt), np.dtype(idx), method,
+                                jacobi=bool(jacobi), x0=x0)
             raw += 8 * n  # the true-residual check's product A @ x
         else:
             raw = sum(e.nbytes for e in members)
         return manager.size_of(int(raw))
 
     return nbytes
-
-
-def select_devices(manager: DeviceManager, devices: object, disperse: bool,
-                   systems: Sequence[LinearSystem | None]) -> list[Device]:
-    """The devices a call uses: those named (or every accelerator, else the CPU).
-
-    Without ``disperse``, one of them: the one already holding most of the
-    bytes of ``systems`` (the call's, None for invalid ones), else the one
-    with most room.
-    """
-    if devices is not None:  # each once, in the order named; the manager's own (it keeps the ledger)
-        devs = list(dict.fromkeys(resolve_devices(devices, manager.inventory,
-                                                  call="solve_many", arg="devices")))
-    else:
-        devs = manager.accelerators or [manager.cpu]
-    if disperse or len(devs) == 1:
-        return devs
-    held_bytes: dict[str, int] = {}
-    for s in systems:
-        if s is not None:
-            held_bytes[s.device] = held_bytes.get(s.device, 0) + s.nbytes
-    best = max(devs, key=lambda d: (held_bytes.get(str(d), 0), manager.available_bytes(d)))
-    return [best]

@@ -9,7 +9,8 @@
 - sharded: one system too large for any device, over every accelerator
   (:func:`run_sharded`).
 
-Every route applies the one verify-and-fall-back rule of :mod:`.verify`.
+Every route applies the one verify-and-fall-back rule of
+:mod:`managed_solve.solvers.verify`.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ log = logging.getLogger("managed_solve")
 
 # Host-side Krylov work (CPU and simulated devices, which compute with
 # NumPy/Numba on the host) runs one batch at a time: each batch already
-# shares its systems out over every core (solvers/batched/threads.py), and
+# shares its systems out over every core (solvers/batched/cpu.py), and
 # Numba's workqueue threading layer aborts when two threads launch parallel
 # kernels (one large system's row-parallel sweeps) at once.
 _HOST_KERNEL_LOCK = threading.Lock()

@@ -5,9 +5,9 @@ and returns every system's result in input order. Each device's worker
 takes batches from its queue (an idle accelerator takes queued batches of a
 busier one of the same kind: work stealing), reserves each batch's bytes in
 the DeviceManager's ledger while it runs, has its stage thread copy the next
-batch while the current one computes (:mod:`.staging`), and hands each batch
-to its route once (:mod:`.routes`; on an accelerator the results are built
-on its finish thread, beside the next batch's compute). A batch that hits an out-of-memory or
+batch while the current one computes (:func:`stage`, below), and hands each
+batch to its route once (:mod:`.routes`; on an accelerator the results are
+built on its finish thread, beside the next batch's compute). A batch that hits an out-of-memory or
 device error is split and its halves retried elsewhere, finally on the CPU;
 measured times are recorded so the next call balances better. Every system
 is delivered exactly once.
@@ -22,6 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from .. import _backend, config
@@ -29,11 +30,10 @@ from ..devices import Device
 from ..manager import DeviceManager
 from ..result import SolveResult, Status
 from ..system import LinearSystem
-from . import routes, staging
+from . import routes
 from .errors import Regroup, is_device_error
 from .estimate import BATCHED_METHODS
 from .plan import BATCH, DEFERRED, DIRECT, SINGLE, Batch, Plan, Work, choose_slot, make_slots, split
-from .staging import Staged
 from .validate import invalid_result
 
 log = logging.getLogger("managed_solve")
@@ -98,6 +98,74 @@ def device_seconds(results: Sequence[SolveResult]) -> float | None:
         if gpu and not info.get("restarted") and not info.get("polished"):
             return float(gpu)
     return None
+
+
+# --------------------------------------------------------------------------- staging
+# Each accelerator's worker stages batch k+1 (packs it into one block-diagonal
+# CSR on its device through the batched engine, and on a GPU builds its
+# solver workspace) before it computes batch k: the worker submits
+# :func:`stage` to the device's stage thread; on a GPU the copy runs on a
+# second CUDA stream (:func:`copy_stream`), so it overlaps the compute; on
+# simulated devices the same code runs with the pack on the host (there is
+# no stream), so the pipeline is tested on CPUs. The CPU packs its batches
+# on its worker (:func:`pack_batch`).
+
+
+@dataclass
+class Staged:
+    """A batch whose bytes are reserved and whose copy to the device is under way."""
+
+    batch: Batch
+    reservation: Any
+    packed: Future | None  # the batched engine's prepared batch on its device (BATCH route only)
+
+
+def pack_batch(systems: list[LinearSystem], jacobi: bool, dev: Device,
+               method: str | Callable[[], str]) -> Any:
+    """A batch prepared on its device by the batched engine (``BatchedEngine.prepare_batch``).
+
+    Host systems go over in bulk. On a GPU the solver's workspace is built
+    here too (its bytes are in the batch's reservation), off the worker's
+    path between two batches. ``method`` is the batch's method, or a
+    function that finds it (a deferred method: waited for there, after the
+    copy). Simulated devices (``"sim:k"``) get their batches on the host.
+    """
+    from ..solvers.batched import BatchedEngine
+
+    return BatchedEngine().prepare_batch(systems, str(dev), jacobi=jacobi, method=method)
+
+
+def stage(systems: list[LinearSystem], jacobi: bool, dev: Device,
+          method: str | Callable[[], str]) -> Any:
+    """:func:`pack_batch` on a device's stage thread; on a GPU on its copy stream, complete on return."""
+    if not dev.is_cuda:
+        return pack_batch(systems, jacobi, dev, method)
+    cp = _backend.cupy()
+    with dev.context():
+        stream = copy_stream(cp, dev)
+        with stream:
+            out = pack_batch(systems, jacobi, dev, method)
+        stream.synchronize()  # sync: the copy is complete before the compute stream reads it
+        return out
+
+
+_COPY_STREAMS: dict[str, Any] = {}
+_COPY_STREAMS_LOCK = threading.Lock()
+
+
+def copy_stream(cp: Any, dev: Device) -> Any:
+    """One copy stream per GPU for the process (called inside the device's context).
+
+    CuPy's memory pool keeps freed blocks per stream: a stream that lives
+    across batches and calls gets its batches' memory back instead of
+    allocating anew for each fresh stream.
+    """
+    key = str(dev)
+    with _COPY_STREAMS_LOCK:
+        stream = _COPY_STREAMS.get(key)
+        if stream is None:
+            stream = _COPY_STREAMS[key] = cp.cuda.Stream(non_blocking=True)
+        return stream
 
 
 class Runner:
@@ -419,8 +487,8 @@ class Runner:
                 if method == DEFERRED:
                     method = functools.partial(self._batch_method, b)
                 args = (systems, jacobi, dev, method)
-                fut = stager.submit(staging.stage, *args) if stager is not None \
-                    else done_future(staging.pack_batch, *args)
+                fut = stager.submit(stage, *args) if stager is not None \
+                    else done_future(pack_batch, *args)
             return Staged(b, res, fut)
         except BaseException as exc:  # noqa: BLE001 - every failure must end in results
             if res is not None:

@@ -3,23 +3,52 @@
 :func:`validate_call` is the step: a bad argument of the call raises at
 once; the inputs' host arrays are checked for NaN and Inf, and the auto
 policy's tests of their host matrices run, in one pass over the cores
-(:func:`.host_checks.check_inputs`); then each input becomes a
+(:func:`check_inputs`); then each input becomes a
 LinearSystem, a bad one an ``INVALID_INPUT`` result (:func:`invalid_result`)
 while the other systems go on. The Ray backend validates on its driver with
 the same functions.
+
+The host checks, many matrices a kernel call, on the host-kernel threads.
+
+Two passes read every input once more than the solve does: validation's
+check for NaN and Inf (A's entries, b) and the auto policy's symmetry and
+Gershgorin test of each distinct matrix. With one matrix per system that is
+hundreds of small calls; each takes the GIL back when it returns, and
+beside the call's other Python threads each re-take may wait for the
+interpreter's switch interval. Here the arrays' addresses are read once
+and ranges of them go out to the caller and the host-kernel helpers
+(:func:`managed_solve.solvers.batched.cpu.run_kernels`), one GIL-free
+kernel call (:mod:`managed_solve.kernels.checks`) per range.
+
+Both passes give what the per-matrix functions give (the same kernels'
+bodies): :class:`FinitePass` finds the arrays for the memo that
+:class:`~managed_solve.LinearSystem` reads, and :class:`SymmetryPass` fills
+the cache that :func:`managed_solve.system.is_symmetric` and
+:func:`managed_solve.system.properties.gershgorin` read. The symmetry
+kernels also check the entries they walked for NaN and Inf (still in
+cache), so ``solve_many`` leaves those ``data`` arrays out of the finite
+pass (:meth:`SymmetryPass.covered`) and adds the ones found finite to the
+memo (:meth:`SymmetryPass.finite_data`): each array is read from memory
+once. Validation runs both at once (:func:`check_inputs`) before its loop,
+the calling thread among the workers: helpers that finish a kernel call and
+want the GIL back then wait for no Python loop of the caller's (each such
+wait may last the interpreter's switch interval).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from .. import _backend, config
 from ..result import SolveResult, Status
 from ..system import METHODS, LinearSystem, check_preconditioner
+from ..system.inputs import FLOAT_DTYPES
 from ..system.method import settle_auto
-from . import host_checks
 
 RETURN_ON = ("device", "host")
 ON_ERROR = ("return", "raise")
@@ -33,6 +62,7 @@ class Checked:
     results: list[SolveResult | None]  # INVALID_INPUT results where it is; None elsewhere
     cache: dict  # the auto policy's tests of this call's matrices (symmetry, bounds), by id
     grad: bool  # some system's inputs require grad
+    least: int  # stored entries from which a matrix is not in the tests' pass (:func:`pass_least`)
 
 
 def validate_call(systems: Iterable[Any], *, method: str, M: Any, rtol: float | None,
@@ -41,8 +71,9 @@ def validate_call(systems: Iterable[Any], *, method: str, M: Any, rtol: float | 
 
     The finite check of the inputs' host arrays and the auto policy's tests
     of their host matrices run first, many a kernel call on every core
-    (:func:`.host_checks.check_inputs`); the tests' answers stay in
-    ``Checked.cache`` for the estimate step.
+    (:func:`check_inputs`); the tests' answers stay in ``Checked.cache`` for
+    the estimate step, with the size from which a matrix was left out of
+    them (``Checked.least``).
 
     Examples
     --------
@@ -56,10 +87,12 @@ def validate_call(systems: Iterable[Any], *, method: str, M: Any, rtol: float | 
     check_arguments(method, M, rtol, return_on, on_error, progress)
     items = list(systems)
     cache: dict = {}
-    memo = host_checks.check_inputs(items, method, cache)
+    least = pass_least()
+    memo = check_inputs(items, method, cache, least)
     results, checked = validate_all(items, method=method, M=M, rtol=rtol, memo=memo)
     valid = [checked.get(i) for i in range(len(items))]
-    return Checked(valid, results, cache, any(s is not None and s.grad is not None for s in valid))
+    return Checked(valid, results, cache, any(s is not None and s.grad is not None for s in valid),
+                   least)
 
 
 def check_arguments(method: str, M: Any, rtol: float | None, return_on: str, on_error: str,
@@ -172,15 +205,283 @@ def validate_all(items: list, *, method: str, M: Any, rtol: float | None,
 
 
 def prefill_finite(items: list, memo: dict) -> int:
-    """Mark in ``memo`` the arrays of :func:`.host_checks.finite_candidates` found finite, in one pass.
+    """Mark in ``memo`` the arrays of :func:`finite_candidates` found finite, in one pass.
 
     Arrays with a NaN or an Inf are left out, so the LinearSystem checks
     them itself and names the bad one. Returns the number of arrays marked.
     """
-    arrays = host_checks.finite_candidates(items)
+    arrays = finite_candidates(items)
     if not arrays:
         return 0
-    found = host_checks.finite_arrays(arrays)
+    found = finite_arrays(arrays)
     for a in found:
         memo[id(a)] = a
     return len(found)
+
+
+# --------------------------------------------------------------------------- the host checks
+#: Below this many arrays (or matrices) a pass is left to the per-array
+#: functions: an address table and a hand-out cost more than a few calls.
+MIN_ARRAYS = 16
+#: Ranges handed out per participating thread (balance against hand-outs).
+RANGES_PER_THREAD = 4
+#: Predicted nanoseconds per stored entry of the symmetry test (the cursor
+#: walk) and per entry of the finite check (a streaming read).
+SYMMETRY_NS, FINITE_NS = 2.5, 1.0
+
+
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def run_all(passes: Sequence[Any]) -> None:
+    """Every kernel call of ``passes`` (objects with ``work``, ``count`` and ``jobs()``), one hand-out.
+
+    The calling thread and the host-kernel helpers claim ranges of each
+    pass's items (:func:`managed_solve.solvers.batched.cpu.run_kernels`,
+    threads by the host kernels' rule for the passes' predicted nanoseconds).
+    """
+    from ..solvers.batched.cpu import run_kernels
+
+    run_kernels([job for p in passes for job in p.jobs()], sum(p.work for p in passes),
+                sum(p.count for p in passes), RANGES_PER_THREAD)
+
+
+def _addresses(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    from ..kernels.packing import addresses
+
+    return addresses(arrays)
+
+
+class FinitePass:
+    """The finite-entry check of arrays (1-D, C-contiguous, float32 or float64), tables read here.
+
+    One :func:`~managed_solve.kernels.checks.all_finite_many` call per range
+    of arrays; :meth:`finite` gives the same answer as
+    :func:`managed_solve.system.inputs.all_finite` for each array.
+    """
+
+    def __init__(self, arrays: Sequence[np.ndarray]):
+        by_dtype: dict[np.dtype, list[np.ndarray]] = {}
+        for a in arrays:
+            by_dtype.setdefault(a.dtype, []).append(a)
+        self.groups = []
+        for dt, group in by_dtype.items():
+            lengths = np.fromiter((a.shape[0] for a in group), np.int64, len(group))
+            self.groups.append((group, _addresses(group), lengths, np.empty(0, dt),
+                                np.zeros(len(group), dtype=np.uint8)))
+        self.count = len(arrays)
+        self.work = FINITE_NS * float(sum(int(g[2].sum()) for g in self.groups))
+
+    def jobs(self) -> list:
+        """``(kernel, args, weights)`` per dtype: one kernel call per range of arrays (:func:`run_all`)."""
+        from ..kernels.checks import all_finite_many
+
+        return [(all_finite_many, (addresses, lengths, like, flags), lengths.astype(np.float64))
+                for _group, addresses, lengths, like, flags in self.groups]
+
+    def finite(self) -> list[np.ndarray]:
+        """The arrays found finite (after :func:`run_all`)."""
+        return [a for group, *_x, flags in self.groups
+                for a, ok in zip(group, flags.tolist(), strict=True) if ok]
+
+
+def finite_arrays(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """The arrays among ``arrays`` whose entries are all finite (:class:`FinitePass`, run now)."""
+    work = FinitePass(arrays)
+    run_all([work])
+    return work.finite()
+
+
+def symmetry_candidate(A: Any) -> bool:
+    """Whether :func:`test_symmetry` takes a matrix: a non-empty canonical float SciPy CSR, contiguous."""
+    if not (_backend.is_scipy_sparse(A) and A.format == "csr"):
+        return False
+    data = A.data
+    return (A.nnz > 0 and data.dtype in _FLOATS and A.has_canonical_format
+            and data.flags.c_contiguous and A.indices.flags.c_contiguous
+            and A.indptr.flags.c_contiguous)
+
+
+def test_symmetry(mats: Sequence[Any], cache: dict, rel: float = 1e-12) -> None:
+    """The symmetry code and Gershgorin bounds of host CSR matrices into ``cache``, largest first.
+
+    ``mats``: distinct matrices passing :func:`symmetry_candidate`. Each
+    gets the entries :func:`managed_solve.system.is_symmetric` leaves
+    (``cache[id(A)]``, unless its stored pattern is not symmetric: then
+    ``is_symmetric`` compares ``A - A.T`` itself) and the Gershgorin bounds
+    (``cache[("gershgorin", id(A))]``). :func:`symmetry_pass` then
+    :meth:`SymmetryPass.run`.
+    """
+    symmetry_pass(mats, rel).run(cache)
+
+
+class SymmetryPass:
+    """The address tables of :func:`test_symmetry`, read on the calling thread; the kernels anywhere.
+
+    A caller that runs the kernels on a helper thread (:meth:`run`) builds
+    this first: the helper then holds the GIL only to hand out ranges and to
+    store the answers, not for a Python loop over the matrices.
+    """
+
+    def __init__(self, groups: list):
+        self.groups = groups  # (matrices, kernel arguments, codes, bounds, finite) per dtype triple
+        self.count = sum(len(g[0]) for g in groups)
+        self.work = SYMMETRY_NS * float(sum(int(g[1][4].sum()) for g in groups))
+
+    def jobs(self) -> list:
+        """``(kernel, args, weights)`` per dtype triple: one kernel call per range of matrices."""
+        from ..kernels.checks import csr_symmetry_gershgorin_many
+
+        return [(csr_symmetry_gershgorin_many, args, args[4].astype(np.float64))
+                for _mats, args, *_answers in self.groups]
+
+    def store(self, cache: dict) -> None:
+        """Each matrix's answers into ``cache`` (after :func:`run_all`)."""
+        from ..kernels.symmetry import DIFFERENT_PATTERN
+
+        for group, _args, codes, bounds, _finite in self.groups:
+            for A, code, b in zip(group, codes.tolist(), bounds.tolist(), strict=True):
+                if code != DIFFERENT_PATTERN:
+                    cache[id(A)] = (A, bool(code))
+                cache[("gershgorin", id(A))] = (A, tuple(b))
+
+    def covered(self) -> set[int]:
+        """The ids of the ``data`` arrays whose finite check the kernels make.
+
+        Each matrix's stored entries, when they are its whole ``data`` (a
+        longer array is left to the finite check of whole arrays).
+        """
+        return {id(A.data) for group, args, *_answers in self.groups
+                for A, nnz in zip(group, args[4].tolist(), strict=True) if A.data.shape[0] == nnz}
+
+    def finite_data(self) -> list[np.ndarray]:
+        """The :meth:`covered` ``data`` arrays found finite (after :func:`run_all`)."""
+        return [A.data for group, args, _codes, _bounds, finite in self.groups
+                for A, nnz, ok in zip(group, args[4].tolist(), finite.tolist(), strict=True)
+                if ok and A.data.shape[0] == nnz]
+
+    def run(self, cache: dict) -> None:
+        """Run the kernels over every range, then store the answers in ``cache``."""
+        run_all([self])
+        self.store(cache)
+
+
+def symmetry_pass(mats: Sequence[Any], rel: float = 1e-12) -> SymmetryPass:
+    """:func:`test_symmetry`'s tables: the matrices largest first, by dtypes, with their addresses."""
+    sized = sorted(((A.nnz, k, A) for k, A in enumerate(mats)), key=lambda e: (-e[0], e[1]))
+    by_dtype: dict[tuple, list] = {}
+    for nnz, _k, A in sized:
+        by_dtype.setdefault((A.indptr.dtype, A.indices.dtype, A.data.dtype), []).append((nnz, A))
+    groups = []
+    for (pdt, idt, ddt), entries in by_dtype.items():
+        group = [A for _nnz, A in entries]
+        nnzs = np.fromiter((nnz for nnz, _A in entries), np.int64, len(group))
+        codes = np.zeros(len(group), dtype=np.int8)
+        bounds = np.zeros((len(group), 4), dtype=np.float64)
+        finite = np.zeros(len(group), dtype=np.uint8)
+        args = (_addresses([A.indptr for A in group]), _addresses([A.indices for A in group]),
+                _addresses([A.data for A in group]),
+                np.fromiter((A.shape[0] for A in group), np.int64, len(group)), nnzs,
+                np.empty(0, pdt), np.empty(0, idt), np.empty(0, ddt), float(rel), codes, bounds,
+                finite)
+        groups.append((group, args, codes, bounds, finite))
+    return SymmetryPass(groups)
+
+
+# --------------------------------------------------------------------------- the inputs' pass
+def check_inputs(items: Sequence[Any], method: str, cache: dict,
+                 least: int | None = None) -> dict[int, Any]:
+    """Both passes over ``solve_many``'s raw inputs, one hand-out; the memo of arrays found finite.
+
+    The auto policy's tests of the inputs' host matrices (:func:`input_matrices`,
+    answers into ``cache``) and validation's finite check of the arrays those
+    tests do not read (:func:`finite_candidates`) run together, the calling
+    thread among the workers (helpers waiting for the GIL would otherwise
+    wait on validation's loop). ``least``: :func:`pass_least` unless given.
+    Returns ``{id(array): array}`` of the arrays found finite, the memo
+    :class:`~managed_solve.LinearSystem` reads.
+    """
+    tests = symmetry_pass(input_matrices(items, method, pass_least() if least is None else least))
+    # The tested matrices' entries are checked for NaN and Inf by the same kernel calls.
+    finite = FinitePass(finite_candidates(items, tests.covered()))
+    run_all([tests, finite])
+    tests.store(cache)
+    memo = {id(a): a for a in finite.finite()}
+    memo.update((id(a), a) for a in tests.finite_data())
+    return memo
+
+
+def pass_least() -> int:
+    """Stored entries from which a matrix's test is left out of the many-matrix pass.
+
+    The chunked test's size (setting ``symmetry_parallel_nnz``), or
+    ``prefetch_min_nnz`` if smaller: from there a matrix's test runs on its
+    own beside the estimate loop
+    (:func:`managed_solve.scheduling.estimate.prefetch_methods`).
+    """
+    settings = config.current()
+    return min(settings.symmetry_parallel_nnz, settings.prefetch_min_nnz)
+
+
+def pass_tested(s: LinearSystem, least: int) -> bool:
+    """Whether the many-matrix pass tests ``s``'s matrix (``least``: :func:`pass_least`)."""
+    return (s.kind == "csr" and s.method == "auto" and type(s.b) is np.ndarray
+            and s.A.nnz < least and symmetry_candidate(s.A))
+
+
+def input_matrices(items: Sequence[Any], method: str, least: int) -> list:
+    """The distinct host matrices of ``solve_many``'s raw inputs that :func:`pass_tested` would take.
+
+    Read before validation, so their tests run beside it: ``(A, b)`` pairs of
+    a SciPy CSR ``A`` (:func:`symmetry_candidate`) and a NumPy ``b``, and
+    LinearSystems, when the call leaves the method to "auto". A matrix that
+    validation replaces (a dtype conversion) is tested again under its new
+    object; an invalid input's answer is never read.
+    """
+    found: dict[int, Any] = {}
+    if method != "auto":
+        return []
+    for item in items:
+        if isinstance(item, LinearSystem):
+            if not pass_tested(item, least):
+                continue
+            A = item.A
+        elif isinstance(item, (tuple, list)) and len(item) == 2:
+            A, b = item
+            if type(b) is not np.ndarray or id(A) in found \
+                    or not symmetry_candidate(A) or A.nnz >= least:
+                continue
+        else:
+            continue
+        found.setdefault(id(A), A)
+    return list(found.values())
+
+
+def _scannable(a: Any) -> bool:
+    """A 1-D C-contiguous float32/float64 NumPy array (what the many-array finite check reads)."""
+    return type(a) is np.ndarray and a.ndim == 1 and a.dtype in FLOAT_DTYPES \
+        and a.flags.c_contiguous
+
+
+def finite_candidates(items: Sequence[Any], covered: Collection[int] = ()) -> list:
+    """The distinct host arrays of ``(A, b)`` pairs the many-array finite check reads.
+
+    Each pair's SciPy CSR ``A.data`` and NumPy ``b``; arrays it cannot read
+    (other types, strided views, integer dtypes) are left to the
+    LinearSystem's own check, and so are those whose ids are in ``covered``
+    (checked elsewhere: :meth:`SymmetryPass.covered`). None (an empty list)
+    below ``MIN_ARRAYS`` arrays: a few checks cost less one by one.
+    """
+    arrays: dict[int, Any] = dict.fromkeys(covered)
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            continue
+        A, b = item
+        if _backend.is_scipy_sparse(A) and A.format == "csr":
+            data = A.data
+            if id(data) not in arrays and _scannable(data):
+                arrays[id(data)] = data
+        if id(b) not in arrays and _scannable(b):
+            arrays[id(b)] = b
+    found = [a for a in arrays.values() if a is not None]
+    return found if len(found) >= MIN_ARRAYS else []

@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import _backend, config
 from ._common import BREAKDOWN, CONVERGED, MAXITER, Outcome, column_norms, stable_norm
-from .batched.threads import run_claimed, threads_for
+from .batched.cpu import run_claimed, threads_for
 from .cholesky import Cholesky, NotPositiveDefinite, eligible
 from .engine import BlockOutcomes, Options, Prepared
 

@@ -317,6 +317,22 @@ def checked_finite(a: Any, memo: dict | None) -> bool:
     return ok
 
 
+def host_nonfinite(data: np.ndarray | None, b: np.ndarray, memo: dict | None) -> np.ndarray | None:
+    """The first of a host CSR system's arrays holding a NaN or an Inf (None: both finite).
+
+    ``data`` (A's stored entries; None when it stores none), then ``b``, each
+    by :func:`checked_finite`. ``solve_many`` checks its inputs' arrays in one
+    pass first, so both are usually in ``memo``: looked up here, one call a
+    system.
+    """
+    if data is not None and (memo is None or memo.get(id(data)) is not data) \
+            and not checked_finite(data, memo):
+        return data
+    if (memo is None or memo.get(id(b)) is not b) and not checked_finite(b, memo):
+        return b
+    return None
+
+
 def first_nonfinite(arrays: list, memo: dict | None) -> int | None:
     """The index of the first array holding a NaN or an Inf (None: all finite).
 
@@ -345,10 +361,3 @@ def first_nonfinite(arrays: list, memo: dict | None) -> int | None:
         if k not in on_gpu and not checked_finite(a, memo):
             return k
     return None
-
-
-def nonnegative_finite(v: Any) -> bool:
-    """``v`` is a finite number >= 0 (Python numbers without a NumPy call)."""
-    if type(v) is float or type(v) is int:
-        return math.isfinite(v) and v >= 0
-    return bool(np.isfinite(v) and v >= 0)

@@ -6,6 +6,7 @@ errors naming the argument, what was expected, what arrived and the fix.
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
@@ -18,10 +19,9 @@ from .inputs import (
     as_operator,
     as_vector,
     check_dtype,
-    checked_finite,
     first_nonfinite,
     grad_source,
-    nonnegative_finite,
+    host_nonfinite,
     result_dtype,
 )
 from .method import METHODS, PRECONDITIONERS, check_preconditioner, settle_auto
@@ -29,6 +29,13 @@ from .properties import is_symmetric
 
 A_NONFINITE = "A has NaN or Inf entries; clean the matrix before solving"
 B_NONFINITE = "b has NaN or Inf entries"
+
+
+def nonnegative_finite(v: Any) -> bool:
+    """``v`` is a finite number >= 0 (Python numbers without a NumPy call)."""
+    if type(v) is float or type(v) is int:
+        return math.isfinite(v) and v >= 0
+    return bool(np.isfinite(v) and v >= 0)
 
 
 class LinearSystem:
@@ -200,11 +207,10 @@ class LinearSystem:
             return False
         A.sum_duplicates()  # canonical form, in place, as as_operator leaves it
         if check_finite:
-            bad = A_NONFINITE if A.nnz and not checked_finite(A.data, memo) \
-                else B_NONFINITE if not checked_finite(b, memo) else None
+            bad = host_nonfinite(A.data if A.nnz else None, b, memo)
             if bad is not None:
                 call = call or (f"LinearSystem({name!r})" if name else "LinearSystem(A, b)")
-                raise ValueError(f"{call}: {bad}")
+                raise ValueError(f"{call}: {B_NONFINITE if bad is b else A_NONFINITE}")
         self.A, self.kind, self.b, self.x0 = A, "csr", b, None
         self.grad = None
         self.rtol, self.atol = float(rtol), float(atol)

@@ -13,7 +13,7 @@ import managed_solve as ms
 from managed_solve import LinearSystem, Status
 from managed_solve.manager import DeviceManager
 from managed_solve.scheduling import estimate as estimation
-from managed_solve.scheduling import solve_many, staging
+from managed_solve.scheduling import runner, solve_many
 from managed_solve.scheduling.estimate import estimate_system
 from managed_solve.scheduling.plan import DEFERRED
 from managed_solve.system import is_symmetric
@@ -346,7 +346,7 @@ def test_a_large_systems_method_is_found_while_its_batch_is_copied(monkeypatch, 
     big = {id(systems[0].A), id(conv)}
     method_done: dict[int, float] = {}
     packed_at: list[float] = []
-    real_method, real_pack = estimation.resolve_method, staging.pack_batch
+    real_method, real_pack = estimation.resolve_method, runner.pack_batch
 
     copy_started = threading.Event()
 
@@ -367,7 +367,7 @@ def test_a_large_systems_method_is_found_while_its_batch_is_copied(monkeypatch, 
         return real_pack(batch_systems, *a, **k)
 
     monkeypatch.setattr(estimation, "resolve_method", method)
-    monkeypatch.setattr(staging, "pack_batch", pack)
+    monkeypatch.setattr(runner, "pack_batch", pack)
     recorded = []
     real_record = dm.record
     monkeypatch.setattr(dm, "record", lambda sig, *a, **k: (recorded.append(sig), real_record(sig, *a, **k))[1])

@@ -18,7 +18,7 @@ import managed_solve as ms
 from managed_solve import LinearSystem, Status
 from managed_solve import config as ms_config
 from managed_solve.manager import DeviceManager
-from managed_solve.scheduling import SolveManyError, solve_many
+from managed_solve.scheduling import SolveManyError, many, solve_many
 from managed_solve.scheduling import estimate as estimation
 from tests._problems import poisson2d, poisson2d_plus_diagonal, symmetrically_scaled, tridiagonal
 from tests._problems import poisson2d_skew as convection
@@ -450,3 +450,47 @@ def test_an_error_while_the_rest_is_estimated_stops_the_started_workers(monkeypa
     assert not [x for x in left if x.is_alive()]
     # The manager holds no reservation of the abandoned call.
     assert all(dm.reserved_bytes(d) == 0 for d in dm.accelerators)
+
+
+def test_a_gpu_call_opens_its_gpus_and_starts_their_modules_before_validation(monkeypatch):
+    """start_cuda: the contexts of the GPUs the call will use and the modules of the inputs'
+    dtypes (read off the raw inputs), nothing where the GPU is chosen later or none is used."""
+    import managed_solve.solvers.batched as batched
+    from managed_solve import _backend
+    from managed_solve.devices import Device
+
+    opened, calls = [], []
+    monkeypatch.setattr(_backend, "open_cuda_context", opened.append)
+    monkeypatch.setattr(batched, "prefetch_kernels",
+                        lambda ids, dt, it, fams: calls.append((list(ids), np.dtype(dt).name, fams)))
+    mgr = DeviceManager([Device("cuda", 0, "gpu0", 1 << 30), Device("cuda", 1, "gpu1", 1 << 30)])
+    A32 = poisson2d(4).astype(np.float32)
+    items = [(poisson2d(5), np.ones(25)), (A32, np.ones(16, np.float32)),
+             (A32, np.ones(16)), ("not", "a system")]
+    many.start_cuda(items, mgr, None, True, "auto")
+    assert opened == [0, 1]
+    assert calls == [([0, 1], "float32", ("cg",)), ([0, 1], "float64", ("cg",))]
+    opened.clear(), calls.clear()
+    many.start_cuda(items[:1], mgr, "cuda:1", False, "bicgstab")  # one GPU named
+    assert opened == [1] and calls == [([1], "float64", ("bicgstab",))]
+    opened.clear(), calls.clear()
+    many.start_cuda(items, mgr, None, False, "auto")  # disperse=False: chosen after validation
+    many.start_cuda(items, mgr, "cpu", True, "auto")
+    many.start_cuda(items, mgr, "cuda:7", True, "auto")  # the call's selection reports it
+    assert opened == [] and calls == []
+    many.start_cuda(items, mgr, "cuda:0", True, "minres")  # no batched module, still a GPU run
+    assert opened == [0] and calls == []
+    sim = DeviceManager(simulate="2x1GiB")
+    many.start_cuda(items, sim, None, True, "auto")
+    assert opened == [0] and calls == []
+
+
+def test_input_dtypes_follow_validation():
+    A = poisson2d(4)
+    items = [(A.astype(np.float32), np.ones(16, np.float32)), (A.astype(np.float32), np.ones(16)),
+             (A, np.ones(16, np.int64)), LinearSystem(A, np.ones(16))]
+    validated = {np.dtype((s if isinstance(s, LinearSystem) else LinearSystem(*s)).dtype)
+                 for s in items}
+    assert many.input_dtypes(items) == validated == {np.dtype(np.float32), np.dtype(np.float64)}
+    assert many.input_dtypes(items[1:]) == {np.dtype(np.float64)}
+    assert many.input_dtypes([(A, np.ones(16, np.complex128)), (A,), 3]) == set()

@@ -7,10 +7,10 @@ import threading
 import pytest
 
 from managed_solve import config as ms_config
+from managed_solve._backend import ProcessSetting
 from managed_solve.manager import DeviceManager
 from managed_solve.scheduling import estimate as estimation
 from managed_solve.scheduling import solve_many
-from managed_solve.scheduling.process import ProcessSetting
 from managed_solve.scheduling.runner import Runner
 from tests.scheduling._helpers import assert_solves, head_start_mix, mixed_systems, spy_on_start
 

@@ -23,11 +23,11 @@ def test_true_residual_check_restarts_drifted_systems(monkeypatch, where):
     """
     from managed_solve.solvers.batched import engine
 
-    cg_batched = engine.cg_batched
+    run_core = engine.run_core
     calls = []
 
-    def drifting_cg(batch, **kw):
-        out = cg_batched(batch, **kw)
+    def drifting_cg(batch, method, **kw):
+        out = run_core(batch, method, **kw)
         calls.append(batch.nsys)
         if len(calls) == 1:  # first batch: spoil every other system's answer, claim convergence
             for name, v in zip(batch.names, batch.unpack(out.x), strict=True):
@@ -36,7 +36,7 @@ def test_true_residual_check_restarts_drifted_systems(monkeypatch, where):
             out.true_norms = None  # the host kernels' norms are of the unspoiled x
         return out
 
-    monkeypatch.setattr(engine, "cg_batched", drifting_cg)  # the batched engine's CG core
+    monkeypatch.setattr(engine, "run_core", drifting_cg)  # the batched engine's core (CG here)
     systems = [LinearSystem(poisson2d(m), np.ones(m * m), name=f"p{m}") for m in range(4, 12)]
     dm = DeviceManager(simulate="1x64MiB") if where == "sim" else DeviceManager(["cuda:0"])
     results = solve_many(systems, manager=dm)
@@ -194,50 +194,6 @@ def test_solve_many_on_gpus_starts_the_cuda_modules_it_will_launch(monkeypatch):
     estimation.prefetch_cuda_modules(systems, [cpu_device(), Device("sim", 0, "sim", 1 << 30)], "cg")
     estimation.prefetch_cuda_modules(systems, gpus, "direct")
     assert calls == []
-
-
-def test_a_gpu_call_opens_its_gpus_and_starts_their_modules_before_validation(monkeypatch):
-    """start_cuda: the contexts of the GPUs the call will use and the modules of the inputs'
-    dtypes (read off the raw inputs), nothing where the GPU is chosen later or none is used."""
-    import managed_solve.solvers.batched as batched
-    from managed_solve import _backend
-    from managed_solve.devices import Device
-
-    opened, calls = [], []
-    monkeypatch.setattr(_backend, "open_cuda_context", opened.append)
-    monkeypatch.setattr(batched, "prefetch_kernels",
-                        lambda ids, dt, it, fams: calls.append((list(ids), np.dtype(dt).name, fams)))
-    mgr = DeviceManager([Device("cuda", 0, "gpu0", 1 << 30), Device("cuda", 1, "gpu1", 1 << 30)])
-    A32 = poisson2d(4).astype(np.float32)
-    items = [(poisson2d(5), np.ones(25)), (A32, np.ones(16, np.float32)),
-             (A32, np.ones(16)), ("not", "a system")]
-    estimation.start_cuda(items, mgr, None, True, "auto")
-    assert opened == [0, 1]
-    assert calls == [([0, 1], "float32", ("cg",)), ([0, 1], "float64", ("cg",))]
-    opened.clear(), calls.clear()
-    estimation.start_cuda(items[:1], mgr, "cuda:1", False, "bicgstab")  # one GPU named
-    assert opened == [1] and calls == [([1], "float64", ("bicgstab",))]
-    opened.clear(), calls.clear()
-    estimation.start_cuda(items, mgr, None, False, "auto")  # disperse=False: chosen after validation
-    estimation.start_cuda(items, mgr, "cpu", True, "auto")
-    estimation.start_cuda(items, mgr, "cuda:7", True, "auto")  # the call's selection reports it
-    assert opened == [] and calls == []
-    estimation.start_cuda(items, mgr, "cuda:0", True, "minres")  # no batched module, still a GPU run
-    assert opened == [0] and calls == []
-    sim = DeviceManager(simulate="2x1GiB")
-    estimation.start_cuda(items, sim, None, True, "auto")
-    assert opened == [0] and calls == []
-
-
-def test_input_dtypes_follow_validation():
-    A = poisson2d(4)
-    items = [(A.astype(np.float32), np.ones(16, np.float32)), (A.astype(np.float32), np.ones(16)),
-             (A, np.ones(16, np.int64)), LinearSystem(A, np.ones(16))]
-    validated = {np.dtype((s if isinstance(s, LinearSystem) else LinearSystem(*s)).dtype)
-                 for s in items}
-    assert estimation.input_dtypes(items) == validated == {np.dtype(np.float32), np.dtype(np.float64)}
-    assert estimation.input_dtypes(items[1:]) == {np.dtype(np.float64)}
-    assert estimation.input_dtypes([(A, np.ones(16, np.complex128)), (A,), 3]) == set()
 
 
 def _spy_solve_to(monkeypatch):

@@ -204,3 +204,15 @@ def test_meta_tensor_is_a_clear_error_never_solved():
     assert r.status is ms.Status.INVALID_INPUT and r.x is None and "meta device" in r.message
     with pytest.raises(ValueError, match="meta device holds shapes"):
         ms.solve(A, np.ones(40), device="meta")
+
+
+def test_host_nonfinite_names_the_first_bad_array_and_remembers_the_good_ones():
+    from managed_solve.system.inputs import host_nonfinite
+
+    good, bad = np.ones(5), np.array([1.0, np.nan, 2.0])
+    memo: dict = {}
+    assert host_nonfinite(bad, good, memo) is bad
+    assert memo == {}  # b not read after A's entries failed
+    assert host_nonfinite(good, bad, memo) is bad
+    assert memo == {id(good): good}  # found finite, kept; the bad one is not
+    assert host_nonfinite(None, good, memo) is None and host_nonfinite(good, good, None) is None

@@ -9,7 +9,8 @@ work.
 
 - ``packed``: :class:`PackedBatch`, systems packed into one block-diagonal CSR.
 - ``cg``, ``bicgstab``, ``gmres``: the methods' drivers.
-- ``cpu``: the Numba paths (parallel over systems, or rows for one large system).
+- ``cpu``: the Numba paths (parallel over systems, or rows for one large system) and
+  the host threads they and the other host kernels share.
 - ``gpu``, ``cuda``, ``*.cu``/``*.cuh``: the fused CUDA kernels and their loop.
 - ``workspace``: each solve's allocations and the memory model that counts them.
 - ``engine``: :class:`BatchedEngine`, the engine shape over the above.
@@ -30,3 +31,4 @@ from .packed import PackedBatch as PackedBatch
 from .packed import default_maxiter as default_maxiter
 from .packed import pack_host as pack_host
 from .workspace import GMRES_RESTART as GMRES_RESTART
+from .workspace import predict_bytes as predict_bytes

@@ -39,8 +39,9 @@ import numpy as np
 from ... import _backend
 from ...device_args import cuda_ordinal
 from ..engine import BREAKDOWN, Options, Outcome, Prepared, default_maxiter
-from .bicgstab import bicgstab_batched
-from .cg import cg_batched
+from . import gpu
+from .arguments import check_batch
+from .cpu import solve_fused
 from .gmres import gmres_batched
 from .gpu import prepare as prepare_workspace
 from .outcome import BatchOutcome
@@ -157,14 +158,23 @@ class PreparedBatch:
 
 
 def run_core(batch: PackedBatch, method: str, *, first_check: int | None = None) -> BatchOutcome:
-    """The batched core of ``method`` ("cg", "bicgstab" or "gmres") on a packed batch."""
+    """The batched core of ``method`` ("cg", "bicgstab" or "gmres") on a packed batch.
+
+    CG and BiCGStab go straight to their loop on the batch's device (the
+    fused CUDA loop of :mod:`.gpu`, or the host kernels of :mod:`.cpu`): the
+    engine packed the batch itself, so the public drivers' argument checks
+    (:func:`.cg.cg_batched`) have nothing to check but a learned
+    ``first_check``.
+    """
     if method == "gmres":
         return gmres_batched(batch, restart=GMRES_RESTART)
-    if method == "cg":
-        return cg_batched(batch, first_check=first_check)
-    if method == "bicgstab":
-        return bicgstab_batched(batch, first_check=first_check)
-    raise ValueError(f"the batched engine runs 'cg', 'bicgstab' or 'gmres', not {method!r}")
+    if method not in ("cg", "bicgstab"):
+        raise ValueError(f"the batched engine runs 'cg', 'bicgstab' or 'gmres', not {method!r}")
+    if first_check is not None:
+        check_batch(batch, f"{method}_batched(batch)", None, first_check)
+    if batch.xp is not np:
+        return BatchOutcome(*gpu.solve(batch, method, None, first_check))
+    return solve_fused(batch, method)
 
 
 class BatchedPrepared(Prepared):

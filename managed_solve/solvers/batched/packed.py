@@ -157,27 +157,18 @@ class PackedBatch:
                     jacobi: bool = True, x0: bool = True) -> int:
         """Device bytes of a batch's own arrays (what :meth:`pack` allocates).
 
-        The packed CSR, ``b``, ``row_sys`` (int32), and ``x0`` and ``dinv``
-        when present.
+        :func:`managed_solve.solvers.batched.workspace.array_bytes`, the memory
+        model beside the allocations.
         """
-        w = np.dtype(dtype).itemsize
-        iw = np.dtype(index_dtype).itemsize
-        n, nnz = int(n), int(nnz)
-        nbytes = nnz * (w + iw) + (n + 1) * iw + n * w + 4 * n
-        nbytes += n * w if x0 else 0
-        nbytes += n * w if jacobi else 0
-        return nbytes
+        return workspace.array_bytes(n, nnz, dtype, index_dtype, jacobi=jacobi, x0=x0)
 
     @staticmethod
     def predict_bytes(n: int, nnz: int, nsys: int, dtype: Any, index_dtype: Any = np.int32,
                       method: str = "cg", *, jacobi: bool = True, x0: bool = True) -> int:
         """Upper bound of the device bytes a batch plus one solve's workspace takes.
 
-        Counts the packed CSR, ``b``, ``x0`` (when ``x0``), ``row_sys``,
-        ``dinv`` (when ``jacobi``) (:meth:`array_bytes`), the solution ``x``,
-        the method's work vectors and the per-system scalars
-        (:func:`managed_solve.solvers.batched.workspace.workspace_bytes`), and
-        the memory pool's 512-byte rounding of each allocation.
+        :func:`managed_solve.solvers.batched.workspace.predict_bytes` (its
+        parameters), the memory model beside the allocations.
 
         Examples
         --------
@@ -185,8 +176,8 @@ class PackedBatch:
         >>> PackedBatch.predict_bytes(1000, 5000, 1, "float64", "int32", "cg") > 5000 * 12
         True
         """
-        arrays = PackedBatch.array_bytes(n, nnz, dtype, index_dtype, jacobi=jacobi, x0=x0)
-        return workspace.predict_bytes(arrays, method, n, nsys, dtype, index_dtype, jacobi=jacobi)
+        return workspace.predict_bytes(n, nnz, nsys, dtype, index_dtype, method, jacobi=jacobi,
+                                       x0=x0)
 
     # -- construction ----------------------------------------------------------
     @classmethod

@@ -3,10 +3,9 @@
 Every array a solve allocates is allocated here, before its loop, and
 counted here: :func:`workspace_bytes` mirrors the allocations of
 :class:`FusedWorkspace` (CG and BiCGStab on a GPU) and
-:class:`GmresWorkspace` (GMRES), and :func:`predict_bytes` adds the packed
-batch (:meth:`PackedBatch.array_bytes
-<managed_solve.solvers.batched.packed.PackedBatch.array_bytes>`) and the
-memory pool's rounding. A test holds the two together.
+:class:`GmresWorkspace` (GMRES), :func:`array_bytes` those of the packed
+batch, and :func:`predict_bytes` adds both and the memory pool's rounding.
+A test holds the two together.
 """
 
 from __future__ import annotations
@@ -65,10 +64,41 @@ def workspace_bytes(method: str, n: int, nsys: int, dtype: Any, index_dtype: Any
     return int(work + scalars)
 
 
-def predict_bytes(batch_bytes: int, method: str, n: int, nsys: int, dtype: Any,
-                  index_dtype: Any, *, jacobi: bool) -> int:
-    """The packed batch's bytes plus one solve's workspace and the pool's rounding."""
-    return int(batch_bytes + workspace_bytes(method, n, nsys, dtype, index_dtype, jacobi=jacobi)
+def array_bytes(n: int, nnz: int, dtype: Any, index_dtype: Any = np.int32, *,
+                jacobi: bool = True, x0: bool = True) -> int:
+    """Device bytes of a packed batch's own arrays (what ``PackedBatch.pack`` allocates).
+
+    The packed CSR, ``b``, ``row_sys`` (int32), and ``x0`` and ``dinv``
+    when present.
+    """
+    w = np.dtype(dtype).itemsize
+    iw = np.dtype(index_dtype).itemsize
+    n, nnz = int(n), int(nnz)
+    nbytes = nnz * (w + iw) + (n + 1) * iw + n * w + 4 * n
+    nbytes += n * w if x0 else 0
+    nbytes += n * w if jacobi else 0
+    return nbytes
+
+
+def predict_bytes(n: int, nnz: int, nsys: int, dtype: Any, index_dtype: Any = np.int32,
+                  method: str = "cg", *, jacobi: bool = True, x0: bool = True) -> int:
+    """Upper bound of the device bytes a batch plus one solve's workspace takes.
+
+    Counts the packed CSR, ``b``, ``x0`` (when ``x0``), ``row_sys``,
+    ``dinv`` (when ``jacobi``) (:func:`array_bytes`), the solution ``x``,
+    the method's work vectors and the per-system scalars
+    (:func:`workspace_bytes`), and the memory pool's 512-byte rounding of
+    each allocation. The planner's model of a batch (``solve_many`` reserves
+    this for it).
+
+    Examples
+    --------
+    >>> from managed_solve.solvers.batched import predict_bytes
+    >>> predict_bytes(1000, 5000, 1, "float64", "int32", "cg") > 5000 * 12
+    True
+    """
+    arrays = array_bytes(n, nnz, dtype, index_dtype, jacobi=jacobi, x0=x0)
+    return int(arrays + workspace_bytes(method, n, nsys, dtype, index_dtype, jacobi=jacobi)
                + ARRAYS_PER_SOLVE * POOL_ROUND)
 
 

@@ -1,4 +1,4 @@
-"""solve_many's per-matrix host checks, many matrices a kernel call (scheduling/host_checks.py)."""
+"""solve_many's validation: the per-matrix host checks, many matrices a kernel call, and the inputs as systems (scheduling/validate.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from managed_solve import LinearSystem, Status
 from managed_solve.kernels import checks
 from managed_solve.kernels.symmetry import csr_symmetry_gershgorin
 from managed_solve.manager import DeviceManager
-from managed_solve.scheduling import host_checks, solve_many, validate
-from managed_solve.solvers.batched import threads
+from managed_solve.scheduling import solve_many, validate
+from managed_solve.solvers.batched import cpu
 from managed_solve.system import inputs, is_symmetric
 from managed_solve.system.properties import gershgorin
 from tests._problems import helmholtz2d, poisson2d
@@ -68,15 +68,15 @@ def test_symmetry_pass_checks_its_matrices_entries_and_the_finite_pass_leaves_th
     mats += [inf, longer]
     pairs = [(A, np.ones(A.shape[0], dtype=A.dtype)) for A in mats]
     pairs += [(poisson2d(5), np.ones(25)) for _ in range(16)]
-    work = host_checks.symmetry_pass(mats)
+    work = validate.symmetry_pass(mats)
     covered = work.covered()
     assert id(longer.data) not in covered and id(inf.data) in covered
     assert covered == {id(A.data) for A in mats if A.data.shape[0] == A.nnz}
-    arrays = host_checks.finite_candidates(pairs, covered)
+    arrays = validate.finite_candidates(pairs, covered)
     assert not {id(a) for a in arrays} & covered and any(a is longer.data for a in arrays)
-    finite = host_checks.FinitePass(arrays)
+    finite = validate.FinitePass(arrays)
     with ms.config.override(host_threads=2, host_parallel_min_work=0.0):
-        host_checks.run_all([work, finite])
+        validate.run_all([work, finite])
     found = {id(a) for a in work.finite_data()} | {id(a) for a in finite.finite()}
     for A, b in pairs:
         assert (id(A.data) in found) == bool(np.isfinite(A.data).all()), A
@@ -87,7 +87,7 @@ def test_pass_fills_the_cache_as_the_per_matrix_tests_do():
     mats = mixed_matrices()
     cache: dict = {}
     with ms.config.override(host_threads=2, host_parallel_min_work=0.0):
-        host_checks.test_symmetry(mats, cache)
+        validate.test_symmetry(mats, cache)
     assert cache.get(id(mats[6])) is None  # R + I: its pattern is not symmetric
     for A in mats:
         hit = cache.get(id(A))
@@ -102,10 +102,10 @@ def test_pass_fills_the_cache_as_the_per_matrix_tests_do():
 def test_ranges_cover_every_matrix_once():
     work = np.array([5.0, 1.0, 1.0, 1.0, 8.0, 2.0, 2.0])
     for count in (1, 2, 3, 16):
-        ranges = threads.work_ranges(work, count, host_checks.RANGES_PER_THREAD)
+        ranges = cpu.work_ranges(work, count, validate.RANGES_PER_THREAD)
         covered = [k for lo, hi in ranges for k in range(lo, hi)]
         assert covered == list(range(len(work)))
-        assert len(ranges) <= host_checks.RANGES_PER_THREAD * count
+        assert len(ranges) <= validate.RANGES_PER_THREAD * count
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -116,7 +116,7 @@ def test_finite_arrays_agree_with_all_finite(dtype):
         arrays[k][0] = bad
     arrays.append(np.full(4, np.finfo(dtype).max, dtype))  # finite, though its sum overflows
     with ms.config.override(host_threads=2, host_parallel_min_work=0.0):
-        found = host_checks.finite_arrays(arrays)
+        found = validate.finite_arrays(arrays)
     assert [id(a) for a in found] == [id(a) for a in arrays if inputs.all_finite(a)]
     assert len(found) == len(arrays) - 3
 
@@ -205,19 +205,19 @@ def test_the_pass_starts_on_the_raw_inputs_and_converted_matrices_are_tested_aga
     from managed_solve.system.method import choose_method
 
     passes = []
-    real = host_checks.symmetry_pass
+    real = validate.symmetry_pass
 
     def spy(mats, *args):
         passes.append(len(mats))
         return real(mats, *args)
 
-    monkeypatch.setattr(host_checks, "symmetry_pass", spy)
+    monkeypatch.setattr(validate, "symmetry_pass", spy)
     mats = [poisson2d(m) for m in range(4, 20)] + [convection(8)]
     pairs = [(A, np.ones(A.shape[0])) for A in mats]
     pairs.append((poisson2d(6).astype(np.float32), np.ones(36)))  # A becomes float64: a new object
     pairs.append((convection(5).astype(np.int64), np.ones(25)))  # integers: not read before validation
-    assert len(host_checks.input_matrices(pairs, "auto", host_checks.pass_least())) == len(mats) + 1
-    assert host_checks.input_matrices(pairs, "cg", host_checks.pass_least()) == []
+    assert len(validate.input_matrices(pairs, "auto", validate.pass_least())) == len(mats) + 1
+    assert validate.input_matrices(pairs, "cg", validate.pass_least()) == []
     results = solve_many(pairs, rtol=1e-8, manager=DeviceManager(simulate="1x1GiB"))
     assert passes == [len(mats) + 1, 2]  # the inputs', then the two validation made
     systems = [LinearSystem(A, b) for A, b in pairs]
@@ -242,7 +242,7 @@ def test_systems_with_a_null_space_are_not_deferred():
 def test_finite_check_and_symmetry_tests_share_one_hand_out_before_validation(monkeypatch):
     """One run_all for both passes, then no per-array finite check and no per-matrix test."""
     handed = []
-    real = host_checks.run_all
+    real = validate.run_all
     finite_calls = []
     real_finite = inputs.all_finite
 
@@ -254,7 +254,7 @@ def test_finite_check_and_symmetry_tests_share_one_hand_out_before_validation(mo
         finite_calls.append(a)
         return real_finite(a)
 
-    monkeypatch.setattr(host_checks, "run_all", spy)
+    monkeypatch.setattr(validate, "run_all", spy)
     monkeypatch.setattr(inputs, "all_finite", spy_finite)
     mats = [poisson2d(m) for m in range(4, 24)]
     pairs = [(A, np.ones(A.shape[0])) for A in mats]
