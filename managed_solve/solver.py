@@ -606,9 +606,7 @@ class Solver:
                 x = out.x = x - N @ (N.T @ x)
             if x is not None and used == "direct" and N is None and "refinements" in out.info:
                 residual = out.residual_norm  # the factorisation's check read the true residual
-            elif x is not None:
-                # The engine's own from-scratch residual where it made one of this
-                # very x (A and b unscaled, x not projected): the same figure.
+            elif x is not None:  # the engine's own true residual of this x, where it made one
                 known = None if scaled or N is not None else out.checked_residual(x)
                 residual = known if known is not None else true_residual_norm(A, b, x)
                 # That read waited for the solve's queued masked iterations: free what
