@@ -9,7 +9,9 @@ seconds per system, and ``extra_info["metric"]`` says so):
   ``scipy.sparse.linalg.spsolve`` and a loop of ``scipy.sparse.linalg.cg``
   to the same rtol (target: at least 2 x faster than both); also ours on one
   host thread (``extra_info["threads_speedup"]``: the second thread's gain,
-  never below 1) and, labelled, ours with one matrix object per size;
+  never below 1) and, labelled, ours with one matrix object per size; each
+  entry records the machine's load average when it ran (ours uses both
+  cores, the loops one: another process on a 2-core host moves the ratios);
 - ``w2-gpu``: ``solve_many`` on one GPU, each system with its own matrix
   object (and, labelled, one matrix object per size), vs a loop of cupyx
   ``cg`` (timed on 40 of the 400 systems, every tenth, and scaled; target at
@@ -133,7 +135,8 @@ def cpu_entry(benchmark, machine_info, key: str, pairs, sizes, role: str, **extr
     ratios = {f"ratio_vs_{a}": median / MEDIANS[a] for a in ("spsolve_loop", "cg_loop") if a in MEDIANS
               and a != key}
     machine_info(benchmark, "cpu", role=role, dtype="float64", systems=len(pairs),
-                 unknowns=int(sum(m * m for m in sizes)), **ratios, **extra)
+                 unknowns=int(sum(m * m for m in sizes)), load_average=os.getloadavg(),
+                 **ratios, **extra)
     per_system(benchmark, len(pairs))
 
 
