@@ -411,3 +411,36 @@ def synchronize(device: Any = None) -> None:
 def cpu_count() -> int:
     """Cores of this machine, read once (``os.cpu_count()`` reads the system each call)."""
     return os.cpu_count() or 1
+
+
+@functools.lru_cache(maxsize=1)
+def scipy_blas_threads() -> tuple[Callable[[], int], Callable[[int], None]] | None:
+    """Getter and setter of the threads of the OpenBLAS behind SciPy's BLAS, or None where none is found.
+
+    The host Cholesky calls SciPy's BLAS (``scipy.linalg.cython_blas``).
+    SciPy's wheels carry their own OpenBLAS (``scipy.libs``, symbols
+    prefixed ``scipy_openblas_``); other builds may load a system OpenBLAS
+    whose symbols are global. MKL, Accelerate and the like are not found:
+    None, and nothing is changed.
+    """
+    import ctypes
+    import glob
+
+    import scipy
+
+    root = os.path.dirname(scipy.__file__)
+    paths = sorted(glob.glob(os.path.join(root, os.pardir, "scipy.libs", "*openblas*"))
+                   + glob.glob(os.path.join(root, ".dylibs", "*openblas*")))
+    for path in [*paths, None]:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for prefix in ("scipy_openblas_", "openblas_"):
+            get = getattr(lib, prefix + "get_num_threads", None)
+            put = getattr(lib, prefix + "set_num_threads", None)
+            if get is not None and put is not None:
+                get.restype, get.argtypes = ctypes.c_int, []
+                put.restype, put.argtypes = None, [ctypes.c_int]
+                return get, put
+    return None

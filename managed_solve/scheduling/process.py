@@ -6,6 +6,12 @@ caller may ask ``solve_many`` to pause the cyclic collector and shorten the
 switch interval (settings ``pause_gc``, ``switch_interval``,
 ``head_switch_interval`` of :mod:`managed_solve.config`); by default it
 changes neither.
+
+On the CPU, the host LU workers each call SciPy's BLAS beside the batched
+kernels' threads; a threaded BLAS then puts more threads on the cores than
+there are cores. The caller may ask ``solve_many`` to hold SciPy's OpenBLAS
+to fewer threads while it runs (setting ``host_blas_threads``); by default
+it leaves them as they are.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
+
+from .. import _backend
 
 
 class ProcessSetting:
@@ -71,3 +79,18 @@ def _set_gc(enabled: bool) -> None:
 COLLECTION = ProcessSetting(gc.isenabled, _set_gc)
 #: The GIL switch interval in seconds.
 SWITCH_INTERVAL = ProcessSetting(sys.getswitchinterval, sys.setswitchinterval)
+
+
+def _get_blas_threads() -> int | None:
+    found = _backend.scipy_blas_threads()
+    return found[0]() if found is not None else None
+
+
+def _set_blas_threads(threads: int | None) -> None:
+    found = _backend.scipy_blas_threads()
+    if found is not None and threads is not None:
+        found[1](threads)
+
+
+#: The threads of the OpenBLAS behind SciPy's BLAS (no-op where none is found).
+BLAS_THREADS = ProcessSetting(_get_blas_threads, _set_blas_threads)
