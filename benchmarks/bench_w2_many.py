@@ -9,7 +9,11 @@ seconds per system, and ``extra_info["metric"]`` says so):
   ``scipy.sparse.linalg.spsolve`` and a loop of ``scipy.sparse.linalg.cg``
   to the same rtol (target: at least 2 x faster than both); also ours on one
   host thread (``extra_info["threads_speedup"]``: the second thread's gain,
-  never below 1) and, labelled, ours with one matrix object per size;
+  never below 1) and, labelled, ours with one matrix object per size (where
+  "auto" factorises the sizes that several systems share), also with the
+  setting ``host_blas_threads=1``; each
+  entry records the machine's load average when it ran (ours uses both
+  cores, the loops one: another process on a 2-core host moves the ratios);
 - ``w2-gpu``: ``solve_many`` on one GPU, each system with its own matrix
   object (and, labelled, one matrix object per size), vs a loop of cupyx
   ``cg`` (timed on 40 of the 400 systems, every tenth, and scaled; target at
@@ -133,7 +137,8 @@ def cpu_entry(benchmark, machine_info, key: str, pairs, sizes, role: str, **extr
     ratios = {f"ratio_vs_{a}": median / MEDIANS[a] for a in ("spsolve_loop", "cg_loop") if a in MEDIANS
               and a != key}
     machine_info(benchmark, "cpu", role=role, dtype="float64", systems=len(pairs),
-                 unknowns=int(sum(m * m for m in sizes)), **ratios, **extra)
+                 unknowns=int(sum(m * m for m in sizes)), load_average=os.getloadavg(),
+                 **ratios, **extra)
     per_system(benchmark, len(pairs))
 
 
@@ -198,6 +203,25 @@ def bench_w2_cpu_solve_many_shared_matrices(benchmark, w2_cpu, machine_info):
                        iterations=1, warmup_rounds=0)
     cpu_entry(benchmark, machine_info, "ours_shared", pairs, sizes,
               "ours, shared matrices (labelled variant)", methods=sorted({r.method for r in first}))
+
+
+@pytest.mark.benchmark(group="w2-cpu")
+def bench_w2_cpu_solve_many_shared_matrices_one_blas_thread(benchmark, w2_cpu, machine_info):
+    """The shared variant with ``host_blas_threads=1``: the host LUs' BLAS off the batched kernels' cores."""
+    sizes, _pairs = w2_cpu
+    pairs = w2_pairs(sizes)
+    dm = DeviceManager(["cpu"])
+    with config.override(host_blas_threads=1):
+        first = solve_many(pairs, manager=dm, rtol=RTOL)
+        check_own_rtol(pairs, first)
+        benchmark.pedantic(lambda: solve_many(pairs, manager=dm, rtol=RTOL), rounds=ROUNDS,
+                           iterations=1, warmup_rounds=0)
+    extra = {}
+    if "ours_shared" in MEDIANS:
+        extra["vs_default_blas_threads"] = benchmark.stats.stats.median / MEDIANS["ours_shared"]
+    cpu_entry(benchmark, machine_info, "ours_shared_one_blas_thread", pairs, sizes,
+              "ours, shared matrices, host_blas_threads=1 (labelled variant)",
+              methods=sorted({r.method for r in first}), **extra)
 
 
 def time_jax_vmap_cg(benchmark, pairs, kind: str) -> dict:

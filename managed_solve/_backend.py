@@ -475,3 +475,56 @@ def _set_gc(enabled: bool) -> None:
 COLLECTION = ProcessSetting(gc.isenabled, _set_gc)
 #: The GIL switch interval in seconds.
 SWITCH_INTERVAL = ProcessSetting(sys.getswitchinterval, sys.setswitchinterval)
+
+
+@functools.lru_cache(maxsize=1)
+def scipy_blas_threads() -> tuple[Callable[[], int], Callable[[int], None]] | None:
+    """Getter and setter of the threads of the OpenBLAS behind SciPy's BLAS, or None where none is found.
+
+    The host Cholesky calls SciPy's BLAS (``scipy.linalg.cython_blas``).
+    SciPy's wheels carry their own OpenBLAS (``scipy.libs``, symbols
+    prefixed ``scipy_openblas_``); other builds may load a system OpenBLAS
+    whose symbols are global. MKL, Accelerate and the like are not found:
+    None, and nothing is changed.
+    """
+    import ctypes
+    import glob
+
+    import scipy
+
+    root = os.path.dirname(scipy.__file__)
+    paths = sorted(glob.glob(os.path.join(root, os.pardir, "scipy.libs", "*openblas*"))
+                   + glob.glob(os.path.join(root, ".dylibs", "*openblas*")))
+    for path in [*paths, None]:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for prefix in ("scipy_openblas_", "openblas_"):
+            get = getattr(lib, prefix + "get_num_threads", None)
+            put = getattr(lib, prefix + "set_num_threads", None)
+            if get is not None and put is not None:
+                get.restype, get.argtypes = ctypes.c_int, []
+                put.restype, put.argtypes = None, [ctypes.c_int]
+                return get, put
+    return None
+
+
+def _get_blas_threads() -> int | None:
+    found = scipy_blas_threads()
+    return found[0]() if found is not None else None
+
+
+def _set_blas_threads(threads: int | None) -> None:
+    found = scipy_blas_threads()
+    if found is not None and threads is not None:
+        found[1](threads)
+
+
+#: The threads of the OpenBLAS behind SciPy's BLAS (no-op where none is found).
+#: On the CPU the host LU workers each call SciPy's BLAS beside the batched
+#: kernels' threads; a threaded BLAS then puts more threads on the cores than
+#: there are cores. The caller may ask ``solve_many`` to hold it to fewer
+#: threads while it runs (setting ``host_blas_threads``); by default it is
+#: left as it is.
+BLAS_THREADS = ProcessSetting(_get_blas_threads, _set_blas_threads)

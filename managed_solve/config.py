@@ -144,6 +144,15 @@ class Settings:
         sweep ends at a barrier that waits for the slowest thread, which on
         a small host shared with other processes costs more than the second
         core gives.
+    host_blas_threads : int or None
+        Threads of the OpenBLAS behind SciPy's BLAS while a ``solve_many``
+        call runs (None: left as they are). The call's host LU workers (the
+        supernodal Cholesky's dense products) each call BLAS beside the
+        batched kernels' threads; a threaded BLAS then runs more threads
+        than there are cores, and 1 keeps each worker on its own core. A
+        process-wide setting, held for the call and given back after the
+        last concurrent call ends; no effect where SciPy's BLAS is not an
+        OpenBLAS this package finds.
     lu_solve_columns : int
         Columns a host LU (SuperLU) solves a call when it solves a block of
         right-hand sides: in pieces this narrow BLAS keeps each supernode's
@@ -189,6 +198,7 @@ class Settings:
     host_parallel_min_work: float = 2e5
     host_row_parallel_min_rows: int = 1 << 18
     host_row_parallel_min_cores: int = 4
+    host_blas_threads: int | None = None
     # -- direct solves on the host (solvers/direct.py)
     lu_solve_columns: int = 4
 

@@ -88,7 +88,9 @@ def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = 
             devs = select_devices(mgr, devices, disperse, checked.systems)
             gpus = sum(d.is_gpu for d in devs)  # simulated GPUs too: the same threads
             switch = settings.switch_interval
-            with _backend.SWITCH_INTERVAL.held(switch, active=switch is not None and gpus >= 2):
+            blas = settings.host_blas_threads
+            with _backend.SWITCH_INTERVAL.held(switch, active=switch is not None and gpus >= 2), \
+                    _backend.BLAS_THREADS.held(blas, active=blas is not None):
                 work = estimation.estimate_call(checked, mgr, devs, method)
                 plan = planning.plan_call(work, mgr)
                 out = running.run_call(plan, work, mgr, progress=progress, kept=kept)

@@ -29,6 +29,7 @@ from .. import _backend, config
 from ..devices import Device
 from ..manager import DeviceManager
 from ..result import SolveResult, Status
+from ..solvers.batched.cpu import host_cores
 from ..system import LinearSystem
 from . import routes
 from .errors import Regroup, is_device_error
@@ -365,10 +366,16 @@ class Runner:
         self.join()
 
     def start(self) -> None:
-        """Start one worker per device (the host's LU batches: one per core)."""
+        """Start one worker per device (the host's LU batches: one per host thread allowed).
+
+        The LU workers keep to the batched kernels' thread budget
+        (:func:`~managed_solve.solvers.batched.cpu.host_cores`: the setting
+        ``host_threads``, the process's CPU affinity, ``NUMBA_NUM_THREADS``), so
+        a caller who holds the host to one thread gets one.
+        """
         direct = any(b.route == DIRECT for q in self.queues.values() for b in q)
         for d in self.all_devices:
-            count = _backend.cpu_count() if d.kind == "cpu" and direct else 1
+            count = host_cores() if d.kind == "cpu" and direct else 1
             for k in range(count):
                 t = threading.Thread(target=self._worker, args=(d,), daemon=True,
                                      name=f"solve_many-{d}-{k}")

@@ -146,6 +146,31 @@ def test_head_start_leaves_the_switch_interval_alone_by_default(monkeypatch):
     assert seen == {before}
 
 
+def test_scipy_s_blas_threads_are_held_during_the_call_only_when_asked_and_restored_after(monkeypatch):
+    """SciPy's OpenBLAS on one thread while the host LU workers run, when the caller opts in."""
+    from managed_solve import _backend
+
+    found = _backend.scipy_blas_threads()
+    if found is None:
+        pytest.skip("SciPy's BLAS is not an OpenBLAS this package finds")
+    get, put = found
+    before = get()
+    put(2)  # a threaded BLAS, whatever this process started with
+    try:
+        seen = spy_on_start(monkeypatch, get)[0]
+        systems = mixed_systems(10, seed=2)  # every fifth one non-symmetric: the host LU's
+        cpu = DeviceManager(["cpu"])
+        with ms_config.override(host_blas_threads=1):  # the caller opts in
+            results = solve_many(systems, manager=cpu)
+        assert_solves(systems, results)
+        assert "direct" in {r.method for r in results}
+        assert get() == 2
+        solve_many(systems, manager=cpu)  # the default: unchanged
+        assert seen == [1, 2] and get() == 2
+    finally:
+        put(before)
+
+
 def test_a_process_setting_holds_the_smallest_value_asked_and_restores_the_callers():
     values = [7.0]
     setting = ProcessSetting(lambda: values[-1], values.append)

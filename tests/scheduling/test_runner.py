@@ -196,3 +196,16 @@ def test_a_real_call_records_measured_speed():
     # NumPy on this host streams far less than the 2 TB/s a simulated GPU assumes.
     assert dm.speed(dm.accelerators[0]) < before
     assert any(k.startswith("('solve_many'") for k in dm.hints())
+
+
+@pytest.mark.parametrize("host_threads", [1, 2])
+def test_host_lu_workers_keep_to_the_host_thread_setting(host_threads, settings, monkeypatch):
+    """A caller who holds the host to one thread gets one LU worker, not one per core."""
+    settings(host_threads=host_threads)
+    runners = runners_started(monkeypatch)
+    systems = mixed_systems(10, seed=2)  # every fifth one non-symmetric: the host LU's
+    results = solve_many(systems, manager=DeviceManager(["cpu"]))
+    assert_solves(systems, results)
+    assert "direct" in {r.method for r in results}
+    (runner,) = runners
+    assert len(runner.threads) == host_threads
