@@ -100,7 +100,7 @@ def install():
     timed(routes, "run_sharded")
     timed(packed, "pack_host", note=_rows)
     timed(packed.PackedBatch, "unpack")
-    timed(batched_engine, "cg_batched", note=lambda a, k: f"{a[0].nsys} sys, {a[0].n:,} rows")
+    timed(batched_engine, "run_core", note=lambda a, k: f"{a[0].nsys} sys, {a[0].n:,} rows")
     timed(batched_gpu, "solve", label="cuda solve",
           result_note=lambda out: f"gpu {1e3 * out[7]:.1f} ms, {out[5]} checkpoints, "
                                   f"{out[6]} compactions, its<= {int(out[1].max())}")
