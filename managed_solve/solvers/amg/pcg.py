@@ -16,7 +16,8 @@ read microseconds, and no iteration runs past convergence. The loop ends
 with the true residual of the ``x`` it returns, ``b - A x`` and its sum in
 one pass of the residual kernel, which the verify rule then reads instead
 of forming ``b - A x`` again (at 4.2M unknowns a from-scratch residual
-through cuSPARSE and a norm cost 0.4 ms, read twice a solve).
+through cuSPARSE and a norm costs 0.4 ms, which the verify rule and the
+result would otherwise each pay).
 
 The same sequence runs on the NumPy twins (:class:`~.twins.LoopTwinOps`)
 over a host :class:`~.fused.FusedCycle`, where the tests pin it against the
