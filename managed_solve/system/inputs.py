@@ -322,15 +322,11 @@ def host_nonfinite(data: np.ndarray | None, b: np.ndarray, memo: dict | None) ->
 
     ``data`` (A's stored entries; None when it stores none), then ``b``, each
     by :func:`checked_finite`. ``solve_many`` checks its inputs' arrays in one
-    pass first, so both are usually in ``memo``: looked up here, one call a
-    system.
+    pass first, so both are usually found in ``memo``.
     """
-    if data is not None and (memo is None or memo.get(id(data)) is not data) \
-            and not checked_finite(data, memo):
+    if data is not None and not checked_finite(data, memo):
         return data
-    if (memo is None or memo.get(id(b)) is not b) and not checked_finite(b, memo):
-        return b
-    return None
+    return None if checked_finite(b, memo) else b
 
 
 def first_nonfinite(arrays: list, memo: dict | None) -> int | None:

@@ -24,7 +24,13 @@ __device__ __forceinline__ T amg_group_sum(T v) {
 }
 
 // (A v)_row from the lanes of one group (lane = this thread's rank in the group).
-template <int G, typename T>
+// U > 1: a lane takes its entries U at a time, the indices and values of a
+// round loaded before the first gather and the gathers before the first
+// product, so a lane keeps several loads in flight. That pays in a kernel
+// with little else to load (the CG loop's product, U = 4); in the smoothing
+// steps, which also read four vectors a row, the extra registers cost more
+// than the overlap gains (U = 1).
+template <int G, int U = 1, typename T>
 __device__ __forceinline__ T amg_row_dot(const int* __restrict__ indptr,
                                          const int* __restrict__ indices,
                                          const T* __restrict__ data, const T* __restrict__ v,
@@ -32,38 +38,23 @@ __device__ __forceinline__ T amg_row_dot(const int* __restrict__ indptr,
     T sum = (T)0;
     if (active) {
         const int end = indptr[row + 1];
-        for (int j = indptr[row] + lane; j < end; j += G) sum += data[j] * v[indices[j]];
-    }
-    return amg_group_sum<G>(sum);
-}
-
-// amg_row_dot with a lane's entries taken four at a time: the indices and
-// values of a round are loaded before the first gather, and the gathers
-// before the first product, so a lane keeps several loads in flight. It
-// pays in a kernel with little else to load (the CG loop's product); in
-// the smoothing steps, which also read four vectors a row, the extra
-// registers cost more than the overlap gains.
-template <int G, typename T>
-__device__ __forceinline__ T amg_row_dot4(const int* __restrict__ indptr,
-                                          const int* __restrict__ indices,
-                                          const T* __restrict__ data, const T* __restrict__ v,
-                                          amg_ll row, bool active, int lane) {
-    T sum = (T)0;
-    if (active) {
-        const int end = indptr[row + 1];
-        for (int j = indptr[row] + lane; j < end; j += 4 * G) {
-            int k[4];
-            T a[4], w[4];
-            #pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                const bool in = j + u * G < end;
-                k[u] = in ? indices[j + u * G] : 0;
-                a[u] = in ? data[j + u * G] : (T)0;
+        if constexpr (U == 1) {
+            for (int j = indptr[row] + lane; j < end; j += G) sum += data[j] * v[indices[j]];
+        } else {
+            for (int j = indptr[row] + lane; j < end; j += U * G) {
+                int k[U];
+                T a[U], w[U];
+                #pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const bool in = j + u * G < end;
+                    k[u] = in ? indices[j + u * G] : 0;
+                    a[u] = in ? data[j + u * G] : (T)0;
+                }
+                #pragma unroll
+                for (int u = 0; u < U; ++u) w[u] = j + u * G < end ? v[k[u]] : (T)0;
+                #pragma unroll
+                for (int u = 0; u < U; ++u) sum += a[u] * w[u];
             }
-            #pragma unroll
-            for (int u = 0; u < 4; ++u) w[u] = j + u * G < end ? v[k[u]] : (T)0;
-            #pragma unroll
-            for (int u = 0; u < 4; ++u) sum += a[u] * w[u];
         }
     }
     return amg_group_sum<G>(sum);

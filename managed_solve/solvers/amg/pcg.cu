@@ -48,7 +48,7 @@ __global__ void pcg_spmv_dot(amg_ll n, const int* __restrict__ indptr,
                              const T* __restrict__ p, T* __restrict__ q, double* s) {
     double part = 0.0;
     AMG_ROWS(n)
-        const T ax = amg_row_dot4<G>(indptr, indices, data, p, row, active, lane);
+        const T ax = amg_row_dot<G, 4>(indptr, indices, data, p, row, active, lane);
         if (active && lane == 0) {
             q[row] = ax;
             part += (double)p[row] * (double)ax;

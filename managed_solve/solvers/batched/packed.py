@@ -16,7 +16,7 @@ import numpy as np
 
 from ... import _backend, config
 from ..engine import default_maxiter
-from . import gather, workspace
+from . import gather
 
 __all__ = ["PackedBatch", "default_maxiter", "pack_host"]
 
@@ -150,34 +150,6 @@ class PackedBatch:
         return (f"PackedBatch(nsys={self.nsys}, n={self.n}, nnz={self.nnz}, dtype={self.dtype}, "
                 f"index_dtype={self.index_dtype}, device={self.device!r}, "
                 f"jacobi={self.dinv is not None})")
-
-    # -- memory prediction ---------------------------------------------------
-    @staticmethod
-    def array_bytes(n: int, nnz: int, dtype: Any, index_dtype: Any = np.int32, *,
-                    jacobi: bool = True, x0: bool = True) -> int:
-        """Device bytes of a batch's own arrays (what :meth:`pack` allocates).
-
-        :func:`managed_solve.solvers.batched.workspace.array_bytes`, the memory
-        model beside the allocations.
-        """
-        return workspace.array_bytes(n, nnz, dtype, index_dtype, jacobi=jacobi, x0=x0)
-
-    @staticmethod
-    def predict_bytes(n: int, nnz: int, nsys: int, dtype: Any, index_dtype: Any = np.int32,
-                      method: str = "cg", *, jacobi: bool = True, x0: bool = True) -> int:
-        """Upper bound of the device bytes a batch plus one solve's workspace takes.
-
-        :func:`managed_solve.solvers.batched.workspace.predict_bytes` (its
-        parameters), the memory model beside the allocations.
-
-        Examples
-        --------
-        >>> from managed_solve.solvers.batched import PackedBatch
-        >>> PackedBatch.predict_bytes(1000, 5000, 1, "float64", "int32", "cg") > 5000 * 12
-        True
-        """
-        return workspace.predict_bytes(n, nnz, nsys, dtype, index_dtype, method, jacobi=jacobi,
-                                       x0=x0)
 
     # -- construction ----------------------------------------------------------
     @classmethod

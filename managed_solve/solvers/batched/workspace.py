@@ -51,7 +51,7 @@ def workspace_bytes(method: str, n: int, nsys: int, dtype: Any, index_dtype: Any
     (``z`` with Jacobi, the compaction row list for several systems).
     """
     if method not in WORK_VECTORS:
-        raise ValueError(f"PackedBatch.predict_bytes: method={method!r}; expected 'cg', "
+        raise ValueError(f"predict_bytes: method={method!r}; expected 'cg', "
                          "'bicgstab' or 'gmres'")
     w = np.dtype(dtype).itemsize
     iw = np.dtype(index_dtype).itemsize

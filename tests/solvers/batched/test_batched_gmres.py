@@ -14,6 +14,7 @@ from managed_solve.solvers.batched import (
     PackedBatch,
     bicgstab_batched,
     gmres_batched,
+    predict_bytes,
 )
 from managed_solve.solvers.batched.gmres import GMRES_CHECK_EVERY, BatchedGmres
 from tests._problems import poisson2d_skew, upwind
@@ -197,7 +198,7 @@ def test_bad_arguments():
 
 
 def test_memory_prediction_counts_the_device_workspace():
-    """PackedBatch.predict_bytes(method="gmres") holds the batch, x and GmresWorkspace's arrays."""
+    """predict_bytes(method="gmres") holds the batch, x and GmresWorkspace's arrays."""
     from managed_solve.solvers.batched.workspace import POOL_ROUND, WORK_VECTORS
 
     assert WORK_VECTORS["gmres"] == GMRES_RESTART + 2
@@ -206,8 +207,7 @@ def test_memory_prediction_counts_the_device_workspace():
     batch = PackedBatch.pack(systems)
     work = BatchedGmres(batch, GMRES_RESTART, GMRES_CHECK_EVERY)
     held = work.nbytes + batch.b.nbytes  # + x
-    predicted = PackedBatch.predict_bytes(batch.n, batch.nnz, batch.nsys, batch.dtype,
-                                          batch.index_dtype, "gmres", jacobi=False, x0=False)
+    predicted = predict_bytes(batch.n, batch.nnz, batch.nsys, batch.dtype, batch.index_dtype, "gmres", jacobi=False, x0=False)
     assert batch.nbytes + held <= predicted <= batch.nbytes + held + 2 * 24 * POOL_ROUND + 4 * batch.n * 8
 
 
@@ -228,8 +228,7 @@ def test_gpu_memory_prediction_bounds_the_workspace():
     cp.cuda.Device().synchronize()
     grown = pool.total_bytes() - base  # the pool keeps freed blocks: about the peak held
     assert (out.status == 0).all()
-    predicted = PackedBatch.predict_bytes(batch.n, batch.nnz, batch.nsys, batch.dtype,
-                                          batch.index_dtype, "gmres", jacobi=False, x0=False)
+    predicted = predict_bytes(batch.n, batch.nnz, batch.nsys, batch.dtype, batch.index_dtype, "gmres", jacobi=False, x0=False)
     assert grown <= predicted - batch.nbytes, (grown, predicted - batch.nbytes)
 
 
