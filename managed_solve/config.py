@@ -64,6 +64,11 @@ class Settings:
     batch_rows : int or None
         Rows per batch, replacing the rule of ``batches_per_device`` and the
         device kind's target (None: that rule).
+    lanes_per_device : int
+        Batches each accelerator computes at once in ``solve_many``, each on
+        its own CUDA stream (its own worker thread): a batch staged while
+        another computes starts at once, and two batches of small systems
+        fill the GPU where one leaves it partly idle. 1 computes them in turn.
     prefetch_min_nnz : int
         Host matrices with at least this many stored entries have their
         "auto" method tested on helper threads while ``solve_many`` estimates
@@ -169,6 +174,7 @@ class Settings:
     head_start_systems: int = 256
     batches_per_device: int = 4
     batch_rows: int | None = None
+    lanes_per_device: int = 2
     prefetch_min_nnz: int = 1 << 20
     prefetch_small_nnz: int = 1 << 12
     prefetch_all_cores: int = 4

@@ -1,8 +1,9 @@
-"""Step 4 of ``solve_many``: run a plan, one worker per device, and recover from failures.
+"""Step 4 of ``solve_many``: run a plan, workers per device, and recover from failures.
 
 :func:`run_call` is the step: it takes the plan step's :class:`.plan.Plan`
-and returns every system's result in input order. Each device's worker
-takes batches from its queue (an idle accelerator takes queued batches of a
+and returns every system's result in input order. Each device's workers
+(on an accelerator one per lane, :mod:`.lanes`, each batch computing on its
+lane's stream beside the other lanes') take batches from its queue (an idle accelerator takes queued batches of a
 busier one of the same kind: work stealing), reserves each batch's bytes in
 the DeviceManager's ledger while it runs, has its stage thread copy the next
 batch while the current one computes (:func:`stage`, below), and hands each
@@ -32,14 +33,16 @@ from ..result import SolveResult, Status
 from ..solvers.batched.cpu import host_cores
 from ..system import LinearSystem
 from . import routes
-from .errors import Regroup, is_device_error
+from .errors import Regroup
 from .estimate import BATCHED_METHODS
-from .plan import BATCH, DEFERRED, DIRECT, SINGLE, Batch, Plan, Work, choose_slot, make_slots, split
-from .validate import invalid_result
+from .lanes import Held, ShareClock, device_stream, lane
+from .plan import BATCH, DEFERRED, DIRECT, SINGLE, Batch, Plan, Work
+from .recovery import Recovery
 
 log = logging.getLogger("managed_solve")
 
 _AHEAD = object()  # Runner._pop: a batch was staged for this worker; take it
+_LATER = object()  # Runner._start: no room on the device now beside the call's other batches
 
 
 def run_call(plan: Plan, work: Work, manager: DeviceManager, *, progress: bool = False,
@@ -106,7 +109,7 @@ def device_seconds(results: Sequence[SolveResult]) -> float | None:
 # CSR on its device through the batched engine, and on a GPU builds its
 # solver workspace) before it computes batch k: the worker submits
 # :func:`stage` to the device's stage thread; on a GPU the copy runs on a
-# second CUDA stream (:func:`copy_stream`), so it overlaps the compute; on
+# second CUDA stream (:func:`.lanes.device_stream`), so it overlaps the compute; on
 # simulated devices the same code runs with the pack on the host (there is
 # no stream), so the pipeline is tested on CPUs. The CPU packs its batches
 # on its worker (:func:`pack_batch`).
@@ -117,8 +120,9 @@ class Staged:
     """A batch whose bytes are reserved and whose copy to the device is under way."""
 
     batch: Batch
-    reservation: Any
+    reservation: Held
     packed: Future | None  # the batched engine's prepared batch on its device (BATCH route only)
+    share: float = 1.0  # its own part of the device time measured for it (.lanes.ShareClock)
 
 
 def pack_batch(systems: list[LinearSystem], jacobi: bool, dev: Device,
@@ -143,34 +147,15 @@ def stage(systems: list[LinearSystem], jacobi: bool, dev: Device,
         return pack_batch(systems, jacobi, dev, method)
     cp = _backend.cupy()
     with dev.context():
-        stream = copy_stream(cp, dev)
+        stream = device_stream(cp, dev, "copy")
         with stream:
             out = pack_batch(systems, jacobi, dev, method)
         stream.synchronize()  # sync: the copy is complete before the compute stream reads it
         return out
 
 
-_COPY_STREAMS: dict[str, Any] = {}
-_COPY_STREAMS_LOCK = threading.Lock()
-
-
-def copy_stream(cp: Any, dev: Device) -> Any:
-    """One copy stream per GPU for the process (called inside the device's context).
-
-    CuPy's memory pool keeps freed blocks per stream: a stream that lives
-    across batches and calls gets its batches' memory back instead of
-    allocating anew for each fresh stream.
-    """
-    key = str(dev)
-    with _COPY_STREAMS_LOCK:
-        stream = _COPY_STREAMS.get(key)
-        if stream is None:
-            stream = _COPY_STREAMS[key] = cp.cuda.Stream(non_blocking=True)
-        return stream
-
-
-class Runner:
-    """Executes a plan: one worker per device, recovery, results in input order.
+class Runner(Recovery):
+    """Executes a plan: workers per device (lanes on accelerators), recovery, results in input order.
 
     ``method_of`` resolves the method of a batch planned before it was known
     (``DEFERRED``: a head-start system); ``more`` says a further part of the
@@ -208,14 +193,19 @@ class Runner:
         self.factors: routes.FactorCache | None = None
         self.next_id = plan.next_id
         self.threads: list[threading.Thread] = []
-        # Per accelerator: its stage thread while its worker runs, and the batch
-        # staged next (its copy under way beside the current batch's compute).
+        # Per accelerator: its stage thread while its workers run, and the batch
+        # staged next (its copy under way beside the current batches' compute).
         self.stage_lock = threading.Lock()
         self.stagers: dict[str, ThreadPoolExecutor] = {}
         self.ahead: dict[str, Staged | None] = {}
-        # Per accelerator, while its worker runs: the thread that builds its
-        # batches' results (see _finish_split).
+        # Per accelerator, while its workers run: the thread that builds its
+        # batches' results (see _finish_split), and how many workers are left.
         self.finishers: dict[str, ThreadPoolExecutor] = {}
+        self.live: dict[str, int] = {}
+        # Per device: batches holding bytes there, releases so far (.lanes.Held).
+        self.holding: dict[str, int] = {}
+        self.releases: dict[str, int] = {}
+        self.clock = ShareClock()
         self.delivered = 0
         self.batches_run: list[tuple[str, int, int]] = []  # (device, batch id, nsys), for tests
         self.stolen: list[tuple[str, str, int]] = []  # (thief, victim, batch id)
@@ -277,7 +267,7 @@ class Runner:
 
         A deferred batch whose systems turn out to need different methods,
         or some of whose tests failed, raises :class:`.errors.Regroup`
-        (:meth:`_recover` then runs it as one batch per method).
+        (:meth:`recover` then runs it as one batch per method).
         """
         group = b.group
         if group[0] != DEFERRED:
@@ -303,29 +293,6 @@ class Runner:
                 if e is not None:
                     e.group = b.group
         return method
-
-    def regroup(self, b: Batch, dev: Device, exc: Regroup) -> list[tuple[str, Batch]]:
-        """A deferred batch of several methods: its invalid systems delivered, one batch per method.
-
-        Returns the new batches, each with the device whose queue it joins;
-        ``exc`` holds the systems of each method and those that failed.
-        """
-        for i, error in exc.bad:
-            self.deliver(i, invalid_result(error, i, self.systems[i]))
-        out = []
-        for method, indices in exc.by_method.items():
-            route = BATCH if method in BATCHED_METHODS else SINGLE
-            group = (method, *b.group[1:]) if route == BATCH else (method, b.group[1])
-            with self.cond:
-                ests = [self.plan.estimates[i] for i in indices]
-                for e in ests:
-                    e.route, e.group = route, group
-                sub = Batch(self.next_id, list(indices), route, group, sum(e.n for e in ests),
-                            sum(e.nnz for e in ests), sum(e.nbytes for e in ests),
-                            float(sum(e.cost for e in ests)), tried=b.tried)
-                self.next_id += 1
-            out.append((str(dev), sub))
-        return out
 
     def _done(self, new: Sequence[tuple[str, Batch]] = ()) -> None:
         with self.cond:
@@ -366,18 +333,28 @@ class Runner:
         self.join()
 
     def start(self) -> None:
-        """Start one worker per device (the host's LU batches: one per host thread allowed).
+        """Start the workers: one per lane on accelerators, else one (the host's LU batches: one per host thread allowed).
 
         The LU workers keep to the batched kernels' thread budget
         (:func:`~managed_solve.solvers.batched.cpu.host_cores`: the setting
         ``host_threads``, the process's CPU affinity, ``NUMBA_NUM_THREADS``), so
-        a caller who holds the host to one thread gets one.
+        a caller who holds the host to one thread gets one. An accelerator's
+        lanes (setting ``lanes_per_device``) share its stage and finish threads.
         """
         direct = any(b.route == DIRECT for q in self.queues.values() for b in q)
+        lanes = max(1, int(config.current().lanes_per_device))
         for d in self.all_devices:
-            count = host_cores() if d.kind == "cpu" and direct else 1
+            if d.kind == "cpu":
+                count = host_cores() if direct else 1
+            else:
+                count = lanes
+                name = str(d)
+                with self.stage_lock:
+                    self.stagers[name] = ThreadPoolExecutor(1, thread_name_prefix=f"stage-{d}")
+                    self.finishers[name] = ThreadPoolExecutor(1, thread_name_prefix=f"finish-{d}")
+                    self.live[name] = count
             for k in range(count):
-                t = threading.Thread(target=self._worker, args=(d,), daemon=True,
+                t = threading.Thread(target=self._worker, args=(d, k), daemon=True,
                                      name=f"solve_many-{d}-{k}")
                 self.threads.append(t)
                 t.start()
@@ -426,7 +403,12 @@ class Runner:
             return self.queues[name].popleft() if self.queues[name] else self._steal(name)
 
     def _stage_next(self, name: str) -> None:
-        """Stage the device's next batch unless one is staged already (or none is queued)."""
+        """Stage the device's next batch unless one is staged already (or none is queued).
+
+        One that finds no room there beside the call's other batches goes
+        back to the front of the queue: a worker takes it when it is free
+        and waits for the room then (:meth:`_reserve`).
+        """
         with self.stage_lock:
             stager = self.stagers.get(name)
             if stager is None or self.ahead.get(name) is not None:
@@ -434,7 +416,12 @@ class Runner:
             nb = self._pop_nowait(name)
             if nb is None:
                 return
-            self.ahead[name] = self._start(nb, self.by_name[name], stager)
+            st = self._start(nb, self.by_name[name], stager, wait=False)
+            if st is _LATER:
+                with self.cond:
+                    self.queues[name].appendleft(nb)
+                return
+            self.ahead[name] = st
         with self.cond:  # its worker may be waiting for work: this is work
             self.cond.notify_all()
 
@@ -444,48 +431,77 @@ class Runner:
             self.ahead[name] = None
             return st
 
-    def _worker(self, dev: Device) -> None:
-        """Run a device's queue; on accelerators, stage the next batch while this one computes."""
+    def _worker(self, dev: Device, k: int = 0) -> None:
+        """Run a device's queue (lane ``k`` of it); on accelerators, stage the next batch while this one computes."""
         name = str(dev)
-        stager = ThreadPoolExecutor(1, thread_name_prefix=f"stage-{dev}") \
-            if dev.kind != "cpu" else None
-        if stager is not None:
-            with self.stage_lock:
-                self.stagers[name] = stager
-            self.finishers[name] = ThreadPoolExecutor(1, thread_name_prefix=f"finish-{dev}")
+        stager = self.stagers.get(name) if dev.kind != "cpu" else None
         try:
-            while True:
-                cur = self._take_ahead(name) if stager is not None else None
-                if cur is None:
-                    b = self._pop(name)
-                    if b is None:
-                        return
-                    if b is _AHEAD:
-                        continue
-                    cur = self._start(b, dev, stager)
+            with lane(dev, k):
+                while True:
+                    cur = self._take_ahead(name) if stager is not None else None
                     if cur is None:
-                        continue
-                if stager is not None:
-                    self._stage_next(name)
-                self.finish(cur, dev)
+                        b = self._pop(name)
+                        if b is None:
+                            return
+                        if b is _AHEAD:
+                            continue
+                        cur = self._start(b, dev, stager)
+                        if cur is None:
+                            continue
+                    if stager is not None:
+                        self._stage_next(name)
+                    self.finish(cur, dev)
         finally:
             if stager is not None:
                 with self.stage_lock:
-                    del self.stagers[name]
-                stager.shutdown(wait=True)
-            finisher = self.finishers.pop(name, None)
-            if finisher is not None:
-                finisher.shutdown(wait=True)
+                    self.live[name] -= 1
+                    last = self.live[name] == 0
+                    if last:
+                        del self.stagers[name]
+                if last:  # the device's last lane: its stage and finish threads end with it
+                    stager.shutdown(wait=True)
+                    self.finishers.pop(name).shutdown(wait=True)
 
-    def _start(self, b: Batch, dev: Device, stager: ThreadPoolExecutor | None) -> Staged | None:
-        """Reserve the batch's bytes, ask the fault hook, start its host->device copy."""
+    def _reserve(self, b: Batch, dev: Device, nbytes: int, *, wait: bool) -> Held | None:
+        """The batch's bytes on ``dev``; with no room there while the call's other batches hold
+        some, wait for one of them to release (``wait``) or return None.
+
+        A device with no batch of the call holding bytes raises
+        ``MemoryError`` as the manager does (the batch is then split).
+        """
+        name = str(dev)
+        while True:
+            with self.cond:
+                seen = self.releases.get(name, 0)
+            try:
+                res = self.manager.reserve(nbytes, device=dev, cost=b.cost,
+                                           signature=("solve_many", b.route, b.group))
+            except MemoryError:
+                with self.cond:
+                    if not self.holding.get(name):
+                        raise
+                    if not wait:
+                        return None
+                    while self.releases.get(name, 0) == seen and self.holding.get(name):
+                        self.cond.wait()
+                continue
+            return Held(res, name, self.holding, self.releases, self.cond)
+
+    def _start(self, b: Batch, dev: Device, stager: ThreadPoolExecutor | None,
+               wait: bool = True) -> Staged | None | object:
+        """Reserve the batch's bytes, ask the fault hook, start its host->device copy.
+
+        None when it failed (its systems were sent elsewhere); ``_LATER``
+        when there is no room now and ``wait`` is False (:meth:`_reserve`).
+        """
         res = None
         try:
             # solve() reserves its own bytes on this manager for a SINGLE system;
             # the batch then holds only its predicted time here (no double count).
             nbytes = 0 if b.route == SINGLE else b.nbytes
-            res = self.manager.reserve(nbytes, device=dev, cost=b.cost,
-                                       signature=("solve_many", b.route, b.group))
+            res = self._reserve(b, dev, nbytes, wait=wait)
+            if res is None:
+                return _LATER
             dev.check_fault(b.nbytes)
             fut = None
             if b.route == BATCH:
@@ -500,7 +516,7 @@ class Runner:
         except BaseException as exc:  # noqa: BLE001 - every failure must end in results
             if res is not None:
                 res.release()
-            self._done(self._recover(b, dev, exc))
+            self._done(self.recover(b, dev, exc))
             return None
 
     def finish(self, st: Staged, dev: Device) -> None:
@@ -563,12 +579,17 @@ class Runner:
         have no work queued), delivers them and releases the batch's bytes.
         """
         b = st.batch
+        name = str(dev)
         try:
             t0 = time.perf_counter()
             with dev.context():
                 prepared = st.packed.result()
                 method = self._batch_method(b)
-                solved = routes.compute_batch(prepared, method, dev)
+                self.clock.begin(name, b.id)
+                try:
+                    solved = routes.compute_batch(prepared, method, dev)
+                finally:
+                    st.share = self.clock.end(name, b.id)
         except BaseException as exc:  # noqa: BLE001 - every failure must end in results
             self._failed(st, dev, exc)
             return
@@ -591,18 +612,23 @@ class Runner:
             return
         if self.kept is not None:
             self.kept.add_batch(b.indices, prepared.batch, method, dev, out)
-        self._deliver_batch(b, dev, out, seconds, batch_info)
+        self._deliver_batch(b, dev, out, seconds, batch_info, st.share)
 
     def _failed(self, st: Staged, dev: Device, exc: BaseException) -> None:
         """A staged batch that failed: its bytes released, its systems split and retried."""
         st.reservation.release()
-        self._done(self._recover(st.batch, dev, exc))
+        self._done(self.recover(st.batch, dev, exc))
 
     def _deliver_batch(self, b: Batch, dev: Device, out: list[SolveResult], seconds: float,
-                       batch_info: dict) -> None:
-        """Learn a finished batch's time, hand out its results, let the queue go on."""
+                       batch_info: dict, share: float = 1.0) -> None:
+        """Learn a finished batch's time, hand out its results, let the queue go on.
+
+        ``share``: the batch's own part of its measured device time, the rest
+        being other lanes' batches computing beside it (:class:`.lanes.ShareClock`).
+        """
+        gpu = device_seconds(out)
         self.manager.record(("solve_many", b.route, b.group), seconds, b.nbytes, device=dev,
-                            cost=b.cost, device_seconds=device_seconds(out))
+                            cost=b.cost, device_seconds=gpu * share if gpu is not None else None)
         with self.cond:
             self.batches_run.append((str(dev), b.id, b.nsys))
         dname = str(dev)
@@ -630,45 +656,4 @@ class Runner:
                         sum(e.nbytes for e in ests), float(sum(e.cost for e in ests)),
                         tried=b.tried)
             self.next_id += 1
-        self._done(self._recover(sub, dev, MemoryError(out[retry[0]].message)))
-
-    def _recover(self, b: Batch, dev: Device, exc: BaseException) -> list[tuple[str, Batch]]:
-        """Split a failed batch and send the halves elsewhere, finally to the CPU."""
-        if isinstance(exc, Regroup):
-            return self.regroup(b, dev, exc)
-        # Device errors and plain RuntimeErrors (a driver or library failing
-        # once) are retried on other devices, each device once, then the CPU.
-        if not (is_device_error(exc) or type(exc) is RuntimeError):
-            log.error("solve_many: batch %d on %s failed: %r", b.id, dev, exc)
-            msg = (f"solve_many: solving on {dev} raised {type(exc).__name__}: {exc} "
-                   "(not a device error, so not retried)")
-            for i in b.indices:
-                self._fail(i, dev, msg)
-            return []
-        log.info("solve_many: batch %d (%d systems) hit %s on %s; splitting and retrying elsewhere",
-                 b.id, b.nsys, type(exc).__name__, dev)
-        b.tried = b.tried | {str(dev)}
-        with self.cond:
-            halves = split(b, self.plan.estimates, next_id=self.next_id, batch_bytes=self.batch_bytes)
-            self.next_id += len(halves)
-        out = []
-        for h in halves:
-            slots = make_slots(self.devices, self.manager, busy=self.queued_seconds)
-            target = choose_slot(h, slots)
-            name = target.name if target is not None else str(self.manager.cpu)
-            if name in h.tried:
-                msg = (f"solve_many: {type(exc).__name__} on every device tried "
-                       f"({', '.join(sorted(h.tried))}): {exc}")
-                for i in h.indices:
-                    self._fail(i, dev, msg)
-                continue
-            with self.cond:
-                speed = self.manager.speed(self.by_name[name])
-                self.queued_seconds[name] = self.queued_seconds.get(name, 0.0) + h.cost / speed
-            out.append((name, h))
-        return out
-
-    def _fail(self, i: int, dev: Device, msg: str) -> None:
-        s = self.systems[i]
-        self.deliver(i, SolveResult(None, Status.DEVICE_ERROR, device=str(dev), message=msg,
-                                     name=s.name if s is not None else None))
+        self._done(self.recover(sub, dev, MemoryError(out[retry[0]].message)))
