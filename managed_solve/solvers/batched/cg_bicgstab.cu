@@ -91,8 +91,10 @@ template <typename T, typename I, bool SINGLE, bool VEC>
 __global__ void ms_cg_spmv(const I* __restrict__ indptr, const I* __restrict__ indices,
                            const T* __restrict__ data, const T* __restrict__ p, T* __restrict__ q,
                            const int* __restrict__ row_sys, const int* status, double* acc,
-                           int nsys, int slot, ll n,
-    const I* __restrict__ act, int compact) {
+                           int nsys, int slot, const ll* __restrict__ ctl,
+    const I* __restrict__ act) {
+    const ll n = ctl[0];  // rows walked: all, or the running systems' after compaction
+    const int compact = (int)ctl[1];
     const int nslot = 3, next = (slot + 1) % 3;
     MS_GRID_STRIDE
     for (ll s = tid; s < nsys; s += G) {
@@ -136,8 +138,10 @@ __global__ void ms_cg_spmv(const I* __restrict__ indptr, const I* __restrict__ i
 template <typename T, typename I, bool SINGLE, bool JAC>
 __global__ void ms_cg_update(T* x, T* r, T* z, const T* p, const T* q, const T* __restrict__ dinv,
                              const int* __restrict__ row_sys, int* status, const ll* offs,
-                             double* res2, double* acc, int nsys, int slot, ll n,
-    const I* __restrict__ act, int compact) {
+                             double* res2, double* acc, int nsys, int slot, const ll* __restrict__ ctl,
+    const I* __restrict__ act) {
+    const ll n = ctl[0];  // rows walked: all, or the running systems' after compaction
+    const int compact = (int)ctl[1];
     const int nslot = 3, prev = (slot + 2) % 3;
     MS_GRID_STRIDE
     if (!ms_block_running<SINGLE>(status)) return;
@@ -173,8 +177,10 @@ __global__ void ms_cg_update(T* x, T* r, T* z, const T* p, const T* q, const T* 
 template <typename T, typename I, bool SINGLE>
 __global__ void ms_cg_direction(T* p, const T* z, const int* __restrict__ row_sys, int* status,
                                 ll* iters, const ll* maxiter, const double* tol2, const ll* offs,
-                                double* res2, const double* acc, int nsys, int slot, ll n,
-    const I* __restrict__ act, int compact) {
+                                double* res2, const double* acc, int nsys, int slot, const ll* __restrict__ ctl,
+    const I* __restrict__ act) {
+    const ll n = ctl[0];  // rows walked: all, or the running systems' after compaction
+    const int compact = (int)ctl[1];
     const int nslot = 3, prev = (slot + 2) % 3;
     MS_GRID_STRIDE
     if (!ms_block_running<SINGLE>(status)) return;
@@ -232,8 +238,10 @@ template <typename T, typename I, bool SINGLE, bool JAC>
 __global__ void ms_bicg_direction(T* p, T* z, const T* r, const T* v, const T* __restrict__ dinv,
                                   const int* __restrict__ row_sys, int* status, const ll* iters,
                                   const ll* maxiter, const double* tol2, const ll* offs,
-                                  double* res2, double* acc, int nsys, int slot, ll n,
-    const I* __restrict__ act, int compact) {
+                                  double* res2, double* acc, int nsys, int slot, const ll* __restrict__ ctl,
+    const I* __restrict__ act) {
+    const ll n = ctl[0];  // rows walked: all, or the running systems' after compaction
+    const int compact = (int)ctl[1];
     const int nslot = 4, next = (slot + 1) % 4, prev = (slot + 3) % 4, prev2 = (slot + 2) % 4;
     MS_GRID_STRIDE
     for (ll s = tid; s < nsys; s += G) {
@@ -273,8 +281,10 @@ __global__ void ms_bicg_spmv_v(const I* __restrict__ indptr, const I* __restrict
                                const T* __restrict__ data, const T* __restrict__ ph,
                                T* __restrict__ v, const T* __restrict__ rt,
                                const int* __restrict__ row_sys, const int* status, double* acc,
-                               int nsys, int slot, ll n,
-    const I* __restrict__ act, int compact) {
+                               int nsys, int slot, const ll* __restrict__ ctl,
+    const I* __restrict__ act) {
+    const ll n = ctl[0];  // rows walked: all, or the running systems' after compaction
+    const int compact = (int)ctl[1];
     const int nslot = 4;
     MS_GRID_STRIDE
     if (!ms_block_running<SINGLE>(status)) return;
@@ -315,8 +325,10 @@ __global__ void ms_bicg_spmv_v(const I* __restrict__ indptr, const I* __restrict
 template <typename T, typename I, bool SINGLE, bool JAC>
 __global__ void ms_bicg_update_s(T* x, T* r, T* z, const T* p, const T* v, const T* __restrict__ dinv,
                                  const int* __restrict__ row_sys, int* status, const ll* offs,
-                                 double* res2, double* acc, int nsys, int slot, ll n,
-    const I* __restrict__ act, int compact) {
+                                 double* res2, double* acc, int nsys, int slot, const ll* __restrict__ ctl,
+    const I* __restrict__ act) {
+    const ll n = ctl[0];  // rows walked: all, or the running systems' after compaction
+    const int compact = (int)ctl[1];
     const int nslot = 4, prev = (slot + 3) % 4;
     MS_GRID_STRIDE
     if (!ms_block_running<SINGLE>(status)) return;
@@ -355,8 +367,10 @@ __global__ void ms_bicg_spmv_t(const I* __restrict__ indptr, const I* __restrict
                                const T* __restrict__ sv, T* __restrict__ t,
                                const int* __restrict__ row_sys, int* status, ll* iters,
                                const double* tol2, const ll* offs, double* res2, double* acc,
-                               int nsys, int slot, ll n,
-    const I* __restrict__ act, int compact) {
+                               int nsys, int slot, const ll* __restrict__ ctl,
+    const I* __restrict__ act) {
+    const ll n = ctl[0];  // rows walked: all, or the running systems' after compaction
+    const int compact = (int)ctl[1];
     const int nslot = 4;
     MS_GRID_STRIDE
     if (!ms_block_running<SINGLE>(status)) return;
@@ -411,7 +425,9 @@ template <typename T, typename I, bool SINGLE, bool JAC>
 __global__ void ms_bicg_update_r(T* x, T* r, const T* z, const T* t, const T* __restrict__ rt,
                                  const int* __restrict__ row_sys, int* status, ll* iters,
                                  const ll* offs, double* res2, double* acc, int nsys, int slot,
-                                 ll n, const I* __restrict__ act, int compact) {
+                                 const ll* __restrict__ ctl, const I* __restrict__ act) {
+    const ll n = ctl[0];  // rows walked: all, or the running systems' after compaction
+    const int compact = (int)ctl[1];
     const int nslot = 4;
     MS_GRID_STRIDE
     if (!ms_block_running<SINGLE>(status)) return;

@@ -27,7 +27,10 @@ Design (the GPU half of :mod:`managed_solve.solvers.batched`):
   graph of 24 iterations, so launch overhead is paid once per chunk.
 - Compaction: once the running systems hold at most half the rows the
   kernels walk, the kernels walk a list of those rows only (same iterates;
-  finished systems stop costing even the masked pass).
+  finished systems stop costing even the masked pass). The kernels read
+  the row count and the switch from the device (``ctl``), so a compaction
+  is two copies queued on the stream and the captured graph replays as it
+  is: no capture (a millisecond of Python) near a batch's end.
 - All workspace is allocated before the loop (:class:`FusedWorkspace`);
   nothing is allocated inside it.
 
@@ -175,12 +178,12 @@ class FusedSolve(FusedWorkspace):
             r, p, q = self.vec
             z = self.z if j else r
             self._rows(k[f"cg_spmv{s}{self.vspmv}"], *A, p, q, b.row_sys, self.status, self.acc, self.ns,
-                       slot, self.nact, self.act, self.compact)
+                       slot, self.ctl, self.act)
             self._rows(k[f"cg_update{s}{j}"], self.x, r, z, p, q, dinv, b.row_sys, self.status,
-                       self.offs, self.res2, self.acc, self.ns, slot, self.nact, self.act, self.compact)
+                       self.offs, self.res2, self.acc, self.ns, slot, self.ctl, self.act)
             self._rows(k[f"cg_direction{s}"], p, z, b.row_sys, self.status, self.iters,
                        self.maxiter, self.tol2, self.offs, self.res2, self.acc, self.ns, slot,
-                       self.nact, self.act, self.compact)
+                       self.ctl, self.act)
         else:
             r, rt, p, v, t = self.vec
             z = self.z if j else p
@@ -188,15 +191,15 @@ class FusedSolve(FusedWorkspace):
             sh = z if j else r
             self._rows(k[f"bicg_direction{s}{j}"], p, z, r, v, dinv, b.row_sys, self.status,
                        self.iters, self.maxiter, self.tol2, self.offs, self.res2, self.acc,
-                       self.ns, slot, self.nact, self.act, self.compact)
+                       self.ns, slot, self.ctl, self.act)
             self._rows(k[f"bicg_spmv_v{s}{self.vspmv}"], *A, ph, v, rt, b.row_sys, self.status, self.acc,
-                       self.ns, slot, self.nact, self.act, self.compact)
+                       self.ns, slot, self.ctl, self.act)
             self._rows(k[f"bicg_update_s{s}{j}"], self.x, r, z, p, v, dinv, b.row_sys,
-                       self.status, self.offs, self.res2, self.acc, self.ns, slot, self.nact, self.act, self.compact)
+                       self.status, self.offs, self.res2, self.acc, self.ns, slot, self.ctl, self.act)
             self._rows(k[f"bicg_spmv_t{s}{self.vspmv}"], *A, sh, r, t, b.row_sys, self.status, self.iters,
-                       self.tol2, self.offs, self.res2, self.acc, self.ns, slot, self.nact, self.act, self.compact)
+                       self.tol2, self.offs, self.res2, self.acc, self.ns, slot, self.ctl, self.act)
             self._rows(k[f"bicg_update_r{s}{j}"], self.x, r, z, t, rt, b.row_sys, self.status,
-                       self.iters, self.offs, self.res2, self.acc, self.ns, slot, self.nact, self.act, self.compact)
+                       self.iters, self.offs, self.res2, self.acc, self.ns, slot, self.ctl, self.act)
 
     def _before_read(self, it: int) -> None:
         """BiCGStab applies its stopping tests at the start of an iteration; run them now."""
@@ -235,12 +238,18 @@ class FusedSolve(FusedWorkspace):
         from ...kernels.packing import active_rows
 
         starts = self.batch.offsets[:-1][running].astype(np.int64)
-        host = cuda.pinned(m * self.act.itemsize, self.act.dtype, self._keep)
-        active_rows(starts, lens, host)  # without the GIL
-        self.cp.cuda.runtime.memcpyAsync(self.act.data.ptr, host.ctypes.data, host.nbytes,
-                                         self.cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
+        host = cuda.pinned(m * self.act.itemsize + 16, np.uint8, self._keep)
+        rows = host[16:].view(self.act.dtype)
+        active_rows(starts, lens, rows)  # without the GIL
+        host[:16].view(np.int64)[:] = (m, 1)
+        # Stream order: the iterations queued before these copies walk the old
+        # rows, those queued after the new ones (the same graph reads ctl).
+        runtime = self.cp.cuda.runtime
+        runtime.memcpyAsync(self.act.data.ptr, rows.ctypes.data, rows.nbytes,
+                            runtime.memcpyHostToDevice, stream.ptr)
+        runtime.memcpyAsync(self.ctl.data.ptr, host.ctypes.data, 16, runtime.memcpyHostToDevice,
+                            stream.ptr)
         self.nact = np.int64(m)
-        self.compact = np.int32(1)
         self.compactions += 1
         return True
 
@@ -343,9 +352,7 @@ class FusedSolve(FusedWorkspace):
                     spent = cp.cuda.get_elapsed_time(started, event)  # ms, both complete
                     want = min(AHEAD_SECONDS * 1e3, AHEAD_FRACTION * spent)
                     ahead = max(ahead, -(-int(want / per_it) // spacing) * spacing)
-                if self._compact(status, stream) and graph is not None:
-                    self._keep.append(graph)  # its queued launches still run
-                    graph = self._capture(stream)
+                self._compact(status, stream)
                 free.append(buf)
         # Later work on the caller's stream must see x; masked iterations still queued
         # on ours finish first, and the workspace is only reused after them.

@@ -148,10 +148,12 @@ class FusedWorkspace:
         self.nn = np.int64(n)
         self.ns = np.int32(nsys)
         # Compaction: the iteration kernels walk ``act[:nact]`` (rows of running
-        # systems) once most rows belong to finished systems.
+        # systems) once most rows belong to finished systems. They read the
+        # count and the switch from ``ctl`` on the device, so a compaction
+        # is two copies on the stream and the captured graph stays valid.
         self.act = cp.empty(n if nsys > 1 else 0, dtype=batch.index_dtype)
         self.nact = np.int64(n)
-        self.compact = np.int32(0)
+        self.ctl = cp.asarray(np.array([n, 0], dtype=np.int64))  # [rows walked, compacted]
         self.compactions = 0
         self.sizes = np.diff(batch.offsets).astype(np.int64)
         self.maxmax = int(batch.maxiter.max()) if nsys else 0
