@@ -305,6 +305,32 @@ def pinned_empty(count: int, dtype: Any, keep: list) -> np.ndarray:
     return arena.empty(count, dtype, keep)
 
 
+# Streams the process keeps per GPU and role (see device_stream).
+_STREAMS: dict[tuple[int, str], Any] = {}
+_STREAMS_LOCK = threading.Lock()
+
+
+@contextmanager
+def device_stream(device_id: int, role: str) -> Iterator[Any]:
+    """GPU ``device_id`` current, with the process's stream for ``role`` current on it; yields the stream.
+
+    One non-blocking stream per GPU and role for the process (``"copy"``: a
+    device's stage thread; ``"lane 0"``, ``"lane 1"``: the workers computing
+    ``solve_many``'s batches side by side). CuPy's memory pool keeps freed
+    blocks per stream: a stream that lives across batches and calls gets
+    its batches' memory back instead of allocating anew for a fresh stream.
+    """
+    cp = cupy()
+    with cp.cuda.Device(int(device_id)):
+        key = (int(device_id), role)
+        with _STREAMS_LOCK:
+            stream = _STREAMS.get(key)
+            if stream is None:
+                stream = _STREAMS[key] = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            yield stream
+
+
 # CUDA primary contexts this process opened (or is opening), by device id.
 _CONTEXTS_LOCK = threading.Lock()
 _CONTEXTS: dict[int, Future] = {}

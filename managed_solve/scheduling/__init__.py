@@ -7,9 +7,12 @@
   as a LinearSystem or an INVALID_INPUT result.
 - ``estimate``: each system's route (the auto policy), bytes and cost (the cost model).
 - ``plan``: Estimate/Batch/Slot, packing, longest-first dispersal, the plan of a call.
-- ``runner``: one worker per device, queues, work stealing, the stage threads'
-  host -> device copies of the next batch beside the current compute,
-  split-and-retry recovery.
+- ``runner``: workers per device (lanes: several batches computing at once
+  on an accelerator, each on its own stream), queues, work stealing, the
+  stage threads' host -> device copies of the next batch beside the current
+  compute.
+- ``adjust``: the runner's queue changes off the common path: the rest of a
+  head-start plan, split-and-retry recovery, deferred batches regrouped.
 - ``routes``: how each route runs (batched core, ``solve()``, host LU,
   sharded), each applying the verify-and-fall-back rule of ``solvers.verify``.
 - ``adjoint``: what the routes keep for the adjoints of systems that require grad.

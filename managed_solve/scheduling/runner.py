@@ -2,8 +2,9 @@
 
 :func:`run_call` is the step: it takes the plan step's :class:`.plan.Plan`
 and returns every system's result in input order. Each device's workers
-(on an accelerator one per lane, :mod:`.lanes`, each batch computing on its
-lane's stream beside the other lanes') take batches from its queue (an idle accelerator takes queued batches of a
+(on an accelerator one per lane, setting ``lanes_per_device``: a batch
+staged while another computes starts at once, on its lane's own CUDA
+stream) take batches from its queue (an idle accelerator takes queued batches of a
 busier one of the same kind: work stealing), reserves each batch's bytes in
 the DeviceManager's ledger while it runs, has its stage thread copy the next
 batch while the current one computes (:func:`stage`, below), and hands each
@@ -21,8 +22,9 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,11 +35,10 @@ from ..result import SolveResult, Status
 from ..solvers.batched.cpu import host_cores
 from ..system import LinearSystem
 from . import routes
+from .adjust import Adjustments
 from .errors import Regroup
 from .estimate import BATCHED_METHODS
-from .lanes import Held, ShareClock, device_stream, lane
 from .plan import BATCH, DEFERRED, DIRECT, SINGLE, Batch, Plan, Work
-from .recovery import Recovery
 
 log = logging.getLogger("managed_solve")
 
@@ -109,7 +110,7 @@ def device_seconds(results: Sequence[SolveResult]) -> float | None:
 # CSR on its device through the batched engine, and on a GPU builds its
 # solver workspace) before it computes batch k: the worker submits
 # :func:`stage` to the device's stage thread; on a GPU the copy runs on a
-# second CUDA stream (:func:`.lanes.device_stream`), so it overlaps the compute; on
+# second CUDA stream (:func:`managed_solve._backend.device_stream`), so it overlaps the compute; on
 # simulated devices the same code runs with the pack on the host (there is
 # no stream), so the pipeline is tested on CPUs. The CPU packs its batches
 # on its worker (:func:`pack_batch`).
@@ -120,9 +121,9 @@ class Staged:
     """A batch whose bytes are reserved and whose copy to the device is under way."""
 
     batch: Batch
-    reservation: Held
+    reservation: Any  # the manager's Reservation, released through Runner.held
     packed: Future | None  # the batched engine's prepared batch on its device (BATCH route only)
-    share: float = 1.0  # its own part of the device time measured for it (.lanes.ShareClock)
+    share: float = 1.0  # its own part of the device time measured for it (ShareClock)
 
 
 def pack_batch(systems: list[LinearSystem], jacobi: bool, dev: Device,
@@ -145,16 +146,57 @@ def stage(systems: list[LinearSystem], jacobi: bool, dev: Device,
     """:func:`pack_batch` on a device's stage thread; on a GPU on its copy stream, complete on return."""
     if not dev.is_cuda:
         return pack_batch(systems, jacobi, dev, method)
-    cp = _backend.cupy()
-    with dev.context():
-        stream = device_stream(cp, dev, "copy")
-        with stream:
-            out = pack_batch(systems, jacobi, dev, method)
+    with _backend.device_stream(dev.index, "copy") as stream:
+        out = pack_batch(systems, jacobi, dev, method)
         stream.synchronize()  # sync: the copy is complete before the compute stream reads it
         return out
 
 
-class Runner(Recovery):
+class ShareClock:
+    """Each batch's own share of its device while other batches computed beside it.
+
+    Between two events on a device (a batch starting or ending there) each
+    of the ``k`` batches running gets ``1/k`` of the time passed. A batch's
+    share over its wall time is the part of the device time measured for it
+    (its CUDA events span the other lanes' work too) that was its own: the
+    device's learned speed counts each moment once.
+
+    Examples
+    --------
+    >>> ticks = iter([0.0, 1.0, 3.0, 4.0])
+    >>> clock = ShareClock(lambda: next(ticks))
+    >>> clock.begin("cuda:0", "a"); clock.begin("cuda:0", "b")  # at 0 and at 1
+    >>> round(clock.end("cuda:0", "a"), 3)  # alone for 1, shared for 2: its own 2 of 3
+    0.667
+    """
+
+    def __init__(self, now: Callable[[], float] = time.perf_counter):
+        self.now = now
+        self.lock = threading.Lock()
+        self.running: dict[str, dict[Any, list[float]]] = {}  # device -> key -> [start, own]
+        self.last: dict[str, float] = {}
+
+    def advance(self, device: str, t: float) -> dict[Any, list[float]]:
+        running = self.running.setdefault(device, {})
+        for rec in running.values():
+            rec[1] += (t - self.last[device]) / len(running)
+        self.last[device] = t
+        return running
+
+    def begin(self, device: str, key: Any) -> None:
+        with self.lock:
+            t = self.now()
+            self.advance(device, t)[key] = [t, 0.0]
+
+    def end(self, device: str, key: Any) -> float:
+        """``key`` ended now; its own share of its wall time (1.0 when it ran alone)."""
+        with self.lock:
+            t = self.now()
+            start, own = self.advance(device, t).pop(key)
+        return own / (t - start) if t > start else 1.0
+
+
+class Runner(Adjustments):
     """Executes a plan: workers per device (lanes on accelerators), recovery, results in input order.
 
     ``method_of`` resolves the method of a batch planned before it was known
@@ -202,7 +244,8 @@ class Runner(Recovery):
         # batches' results (see _finish_split), and how many workers are left.
         self.finishers: dict[str, ThreadPoolExecutor] = {}
         self.live: dict[str, int] = {}
-        # Per device: batches holding bytes there, releases so far (.lanes.Held).
+        # Per device: the call's batches holding bytes there, and releases so
+        # far (see _reserve and held).
         self.holding: dict[str, int] = {}
         self.releases: dict[str, int] = {}
         self.clock = ShareClock()
@@ -372,37 +415,11 @@ class Runner(Recovery):
                 self.factors = routes.FactorCache()
             return self.factors
 
-    def extend(self, plan: Plan | None) -> None:
-        """Add the rest of the plan (None: nothing more comes) while the workers run.
-
-        A worker computing a batch with nothing staged behind it gets its next
-        batch staged at once, so its copy overlaps that compute.
-        """
-        with self.cond:
-            if not self.more:
-                raise RuntimeError("solve_many: internal error, a plan extended twice")
-            self.more = False
-            if plan is not None:
-                self.plan.estimates.update(plan.estimates)
-                self.plan.sharded.extend(plan.sharded)
-                self.plan.oversized.extend(plan.oversized)
-                self.next_id = max(self.next_id, plan.next_id)
-                for name, q in plan.queues.items():
-                    self.plan.queues.setdefault(name, []).extend(q)
-                    self.queues.setdefault(name, deque()).extend(q)
-                    self.outstanding += len(q)
-                for s in plan.slots:
-                    self.queued_seconds[s.name] = s.busy
-            self.outstanding -= 1  # the part that was to come
-            self.cond.notify_all()
-        for name in list(self.stagers):
-            self._stage_next(name)
-
     def _pop_nowait(self, name: str) -> Batch | None:
         with self.cond:
             return self.queues[name].popleft() if self.queues[name] else self._steal(name)
 
-    def _stage_next(self, name: str) -> None:
+    def stage_next(self, name: str) -> None:
         """Stage the device's next batch unless one is staged already (or none is queued).
 
         One that finds no room there beside the call's other batches goes
@@ -436,7 +453,8 @@ class Runner(Recovery):
         name = str(dev)
         stager = self.stagers.get(name) if dev.kind != "cpu" else None
         try:
-            with lane(dev, k):
+            lane = _backend.device_stream(dev.index, f"lane {k}") if dev.is_cuda else nullcontext()
+            with lane:  # on a GPU, each lane's batches compute on its own stream
                 while True:
                     cur = self._take_ahead(name) if stager is not None else None
                     if cur is None:
@@ -449,7 +467,7 @@ class Runner(Recovery):
                         if cur is None:
                             continue
                     if stager is not None:
-                        self._stage_next(name)
+                        self.stage_next(name)
                     self.finish(cur, dev)
         finally:
             if stager is not None:
@@ -462,7 +480,7 @@ class Runner(Recovery):
                     stager.shutdown(wait=True)
                     self.finishers.pop(name).shutdown(wait=True)
 
-    def _reserve(self, b: Batch, dev: Device, nbytes: int, *, wait: bool) -> Held | None:
+    def _reserve(self, b: Batch, dev: Device, nbytes: int, *, wait: bool) -> Any:
         """The batch's bytes on ``dev``; with no room there while the call's other batches hold
         some, wait for one of them to release (``wait``) or return None.
 
@@ -485,7 +503,28 @@ class Runner(Recovery):
                     while self.releases.get(name, 0) == seen and self.holding.get(name):
                         self.cond.wait()
                 continue
-            return Held(res, name, self.holding, self.releases, self.cond)
+            with self.cond:
+                self.holding[name] = self.holding.get(name, 0) + 1
+            return res
+
+    def release(self, res: Any) -> None:
+        """Release a batch's reservation (once), waking the workers waiting for room there."""
+        with self.cond:
+            if res.released:
+                return
+            res.release()
+            name = str(res.device)
+            self.holding[name] -= 1
+            self.releases[name] = self.releases.get(name, 0) + 1
+            self.cond.notify_all()
+
+    @contextmanager
+    def held(self, res: Any) -> Iterator[None]:
+        """The block runs holding the batch's reservation ``res``, released at its end."""
+        try:
+            yield
+        finally:
+            self.release(res)
 
     def _start(self, b: Batch, dev: Device, stager: ThreadPoolExecutor | None,
                wait: bool = True) -> Staged | None | object:
@@ -515,7 +554,7 @@ class Runner(Recovery):
             return Staged(b, res, fut)
         except BaseException as exc:  # noqa: BLE001 - every failure must end in results
             if res is not None:
-                res.release()
+                self.release(res)
             self._done(self.recover(b, dev, exc))
             return None
 
@@ -538,7 +577,7 @@ class Runner(Recovery):
         kept = self.kept
         try:
             t0 = time.perf_counter()
-            with st.reservation, dev.context():
+            with self.held(st.reservation), dev.context():
                 if b.route == BATCH:
                     prepared = st.packed.result()
                     method = self._batch_method(b)
@@ -603,7 +642,7 @@ class Runner(Recovery):
             systems = [self.systems[i] for i in b.indices]
             # On the host, restarts and polishes hold the host-kernel lock (not the
             # building of results, so the worker's next batch computes meanwhile).
-            with st.reservation, dev.context():
+            with self.held(st.reservation), dev.context():
                 out = routes.batch_results(systems, prepared, method, dev, self.manager, solved,
                                            batch_info)
             seconds = time.perf_counter() - t0
@@ -616,7 +655,7 @@ class Runner(Recovery):
 
     def _failed(self, st: Staged, dev: Device, exc: BaseException) -> None:
         """A staged batch that failed: its bytes released, its systems split and retried."""
-        st.reservation.release()
+        self.release(st.reservation)
         self._done(self.recover(st.batch, dev, exc))
 
     def _deliver_batch(self, b: Batch, dev: Device, out: list[SolveResult], seconds: float,

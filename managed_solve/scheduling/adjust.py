@@ -1,30 +1,35 @@
-"""What ``solve_many``'s runner does with a batch that failed: split it, send the halves elsewhere.
+"""How ``solve_many``'s runner changes its queues while it runs, off the common path.
 
-:class:`Recovery` holds the :class:`.runner.Runner`'s failure paths (it is
-one of the runner's bases and reads the runner's queues, plan and manager):
-a batch that hit an out-of-memory or device error is split and its halves
-placed on other devices, finally on the CPU; a system no device could take
-is delivered with ``DEVICE_ERROR``; a deferred batch whose systems need
-different methods becomes one batch per method.
+:class:`Adjustments` is one of :class:`.runner.Runner`'s bases and works on
+the runner's queues, plan and manager:
+
+- the rest of a plan arriving while the first part computes (a head start,
+  :meth:`Adjustments.extend`);
+- a batch that hit an out-of-memory or device error, split and its halves
+  placed on other devices, finally on the CPU (:meth:`Adjustments.recover`);
+  a system no device could take delivered with ``DEVICE_ERROR``;
+- a deferred batch whose systems need different methods, one batch per
+  method (:meth:`Adjustments.regroup`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from typing import Any
 
 from ..devices import Device
 from ..result import SolveResult, Status
 from .errors import Regroup, is_device_error
 from .estimate import BATCHED_METHODS
-from .plan import BATCH, SINGLE, Batch, choose_slot, make_slots, split
+from .plan import BATCH, SINGLE, Batch, Plan, choose_slot, make_slots, split
 from .validate import invalid_result
 
 log = logging.getLogger("managed_solve")
 
 
-class Recovery:
-    """The runner's failure paths (a base of :class:`.runner.Runner`, on its state)."""
+class Adjustments:
+    """The runner's queue changes off the common path (a base of :class:`.runner.Runner`, on its state)."""
 
     systems: list
     plan: Any
@@ -36,8 +41,42 @@ class Recovery:
     next_id: int
     batch_bytes: Any
 
+    more: bool
+    outstanding: int
+    queues: dict
+    stagers: dict
+
     def deliver(self, i: int, res: SolveResult) -> None:  # the runner's
         raise NotImplementedError
+
+    def stage_next(self, name: str) -> None:  # the runner's
+        raise NotImplementedError
+
+    def extend(self, plan: Plan | None) -> None:
+        """Add the rest of the plan (None: nothing more comes) while the workers run.
+
+        A worker computing a batch with nothing staged behind it gets its next
+        batch staged at once, so its copy overlaps that compute.
+        """
+        with self.cond:
+            if not self.more:
+                raise RuntimeError("solve_many: internal error, a plan extended twice")
+            self.more = False
+            if plan is not None:
+                self.plan.estimates.update(plan.estimates)
+                self.plan.sharded.extend(plan.sharded)
+                self.plan.oversized.extend(plan.oversized)
+                self.next_id = max(self.next_id, plan.next_id)
+                for name, q in plan.queues.items():
+                    self.plan.queues.setdefault(name, []).extend(q)
+                    self.queues.setdefault(name, deque()).extend(q)
+                    self.outstanding += len(q)
+                for s in plan.slots:
+                    self.queued_seconds[s.name] = s.busy
+            self.outstanding -= 1  # the part that was to come
+            self.cond.notify_all()
+        for name in list(self.stagers):
+            self.stage_next(name)
 
     def recover(self, b: Batch, dev: Device, exc: BaseException) -> list[tuple[str, Batch]]:
         """Split a failed batch and send the halves elsewhere, finally to the CPU."""
