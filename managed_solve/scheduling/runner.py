@@ -663,7 +663,7 @@ class Runner(Adjustments):
         """Learn a finished batch's time, hand out its results, let the queue go on.
 
         ``share``: the batch's own part of its measured device time, the rest
-        being other lanes' batches computing beside it (:class:`.lanes.ShareClock`).
+        being other lanes' batches computing beside it (:class:`ShareClock`).
         """
         gpu = device_seconds(out)
         self.manager.record(("solve_many", b.route, b.group), seconds, b.nbytes, device=dev,
