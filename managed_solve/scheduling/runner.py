@@ -146,6 +146,7 @@ def stage(systems: list[LinearSystem], jacobi: bool, dev: Device,
     """:func:`pack_batch` on a device's stage thread; on a GPU on its copy stream, complete on return."""
     if not dev.is_cuda:
         return pack_batch(systems, jacobi, dev, method)
+    time.sleep(0)  # the GIL to the worker the batch staged before woke, not after this pack's Python
     with _backend.device_stream(dev.index, "copy") as stream:
         out = pack_batch(systems, jacobi, dev, method)
         stream.synchronize()  # sync: the copy is complete before the compute stream reads it
@@ -376,7 +377,7 @@ class Runner(Adjustments):
         self.join()
 
     def start(self) -> None:
-        """Start the workers: one per lane on accelerators, else one (the host's LU batches: one per host thread allowed).
+        """Start the workers: one per lane on accelerators, else one (host LU batches: one per host thread).
 
         The LU workers keep to the batched kernels' thread budget
         (:func:`~managed_solve.solvers.batched.cpu.host_cores`: the setting
