@@ -250,9 +250,9 @@ def main():
     first = ["cuda:0"] if ngpu else ["cpu"]  # the CPU only to try the script here
     dm = DeviceManager(["cuda:0"] + (["cuda:1"] if ngpu > 1 else []) if ngpu else ["cpu"])
     if not args.skip_w2:
-        run("W2", w2, first, dm, args.rounds)
+        run("W2 as LinearSystems, one matrix object per size", w2, first, dm, args.rounds)
     if ngpu and not args.skip_w2:
-        run("W2 shared matrices", w2_pairs(sizes), first, DeviceManager(["cuda:0"]),
+        run("W2 pairs, one matrix object per size", w2_pairs(sizes), first, DeviceManager(["cuda:0"]),
             args.rounds, rtol=RTOL)
         # exactly the benchmark's call: one matrix per system, rtol given, a manager of one GPU
         own = [(poisson2d(m), np.ones(m * m)) for m in sizes]
