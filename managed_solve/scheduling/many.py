@@ -14,8 +14,9 @@ object:
    on them: :class:`.plan.Work`;
 3. :func:`.plan.plan_call` packs batches and disperses them longest-first
    over the devices: :class:`.plan.Plan`;
-4. :func:`.runner.run_call` runs one worker per device, its stage thread
-   copying the next batch beside the current compute, handing each batch to
+4. :func:`.runner.run_call` runs workers per device (on an accelerator one
+   per lane, setting ``lanes_per_device``), its stage thread copying the
+   next batch beside the current compute, handing each batch to
    its route (:mod:`.routes`), splitting and retrying what fails; the
    results come back in input order.
 
