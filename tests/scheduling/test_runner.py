@@ -285,13 +285,26 @@ class RefusingWatch(LedgerWatch):
             raise
 
 
-def test_lanes_on_a_device_with_room_for_two_batches_wait_for_room(settings):
+def test_lanes_on_a_device_with_room_for_two_batches_wait_for_room(settings, monkeypatch):
     """Two lanes and a staged batch would need three batches' bytes; the third waits, none is split."""
     settings(batch_rows=1000, lanes_per_device=2, work_stealing=False)
     systems = [LinearSystem(poisson2d(10), np.ones(100), rtol=1e-8, name=f"s{k}") for k in range(48)]
     dm = RefusingWatch(simulate="1x330KiB")  # batches of 119-131 kB: two fit, three do not
+    # The first batch's results (and so its bytes) are held until a third
+    # batch was refused: whichever lane asks next, it asks beside two held.
+    real, first = routes.packed_results, []
+
+    def results(*a, **k):
+        if not first:
+            first.append(True)
+            deadline = time.monotonic() + 10
+            while dm.refused == 0 and time.monotonic() < deadline:
+                time.sleep(0.001)
+        return real(*a, **k)
+
+    monkeypatch.setattr(routes, "packed_results", results)
     out = solve_many(systems, manager=dm)
-    assert dm.refused >= 1  # a third batch found no room at least once
+    assert dm.refused >= 1  # a third batch found no room, and waited
     assert all(r.status is Status.CONVERGED and r.device == "sim:0" for r in out)
     assert len({r.info["batch"] for r in out}) == 5  # as planned: nothing split
     assert dm.high["sim:0"] <= dm.capacity(dm.accelerators[0])
