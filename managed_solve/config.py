@@ -208,6 +208,12 @@ class Settings:
     # -- direct solves on the host (solvers/direct.py)
     lu_solve_columns: int = 4
 
+    def __post_init__(self) -> None:
+        lanes = self.lanes_per_device
+        if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1:
+            raise ValueError(f"override(lanes_per_device={lanes!r}): expected an integer >= 1 "
+                             "(1 computes one batch at a time on each accelerator)")
+
     def replace(self, **changes) -> Settings:
         """A copy with ``changes`` applied (names checked, see :func:`override`)."""
         names = {f.name for f in dataclasses.fields(self)}

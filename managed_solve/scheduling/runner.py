@@ -386,7 +386,7 @@ class Runner(Adjustments):
         lanes (setting ``lanes_per_device``) share its stage and finish threads.
         """
         direct = any(b.route == DIRECT for q in self.queues.values() for b in q)
-        lanes = max(1, int(config.current().lanes_per_device))
+        lanes = config.current().lanes_per_device
         for d in self.all_devices:
             if d.kind == "cpu":
                 count = host_cores() if direct else 1
@@ -482,11 +482,11 @@ class Runner(Adjustments):
                     self.finishers.pop(name).shutdown(wait=True)
 
     def _reserve(self, b: Batch, dev: Device, nbytes: int, *, wait: bool) -> Any:
-        """The batch's bytes on ``dev``; with no room there while the call's other batches hold
-        some, wait for one of them to release (``wait``) or return None.
+        """The batch's bytes on ``dev``, waiting for room there while the call's other batches hold some.
 
-        A device with no batch of the call holding bytes raises
-        ``MemoryError`` as the manager does (the batch is then split).
+        Without ``wait``, None instead of waiting. A device with no batch of
+        the call holding bytes raises ``MemoryError`` as the manager does
+        (the batch is then split).
         """
         name = str(dev)
         while True:

@@ -11,6 +11,7 @@ import scipy.sparse.linalg as spla
 from managed_solve import LinearSystem, Status
 from managed_solve.devices import SimulatedOutOfMemory
 from managed_solve.manager import DeviceManager
+from managed_solve.scheduling import routes
 from managed_solve.scheduling.runner import Runner
 from tests._problems import poisson2d
 from tests._problems import poisson2d_skew as convection
@@ -126,3 +127,32 @@ def spy_on_start(monkeypatch, probe) -> tuple[list, object, object]:
 
     monkeypatch.setattr(Runner, "start", spying)
     return seen, run, spying
+
+
+def hold_first_compute(monkeypatch, timeout: float, seen=None) -> list:
+    """Hold the first batch's compute until a second batch's compute has started.
+
+    Returns a list that receives, once, whether the second started within
+    ``timeout`` seconds (it cannot with one worker per device). ``seen()``,
+    when given, is called at each compute's start (on its worker thread).
+    """
+    second_started = threading.Event()
+    waited: list = []
+    real = routes.compute_batch
+    calls = [0]
+    lock = threading.Lock()
+
+    def compute(prepared, method, dev):
+        if seen is not None:
+            seen()
+        with lock:
+            calls[0] += 1
+            first = calls[0] == 1
+        if first:
+            waited.append(second_started.wait(timeout))
+        else:
+            second_started.set()
+        return real(prepared, method, dev)
+
+    monkeypatch.setattr(routes, "compute_batch", compute)
+    return waited

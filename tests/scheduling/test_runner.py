@@ -19,6 +19,7 @@ from tests.scheduling._helpers import (
     LedgerWatch,
     assert_solves,
     fail_every_second,
+    hold_first_compute,
     mixed_systems,
     runners_started,
 )
@@ -247,23 +248,7 @@ def test_lanes_give_the_same_solutions_and_lose_nothing(lanes, settings, monkeyp
 def test_a_second_lane_starts_a_batch_while_the_first_computes(settings, monkeypatch):
     """With two lanes the first batch's compute can wait for the second's to start; with one it could not."""
     settings(batch_rows=300, lanes_per_device=2)
-    second_started = threading.Event()
-    waited = []
-    real = routes.compute_batch
-    calls = [0]
-    lock = threading.Lock()
-
-    def compute(prepared, method, dev):
-        with lock:
-            calls[0] += 1
-            first = calls[0] == 1
-        if first:
-            waited.append(second_started.wait(10))
-        else:
-            second_started.set()
-        return real(prepared, method, dev)
-
-    monkeypatch.setattr(routes, "compute_batch", compute)
+    waited = hold_first_compute(monkeypatch, 10)
     systems = mixed_systems(30, seed=17, lo=6, hi=10)
     out = solve_many(systems, manager=DeviceManager(simulate="1x1GiB"))
     assert waited == [True]
@@ -316,29 +301,24 @@ def test_lanes_on_a_device_with_room_for_two_batches_wait_for_room(settings, mon
 def test_two_lanes_compute_on_one_gpu_at_once_and_meet_rtol(settings, monkeypatch):
     """The first batch's compute is held until the second's has started, so both run on the GPU together."""
     settings(batch_rows=20_000, lanes_per_device=2)
-    second_started = threading.Event()
-    waited, streams = [], []
-    real = routes.compute_batch
-    calls = [0]
-    lock = threading.Lock()
+    streams = []
 
-    def compute(prepared, method, dev):
+    def seen():
         from managed_solve import _backend
 
         streams.append(_backend.cupy().cuda.get_current_stream().ptr)
-        with lock:
-            calls[0] += 1
-            first = calls[0] == 1
-        if first:
-            waited.append(second_started.wait(30))
-        else:
-            second_started.set()
-        return real(prepared, method, dev)
 
-    monkeypatch.setattr(routes, "compute_batch", compute)
+    waited = hold_first_compute(monkeypatch, 30, seen)
     systems = mixed_systems(120, seed=33, lo=20, hi=48)
     out = solve_many(systems, manager=DeviceManager(["cuda:0"]))
     assert waited == [True]
     assert len(set(streams[:2])) == 2 and 0 not in streams  # each lane its own stream, not the null one
     assert_solves(systems, out)
     assert {r.device for r in out} == {"cuda:0"} and len({r.info["batch"] for r in out}) >= 3
+
+
+@pytest.mark.parametrize("lanes", [0, -1, 1.5, True])
+def test_a_lane_count_below_one_or_not_an_integer_is_refused_naming_the_setting(lanes):
+    with pytest.raises(ValueError, match=r"lanes_per_device=.*expected an integer >= 1"):
+        with config.override(lanes_per_device=lanes):
+            pass
