@@ -81,7 +81,10 @@ def csr_symmetry_gershgorin_many(lo, hi, ptr_addresses, idx_addresses, data_addr
     finite : uint8 array
         1 where every stored entry of the matrix is finite, else 0
         (:func:`all_finite_many`'s test, run on the entries just walked,
-        still in cache: validation then need not read them again).
+        still in cache: validation then need not read them again). A loop
+        of its own, not a test inside the walk: it vectorises, and costs
+        no more than a test of each row's sums there would (which still
+        needs this loop where a sum overflows from finite entries).
     """
     for k in range(lo, hi):
         indptr = numba.carray(address_pointer(ptr_addresses[k]), (rows[k] + 1,), ptr_like.dtype)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from numba.extending import overload
 
 __all__ = ["abs_max", "csr_gershgorin", "csr_mirror", "csr_mirror_gershgorin",
            "csr_positive_diagonal", "csr_symmetry", "csr_symmetry_gershgorin", "csr_symmetry_rows",
@@ -223,48 +224,66 @@ def symmetry_gershgorin(indptr, indices, data, rel):
     reached its row's end (no upper entry left without one). ``max`` skips
     a NaN (it keeps the running value), so the largest difference and
     scale do not depend on the order either.
+
+    A sorted row is its lower entries, then at most one diagonal entry, then
+    its upper entries: three loops, one after the other, rather than a test
+    of each column against the diagonal, and the upper loop reads no
+    columns. Positions and columns are read as unsigned integers (a
+    canonical matrix has no negative ones): Numba then indexes with them
+    directly instead of first testing each for a negative index counted
+    from the end. Each row's sums still add its entries in their stored
+    order, so the bounds are those of a plain loop over the row.
     """
     n = indptr.shape[0] - 1
-    cursor = np.empty(n, dtype=indptr.dtype)  # row j's first entry right of the diagonal not yet met
+    ptr = _unsigned(indptr)
+    idx = _unsigned(indices)
+    one = np.uint64(1)  # an unsigned position plus a plain int would be a float in Numba
+    cursor = np.empty(n, dtype=ptr.dtype)  # row j's first entry right of the diagonal not yet met
     same_pattern = True
     worst = 0.0
     scale = 0.0
     lo, hi = np.inf, -np.inf
     dmin, dmax = np.inf, -np.inf
     nan = False
-    for i in range(n):
-        d = 0.0
+    p = np.uint64(ptr[0])  # rows follow one another: row i ends where row i + 1 starts
+    for i in range(np.uint64(n)):
+        end = np.uint64(ptr[i + one])
         r = 0.0
-        end = indptr[i + 1]
-        upper = end
-        for p in range(indptr[i], end):
-            j = indices[p]
+        while p < end:  # left of the diagonal: each entry looks its mirror up
+            j = idx[p]
+            if j >= i:
+                break
             a = data[p]
             scale = max(scale, abs(a))
-            if j < i:
-                r += abs(a)
-                if same_pattern:
-                    q = cursor[j]
-                    if q == indptr[j + 1] or indices[q] != i:
-                        same_pattern = False
-                    else:
-                        cursor[j] = q + 1
-                        worst = max(worst, abs(a - data[q]))
-            elif j == i:
-                d += a
-            else:
-                if upper == end:
-                    upper = p
-                r += abs(a)
-        cursor[i] = upper
+            r += abs(a)
+            if same_pattern:
+                q = cursor[j]
+                if q == ptr[j + one] or idx[q] != i:
+                    same_pattern = False
+                else:
+                    cursor[j] = q + one
+                    worst = max(worst, abs(a - data[q]))
+            p += one
+        d = 0.0
+        if p < end and idx[p] == i:
+            a = data[p]
+            scale = max(scale, abs(a))
+            d += a
+            p += one
+        cursor[i] = p
+        while p < end:  # right of the diagonal: the mirrors are met from below
+            a = data[p]
+            scale = max(scale, abs(a))
+            r += abs(a)
+            p += one
         nan = nan or d != d
         lo = min(lo, d - r)
         hi = max(hi, d + r)
         dmin = min(dmin, d)
         dmax = max(dmax, d)
     if same_pattern:
-        for j in range(n):
-            if cursor[j] != indptr[j + 1]:
+        for j in range(np.uint64(n)):
+            if cursor[j] != ptr[j + one]:
                 same_pattern = False
                 break
     if not same_pattern:
@@ -276,6 +295,18 @@ def symmetry_gershgorin(indptr, indices, data, rel):
     if nan:
         return code, np.nan, np.nan, np.nan, np.nan
     return code, lo, hi, dmin, dmax
+
+
+def _unsigned(a):
+    """An integer array viewed as the unsigned integers of its width (no copy)."""
+    return a.view(np.dtype(f"u{a.dtype.itemsize}"))
+
+
+@overload(_unsigned)
+def _unsigned_jit(a):
+    """:func:`_unsigned` in jitted code."""
+    unsigned = np.dtype(f"u{a.dtype.bitwidth // 8}")
+    return lambda a: a.view(unsigned)
 
 
 @numba.njit(nogil=True, cache=True)

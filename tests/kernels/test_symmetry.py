@@ -17,7 +17,7 @@ from managed_solve.kernels.symmetry import (
     csr_symmetry_rows_window,
 )
 from managed_solve.system import is_symmetric
-from tests._problems import laplacian1d
+from tests._problems import laplacian1d, poisson2d
 
 
 def reference(A, limit):
@@ -219,3 +219,117 @@ def test_fused_walk_codes_match_the_transpose_and_bounds_the_gershgorin_kernel(d
             want = SYMMETRIC if worst <= 1e-12 * scale else DIFFERENT_VALUES
             assert code == want, trial
         np.testing.assert_array_equal(bounds, csr_gershgorin(A.indptr, A.indices, A.data))
+
+
+def reference_walk(A, rel):
+    """Code, Gershgorin bounds and finite flag of a canonical CSR from SciPy and NumPy.
+
+    The code from ``A - A.T`` (the stored patterns, then the largest
+    difference against ``rel`` times the largest entry, NaN skipped); the
+    bounds from the diagonal and each row's absolute off-diagonal sum,
+    added in the stored order (the rows padded with zeros and summed a
+    column at a time), so they can be compared bit for bit.
+    """
+    n = A.shape[0]
+    if n == 0:
+        return SYMMETRIC, (0.0, 0.0, 0.0, 0.0), True
+    finite = bool(np.isfinite(A.data).all())
+    P = sp.csr_matrix((np.ones(A.nnz), A.indices, A.indptr), shape=A.shape)
+    if (P != P.T).nnz:
+        code = DIFFERENT_PATTERN
+    else:
+        with np.errstate(invalid="ignore"):
+            diff = np.abs((A - A.T).tocsr().data)
+        worst = float(np.fmax.reduce(diff, initial=0.0))  # fmax skips NaN
+        scale = float(np.fmax.reduce(np.abs(A.data), initial=0.0))
+        code = SYMMETRIC if worst <= rel * scale else DIFFERENT_VALUES
+    d = 0.0 + A.diagonal().astype(np.float64)  # 0.0 + -0.0 is 0.0, as a sum from 0.0 gives
+    rows = np.repeat(np.arange(n), np.diff(A.indptr))
+    padded = np.zeros((n, max(int(np.diff(A.indptr).max()), 1)))
+    padded[rows, np.arange(A.nnz) - A.indptr[rows]] = np.where(
+        A.indices == rows, 0.0, np.abs(A.data.astype(np.float64)))
+    if np.isnan(d).any():
+        return code, (np.nan,) * 4, finite
+    r = np.zeros(n)
+    with np.errstate(over="ignore", invalid="ignore"):  # sums of 1e308s, inf - inf
+        for k in range(padded.shape[1]):  # in the stored order; + 0.0 leaves a sum unchanged
+            r = r + padded[:, k]
+        bounds = (np.fmin.reduce(d - r, initial=np.inf), np.fmax.reduce(d + r, initial=-np.inf),
+                  d.min(), d.max())
+    return code, tuple(float(b) for b in bounds), finite
+
+
+def walk_gallery():
+    """Canonical CSR matrices, fixed seed: symmetric or not (values, pattern), empty rows, NaN, Inf."""
+    rng = np.random.default_rng(11)
+    out = [sp.csr_matrix((0, 0)), sp.csr_matrix((5, 5)), poisson2d(7)]
+    for trial in range(48):
+        n = int(rng.integers(1, 40))
+        R = sp.random(n, n, density=rng.uniform(0.05, 0.6), random_state=rng, format="csr")
+        A = (R + R.T + sp.diags(rng.uniform(-1, 3, n))).tocsr().tolil()
+        i, j = (int(v) for v in rng.integers(0, n, 2))
+        kind = trial % 8
+        if kind == 0 and trial % 16 == 8 and i != j and A[j, i] == 0:
+            A[i, j] = 1.0  # one stored entry without its mirror
+        elif kind == 1:
+            i, j = sorted(int(v) for v in rng.choice(n, 2, replace=False)) if n > 1 else (0, 0)
+            A[i, j] = A[j, i] = 1.0 + rng.uniform()
+            A[i, j] = A[i, j] * (1 + (1e-3 if trial % 16 == 1 else 1e-14))  # beyond or within rel
+        elif kind == 2:
+            A = sp.triu(A.tocsr()).tolil() if trial % 16 == 2 else sp.tril(A.tocsr()).tolil()
+        elif kind == 3:
+            A[i, :] = 0.0  # an empty row and column
+            A[:, i] = 0.0
+        elif kind == 4:
+            A[i, j] = A[j, i] = np.nan
+        elif kind == 5:
+            A[i, i] = np.nan if trial % 16 == 5 else -np.inf
+        elif kind == 6:
+            A[i, j] = A[j, i] = np.inf
+            A[j, j] = 1e308  # a row sum overflows from finite entries too
+            A[j, (j + 1) % n] = A[(j + 1) % n, j] = 1e308
+        A = A.tocsr()
+        A.eliminate_zeros()
+        A.sum_duplicates()
+        if kind == 7:
+            A.data[A.indices == np.repeat(np.arange(n), np.diff(A.indptr))] = -0.0
+        out.append(A)
+    return out
+
+
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_walk_matches_a_scipy_reference_bit_for_bit(dtype, index_dtype):
+    """The walk's code, bounds and finite flag, one matrix and many at once, against :func:`reference_walk`."""
+    from managed_solve.kernels.checks import csr_symmetry_gershgorin_many
+    from managed_solve.kernels.packing import addresses
+    from managed_solve.kernels.symmetry import csr_symmetry_gershgorin
+
+    mats = []
+    for A in walk_gallery():
+        with np.errstate(over="ignore"):
+            A = A.astype(dtype)
+        A.indices, A.indptr = A.indices.astype(index_dtype), A.indptr.astype(index_dtype)
+        assert A.has_canonical_format
+        mats.append(A)
+    codes = np.full(len(mats), 9, np.int8)
+    bounds = np.zeros((len(mats), 4))
+    finite = np.full(len(mats), 9, np.uint8)
+    like = mats[2]
+    csr_symmetry_gershgorin_many(
+        0, len(mats), addresses([A.indptr for A in mats]), addresses([A.indices for A in mats]),
+        addresses([A.data for A in mats]), np.array([A.shape[0] for A in mats]),
+        np.array([A.nnz for A in mats]), like.indptr, like.indices, like.data, 1e-12,
+        codes, bounds, finite)
+    seen = set()
+    for k, A in enumerate(mats):
+        code, want, ok = reference_walk(A, 1e-12)
+        got = csr_symmetry_gershgorin(A.indptr, A.indices, A.data, 1e-12)
+        assert got[0] == codes[k] == code, k
+        np.testing.assert_array_equal(np.array(got[1:]).view(np.int64), np.array(want).view(np.int64))
+        np.testing.assert_array_equal(bounds[k].view(np.int64), np.array(want).view(np.int64))
+        assert finite[k] == ok, k
+        seen.add((code, ok, bool(np.isnan(want[0]))))
+    assert {(SYMMETRIC, True, False), (DIFFERENT_VALUES, True, False),
+            (DIFFERENT_PATTERN, True, False), (SYMMETRIC, False, True)} <= seen
+    assert any(not ok and not nan for _code, ok, nan in seen)  # an infinity, bounds not NaN
