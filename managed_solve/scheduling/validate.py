@@ -196,13 +196,15 @@ def validate_all(items: list, *, method: str, M: Any, rtol: float | None,
     if memo is None:
         memo = {}
         prefill_finite(items, memo)
-    # (A, b) pairs as_system would build, through one builder that checked the call's options.
+    # Pairs of the constructor's quick path through one builder (the call's options checked
+    # once); as_system builds the rest, and raises their errors.
     build = host_csr_builder(rtol=1e-8 if rtol is None else rtol, method=method,
                              M="auto" if M is None else M, memo=memo)
     for i, item in enumerate(items):
         try:
-            s = build(*item, f"systems[{i}]") if build is not None and type(item) is tuple \
-                and len(item) == 2 else None
+            s = None
+            if build is not None and type(item) is tuple and len(item) == 2:
+                s = build(item[0], item[1], f"systems[{i}]")
             valid[i] = s if s is not None else as_system(item, i, method=method, M=M, rtol=rtol,
                                                           memo=memo)
         except (TypeError, ValueError) as exc:
