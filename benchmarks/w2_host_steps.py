@@ -63,8 +63,9 @@ def steps(items: list, manager: DeviceManager) -> dict[str, float]:
     for f in early.values():
         f.result()
     t6 = clock()
+    memo = estimation.shares_matrices(valid)  # as estimate_call decides
     ests = [estimation.estimate_system(s, i, device_kind=kind, manager=manager,
-                                       reference=devs[0], cache=cache)
+                                       reference=devs[0], cache=cache, memo=memo)
             for i, s in enumerate(valid)]
     t7 = clock()
     plan_work(ests, devs, manager, batch_bytes=packed_bytes(manager, valid))

@@ -188,20 +188,39 @@ class SlicedResult(SolveResult):
     """
 
     @classmethod
-    def cut_from(cls, packed_x: Any, lo: int, hi: int, status: Status, iterations: int,
-                 residual_norm: float, b_norm: float, device: str, seconds: float, method: str,
-                 message: str, name: str | None, info: dict) -> SlicedResult:
-        """A result whose ``x`` will be ``packed_x[lo:hi]`` (the constructor stays SolveResult's)."""
-        self = object.__new__(cls)
-        d = self.__dict__
-        # Three entries, not a tuple: a tuple holding an array is one more object
-        # for the garbage collector to scan per result, and with many results a
-        # full collection holds the GIL for that long.
-        d["_src"], d["_lo"], d["_hi"] = packed_x, lo, hi
-        d["status"], d["iterations"], d["residual_norm"], d["b_norm"] = status, iterations, residual_norm, b_norm
-        d["device"], d["seconds"], d["method"], d["message"], d["name"], d["info"] = (
-            device, seconds, method, message, name, info)
-        return self
+    def cut_many(cls, packed_x: Any, offsets: list[int], statuses: list[Status],
+                 iterations: list[int], residual_norms: list[float], b_norms: list[float],
+                 device: str, seconds: float, method: str, messages: list[str],
+                 names: list[str | None], info: dict) -> list[SlicedResult]:
+        """The results of a batch's systems, system k's ``x`` to be ``packed_x[offsets[k]:offsets[k + 1]]``.
+
+        Lists by system; each result gets its own copy of ``info``. The
+        constructor stays SolveResult's.
+
+        Examples
+        --------
+        >>> x = np.arange(5.0)
+        >>> a, b = SlicedResult.cut_many(x, [0, 2, 5], [Status.CONVERGED] * 2, [3, 4], [1e-9, 2e-9],
+        ...                              [1.0, 1.0], "cpu", 0.1, "cg", ["", ""], ["a", "b"], {})
+        >>> b.x.tolist(), b.name, b.info is a.info
+        ([2.0, 3.0, 4.0], 'b', False)
+        """
+        new = object.__new__
+        out = []
+        for lo, hi, status, its, r, bn, message, name in zip(
+                offsets[:-1], offsets[1:], statuses, iterations, residual_norms, b_norms,
+                messages, names, strict=True):
+            self = new(cls)
+            d = self.__dict__
+            # Three entries, not a tuple: a tuple holding an array is one more object
+            # for the garbage collector to scan per result, and with many results a
+            # full collection holds the GIL for that long.
+            d["_src"], d["_lo"], d["_hi"] = packed_x, lo, hi
+            d["status"], d["iterations"], d["residual_norm"], d["b_norm"] = status, its, r, bn
+            d["device"], d["seconds"], d["method"], d["message"], d["name"], d["info"] = (
+                device, seconds, method, message, name, info.copy())
+            out.append(self)
+        return out
 
     @property  # type: ignore[override]
     def x(self) -> Any:

@@ -77,9 +77,9 @@ def count_shared(systems: Sequence[LinearSystem | None], cache: dict) -> None:
                 counts[id(s.A)] = [s.A, 1]
             else:
                 entry[1] += 1
-    for key, (A, count) in counts.items():
-        if count > 1:
-            cache[("rhs", key)] = (A, count)
+    shared = {key: entry for key, entry in counts.items() if entry[1] > 1}
+    if shared:  # one entry for the call: calls without it find none at once (shared_count)
+        cache.setdefault("rhs", {}).update(shared)
 
 
 def host_matrices(systems: Sequence[LinearSystem | None], cache: dict, least: int | None = None,
@@ -175,7 +175,8 @@ def start_host_matrices(mats: Sequence[Any], cache: dict) -> dict[int, Future]:
 
 def shared_count(s: LinearSystem, cache: dict | None) -> int:
     """The systems sharing ``s``'s matrix (:func:`count_shared`), 1 when not counted."""
-    hit = cache.get(("rhs", id(s.A))) if cache is not None else None
+    counts = cache.get("rhs") if cache is not None else None
+    hit = counts.get(id(s.A)) if counts is not None else None
     return hit[1] if hit is not None and hit[0] is s.A else 1
 
 
@@ -237,7 +238,7 @@ def home(s: LinearSystem) -> str | None:
 
 def estimate_system(s: LinearSystem, i: int, *, device_kind: str,
                     manager: DeviceManager | None = None, reference: Device | None = None,
-                    cache: dict | None = None) -> Estimate:
+                    cache: dict | None = None, memo: bool = True) -> Estimate:
     """Route, device bytes and cost (bytes streamed) of one system.
 
     ``device_kind`` is the kind of device the call runs on (``"cpu"`` for a
@@ -249,6 +250,8 @@ def estimate_system(s: LinearSystem, i: int, *, device_kind: str,
     ``cache`` (one dict per call, shared with the symmetry tests) also keeps
     each batched or host-LU estimate by matrix object and options: systems
     sharing a matrix cost a dict look-up each, not a route and a cost model.
+    ``memo=False`` leaves that memo alone, for a call whose systems each
+    have their own matrix (:func:`shares_matrices`), where it would only cost.
 
     Examples
     --------
@@ -259,7 +262,7 @@ def estimate_system(s: LinearSystem, i: int, *, device_kind: str,
     >>> e.route, e.n, e.nnz, round(e.iterations)
     ('batch', 100, 100, 19)
     """
-    if cache is None or s.kind != "csr" or not batched_preconditioner(s, device_kind):
+    if not memo or cache is None or s.kind != "csr" or not batched_preconditioner(s, device_kind):
         return _estimate(s, i, device_kind, manager, reference, cache)
     # What a batched or host-LU estimate depends on besides the matrix (x0 counts in
     # a host LU's bytes); other routes are not kept (they ask the manager's hints).
@@ -275,6 +278,12 @@ def estimate_system(s: LinearSystem, i: int, *, device_kind: str,
     if e.route != SINGLE:
         cache[key] = (s.A, e)
     return e
+
+
+def shares_matrices(systems: Sequence[LinearSystem | None]) -> bool:
+    """Whether two of the systems (None: invalid inputs, left out) hold one matrix object."""
+    held = [id(s.A) for s in systems if s is not None]
+    return len(set(held)) < len(held)
 
 
 def deferred_estimate(s: LinearSystem, i: int) -> Estimate:
@@ -293,9 +302,12 @@ def _estimate(s: LinearSystem, i: int, device_kind: str, manager: DeviceManager 
               reference: Device | None, cache: dict | None) -> Estimate:
     """:func:`estimate_system` without its per-call memo."""
     how, group = route(s, device_kind, cache)
-    n, nnz = s.n, s.nnz
+    if s.kind == "csr":  # s.n, s.nnz and s.index_dtype without their properties' tests
+        A = s.A
+        n, nnz, iw = int(A.shape[0]), int(A.nnz), A.indices.dtype.itemsize
+    else:
+        n, nnz, iw = s.n, s.nnz, 8
     w = s.dtype.itemsize
-    iw = s.A.indices.dtype.itemsize if s.kind == "csr" else 8
     where = None if type(s.b) is np.ndarray else home(s)
     if how == BATCH:
         method, _dt, jac = group
@@ -452,6 +464,8 @@ def estimate_call(checked: Checked, manager: DeviceManager, devs: Sequence[Devic
             pending.result()
         return resolve_method(s, kind, cache)
 
+    memo = shares_matrices(valid)  # estimates kept by matrix: worth it when systems share one
+
     def estimates(indices: Iterable[int], defer: bool = False) -> list[Estimate]:
         out = []
         for i in indices:
@@ -470,7 +484,7 @@ def estimate_call(checked: Checked, manager: DeviceManager, devs: Sequence[Devic
                     if pending is not None:
                         pending.result()  # the large matrix's method, found beside this loop
                 out.append(estimate_system(s, i, device_kind=kind, manager=manager,
-                                           reference=ref, cache=cache))
+                                           reference=ref, cache=cache, memo=memo))
             except (TypeError, ValueError) as exc:
                 valid[i] = None
                 results[i] = invalid_result(exc, i, s)

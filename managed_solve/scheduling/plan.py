@@ -209,10 +209,9 @@ def pack(estimates: Iterable[Estimate], *, rows: int, max_bytes: int,
     for (route, group), members in groups.items():
         # Columns of the group (the loops below are NumPy's: 10,000 systems
         # planned in a few milliseconds instead of 20-30).
-        count = len(members)
-        its = np.fromiter((e.iterations or predict_iterations(e.n) for e in members), np.float64, count)
-        n = np.fromiter((e.n for e in members), np.int64, count)
-        index = np.fromiter((e.index for e in members), np.int64, count)
+        its = np.array([e.iterations or predict_iterations(e.n) for e in members], np.float64)
+        n = np.array([e.n for e in members], np.int64)
+        index = np.array([e.index for e in members], np.int64)
         # Most iterations first (then largest, then input order: a deterministic plan).
         order = np.lexsort((index, -n, -its))
         members = [members[j] for j in order.tolist()]
@@ -424,9 +423,9 @@ def plan_work(estimates: Iterable[Estimate], devices: Sequence[Device], manager:
     slots = slots if slots is not None else make_slots(devices, manager)
     kind = devices[0].kind if devices else "cpu"
     if packed_rows is None:
-        packed_rows = sum(e.n for e in ests.values() if e.route != SINGLE)
+        packed_rows = sum([e.n for e in ests.values() if e.route != SINGLE])
     rows = target_rows(packed_rows, len(devices), kind)
-    if any(e.route == DIRECT for e in ests.values()):
+    if DIRECT in [e.route for e in ests.values()]:
         # Host LU batches run one per core: several per core balance the tail.
         rows = target_rows(packed_rows, _backend.cpu_count(), "cpu")
     max_bytes = max((s.room for s in slots), default=0)
@@ -501,6 +500,7 @@ def packed_bytes(manager: DeviceManager, systems: Sequence[LinearSystem | None]
         from ..solvers.batched import predict_bytes
     except ImportError:  # the core is not installed: the planner's own model
         predict_bytes = None
+    with_x0 = {i for i, s in enumerate(systems) if s is not None and s.x0 is not None}
 
     def nbytes(members: Sequence[Estimate]) -> int:
         e0 = members[0]
@@ -508,11 +508,11 @@ def packed_bytes(manager: DeviceManager, systems: Sequence[LinearSystem | None]
             return manager.size_of(int(sum(e.nbytes for e in members)))
         method, dt, jacobi = e0.group
         method = "bicgstab" if method == DEFERRED else method  # the larger workspace of the two
-        n = sum(e.n for e in members)
-        nnz = sum(e.nnz for e in members)
+        n = sum([e.n for e in members])
+        nnz = sum([e.nnz for e in members])
         idx = np.int32 if max(n, nnz) < 2**31 - 1 else np.int64
         if predict_bytes is not None:
-            x0 = any(systems[e.index].x0 is not None for e in members)
+            x0 = bool(with_x0) and any(e.index in with_x0 for e in members)
             raw = predict_bytes(n, nnz, len(members), np.dtype(dt), np.dtype(idx), method,
                                 jacobi=bool(jacobi), x0=x0)
             raw += 8 * n  # the true-residual check's product A @ x

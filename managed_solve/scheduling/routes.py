@@ -32,7 +32,7 @@ from ..solver import Solver
 from ..solvers._common import SAFE_NORM_RANGE, column_norms, stable_norm
 from ..solvers.direct import SINGULAR, DirectEngine, Singular, direct
 from ..solvers.engine import BREAKDOWN, CONVERGED, Options, Outcome
-from ..solvers.verify import FALL_BACK, RESTART, STATUS, fallback_for, verdict
+from ..solvers.verify import FALL_BACK, RESTART, STATUS, accepted, fallback_for, verdict
 from ..system import FALLBACK, LinearSystem
 from .errors import is_device_error
 from .estimate import BATCHED_METHODS
@@ -173,7 +173,6 @@ def packed_results(systems: list[LinearSystem], prepared: Any, method: str, devi
     packed = prepared.batch
     out, rn, bn, seconds = solved
     offsets = packed.offsets.tolist()
-    results: list[SolveResult] = []
     drifted: list[int] = []
     broken: list[int] = []  # "auto" systems to solve again as a batch of the fallback method
     # Python work per system (thousands a batch, while the GPU waits for the
@@ -182,13 +181,16 @@ def packed_results(systems: list[LinearSystem], prepared: Any, method: str, devi
               "compactions": int(out.compactions), "gpu_seconds": out.gpu_seconds,
               **(info or {})}
     converged_msg = Status.CONVERGED.message
-    dname = str(device)
-    for k, (s, code, its, r, bnorm) in enumerate(zip(
-            systems, out.status.tolist(), out.iterations.tolist(), np.asarray(rn).tolist(),
-            np.asarray(bn).tolist(), strict=True)):
-        # x is sliced from the batch's solution when first read.
-        res = SlicedResult.cut_from(out.x, offsets[k], offsets[k + 1], STATUS[code], its, r, bnorm,
-                                     dname, seconds, method, "", s.name, common.copy())
+    codes, its_of = out.status.tolist(), out.iterations.tolist()
+    rns, bns = np.asarray(rn).tolist(), np.asarray(bn).tolist()
+    ok = accepted(systems, out.status, rn, bn)  # the common verdict, for all at once
+    # x is sliced from the batch's solution when first read.
+    results = SlicedResult.cut_many(
+        out.x, offsets, [STATUS[c] for c in codes], its_of, rns, bns, str(device), seconds,
+        method, [converged_msg if a else "" for a in ok.tolist()], [s.name for s in systems],
+        common)
+    for k in np.flatnonzero(~ok).tolist():
+        s, res, code, its, r, bnorm = systems[k], results[k], codes[k], its_of[k], rns[k], bns[k]
         action = verdict(s, method, code, r, bnorm)
         if action == RESTART:
             drifted.append(k)
@@ -204,7 +206,7 @@ def packed_results(systems: list[LinearSystem], prepared: Any, method: str, devi
             res.info["fallback_from"] = method
         elif code == 0:
             res.message = converged_msg
-        results.append(res)
+        results[k] = res
 
     def again(ks: list[int], subset: list[LinearSystem], how: str, restart: bool, note: tuple) -> None:
         """Solve ``subset`` (systems ks, changed) as one more batch; their results replace the first."""

@@ -671,9 +671,9 @@ class Runner(Adjustments):
                             cost=b.cost, device_seconds=gpu * share if gpu is not None else None)
         with self.cond:
             self.batches_run.append((str(dev), b.id, b.nsys))
-        dname = str(dev)
+        dname, error = str(dev), Status.DEVICE_ERROR  # an enum member's look-up is not free
         for res in out:
-            if res.status is not Status.DEVICE_ERROR:
+            if res.status is not error:
                 res.device = dname
             if not res.seconds:
                 res.seconds = seconds
@@ -682,7 +682,7 @@ class Runner(Adjustments):
                     res.info.setdefault(key, value)
         # A system that ran out of memory inside a route (a solve() alone, a
         # restart) is retried elsewhere like a failed batch, finally on the CPU.
-        retry = [k for k, r in enumerate(out) if r.status is Status.DEVICE_ERROR]
+        retry = [k for k, r in enumerate(out) if r.status is error]
         if not retry:
             self.deliver_many(b.indices, out)
             self._done()

@@ -47,7 +47,7 @@ import numpy as np
 from .. import _backend, config
 from ..result import SolveResult, Status
 from ..system import METHODS, LinearSystem, check_preconditioner
-from ..system.inputs import FLOAT_DTYPES
+from ..system.linear_system import host_csr_builder
 from ..system.method import settle_auto
 
 RETURN_ON = ("device", "host")
@@ -196,9 +196,17 @@ def validate_all(items: list, *, method: str, M: Any, rtol: float | None,
     if memo is None:
         memo = {}
         prefill_finite(items, memo)
+    # Pairs of the constructor's quick path through one builder (the call's options checked
+    # once); as_system builds the rest, and raises their errors.
+    build = host_csr_builder(rtol=1e-8 if rtol is None else rtol, method=method,
+                             M="auto" if M is None else M, memo=memo)
     for i, item in enumerate(items):
         try:
-            valid[i] = as_system(item, i, method=method, M=M, rtol=rtol, memo=memo)
+            s = None
+            if build is not None and type(item) is tuple and len(item) == 2:
+                s = build(item[0], item[1], f"systems[{i}]")
+            valid[i] = s if s is not None else as_system(item, i, method=method, M=M, rtol=rtol,
+                                                          memo=memo)
         except (TypeError, ValueError) as exc:
             results[i] = invalid_result(exc, i, item)
     return results, valid
@@ -230,7 +238,8 @@ RANGES_PER_THREAD = 4
 SYMMETRY_NS, FINITE_NS = 2.5, 1.0
 
 
-_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+# float64 first: the commonest dtype, found by identity.
+_FLOATS = (np.dtype(np.float64), np.dtype(np.float32))
 
 
 def run_all(passes: Sequence[Any]) -> None:
@@ -292,14 +301,17 @@ def finite_arrays(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
     return work.finite()
 
 
-def symmetry_candidate(A: Any) -> bool:
-    """Whether :func:`test_symmetry` takes a matrix: a non-empty canonical float SciPy CSR, contiguous."""
+def symmetry_candidate(A: Any, least: int | None = None) -> bool:
+    """Whether :func:`test_symmetry` takes a matrix: a non-empty canonical float SciPy CSR, contiguous.
+
+    ``least``: and fewer stored entries than that (the many-matrix pass's, :func:`pass_least`).
+    """
     if not (_backend.is_scipy_sparse(A) and A.format == "csr"):
         return False
-    data = A.data
-    return (A.nnz > 0 and data.dtype in _FLOATS and A.has_canonical_format
-            and data.flags.c_contiguous and A.indices.flags.c_contiguous
-            and A.indptr.flags.c_contiguous)
+    nnz, data = A.nnz, A.data
+    return (nnz > 0 and (least is None or nnz < least) and data.dtype in _FLOATS
+            and A.has_canonical_format and data.flags.c_contiguous
+            and A.indices.flags.c_contiguous and A.indptr.flags.c_contiguous)
 
 
 def test_symmetry(mats: Sequence[Any], cache: dict, rel: float = 1e-12) -> None:
@@ -368,14 +380,15 @@ class SymmetryPass:
 
 def symmetry_pass(mats: Sequence[Any], rel: float = 1e-12) -> SymmetryPass:
     """:func:`test_symmetry`'s tables: the matrices largest first, by dtypes, with their addresses."""
-    sized = sorted(((A.nnz, k, A) for k, A in enumerate(mats)), key=lambda e: (-e[0], e[1]))
+    sizes = np.fromiter((A.nnz for A in mats), np.int64, len(mats))
     by_dtype: dict[tuple, list] = {}
-    for nnz, _k, A in sized:
-        by_dtype.setdefault((A.indptr.dtype, A.indices.dtype, A.data.dtype), []).append((nnz, A))
+    for k in np.argsort(-sizes, kind="stable").tolist():  # largest first, then in input order
+        A = mats[k]
+        by_dtype.setdefault((A.indptr.dtype, A.indices.dtype, A.data.dtype), []).append(k)
     groups = []
-    for (pdt, idt, ddt), entries in by_dtype.items():
-        group = [A for _nnz, A in entries]
-        nnzs = np.fromiter((nnz for nnz, _A in entries), np.int64, len(group))
+    for (pdt, idt, ddt), ks in by_dtype.items():
+        group = [mats[k] for k in ks]
+        nnzs = sizes[ks]
         codes = np.zeros(len(group), dtype=np.int8)
         bounds = np.zeros((len(group), 4), dtype=np.float64)
         finite = np.zeros(len(group), dtype=np.uint8)
@@ -426,7 +439,7 @@ def pass_least() -> int:
 def pass_tested(s: LinearSystem, least: int) -> bool:
     """Whether the many-matrix pass tests ``s``'s matrix (``least``: :func:`pass_least`)."""
     return (s.kind == "csr" and s.method == "auto" and type(s.b) is np.ndarray
-            and s.A.nnz < least and symmetry_candidate(s.A))
+            and symmetry_candidate(s.A, least))
 
 
 def input_matrices(items: Sequence[Any], method: str, least: int) -> list:
@@ -448,8 +461,7 @@ def input_matrices(items: Sequence[Any], method: str, least: int) -> list:
             A = item.A
         elif isinstance(item, (tuple, list)) and len(item) == 2:
             A, b = item
-            if type(b) is not np.ndarray or id(A) in found \
-                    or not symmetry_candidate(A) or A.nnz >= least:
+            if type(b) is not np.ndarray or id(A) in found or not symmetry_candidate(A, least):
                 continue
         else:
             continue
@@ -459,7 +471,7 @@ def input_matrices(items: Sequence[Any], method: str, least: int) -> list:
 
 def _scannable(a: Any) -> bool:
     """A 1-D C-contiguous float32/float64 NumPy array (what the many-array finite check reads)."""
-    return type(a) is np.ndarray and a.ndim == 1 and a.dtype in FLOAT_DTYPES \
+    return type(a) is np.ndarray and a.ndim == 1 and a.dtype in _FLOATS \
         and a.flags.c_contiguous
 
 

@@ -15,7 +15,10 @@ and decides, by one rule for every route (:func:`verdict`):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from .. import _backend
 from ..result import Status
@@ -56,6 +59,30 @@ def verdict(s: LinearSystem, method: str, code: int, residual: float, b_norm: fl
             method in FALLBACK or (method == "direct" and s.kind != "operator")):
         return FALL_BACK
     return ACCEPT
+
+
+def accepted(systems: Sequence[LinearSystem], codes: np.ndarray, residuals: np.ndarray,
+             b_norms: np.ndarray) -> np.ndarray:
+    """Which systems :func:`verdict` accepts as converged, for a batch at once (a boolean array).
+
+    The first rule of :func:`verdict` over arrays by system (engine codes,
+    true residual norms, norms of b): converged, with the residual within
+    :func:`tolerance`. The others are left to :func:`verdict`, one by one.
+
+    Examples
+    --------
+    >>> import numpy as np, scipy.sparse as sp
+    >>> from managed_solve import LinearSystem
+    >>> s = LinearSystem(sp.identity(3, format="csr"), np.ones(3), rtol=1e-8)
+    >>> accepted([s, s, s], np.array([CONVERGED, CONVERGED, MAXITER]), np.array([1e-12, 1e-3, 0.0]),
+    ...          np.ones(3)).tolist()
+    [True, False, False]
+    """
+    rtol = np.array([s.rtol for s in systems], dtype=np.float64)
+    atol = np.array([s.atol for s in systems], dtype=np.float64)
+    # Written so that a NaN residual or bound is not accepted, as in verdict.
+    return (np.asarray(codes) == CONVERGED) & (np.asarray(residuals) <= np.maximum(
+        rtol * np.asarray(b_norms, dtype=np.float64), atol))
 
 
 def fallback_for(s: LinearSystem, method: str, symmetric: bool | None = None,

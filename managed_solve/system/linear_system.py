@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -175,7 +176,7 @@ class LinearSystem:
 
     def _host_csr(self, A: Any, b: np.ndarray, rtol: Any, atol: Any, maxiter: Any, method: Any,
                   M: Any, name: Any, check_finite: bool, memo: dict | None,
-                  call: str | None) -> bool:
+                  call: str | None, options_passed: bool = False) -> bool:
         """Set the fields for the commonest input, if it is one; False leaves it to ``__init__``.
 
         A SciPy CSR matrix (exactly that type) of float32 or float64 entries,
@@ -187,7 +188,8 @@ class LinearSystem:
         raises ``__init__``'s error here (its other checks all passed), so
         the array is not read twice.
         Nothing of such an input can require grad (no torch tensor, no
-        ``matvec``), so its ``grad`` is None.
+        ``matvec``), so its ``grad`` is None. ``options_passed``: the caller
+        found the options pass (:func:`quick_options`) already.
         """
         sp = sys.modules.get("scipy.sparse")
         if sp is None or (type(A) is not sp.csr_matrix and type(A) is not sp.csr_array):
@@ -199,11 +201,7 @@ class LinearSystem:
         n, m = A.shape
         if n != m or n == 0 or b.shape[0] != n:
             return False
-        if not (nonnegative_finite(rtol) and nonnegative_finite(atol)) or (rtol == 0 and atol == 0):
-            return False
-        if maxiter is not None and not (type(maxiter) is int and maxiter >= 1):
-            return False
-        if method not in METHODS or not (M is None or (type(M) is str and M in PRECONDITIONERS)):
+        if not options_passed and not quick_options(rtol, atol, maxiter, method, M):
             return False
         A.sum_duplicates()  # canonical form, in place, as as_operator leaves it
         if check_finite:
@@ -341,6 +339,52 @@ class LinearSystem:
         nm = f"{self.name!r}, " if self.name else ""
         return (f"LinearSystem({nm}n={self.n}, nnz={self.nnz}, dtype={self.dtype}, "
                 f"method={self.method!r}, device={self.device!r})")
+
+
+def quick_options(rtol: Any, atol: Any, maxiter: Any, method: Any, M: Any) -> bool:
+    """Whether options pass every check of ``LinearSystem``'s, by plain comparisons (its quick path's test)."""
+    if not (nonnegative_finite(rtol) and nonnegative_finite(atol)) or (rtol == 0 and atol == 0):
+        return False
+    if maxiter is not None and not (type(maxiter) is int and maxiter >= 1):
+        return False
+    return method in METHODS and (M is None or (type(M) is str and M in PRECONDITIONERS))
+
+
+def host_csr_builder(*, rtol: Any, method: Any, M: Any, memo: dict | None
+                     ) -> Callable[[Any, Any, str | None], LinearSystem | None] | None:
+    """A constructor of many systems that share their options, the options checked once, here.
+
+    ``build(A, b, name)`` is ``LinearSystem(A, b, rtol=rtol, method=method,
+    M=M, name=name, _finite_memo=memo)`` for an input of the constructor's
+    quick path (a SciPy CSR ``A``, a NumPy ``b`` of its dtype), raising the
+    constructor's error on a NaN or an Inf; None for any other input (the
+    constructor then decides). None instead of a builder where the options
+    do not pass the quick path (:func:`quick_options`): ``solve_many``
+    validates hundreds of systems of one call's options.
+
+    Examples
+    --------
+    >>> import scipy.sparse as sp
+    >>> build = host_csr_builder(rtol=1e-6, method="auto", M="auto", memo=None)
+    >>> s = build(sp.identity(3, format="csr"), np.ones(3), "s")
+    >>> s.rtol, s.name, build(sp.identity(3, format="csr"), [1.0, 1.0, 1.0], "list")
+    (1e-06, 's', None)
+    """
+    try:
+        if not quick_options(rtol, 0.0, None, method, M):
+            return None
+    except (TypeError, ValueError):  # not numbers: the constructor's own checks name them
+        return None
+    new = object.__new__
+
+    def build(A: Any, b: Any, name: str | None) -> LinearSystem | None:
+        if type(b) is not np.ndarray:
+            return None
+        s = new(LinearSystem)
+        return s if s._host_csr(A, b, rtol, 0.0, None, method, M, name, True, memo, None,
+                                options_passed=True) else None
+
+    return build
 
 
 def nullspace_basis(nullspace: Any, n: int, dtype: Any, xp: Any, *, call: str) -> Any:

@@ -273,12 +273,12 @@ def krylov_method(A: Any, symmetric: bool | None, *, cache: dict | None = None) 
         positive = hit[1]
     else:
         seen = cache.get(("gershgorin", id(A))) if cache is not None else None
-        if seen is not None and seen[0] is A:  # the CPU policy read the diagonal already
+        if seen is not None and seen[0] is A:  # the tests read the diagonal already (kept there)
             positive = bool(seen[1][2] > 0)
         else:
             positive = positive_diagonal(A)  # sync: one read per matrix
-        if cache is not None:
-            cache[key] = (A, positive)
+            if cache is not None:
+                cache[key] = (A, positive)
     return "cg" if positive else "minres"
 
 

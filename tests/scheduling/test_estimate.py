@@ -168,6 +168,12 @@ def test_estimate_memo_gives_the_estimates_computed_one_by_one(host_only):
                 for i, s in enumerate(systems)]
     alone = [estimate_system(s, i, device_kind=kind, manager=dm) for i, s in enumerate(systems)]
     assert memoised == alone
+    # A call whose systems each hold their own matrix leaves the memo out: the same estimates.
+    assert estimation.shares_matrices(systems)
+    assert not estimation.shares_matrices([systems[0], None, systems[1]])
+    unkept = [estimate_system(s, i, device_kind=kind, manager=dm, cache={}, memo=False)
+              for i, s in enumerate(systems)]
+    assert unkept == alone
     assert {e.route for e in alone} >= ({"batch", "single", "direct"} if host_only else {"batch", "single"})
     assert len({e.group for e in alone}) >= 4
     # The memo keys on the matrix object: an equal copy is estimated on its own, the same.

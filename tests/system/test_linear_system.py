@@ -8,6 +8,7 @@ import scipy.sparse as sp
 import scipy.sparse.linalg as sla
 
 from managed_solve import LinearSystem
+from managed_solve.system.linear_system import host_csr_builder
 from tests._problems import laplacian1d
 
 
@@ -101,6 +102,38 @@ def test_a_host_csr_and_a_vector_of_its_dtype_give_the_general_path_fields(form,
     s = LinearSystem(C, np.ones(2, dtype))
     assert s.A is C and C.has_canonical_format and C.nnz == 2
     np.testing.assert_array_equal(C.toarray(), [[3.0, 0.0], [0.0, 3.0]])
+
+
+@pytest.mark.parametrize("options", [{"rtol": 1e-6, "method": "auto", "M": "auto"},
+                                     {"rtol": 0.5, "method": "cg", "M": "jacobi"},
+                                     {"rtol": 1, "method": "gmres", "M": None}])
+def test_the_host_csr_builder_builds_what_the_constructor_builds(options):
+    A = laplacian1d(300)
+    memo: dict = {}
+    build = host_csr_builder(memo=memo, **options)
+    for form in (sp.csr_matrix, sp.csr_array):
+        for dtype in (np.float32, np.float64):
+            B, b = form(A.astype(dtype)), np.ones(300, dtype=dtype)
+            quick = build(B, b, "s")
+            assert _fields(quick) == _fields(LinearSystem(B, b, name="s", **options))
+            assert list(vars(quick)) == list(vars(LinearSystem(B, b, name="s", **options)))
+    # Other inputs are the constructor's; a NaN raises the constructor's error.
+    assert build(A.tocoo(), np.ones(300), "s") is None and build(A, [1.0] * 300, "s") is None
+    assert build(A, np.ones(300, dtype=np.float32), "s") is None
+    bad = np.ones(300)
+    bad[7] = np.nan
+    with pytest.raises(ValueError) as quick:
+        build(A, bad, "s")
+    with pytest.raises(ValueError) as full:
+        LinearSystem(A, bad, name="s", **options)
+    assert str(quick.value) == str(full.value)
+
+
+def test_the_host_csr_builder_leaves_options_that_fail_to_the_constructor():
+    assert host_csr_builder(rtol=0, method="auto", M="auto", memo=None) is None  # atol is 0 too
+    assert host_csr_builder(rtol=1e-8, method="lu", M="auto", memo=None) is None
+    assert host_csr_builder(rtol=1e-8, method="auto", M=np.eye(3), memo=None) is None
+    assert host_csr_builder(rtol="tight", method="auto", M="auto", memo=None) is None
 
 
 @pytest.mark.parametrize(
