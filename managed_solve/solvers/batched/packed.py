@@ -401,6 +401,27 @@ def _inverse_diagonal(A: Any, dt: np.dtype, *, call: str) -> Any:
 PACK_WORKERS = 8
 
 
+def balanced_chunk(nnz: int, chunk_nnz: int, workers: int) -> int:
+    """Stored entries per piece: about ``chunk_nnz``, in a number of pieces the ``workers`` share evenly.
+
+    Nine pieces on eight threads take two rounds, the second with one thread
+    busy: the copy is then as slow as eighteen half-size pieces, two per
+    thread. The piece count is rounded up to a multiple of the threads.
+
+    Examples
+    --------
+    >>> balanced_chunk(4_600_000, 1 << 19, 8)  # 9 pieces of 512k -> 16 of 287.5k
+    287500
+    >>> balanced_chunk(300_000, 1 << 19, 8)  # one piece
+    524288
+    """
+    pieces = -(-int(nnz) // int(chunk_nnz))
+    if pieces <= 1 or workers <= 1:
+        return int(chunk_nnz)
+    pieces = -(-pieces // workers) * workers
+    return max(1, -(-int(nnz) // pieces))
+
+
 def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cpu",
               dtype: Any = None, index_dtype: Any = None,
               allocate: Callable[[list[tuple[int, Any]]], list[np.ndarray]] | None = None,
@@ -532,6 +553,8 @@ def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cp
     # boundaries, and a system of two pieces or more cut into row ranges (a
     # large system is otherwise one serial copy).
     tasks: list[tuple] = []
+    workers = min(PACK_WORKERS, _backend.cpu_count())
+    chunk_nnz = balanced_chunk(nnz, chunk_nnz, workers)
     split = np.flatnonzero(nnzs >= 2 * chunk_nnz).tolist() if k else []
     start = 0
     for j in split + [k]:
@@ -547,8 +570,8 @@ def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cp
             tasks += [(fill_rows, j, ra, rb) for ra, rb in zip(bounds[:-1], bounds[1:], strict=True)]
         start = j + 1
     if len(tasks) > 1:
-        workers = _backend.thread_pool(pool, min(PACK_WORKERS, _backend.cpu_count()))
-        for f in [workers.submit(*t) for t in tasks]:
+        threads = _backend.thread_pool(pool, workers)
+        for f in [threads.submit(*t) for t in tasks]:
             f.result()  # re-raises a piece's error here, the first piece's first
     elif tasks:
         tasks[0][0](*tasks[0][1:])
