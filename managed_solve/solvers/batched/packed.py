@@ -439,7 +439,7 @@ def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cp
     thread pool named ``pool`` (:func:`managed_solve._backend.thread_pool`).
     ``allocate(specs)`` allocates the outputs at once, one array per
     ``(size, dtype)`` of ``specs`` (towards a GPU: one page-locked block,
-    :func:`managed_solve._backend.pinned_arrays`).
+    :class:`managed_solve._backend.StagingPool`).
     ``chunk_nnz`` defaults to ``config.current().pack_chunk_nnz``.
     """
     from ...kernels.packing import (
@@ -619,18 +619,21 @@ class _Family:
 
 def _pack_host_to_gpu(systems: Sequence[Any], *, jacobi: bool, device_id: int, dtype: Any,
                       index_dtype: Any) -> PackedBatch:
-    """Host systems packed into one page-locked block, then one asynchronous copy per array.
+    """Host systems packed into one staging block, then one copy per array on the current stream.
 
     Copying each system's arrays on its own would cost 4 small synchronous
-    copies a system; here the copies go on the current stream, so a caller staging on a second stream overlaps them with
-    the compute of another batch.
+    copies a system. The block is page-locked when the process's staging
+    pool has one that fits (the copies are then asynchronous, so a caller
+    staging on a second stream overlaps them with another batch's compute),
+    else ordinary memory (:class:`managed_solve._backend.StagingPool`).
     """
     cp = _backend.cupy()
-    # The batch's page-locked block lives as long as the batch (its copy may be in flight).
+    # The batch's staging block lives as long as the batch (its copy may be in flight).
     keep: list = []
+    staging = _backend.staging_pool(config.current().staging_bytes)
 
     def pinned(specs: list) -> list[np.ndarray]:
-        return _backend.pinned_arrays(specs, keep)
+        return staging.arrays(specs, keep, device_id)[0]
 
     # A pool per GPU: two GPUs' stagers packing at once each get their own
     # threads (one shared pool made each wait behind the other's pieces).
