@@ -242,8 +242,11 @@ def test_gpu_batches_staged_in_ordinary_memory_then_in_the_page_locked_block_mad
         del pool.arrays
     for (A, b), r1, r2 in zip(pairs, first, second, strict=True):
         assert r1.converged and r2.converged
-        assert np.linalg.norm(b - A @ r1.x) <= 1e-8 * np.linalg.norm(b) * 1.0001
-        np.testing.assert_array_equal(r1.x, r2.x)  # the same bytes reached the GPU
+        for r in (r1, r2):
+            assert np.linalg.norm(b - A @ r.x) <= 1e-8 * np.linalg.norm(b) * 1.0001
+        # The same systems reached the GPU (the per-system sums' atomics vary the last bits).
+        np.testing.assert_allclose(r2.x, r1.x, rtol=1e-9, atol=1e-12)
+        assert r1.iterations == r2.iterations
 
 
 def test_pinned_arena_serves_small_buffers_from_shared_slabs():
