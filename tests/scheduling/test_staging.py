@@ -246,7 +246,7 @@ def test_gpu_batches_staged_in_ordinary_memory_then_in_the_page_locked_block_mad
             assert np.linalg.norm(b - A @ r.x) <= 1e-8 * np.linalg.norm(b) * 1.0001
         # The same systems reached the GPU (the per-system sums' atomics vary the last bits).
         np.testing.assert_allclose(r2.x, r1.x, rtol=1e-9, atol=1e-12)
-        assert r1.iterations == r2.iterations
+        assert abs(r1.iterations - r2.iterations) <= 1  # rounding may move the last test
 
 
 def test_pinned_arena_serves_small_buffers_from_shared_slabs():
