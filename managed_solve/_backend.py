@@ -241,7 +241,7 @@ def staging_bucket(nbytes: int) -> int:
 
 
 class _Lease:
-    """A block handed out by a :class:`StagingPool`: back in its pool when the holder drops it."""
+    """A request served by a :class:`StagingPool`: its block (None: ordinary memory) back when dropped."""
 
     __slots__ = ("back", "block", "size")
 
@@ -249,7 +249,7 @@ class _Lease:
         self.back, self.size, self.block = back, size, block
 
     def __del__(self) -> None:
-        self.back.append((self.size, self.block))  # a deque: no lock taken in a finaliser
+        self.back.append((self.size, self.block, True))  # a deque: no lock taken in a finaliser
 
 
 class StagingPool:
@@ -259,11 +259,12 @@ class StagingPool:
     CuPy's pinned pool reuses a freed block only for a request of the same
     rounded size, keeping every block: batches of new sizes would pin anew
     each call, and page-locked memory only grow. A request takes the
-    smallest free block holding it, if at most twice its size; with none,
-    :meth:`arrays` gives ordinary memory (the driver stages the copy: slower
-    than from a page-locked block, far faster than pinning one first) and
-    :meth:`refill`, once the call is over, makes a block of that size on a
-    helper thread for the next call. At most ``limit`` bytes are held.
+    smallest free block holding it; with none, :meth:`arrays` gives ordinary
+    memory (the driver stages the copy: slower than from a page-locked
+    block, far faster than pinning one first). :meth:`refill`, once the call
+    is over, makes blocks on a helper thread for the next call: for the
+    largest sizes missed, as many as requests were out at once (blocks are
+    reused from batch to batch). At most ``limit`` bytes are held.
     ``alloc(nbytes)`` makes a block (buffer protocol; freed when dropped).
 
     Examples
@@ -284,17 +285,20 @@ class StagingPool:
         self.alloc, self.limit = alloc, int(limit)
         self._lock = threading.Lock()
         self._free: list[tuple[int, Any]] = []  # (size, block), smallest first
-        self._back: deque = deque()  # blocks returned by leases
+        self._back: deque = deque()  # (size, block or None, a request's end) to take in
         self._wanted: dict[int, int] = {}  # size -> the device that asked (its context makes it)
+        self._out = self._peak = 0  # requests out now; the most at once since the last refill
         self.held = 0  # bytes of every block made and not given back (free or out)
 
     def _drain(self) -> None:
         while self._back:
-            self._free.append(self._back.popleft())
+            size, block, ended = self._back.popleft()
+            self._out -= ended
+            if block is not None:
+                self._free.append((size, block))
         self._free.sort(key=lambda e: e[0])
 
-    def free_bytes(self) -> int:
-        """Bytes of the free blocks."""
+    def free_bytes(self) -> int:  # of the free blocks
         with self._lock:
             self._drain()
             return sum(size for size, _block in self._free)
@@ -303,37 +307,33 @@ class StagingPool:
                device_id: int = 0) -> tuple[list[np.ndarray], bool]:
         """Arrays of ``specs`` over one block: ``(arrays, page_locked)``; ``keep`` holds the block.
 
-        ``keep`` must live until the copies from the arrays are complete.
-        ``device_id``: the GPU the copies go to (a block made for a missed
-        request is made in its context).
+        ``keep`` must live until the copies from the arrays are complete (to GPU ``device_id``).
         """
-        _offsets, total = carve_layout(specs)
-        total = max(1, total)
+        total = max(1, carve_layout(specs)[1])
         with self._lock:
             self._drain()
+            self._out += 1
+            self._peak = max(self._peak, self._out)
             for k, (size, block) in enumerate(self._free):
                 if size >= total:
-                    if size > 2 * total:
-                        break
                     del self._free[k]
                     keep.append(_Lease(self._back, size, block))
                     return carve(block, specs), True
             if self.limit > 0:
                 self._wanted.setdefault(staging_bucket(total), int(device_id))
         mem = np.empty(total, dtype=np.uint8)
-        keep.append(mem)
+        keep += [mem, _Lease(self._back, 0, None)]
         return carve(mem, specs), False
 
     def refill(self, wait: bool = False) -> int:
-        """Make blocks for the sizes :meth:`arrays` missed (a helper thread unless ``wait``); how many.
-
-        Free blocks give way to them, and to a lower limit, the smallest first.
-        """
+        """Make blocks for the sizes missed (a helper thread unless ``wait``); how many. Free blocks
+        give way to them, and to a lower limit, the smallest first."""
         with self._lock:
-            wanted, self._wanted = self._wanted, {}
             self._drain()
+            wanted, self._wanted = self._wanted, {}
+            sizes, self._peak = sorted(wanted, reverse=True)[:self._peak], self._out
             plan = []
-            for size in sorted(wanted, reverse=True):
+            for size in sizes:
                 out = self.held - sum(f for f, _block in self._free)  # bytes of blocks handed out
                 while out + size <= self.limit < self.held + size:
                     self.held -= self._free.pop(0)[0]  # the smallest free block gives way
@@ -356,7 +356,7 @@ class StagingPool:
                     with self._lock:
                         self.held -= size
                     continue
-                self._back.append((size, block))
+                self._back.append((size, block, False))
 
         if wait:
             make()

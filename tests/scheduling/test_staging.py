@@ -121,7 +121,7 @@ def test_staging_pool_stages_a_miss_in_ordinary_memory_then_reuses_a_page_locked
     made, keep = [], []
     pool = StagingPool(_counting_alloc(made), limit=1 << 20)
     arrays, pinned = pool.arrays(SPECS, keep)
-    assert not pinned and made == [] and len(keep) == 1  # no allocation on the call's path
+    assert not pinned and made == [] and len(keep) == 2  # no allocation on the call's path
     _check_carved(arrays, SPECS, keep[0])
     total = carve_layout(SPECS)[1]
     assert pool.refill(wait=True) == 1 and [len(b) for b in made] == [staging_bucket(total)]
@@ -136,22 +136,29 @@ def test_staging_pool_stages_a_miss_in_ordinary_memory_then_reuses_a_page_locked
     assert pool.free_bytes() == len(made[0])  # back once its holder lets go
 
 
-def test_staging_pool_takes_the_smallest_block_that_fits_and_none_over_twice_the_request():
-    from managed_solve._backend import StagingPool
+def test_staging_pool_makes_blocks_for_the_requests_out_at_once_and_serves_by_best_fit():
+    from managed_solve._backend import StagingPool, staging_bucket
 
     made = []
     pool = StagingPool(_counting_alloc(made), limit=1 << 20)
-    for n in (1000, 4000, 16000):
-        pool.arrays([(n, np.uint8)], [])
+    held = [[], [], []]
+    for n, keep in zip((1000, 4000, 16000), held, strict=True):  # three out at once
+        assert not pool.arrays([(n, np.uint8)], keep)[1]
+    del held
     assert pool.refill(wait=True) == 3
-    sizes = sorted(len(b) for b in made)
     keep = []
-    _a, pinned = pool.arrays([(3000, np.uint8)], keep)  # 4000's block: 1000's is too small
-    assert pinned and len(np.frombuffer(keep[0].block, np.uint8)) == sizes[1]
-    _a, pinned = pool.arrays([(7000, np.uint8)], [])  # 16000's block is over twice 7000
-    assert not pinned
-    _a, pinned = pool.arrays([(9000, np.uint8)], keep)
-    assert pinned and len(np.frombuffer(keep[1].block, np.uint8)) == sizes[2]
+    for n, block in ((3000, 4000), (5000, 16000), (500, 1000)):  # the smallest free block that fits
+        assert pool.arrays([(n, np.uint8)], keep)[1]
+        assert len(np.frombuffer(keep[-1].block, np.uint8)) == staging_bucket(block)
+    assert not pool.arrays([(100, np.uint8)], [])[1]  # every block out
+
+    made = []
+    pool = StagingPool(_counting_alloc(made), limit=1 << 20)
+    for n in (1000, 4000, 16000):  # one at a time: one block, of the largest size, serves them all
+        assert not pool.arrays([(n, np.uint8)], [])[1]
+    assert pool.refill(wait=True) == 1 and [len(b) for b in made] == [staging_bucket(16000)]
+    for n in (16000, 1000, 4000):
+        assert pool.arrays([(n, np.uint8)], [])[1]
 
 
 def test_staging_pool_holds_at_most_its_limit_the_smallest_free_block_giving_way():
@@ -160,16 +167,22 @@ def test_staging_pool_holds_at_most_its_limit_the_smallest_free_block_giving_way
     made = []
     limit = staging_bucket(6000) + staging_bucket(3000)
     pool = StagingPool(_counting_alloc(made), limit=limit)
-    for n in (3000, 6000):
-        pool.arrays([(n, np.uint8)], [])
+    held = [[], []]
+    for n, keep in zip((3000, 6000), held, strict=True):
+        pool.arrays([(n, np.uint8)], keep)
+    del held
     assert pool.refill(wait=True) == 2 and pool.held == limit
-    assert not pool.arrays([(1000, np.uint8)], [])[1]  # 3000's block is over twice 1000: a miss
-    assert pool.arrays([(5000, np.uint8)], [])[1]  # 6000's block, taken and dropped
+    k1, k2 = [], []
+    assert pool.arrays([(1000, np.uint8)], k1)[1] and pool.arrays([(1000, np.uint8)], k2)[1]
+    assert not pool.arrays([(1000, np.uint8)], [])[1]  # both blocks out: a miss
+    del k1, k2
     assert pool.refill(wait=True) == 1  # 1000's made once 3000's free block gave way
     assert pool.held == staging_bucket(6000) + staging_bucket(1000) <= limit
-    pool.arrays([(50_000, np.uint8)], [])  # larger than the limit: never made
-    assert pool.refill(wait=True) == 0
-    assert pool.free_bytes() == pool.held  # nothing out
+    k1 = []
+    pool.arrays([(6000, np.uint8)], k1)
+    pool.arrays([(50_000, np.uint8)], [])  # larger than the limit: never made, nothing gives way
+    del k1
+    assert pool.refill(wait=True) == 0 and pool.free_bytes() == pool.held
     pool.limit = staging_bucket(6000)  # a lower limit: free blocks give way at the next refill
     assert pool.refill(wait=True) == 0 and pool.held == pool.free_bytes() == staging_bucket(6000)
 
