@@ -15,10 +15,9 @@ import logging
 import os
 import sys
 import threading
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
@@ -222,161 +221,22 @@ def _alloc_pinned(nbytes: int) -> Any:
     return cupy().cuda.alloc_pinned_memory(max(1, int(nbytes)))
 
 
-def _alloc_staging(nbytes: int) -> Any:
-    """A page-locked block of its own (freed when dropped), page-locked for every GPU's context."""
-    cp = cupy()
-    return cp.cuda.PinnedMemoryPointer(
-        cp.cuda.PinnedMemory(max(1, int(nbytes)), cp.cuda.runtime.hostAllocPortable), 0)
+def pinned_arrays(specs: Sequence[tuple[int, Any]], keep: list,
+                  alloc: Callable[[int], Any] | None = None) -> list[np.ndarray]:
+    """Arrays of ``specs`` (``(count, dtype)`` each) over ONE page-locked block.
 
-
-def staging_bucket(nbytes: int) -> int:
-    """``nbytes`` rounded up to four significant bits (at most 1/8 more): the sizes blocks are made in.
-
-    >>> staging_bucket(800), staging_bucket(1024), staging_bucket(70_000_000)
-    (832, 1024, 75497472)
+    Each page-locked allocation a process makes costs milliseconds
+    (``cudaHostAlloc`` pins its pages); the arrays of one batch come from one
+    block instead of one each. CuPy's pinned pool keeps a freed block for
+    later requests of its (rounded) size, so later calls of similar sizes
+    reuse it. ``keep`` holds the block until the caller's copies are done
+    (see :func:`pinned_empty`); ``alloc(nbytes)`` gives a block (default:
+    CuPy's pinned pool).
     """
-    n = max(1, int(nbytes))
-    shift = max(0, n.bit_length() - 4)
-    return -(-n >> shift) << shift
-
-
-class _Lease:
-    """A request served by a :class:`StagingPool`: its block (None: ordinary memory) back when dropped."""
-
-    __slots__ = ("back", "block", "size")
-
-    def __init__(self, back: Any, size: int, block: Any):
-        self.back, self.size, self.block = back, size, block
-
-    def __del__(self) -> None:
-        self.back.append((self.size, self.block, True))  # a deque: no lock taken in a finaliser
-
-
-class StagingPool:
-    """Page-locked blocks for batches on their way to a GPU, reused from call to call by best fit.
-
-    Pinning a batch's tens of megabytes takes tens of milliseconds, and
-    CuPy's pinned pool reuses a freed block only for a request of the same
-    rounded size, keeping every block: batches of new sizes would pin anew
-    each call, and page-locked memory only grow. A request takes the
-    smallest free block holding it; with none, :meth:`arrays` gives ordinary
-    memory (the driver stages the copy: slower than from a page-locked
-    block, far faster than pinning one first). :meth:`refill`, once the call
-    is over, makes blocks on a helper thread for the next call: for the
-    largest sizes missed, as many as requests were out at once (blocks are
-    reused from batch to batch). At most ``limit`` bytes are held.
-    ``alloc(nbytes)`` makes a block (buffer protocol; freed when dropped).
-
-    Examples
-    --------
-    >>> pool = StagingPool(bytearray, limit=1 << 20)
-    >>> keep = []
-    >>> _arrays, pinned = pool.arrays([(100, "float64")], keep)
-    >>> pinned, pool.refill(wait=True), pool.free_bytes()  # ordinary memory; a block made after
-    (False, 1, 832)
-    >>> _arrays, pinned = pool.arrays([(90, "float64")], keep)
-    >>> pinned, pool.free_bytes()
-    (True, 0)
-    >>> del keep[:]; pool.free_bytes()  # back in the pool once the caller lets go
-    832
-    """
-
-    def __init__(self, alloc: Callable[[int], Any], *, limit: int):
-        self.alloc, self.limit = alloc, int(limit)
-        self._lock = threading.Lock()
-        self._free: list[tuple[int, Any]] = []  # (size, block), smallest first
-        self._back: deque = deque()  # (size, block or None, a request's end) to take in
-        self._wanted: dict[int, int] = {}  # size -> the device that asked (its context makes it)
-        self._out = self._peak = 0  # requests out now; the most at once since the last refill
-        self.held = 0  # bytes of every block made and not given back (free or out)
-
-    def _drain(self) -> None:
-        while self._back:
-            size, block, ended = self._back.popleft()
-            self._out -= ended
-            if block is not None:
-                self._free.append((size, block))
-        self._free.sort(key=lambda e: e[0])
-
-    def free_bytes(self) -> int:  # of the free blocks
-        with self._lock:
-            self._drain()
-            return sum(size for size, _block in self._free)
-
-    def arrays(self, specs: Sequence[tuple[int, Any]], keep: list,
-               device_id: int = 0) -> tuple[list[np.ndarray], bool]:
-        """Arrays of ``specs`` over one block: ``(arrays, page_locked)``; ``keep`` holds the block.
-
-        ``keep`` must live until the copies from the arrays are complete (to GPU ``device_id``).
-        """
-        total = max(1, carve_layout(specs)[1])
-        with self._lock:
-            self._drain()
-            self._out += 1
-            self._peak = max(self._peak, self._out)
-            for k, (size, block) in enumerate(self._free):
-                if size >= total:
-                    del self._free[k]
-                    keep.append(_Lease(self._back, size, block))
-                    return carve(block, specs), True
-            if self.limit > 0:
-                self._wanted.setdefault(staging_bucket(total), int(device_id))
-        mem = np.empty(total, dtype=np.uint8)
-        keep += [mem, _Lease(self._back, 0, None)]
-        return carve(mem, specs), False
-
-    def refill(self, wait: bool = False) -> int:
-        """Make blocks for the sizes missed (a helper thread unless ``wait``); how many. Free blocks
-        give way to them, and to a lower limit, the smallest first."""
-        with self._lock:
-            self._drain()
-            wanted, self._wanted = self._wanted, {}
-            sizes, self._peak = sorted(wanted, reverse=True)[:self._peak], self._out
-            plan = []
-            for size in sizes:
-                out = self.held - sum(f for f, _block in self._free)  # bytes of blocks handed out
-                while out + size <= self.limit < self.held + size:
-                    self.held -= self._free.pop(0)[0]  # the smallest free block gives way
-                if self.held + size <= self.limit:
-                    self.held += size
-                    plan.append((size, wanted[size]))
-            while self.held > self.limit and self._free:  # a lower limit since
-                self.held -= self._free.pop(0)[0]
-        if not plan:
-            return 0
-
-        def make() -> None:
-            cp = sys.modules.get("cupy")  # the asking GPU current: no other GPU's context opened
-            for size, device_id in plan:
-                try:
-                    with cp.cuda.Device(device_id) if cp is not None else nullcontext():
-                        block = self.alloc(size)
-                except Exception as exc:  # out of page-locked memory: staged in ordinary memory
-                    log.debug("staging block of %d bytes not made: %s", size, exc)
-                    with self._lock:
-                        self.held -= size
-                    continue
-                self._back.append((size, block, False))
-
-        if wait:
-            make()
-        else:
-            threading.Thread(target=make, name="managed_solve-staging", daemon=True).start()
-        return len(plan)
-
-
-_STAGING_LOCK = threading.Lock()
-_STAGING: list[StagingPool] = []  # the process's pool, made on first use
-
-
-def staging_pool(limit: int) -> StagingPool:
-    """The process's :class:`StagingPool`, holding at most ``limit`` bytes from now on."""
-    with _STAGING_LOCK:
-        if not _STAGING:
-            _STAGING.append(StagingPool(_alloc_staging, limit=limit))
-        pool = _STAGING[0]
-        pool.limit = int(limit)
-    return pool
+    _offsets, total = carve_layout(specs)
+    mem = (alloc or _alloc_pinned)(total)
+    keep.append(mem)
+    return carve(mem, specs)
 
 
 class PinnedArena:

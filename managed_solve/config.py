@@ -109,13 +109,6 @@ class Settings:
     pack_chunk_nnz : int
         Batched engine: stored entries per piece when host systems are copied
         into a batch (one piece per thread of the packing pool).
-    staging_bytes : int
-        Page-locked host memory ``solve_many`` keeps for staging batches on
-        their way to a GPU, reused from call to call by best fit. A batch
-        that finds no free block large enough is staged in ordinary memory
-        and a block for its size is made after the call, for the next one;
-        free blocks beyond this many bytes are given back. 0: every batch
-        is staged in ordinary memory.
     batched_graph_max_rows : int
         Batched engine (GPU): a single system of at most this many rows
         replays its CG/BiCGStab iterations as CUDA graphs; above it an
@@ -199,7 +192,6 @@ class Settings:
 
     # -- batched Krylov engine (solvers/batched/)
     pack_chunk_nnz: int = 1 << 19
-    staging_bytes: int = 4 << 30
     batched_graph_max_rows: int = 1 << 20
     batched_graph_batches: bool = True
     batched_compact_fraction: float = 0.5

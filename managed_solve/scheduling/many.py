@@ -95,10 +95,6 @@ def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = 
                 work = estimation.estimate_call(checked, mgr, devs, method)
                 plan = planning.plan_call(work, mgr)
                 out = running.run_call(plan, work, mgr, progress=progress, kept=kept)
-            if any(d.is_cuda for d in devs):
-                # Page-locked blocks for the batches this call staged in ordinary
-                # memory, made on a helper thread now that its GPUs are idle.
-                _backend.staging_pool(settings.staging_bytes).refill()
         except BaseException:
             if kept is not None:
                 kept.release()

@@ -92,11 +92,14 @@ def _span(a):
     return start, start + a.nbytes
 
 
-def _check_carved(arrays, specs, block):
-    """Arrays of ``specs`` aligned, disjoint, inside ``block``, each written on its own."""
-    from managed_solve._backend import CARVE_ALIGN
+def test_pinned_arrays_carve_one_block_into_aligned_disjoint_arrays():
+    from managed_solve._backend import CARVE_ALIGN, pinned_arrays
 
-    base = _span(np.frombuffer(block, np.uint8))[0]
+    made, keep = [], []
+    specs = [(1001, np.float64), (1001, np.int32), (3, np.int64), (0, np.float32), (17, np.uint8)]
+    arrays = pinned_arrays(specs, keep, alloc=_counting_alloc(made))
+    assert len(made) == 1 and keep == made  # one block, held by the caller's list
+    base = _span(np.frombuffer(made[0], np.uint8))[0]
     spans = []
     for a, (count, dt) in zip(arrays, specs, strict=True):
         assert a.shape == (count,) and a.dtype == dt and a.flags.writeable
@@ -105,161 +108,11 @@ def _check_carved(arrays, specs, block):
         spans.append((lo, hi))
     spans.sort()
     assert all(h1 <= l2 for (_l1, h1), (l2, _h2) in zip(spans, spans[1:], strict=False))
-    assert spans[0][0] >= base and spans[-1][1] <= base + len(np.frombuffer(block, np.uint8))
+    assert spans[-1][1] <= base + len(made[0])
     for k, a in enumerate(arrays):  # writes land in their own array only
         a[...] = k + 1
     for k, a in enumerate(arrays):
         assert (a == k + 1).all()
-
-
-SPECS = [(1001, np.float64), (1001, np.int32), (3, np.int64), (0, np.float32), (17, np.uint8)]
-
-
-def test_staging_pool_stages_a_miss_in_ordinary_memory_then_reuses_a_page_locked_block():
-    from managed_solve._backend import StagingPool, carve_layout, staging_bucket
-
-    made, keep = [], []
-    pool = StagingPool(_counting_alloc(made), limit=1 << 20)
-    arrays, pinned = pool.arrays(SPECS, keep)
-    assert not pinned and made == [] and len(keep) == 2  # no allocation on the call's path
-    _check_carved(arrays, SPECS, keep[0])
-    total = carve_layout(SPECS)[1]
-    assert pool.refill(wait=True) == 1 and [len(b) for b in made] == [staging_bucket(total)]
-    assert pool.refill(wait=True) == 0  # nothing missed since
-    keep2 = []
-    arrays, pinned = pool.arrays(SPECS, keep2)
-    assert pinned and pool.free_bytes() == 0
-    _check_carved(arrays, SPECS, made[0])
-    again, pinned = pool.arrays(SPECS, [])  # the block is out: not handed out twice
-    assert not pinned and not np.shares_memory(again[0], arrays[0])
-    del keep2[:], arrays
-    assert pool.free_bytes() == len(made[0])  # back once its holder lets go
-
-
-def test_staging_pool_makes_blocks_for_the_requests_out_at_once_and_serves_by_best_fit():
-    from managed_solve._backend import StagingPool, staging_bucket
-
-    made = []
-    pool = StagingPool(_counting_alloc(made), limit=1 << 20)
-    held = [[], [], []]
-    for n, keep in zip((1000, 4000, 16000), held, strict=True):  # three out at once
-        assert not pool.arrays([(n, np.uint8)], keep)[1]
-    del held
-    assert pool.refill(wait=True) == 3
-    keep = []
-    for n, block in ((3000, 4000), (5000, 16000), (500, 1000)):  # the smallest free block that fits
-        assert pool.arrays([(n, np.uint8)], keep)[1]
-        assert len(np.frombuffer(keep[-1].block, np.uint8)) == staging_bucket(block)
-    assert not pool.arrays([(100, np.uint8)], [])[1]  # every block out
-
-    made = []
-    pool = StagingPool(_counting_alloc(made), limit=1 << 20)
-    for n in (1000, 4000, 16000):  # one at a time: one block, of the largest size, serves them all
-        assert not pool.arrays([(n, np.uint8)], [])[1]
-    assert pool.refill(wait=True) == 1 and [len(b) for b in made] == [staging_bucket(16000)]
-    for n in (16000, 1000, 4000):
-        assert pool.arrays([(n, np.uint8)], [])[1]
-
-
-def test_staging_pool_holds_at_most_its_limit_the_smallest_free_block_giving_way():
-    from managed_solve._backend import StagingPool, staging_bucket
-
-    made = []
-    limit = staging_bucket(6000) + staging_bucket(3000)
-    pool = StagingPool(_counting_alloc(made), limit=limit)
-    held = [[], []]
-    for n, keep in zip((3000, 6000), held, strict=True):
-        pool.arrays([(n, np.uint8)], keep)
-    del held
-    assert pool.refill(wait=True) == 2 and pool.held == limit
-    k1, k2 = [], []
-    assert pool.arrays([(1000, np.uint8)], k1)[1] and pool.arrays([(1000, np.uint8)], k2)[1]
-    assert not pool.arrays([(1000, np.uint8)], [])[1]  # both blocks out: a miss
-    del k1, k2
-    assert pool.refill(wait=True) == 1  # 1000's made once 3000's free block gave way
-    assert pool.held == staging_bucket(6000) + staging_bucket(1000) <= limit
-    k1 = []
-    pool.arrays([(6000, np.uint8)], k1)
-    pool.arrays([(50_000, np.uint8)], [])  # larger than the limit: never made, nothing gives way
-    del k1
-    assert pool.refill(wait=True) == 0 and pool.free_bytes() == pool.held
-    pool.limit = staging_bucket(6000)  # a lower limit: free blocks give way at the next refill
-    assert pool.refill(wait=True) == 0 and pool.held == pool.free_bytes() == staging_bucket(6000)
-
-
-def test_staging_pool_survives_a_failed_allocation_and_refills_on_a_helper_thread():
-    import threading
-
-    from managed_solve._backend import StagingPool
-
-    made, ready = [], threading.Event()
-
-    def alloc(nbytes):
-        if nbytes > 5000:
-            raise MemoryError("no page-locked memory left")
-        made.append(bytearray(nbytes))
-        ready.set()
-        return made[-1]
-
-    pool = StagingPool(alloc, limit=1 << 20)
-    pool.arrays([(8000, np.uint8)], [])
-    assert pool.refill(wait=True) == 1 and pool.held == 0 and made == []  # given up, not counted
-    pool.arrays([(1000, np.uint8)], [])
-    assert pool.refill() == 1  # on a helper thread
-    assert ready.wait(30)
-    hit = False
-    for _ in range(3000):  # the block joins the pool just after alloc returns
-        hit = pool.arrays([(1000, np.uint8)], [])[1]
-        if hit:
-            break
-        threading.Event().wait(0.01)
-    assert hit and len(made) == 1
-
-
-@pytest.mark.gpu
-def test_gpu_batches_staged_in_ordinary_memory_then_in_the_page_locked_block_made_after():
-    """The first call of new sizes stages in ordinary memory; the next finds a page-locked block."""
-    import time
-
-    from managed_solve import _backend, config, solve_many
-    from managed_solve._backend import carve_layout
-    from managed_solve.manager import DeviceManager
-
-    limit = config.current().staging_bytes
-    _backend.staging_pool(0).refill(wait=True)  # the free blocks other tests left given back
-    pool = _backend.staging_pool(limit)
-    flags, totals = [], []
-    arrays = pool.arrays
-
-    def spy(specs, keep, device_id=0):
-        out = arrays(specs, keep, device_id)
-        flags.append(out[1])
-        totals.append(carve_layout(specs)[1])
-        return out
-
-    pool.arrays = spy
-    try:
-        rng = np.random.default_rng(11)
-        sizes = [int(m) for m in rng.integers(97, 131, size=9)]
-        pairs = [(poisson2d(m), rng.standard_normal(m * m)) for m in sizes]
-        dm = DeviceManager(["cuda:0"])
-        first = solve_many(pairs, manager=dm, return_on="host")
-        assert flags == [False]  # one batch, in ordinary memory
-        for _ in range(600):  # its block is made on a helper thread after the call
-            if pool.free_bytes() >= totals[0]:
-                break
-            time.sleep(0.05)
-        second = solve_many(pairs, manager=dm, return_on="host")
-        assert flags == [False, True] and totals[0] == totals[1]
-    finally:
-        del pool.arrays
-    for (A, b), r1, r2 in zip(pairs, first, second, strict=True):
-        assert r1.converged and r2.converged
-        for r in (r1, r2):
-            assert np.linalg.norm(b - A @ r.x) <= 1e-8 * np.linalg.norm(b) * 1.0001
-        # The same systems reached the GPU (the per-system sums' atomics vary the last bits).
-        np.testing.assert_allclose(r2.x, r1.x, rtol=1e-9, atol=1e-12)
-        assert abs(r1.iterations - r2.iterations) <= 1  # rounding may move the last test
 
 
 def test_pinned_arena_serves_small_buffers_from_shared_slabs():

@@ -401,27 +401,6 @@ def _inverse_diagonal(A: Any, dt: np.dtype, *, call: str) -> Any:
 PACK_WORKERS = 8
 
 
-def balanced_chunk(nnz: int, chunk_nnz: int, workers: int) -> int:
-    """Stored entries per piece: about ``chunk_nnz``, in a number of pieces the ``workers`` share evenly.
-
-    Nine pieces on eight threads take two rounds, the second with one thread
-    busy: the copy is then as slow as eighteen half-size pieces, two per
-    thread. The piece count is rounded up to a multiple of the threads.
-
-    Examples
-    --------
-    >>> balanced_chunk(4_600_000, 1 << 19, 8)  # 9 pieces of 512k -> 16 of 287.5k
-    287500
-    >>> balanced_chunk(300_000, 1 << 19, 8)  # one piece
-    524288
-    """
-    pieces = -(-int(nnz) // int(chunk_nnz))
-    if pieces <= 1 or workers <= 1:
-        return int(chunk_nnz)
-    pieces = -(-pieces // workers) * workers
-    return max(1, -(-int(nnz) // pieces))
-
-
 def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cpu",
               dtype: Any = None, index_dtype: Any = None,
               allocate: Callable[[list[tuple[int, Any]]], list[np.ndarray]] | None = None,
@@ -439,7 +418,7 @@ def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cp
     thread pool named ``pool`` (:func:`managed_solve._backend.thread_pool`).
     ``allocate(specs)`` allocates the outputs at once, one array per
     ``(size, dtype)`` of ``specs`` (towards a GPU: one page-locked block,
-    :class:`managed_solve._backend.StagingPool`).
+    :func:`managed_solve._backend.pinned_arrays`).
     ``chunk_nnz`` defaults to ``config.current().pack_chunk_nnz``.
     """
     from ...kernels.packing import (
@@ -553,8 +532,6 @@ def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cp
     # boundaries, and a system of two pieces or more cut into row ranges (a
     # large system is otherwise one serial copy).
     tasks: list[tuple] = []
-    workers = min(PACK_WORKERS, _backend.cpu_count())
-    chunk_nnz = balanced_chunk(nnz, chunk_nnz, workers)
     split = np.flatnonzero(nnzs >= 2 * chunk_nnz).tolist() if k else []
     start = 0
     for j in split + [k]:
@@ -570,8 +547,8 @@ def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cp
             tasks += [(fill_rows, j, ra, rb) for ra, rb in zip(bounds[:-1], bounds[1:], strict=True)]
         start = j + 1
     if len(tasks) > 1:
-        threads = _backend.thread_pool(pool, workers)
-        for f in [threads.submit(*t) for t in tasks]:
+        workers = _backend.thread_pool(pool, min(PACK_WORKERS, _backend.cpu_count()))
+        for f in [workers.submit(*t) for t in tasks]:
             f.result()  # re-raises a piece's error here, the first piece's first
     elif tasks:
         tasks[0][0](*tasks[0][1:])
@@ -619,21 +596,18 @@ class _Family:
 
 def _pack_host_to_gpu(systems: Sequence[Any], *, jacobi: bool, device_id: int, dtype: Any,
                       index_dtype: Any) -> PackedBatch:
-    """Host systems packed into one staging block, then one copy per array on the current stream.
+    """Host systems packed into one page-locked block, then one asynchronous copy per array.
 
     Copying each system's arrays on its own would cost 4 small synchronous
-    copies a system. The block is page-locked when the process's staging
-    pool has one that fits (the copies are then asynchronous, so a caller
-    staging on a second stream overlaps them with another batch's compute),
-    else ordinary memory (:class:`managed_solve._backend.StagingPool`).
+    copies a system; here the copies go on the current stream, so a caller staging on a second stream overlaps them with
+    the compute of another batch.
     """
     cp = _backend.cupy()
-    # The batch's staging block lives as long as the batch (its copy may be in flight).
+    # The batch's page-locked block lives as long as the batch (its copy may be in flight).
     keep: list = []
-    staging = _backend.staging_pool(config.current().staging_bytes)
 
     def pinned(specs: list) -> list[np.ndarray]:
-        return staging.arrays(specs, keep, device_id)[0]
+        return _backend.pinned_arrays(specs, keep)
 
     # A pool per GPU: two GPUs' stagers packing at once each get their own
     # threads (one shared pool made each wait behind the other's pieces).
