@@ -47,7 +47,7 @@ import numpy as np
 from .. import _backend, config
 from ..result import SolveResult, Status
 from ..system import METHODS, LinearSystem, check_preconditioner
-from ..system.linear_system import host_csr_builder
+from ..system.linear_system import host_csr_systems
 from ..system.method import settle_auto
 
 RETURN_ON = ("device", "host")
@@ -196,15 +196,15 @@ def validate_all(items: list, *, method: str, M: Any, rtol: float | None,
     if memo is None:
         memo = {}
         prefill_finite(items, memo)
-    # Pairs of the constructor's quick path through one builder (the call's options checked
-    # once); as_system builds the rest, and raises their errors.
-    build = host_csr_builder(rtol=1e-8 if rtol is None else rtol, method=method,
+    # Pairs of the constructor's quick path in one call (the call's options checked once);
+    # as_system builds the rest, and raises their errors.
+    quick = host_csr_systems(items, rtol=1e-8 if rtol is None else rtol, method=method,
                              M="auto" if M is None else M, memo=memo)
     for i, item in enumerate(items):
         try:
-            s = None
-            if build is not None and type(item) is tuple and len(item) == 2:
-                s = build(item[0], item[1], f"systems[{i}]")
+            s = quick[i]
+            if isinstance(s, Exception):
+                raise s
             valid[i] = s if s is not None else as_system(item, i, method=method, M=M, rtol=rtol,
                                                           memo=memo)
         except (TypeError, ValueError) as exc:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -385,6 +385,37 @@ def host_csr_builder(*, rtol: Any, method: Any, M: Any, memo: dict | None
                                 options_passed=True) else None
 
     return build
+
+
+def host_csr_systems(items: Sequence[Any], *, rtol: Any, method: Any, M: Any,
+                     memo: dict | None, label: str = "systems") -> list:
+    """:func:`host_csr_builder` over many inputs, one call: each a LinearSystem, None or an error.
+
+    Item ``i``, an ``(A, b)`` tuple of the constructor's quick path, becomes
+    ``LinearSystem(A, b, ..., name=f"{label}[{i}]")``, or the error the
+    constructor raises for it (a NaN or an Inf), returned as the exception
+    object; None for every other item (the constructor then decides).
+
+    Examples
+    --------
+    >>> import scipy.sparse as sp
+    >>> A = sp.identity(2, format="csr")
+    >>> out = host_csr_systems([(A, np.ones(2)), (A, np.array([1.0, np.nan])), A], rtol=1e-8,
+    ...                        method="auto", M="auto", memo=None)
+    >>> out[0].name, type(out[1]).__name__, out[2]
+    ('systems[0]', 'ValueError', None)
+    """
+    out: list = [None] * len(items)
+    build = host_csr_builder(rtol=rtol, method=method, M=M, memo=memo)
+    if build is None:
+        return out
+    for i, item in enumerate(items):
+        if type(item) is tuple and len(item) == 2:
+            try:
+                out[i] = build(item[0], item[1], f"{label}[{i}]")
+            except (TypeError, ValueError) as exc:
+                out[i] = exc
+    return out
 
 
 def nullspace_basis(nullspace: Any, n: int, dtype: Any, xp: Any, *, call: str) -> Any:
