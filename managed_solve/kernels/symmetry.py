@@ -15,12 +15,15 @@ import numba
 import numpy as np
 from numba.extending import overload
 
-__all__ = ["abs_max", "csr_gershgorin", "csr_mirror", "csr_mirror_gershgorin",
+__all__ = ["NOT_CANONICAL", "abs_max", "csr_gershgorin", "csr_mirror", "csr_mirror_gershgorin",
            "csr_positive_diagonal", "csr_symmetry", "csr_symmetry_gershgorin", "csr_symmetry_rows",
            "csr_symmetry_rows_search", "csr_symmetry_rows_window", "csr_symmetry_scaled",
            "symmetry_gershgorin"]
 
 SYMMETRIC, DIFFERENT_VALUES, DIFFERENT_PATTERN = 1, 0, -1
+#: :func:`symmetry_gershgorin`'s code for a pattern not in canonical form (a
+#: row's columns not strictly increasing, or a column out of range).
+NOT_CANONICAL = -2
 
 
 @numba.njit(nogil=True, cache=True)
@@ -198,8 +201,9 @@ def csr_symmetry_gershgorin(indptr, indices, data, rel):
 
     Returns ``(code, lo, hi, dmin, dmax)``. The auto policy needs both for
     every distinct matrix; one walk over the entries reads each once (the
-    mirror look-ups of the cursors dominate either pass). ``indices`` must
-    be sorted within each row, without duplicates. The largest mirror
+    mirror look-ups of the cursors dominate either pass). A pattern not in
+    canonical form (sorted rows, no duplicates) gets the code
+    ``NOT_CANONICAL`` and zeros. The largest mirror
     difference and ``max |a_ij|`` are tracked to the end, so a matrix whose
     values differ is read whole (its Gershgorin bounds are wanted too); one
     whose pattern differs stops comparing mirrors at the first miss.
@@ -227,12 +231,17 @@ def symmetry_gershgorin(indptr, indices, data, rel):
 
     A sorted row is its lower entries, then at most one diagonal entry, then
     its upper entries: three loops, one after the other, rather than a test
-    of each column against the diagonal, and the upper loop reads no
-    columns. Positions and columns are read as unsigned integers (a
-    canonical matrix has no negative ones): Numba then indexes with them
-    directly instead of first testing each for a negative index counted
-    from the end. Each row's sums still add its entries in their stored
-    order, so the bounds are those of a plain loop over the row.
+    of each column against the diagonal. Positions and columns are read as
+    unsigned integers (a negative column reads as too large): Numba then
+    indexes with them directly instead of first testing each for a negative
+    index counted from the end. Each row's sums still add its entries in
+    their stored order, so the bounds are those of a plain loop over the row.
+
+    The walk also checks that the pattern is canonical (each row's columns
+    strictly increasing and below ``n``): at the first row that is not, it
+    returns ``NOT_CANONICAL`` (and zeros), before any look-up leaves the
+    rows checked so far. Callers then need not run SciPy's own check of
+    the pattern (another pass over every matrix) first.
     """
     n = indptr.shape[0] - 1
     ptr = _unsigned(indptr)
@@ -246,13 +255,18 @@ def symmetry_gershgorin(indptr, indices, data, rel):
     dmin, dmax = np.inf, -np.inf
     nan = False
     p = np.uint64(ptr[0])  # rows follow one another: row i ends where row i + 1 starts
-    for i in range(np.uint64(n)):
+    un = np.uint64(n)
+    for i in range(un):
         end = np.uint64(ptr[i + one])
         r = 0.0
+        least = np.uint64(0)  # the smallest column the row's next entry may have
         while p < end:  # left of the diagonal: each entry looks its mirror up
             j = idx[p]
             if j >= i:
                 break
+            if j < least:  # rows before were canonical: the look-ups so far stayed in them
+                return NOT_CANONICAL, 0.0, 0.0, 0.0, 0.0
+            least = j + one
             a = data[p]
             scale = max(scale, abs(a))
             r += abs(a)
@@ -270,8 +284,13 @@ def symmetry_gershgorin(indptr, indices, data, rel):
             scale = max(scale, abs(a))
             d += a
             p += one
+            least = i + one
         cursor[i] = p
         while p < end:  # right of the diagonal: the mirrors are met from below
+            j = idx[p]
+            if j < least or j >= un:
+                return NOT_CANONICAL, 0.0, 0.0, 0.0, 0.0
+            least = j + one
             a = data[p]
             scale = max(scale, abs(a))
             r += abs(a)

@@ -302,16 +302,22 @@ def finite_arrays(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
 
 
 def symmetry_candidate(A: Any, least: int | None = None) -> bool:
-    """Whether :func:`test_symmetry` takes a matrix: a non-empty canonical float SciPy CSR, contiguous.
+    """Whether :func:`test_symmetry` takes a matrix: a non-empty float SciPy CSR, contiguous.
 
-    ``least``: and fewer stored entries than that (the many-matrix pass's, :func:`pass_least`).
+    ``least``: and fewer stored entries than that (the many-matrix pass's,
+    :func:`pass_least`). Not known to be out of canonical form: SciPy's
+    flags are read where it has found them, not computed (that is a pass
+    over the pattern of its own); the kernels check the pattern as they
+    walk it (``NOT_CANONICAL``).
     """
     if not (_backend.is_scipy_sparse(A) and A.format == "csr"):
         return False
     nnz, data = A.nnz, A.data
     return (nnz > 0 and (least is None or nnz < least) and data.dtype in _FLOATS
-            and A.has_canonical_format and data.flags.c_contiguous
-            and A.indices.flags.c_contiguous and A.indptr.flags.c_contiguous)
+            and getattr(A, "_has_canonical_format", True) is not False
+            and getattr(A, "_has_sorted_indices", True) is not False
+            and data.flags.c_contiguous and A.indices.flags.c_contiguous
+            and A.indptr.flags.c_contiguous)
 
 
 def test_symmetry(mats: Sequence[Any], cache: dict, rel: float = 1e-12) -> None:
@@ -348,11 +354,20 @@ class SymmetryPass:
                 for _mats, args, *_answers in self.groups]
 
     def store(self, cache: dict) -> None:
-        """Each matrix's answers into ``cache`` (after :func:`run_all`)."""
-        from ..kernels.symmetry import DIFFERENT_PATTERN
+        """Each matrix's answers into ``cache`` (after :func:`run_all`).
+
+        A matrix the walk found canonical is marked so (SciPy's flag): its
+        later ``sum_duplicates`` and checks then skip their own pass. One
+        that is not gets no answer here (the per-matrix test, after the
+        matrix is made canonical, gives it).
+        """
+        from ..kernels.symmetry import DIFFERENT_PATTERN, NOT_CANONICAL
 
         for group, _args, codes, bounds, _finite in self.groups:
             for A, code, b in zip(group, codes.tolist(), bounds.tolist(), strict=True):
+                if code == NOT_CANONICAL:
+                    continue
+                A.has_canonical_format = True
                 if code != DIFFERENT_PATTERN:
                     cache[id(A)] = (A, bool(code))
                 cache[("gershgorin", id(A))] = (A, tuple(b))

@@ -333,3 +333,59 @@ def test_walk_matches_a_scipy_reference_bit_for_bit(dtype, index_dtype):
     assert {(SYMMETRIC, True, False), (DIFFERENT_VALUES, True, False),
             (DIFFERENT_PATTERN, True, False), (SYMMETRIC, False, True)} <= seen
     assert any(not ok and not nan for _code, ok, nan in seen)  # an infinity, bounds not NaN
+
+
+def _raw_csr(n, rows, dtype=np.float64, index_dtype=np.int32):
+    """A SciPy CSR matrix of ``n`` rows with exactly the stored ``rows`` (lists of (column, value)), unchecked."""
+    indptr = np.zeros(n + 1, dtype=index_dtype)
+    indptr[1:] = np.cumsum([len(r) for r in rows])
+    indices = np.array([j for r in rows for j, _v in r], dtype=index_dtype)
+    data = np.array([v for r in rows for _j, v in r], dtype=dtype)
+    A = sp.csr_matrix((data, indices, indptr), shape=(n, n))
+    A.indices, A.indptr, A.data = indices, indptr, data  # as given: no sorting, no checks
+    return A
+
+
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+def test_walk_reports_a_pattern_out_of_canonical_form(index_dtype):
+    """Unsorted or repeated columns, or one out of range, give NOT_CANONICAL (one matrix and many),
+    whatever row they are in; the many-matrix kernel's finite flag still holds."""
+    from managed_solve.kernels.checks import csr_symmetry_gershgorin_many
+    from managed_solve.kernels.packing import addresses
+    from managed_solve.kernels.symmetry import NOT_CANONICAL, csr_symmetry_gershgorin
+
+    good = [[(0, 4.0), (1, -1.0)], [(0, -1.0), (1, 4.0), (2, -1.0)], [(1, -1.0), (2, 4.0), (3, -1.0)],
+            [(2, -1.0), (3, 4.0)]]
+    bad_rows = {
+        "lower unsorted": (2, [(1, -1.0), (0, 0.5), (2, 4.0), (3, -1.0)]),
+        "upper unsorted": (1, [(0, -1.0), (1, 4.0), (3, 0.5), (2, -1.0)]),
+        "upper before the diagonal": (1, [(2, -1.0), (0, -1.0), (1, 4.0)]),
+        "repeated diagonal": (3, [(2, -1.0), (3, 2.0), (3, 2.0)]),
+        "repeated lower": (2, [(1, -1.0), (1, 0.0), (2, 4.0), (3, -1.0)]),
+        "column n": (0, [(0, 4.0), (1, -1.0), (4, 1.0)]),
+        "negative column": (3, [(-1, 1.0), (2, -1.0), (3, 4.0)]),
+    }
+    mats = [_raw_csr(4, good, index_dtype=index_dtype)]
+    for k, (row, entries) in enumerate(bad_rows.values()):
+        rows = [list(r) for r in good]
+        rows[row] = entries
+        if k == 0:
+            rows[0][0] = (0, np.nan)  # a NaN beside the bad pattern: the finite flag still sees it
+        mats.append(_raw_csr(4, rows, index_dtype=index_dtype))
+    codes = np.full(len(mats), 9, np.int8)
+    bounds = np.full((len(mats), 4), 7.0)
+    finite = np.full(len(mats), 9, np.uint8)
+    like = mats[0]
+    csr_symmetry_gershgorin_many(
+        0, len(mats), addresses([A.indptr for A in mats]), addresses([A.indices for A in mats]),
+        addresses([A.data for A in mats]), np.array([A.shape[0] for A in mats]),
+        np.array([A.indptr[-1] for A in mats]), like.indptr, like.indices, like.data, 1e-12,
+        codes, bounds, finite)
+    assert codes[0] == SYMMETRIC and finite[0] == 1
+    for k, name in enumerate(bad_rows, start=1):
+        assert codes[k] == NOT_CANONICAL, name
+        assert csr_symmetry_gershgorin(mats[k].indptr, mats[k].indices, mats[k].data, 1e-12)[0] \
+            == NOT_CANONICAL, name
+        assert finite[k] == (0 if k == 1 else 1), name
+        if "column" not in name:  # SciPy agrees (it checks the order, not the range)
+            assert not mats[k].has_canonical_format, name

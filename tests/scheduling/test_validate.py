@@ -263,3 +263,68 @@ def test_finite_check_and_symmetry_tests_share_one_hand_out_before_validation(mo
     assert handed[0] == [f"SymmetryPass:{len(mats)}", f"FinitePass:{len(mats)}"]
     assert not finite_calls
     assert all(r.converged and r.method == "cg" for r in results)
+
+
+def _shuffled_rows(A, seed):
+    """``A`` with each row's stored entries in a random order and one entry split in two: not canonical."""
+    rng = np.random.default_rng(seed)
+    A = A.tocsr(copy=True)
+    indices, data = A.indices.copy(), A.data.copy()
+    for i in range(A.shape[0]):
+        a, b = A.indptr[i], A.indptr[i + 1]
+        order = a + rng.permutation(b - a)
+        indices[a:b], data[a:b] = indices[order], data[order]
+    indptr = A.indptr.copy()
+    # Split row 0's first entry into two halves: a duplicate SciPy sums.
+    indices = np.insert(indices, 0, indices[0])
+    data = np.insert(data, 0, data[0] / 2)
+    data[1] /= 2
+    indptr[1:] += 1
+    B = sp.csr_matrix((data, indices, indptr), shape=A.shape)
+    assert not B.has_canonical_format
+    for flag in ("_has_canonical_format", "_has_sorted_indices"):  # as fresh: nothing known
+        B.__dict__.pop(flag, None)
+    return B
+
+
+def test_the_symmetry_pass_checks_the_pattern_so_scipy_need_not(monkeypatch):
+    """Fresh canonical matrices get SciPy's flag from the walk (no SciPy pass over their pattern);
+    a matrix out of canonical form is left to the per-matrix test, and solved right."""
+    import scipy.sparse._compressed as compressed
+
+    calls = []
+    real = compressed.csr_has_canonical_format
+
+    def counting(*args):
+        calls.append(id(args[1]))  # the pattern's row pointers
+        return real(*args)
+
+    monkeypatch.setattr(compressed, "csr_has_canonical_format", counting)
+    fresh = [poisson2d(m) for m in (5, 9, 14)] + [convection(7)]
+    for A in fresh:  # as a user builds them: SciPy has not looked at the pattern yet
+        A.__dict__.pop("_has_canonical_format", None)
+        A.__dict__.pop("_has_sorted_indices", None)
+    messy = _shuffled_rows(poisson2d(6), seed=5)
+    calls.clear()
+    pairs = [(A, np.ones(A.shape[0])) for A in fresh + [messy]]
+    res = solve_many(pairs, manager=DeviceManager(["cpu"]), rtol=1e-10)
+    for (A, b), r in zip(pairs, res, strict=True):
+        assert r.converged and np.linalg.norm(b - A @ r.x) <= 1e-10 * np.linalg.norm(b)
+    # Of the inputs, only the matrix out of canonical form (derived matrices may be checked).
+    assert id(messy.indptr) in calls and not {id(A.indptr) for A in fresh} & set(calls)
+    assert all(A.__dict__.get("_has_canonical_format") is True for A in fresh)
+    # The auto policy chooses as for the same matrices in canonical form, SciPy's flags known.
+    known = [poisson2d(m) for m in (5, 9, 14)] + [convection(7), poisson2d(6)]
+    assert all(A.has_canonical_format for A in known)
+    ref = solve_many([(A, np.ones(A.shape[0])) for A in known], manager=DeviceManager(["cpu"]),
+                     rtol=1e-10)
+    assert [r.method for r in res] == [r.method for r in ref]
+    assert res[0].method == "cg"
+    # The summed matrix is the one solved: the same answer as SciPy's for it.
+    np.testing.assert_allclose(res[-1].x, spla_spsolve(poisson2d(6), np.ones(36)), rtol=1e-8)
+
+
+def spla_spsolve(A, b):
+    import scipy.sparse.linalg as spla
+
+    return spla.spsolve(A.tocsc(), b)
