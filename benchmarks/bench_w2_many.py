@@ -9,7 +9,8 @@ seconds per system, and ``extra_info["metric"]`` says so):
   ``scipy.sparse.linalg.spsolve`` and a loop of ``scipy.sparse.linalg.cg``
   to the same rtol (target: at least 2 x faster than both); also ours on one
   host thread (``extra_info["threads_speedup"]``: the second thread's gain,
-  never below 1) and, labelled, ours with one matrix object per size (where
+  never below 1), ours with new matrix objects each round (as a user's next
+  call brings them) and, labelled, ours with one matrix object per size (where
   "auto" factorises the sizes that several systems share), also with the
   setting ``host_blas_threads=1``; each
   entry records the machine's load average when it ran (ours uses both
@@ -175,6 +176,28 @@ def bench_w2_cpu_solve_many(benchmark, w2_cpu, machine_info):
     cpu_entry(benchmark, machine_info, "ours", pairs, sizes, "ours", methods=methods,
               host_threads=config.current().host_threads or os.cpu_count(),
               target="<= 0.5 of the spsolve loop and <= 0.5 of the cg loop")
+
+
+@pytest.mark.benchmark(group="w2-cpu")
+def bench_w2_cpu_solve_many_fresh_objects(benchmark, w2_cpu, machine_info):
+    """Ours with new matrix objects every round, as a user's next call brings them: nothing is
+    cached on them (SciPy's pattern flags) from an earlier round. Their making is not timed."""
+    sizes, pairs = w2_cpu
+    dm = DeviceManager(["cpu"])
+    check_own_rtol(pairs, solve_many(pairs, manager=dm, rtol=RTOL))
+
+    def fresh():
+        made = [(sp.csr_matrix((A.data.copy(), A.indices.copy(), A.indptr.copy()), shape=A.shape), b)
+                for A, b in pairs]
+        return (made,), {}
+
+    benchmark.pedantic(lambda new: solve_many(new, manager=dm, rtol=RTOL), setup=fresh,
+                       rounds=ROUNDS, iterations=1, warmup_rounds=0)
+    extra = {}
+    if "ours" in MEDIANS:
+        extra["vs_same_objects"] = benchmark.stats.stats.median / MEDIANS["ours"]
+    cpu_entry(benchmark, machine_info, "ours_fresh", pairs, sizes,
+              "ours, new matrix objects each round", **extra)
 
 
 @pytest.mark.benchmark(group="w2-cpu")
