@@ -65,9 +65,8 @@ def csr_symmetry_gershgorin_many(lo, hi, ptr_addresses, idx_addresses, data_addr
     lo, hi : int
         The matrices to test (``hi`` excluded).
     ptr_addresses, idx_addresses, data_addresses : int64 arrays
-        Data addresses of each matrix's ``indptr`` (``rows + 1`` entries,
-        non-decreasing, from 0 to ``nnzs``), ``indices`` and ``data``
-        (``nnzs`` entries).
+        Data addresses of each matrix's ``indptr`` (``rows + 1`` entries),
+        ``indices`` and ``data`` (``nnzs`` entries).
     rows, nnzs : int64 arrays
         Rows and stored entries of each matrix.
     ptr_like, idx_like, data_like : arrays
@@ -76,9 +75,10 @@ def csr_symmetry_gershgorin_many(lo, hi, ptr_addresses, idx_addresses, data_addr
         The relative tolerance of the symmetry test.
     codes : int8 array
         Each matrix's code (``SYMMETRIC``, ``DIFFERENT_VALUES``, ``DIFFERENT_PATTERN``;
-        ``NOT_CANONICAL`` where a row's columns are not strictly increasing
-        or one is out of range: its bounds are then zeros, its finite flag
-        still holds).
+        ``NOT_CANONICAL`` where the row pointers do not start at 0, fall
+        back or run past ``nnzs``, or a row's columns are not strictly
+        increasing or one is out of range: its bounds are then zeros, its
+        finite flag still holds).
     bounds : float64 array, shape (count, 4)
         Each matrix's ``(lo, hi, dmin, dmax)``.
     finite : uint8 array

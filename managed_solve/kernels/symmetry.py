@@ -237,8 +237,9 @@ def symmetry_gershgorin(indptr, indices, data, rel):
     index counted from the end. Each row's sums still add its entries in
     their stored order, so the bounds are those of a plain loop over the row.
 
-    The walk also checks that the pattern is canonical (each row's columns
-    strictly increasing and below ``n``): at the first row that is not, it
+    The walk also checks that the pattern is canonical (row pointers from 0,
+    non-decreasing and within the entries; each row's columns strictly
+    increasing and below ``n``): at the first row that is not, it
     returns ``NOT_CANONICAL`` (and zeros), before any look-up leaves the
     rows checked so far. Callers then need not run SciPy's own check of
     the pattern (another pass over every matrix) first.
@@ -255,9 +256,13 @@ def symmetry_gershgorin(indptr, indices, data, rel):
     dmin, dmax = np.inf, -np.inf
     nan = False
     p = np.uint64(ptr[0])  # rows follow one another: row i ends where row i + 1 starts
-    un = np.uint64(n)
+    un, nnz = np.uint64(n), np.uint64(idx.shape[0])
+    if p != 0:
+        return NOT_CANONICAL, 0.0, 0.0, 0.0, 0.0
     for i in range(un):
         end = np.uint64(ptr[i + one])
+        if end < p or end > nnz:  # row pointers that fall back or run past the entries
+            return NOT_CANONICAL, 0.0, 0.0, 0.0, 0.0
         r = 0.0
         least = np.uint64(0)  # the smallest column the row's next entry may have
         while p < end:  # left of the diagonal: each entry looks its mirror up

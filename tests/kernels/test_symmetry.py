@@ -348,7 +348,8 @@ def _raw_csr(n, rows, dtype=np.float64, index_dtype=np.int32):
 
 @pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
 def test_walk_reports_a_pattern_out_of_canonical_form(index_dtype):
-    """Unsorted or repeated columns, or one out of range, give NOT_CANONICAL (one matrix and many),
+    """Unsorted or repeated columns, one out of range, or row pointers that fall back or run past
+    the entries give NOT_CANONICAL (one matrix and many),
     whatever row they are in; the many-matrix kernel's finite flag still holds."""
     from managed_solve.kernels.checks import csr_symmetry_gershgorin_many
     from managed_solve.kernels.packing import addresses
@@ -372,6 +373,15 @@ def test_walk_reports_a_pattern_out_of_canonical_form(index_dtype):
         if k == 0:
             rows[0][0] = (0, np.nan)  # a NaN beside the bad pattern: the finite flag still sees it
         mats.append(_raw_csr(4, rows, index_dtype=index_dtype))
+    # Row pointers that fall back, or run past the entries (the next matrix's are not read).
+    falls = _raw_csr(4, good, index_dtype=index_dtype)
+    falls.indptr = falls.indptr.copy()
+    falls.indptr[2] = falls.indptr[1] - 1
+    past = _raw_csr(4, good, index_dtype=index_dtype)
+    past.indptr = past.indptr.copy()
+    past.indptr[3] = past.indptr[4] + 5
+    mats += [falls, past]
+    bad_rows["pointers falling back"] = bad_rows["pointers past the entries"] = None
     codes = np.full(len(mats), 9, np.int8)
     bounds = np.full((len(mats), 4), 7.0)
     finite = np.full(len(mats), 9, np.uint8)
@@ -387,5 +397,5 @@ def test_walk_reports_a_pattern_out_of_canonical_form(index_dtype):
         assert csr_symmetry_gershgorin(mats[k].indptr, mats[k].indices, mats[k].data, 1e-12)[0] \
             == NOT_CANONICAL, name
         assert finite[k] == (0 if k == 1 else 1), name
-        if "column" not in name:  # SciPy agrees (it checks the order, not the range)
+        if "column" not in name and "pointers" not in name:  # SciPy agrees (it checks the order)
             assert not mats[k].has_canonical_format, name
