@@ -124,6 +124,13 @@ class Settings:
     batched_vector_min_nnz_per_row : int
         Batched engine (GPU): mean stored entries per row from which the
         products use a warp per row instead of a thread per row.
+    batched_block_max_rows : int
+        Batched engine (GPU): a CG batch of several systems, none of over
+        this many rows, runs with a thread block per system, every
+        iteration in one launch (0: always the row kernels).
+    batched_block_threads : int
+        Batched engine (GPU): threads of a block that iterates one system
+        (a multiple of 32, at most 1024).
     batched_gmres_graphs : bool
         Batched engine (GPU): GMRES replays a chunk of Arnoldi steps seen in
         an earlier restart cycle as a CUDA graph (off: direct launches).
@@ -197,6 +204,8 @@ class Settings:
     batched_compact_fraction: float = 0.5
     batched_compact_min_rows: int = 1 << 15
     batched_vector_min_nnz_per_row: int = 32
+    batched_block_max_rows: int = 1 << 14
+    batched_block_threads: int = 1024
     batched_gmres_graphs: bool = True
     batched_gmres_vectorised_on_host: bool = False
     # -- host kernels of the batched engine (solvers/batched/cpu.py)
@@ -209,6 +218,11 @@ class Settings:
     lu_solve_columns: int = 4
 
     def __post_init__(self) -> None:
+        threads = self.batched_block_threads
+        if (isinstance(threads, bool) or not isinstance(threads, int) or threads % 32
+                or not 32 <= threads <= 1024):
+            raise ValueError(f"override(batched_block_threads={threads!r}): expected a multiple "
+                             "of 32 from 32 to 1024 (threads of a CUDA block)")
         lanes = self.lanes_per_device
         if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1:
             raise ValueError(f"override(lanes_per_device={lanes!r}): expected an integer >= 1 "

@@ -31,4 +31,5 @@ from .packed import PackedBatch as PackedBatch
 from .packed import default_maxiter as default_maxiter
 from .packed import pack_host as pack_host
 from .workspace import GMRES_RESTART as GMRES_RESTART
+from .workspace import block_route as block_route
 from .workspace import predict_bytes as predict_bytes

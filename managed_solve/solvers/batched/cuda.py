@@ -1,7 +1,8 @@
 """The batched core's CUDA sources: loading, compilation (CuPy ``RawModule``), launch geometry.
 
-The kernels live in ``common.cuh`` (device helpers), ``cg_bicgstab.cu`` and
-``gmres.cu`` beside this module; they are compiled as one translation unit,
+The kernels live in ``common.cuh`` (device helpers), ``cg_bicgstab.cu`` (the
+row kernels), ``cg_blocks.cu`` (CG with a block per system) and ``gmres.cu``
+beside this module; they are compiled as one translation unit,
 once per device, (value, index) dtype pair and method family ("cg",
 "bicgstab" or "gmres"), so a call compiles only the templates its method
 launches. C++ templates are instantiated through CuPy's name expressions
@@ -31,7 +32,7 @@ import numpy as np
 from ... import _backend
 
 #: Source files, in the order they are concatenated into one translation unit.
-SOURCE_FILES = ("common.cuh", "cg_bicgstab.cu", "gmres.cu")
+SOURCE_FILES = ("common.cuh", "cg_bicgstab.cu", "cg_blocks.cu", "gmres.cu")
 #: Threads per block of the row kernels.
 THREADS = 256
 
@@ -80,6 +81,8 @@ def instantiations(T: str, I: str, family: str | None = None) -> dict[str, str]:
             for x in (0, 1):
                 names[f"init{s}{j}{x}"] = f"ms_init<{T}, {I}, {_B[s]}, {_B[j]}, {_B[x]}>"
             names[f"cg_update{s}{j}"] = f"ms_cg_update<{T}, {I}, {_B[s]}, {_B[j]}>"
+            # (s here: whether the systems have x0; one block per system)
+            names[f"cg_blocks{j}{s}"] = f"ms_cg_blocks<{T}, {I}, {_B[j]}, {_B[s]}>"
             names[f"bicg_direction{s}{j}"] = f"ms_bicg_direction<{T}, {I}, {_B[s]}, {_B[j]}>"
             names[f"bicg_update_s{s}{j}"] = f"ms_bicg_update_s<{T}, {I}, {_B[s]}, {_B[j]}>"
             names[f"bicg_update_r{s}{j}"] = f"ms_bicg_update_r<{T}, {I}, {_B[s]}, {_B[j]}>"

@@ -253,6 +253,54 @@ class FusedSolve(FusedWorkspace):
         self.compactions += 1
         return True
 
+    def _run_blocks(self) -> tuple:
+        """CG with a thread block per system (``cg_blocks.cu``): one launch, one read.
+
+        Blocks claim systems largest first and iterate each to its end, so
+        the host has nothing to watch: it queues the launch and the copies
+        of the statuses and of each system's true residual norm (computed by
+        the kernel in float64), then waits once, for the end of the work.
+        Returns :meth:`run`'s fields and the true norms (no checkpoint
+        overlaps queued work, and none needs to: ``host_syncs`` stays 0).
+        """
+        cp, b, settings = self.cp, self.batch, config.current()
+        caller = cp.cuda.get_current_stream()
+        stream = cp.cuda.Stream(non_blocking=True)
+        stream.wait_event(caller.record())
+        threads = settings.batched_block_threads
+        # Blocks beyond those resident at once only queue for the claim counter.
+        grid = max(1, min(self.nsys, cuda.sm_count(self.dev) * max(1, 2048 // threads)))
+        has_x0 = int(b.x0 is not None)
+        r, p, q = self.vec
+        z = self.z if self.jac else r  # never written without Jacobi
+        dinv = b.dinv if self.jac else self.x  # never read without Jacobi
+        x0 = b.x0 if has_x0 else self.x  # never read without x0
+        ns = self.nsys
+        keep: list = []
+        host = cuda.pinned(self.norms2.nbytes + self.info.nbytes, np.uint8, keep)
+        runtime = cp.cuda.runtime
+        counter = self.order[ns:]
+        with stream:
+            started = stream.record()
+            runtime.memsetAsync(counter.data.ptr, 0, counter.nbytes, stream.ptr)
+            self.k[f"cg_blocks{self.jac}{has_x0}"]((grid,), (threads,), (
+                b.indptr, b.indices, b.data, b.b, x0, dinv, self.x, r, z, p, q, self.offs,
+                self.order, counter, self.ns, self.rtol, self.atol, self.maxiter, self.res2,
+                self.iters, self.status, self.norms2))
+            runtime.memcpyAsync(host.ctypes.data, self.norms2.data.ptr, self.norms2.nbytes,
+                                runtime.memcpyDeviceToHost, stream.ptr)
+            runtime.memcpyAsync(host.ctypes.data + self.norms2.nbytes, self.info.data.ptr,
+                                self.info.nbytes, runtime.memcpyDeviceToHost, stream.ptr)
+            done = stream.record()
+        done.synchronize()  # sync: the batch's end (statuses and norms)
+        caller.wait_event(done)
+        gpu_seconds = cp.cuda.get_elapsed_time(started, done) / 1e3
+        norms = np.sqrt(host[: 16 * ns].view(np.float64))
+        h = host[16 * ns:]
+        return (self.x, h[8 * ns:16 * ns].view(np.int64).copy(),
+                np.sqrt(h[:8 * ns].view(np.float64)), h[16 * ns:].view(np.int32).astype(np.int8),
+                0, 1, 0, gpu_seconds, (norms[:ns].copy(), norms[ns:].copy()))
+
     def run(self, check_every: int | None, first_check: int | None = None) -> tuple:
         """Launch iterations ahead of the host; read statuses without draining the GPU.
 
@@ -268,6 +316,8 @@ class FusedSolve(FusedWorkspace):
         ``checkpoints``. ``first_check`` (a predicted iteration count) lets
         the host queue that many iterations before its first read.
         """
+        if self.blocks:
+            return self._run_blocks()
         cp = self.cp
         caller = cp.cuda.get_current_stream()
         stream = cp.cuda.Stream(non_blocking=True)

@@ -37,18 +37,35 @@ GMRES_PER_SYSTEM_BYTES = 8 * (GMRES_RESTART * (GMRES_RESTART + 1) + GMRES_RESTAR
 # Per-system device scalars: rtol, atol, tol^2, maxiter, iterations, status,
 # final rr, accumulators (up to 6 dot products x 4 rotating slots), offsets.
 PER_SYSTEM_BYTES = 8 * (8 + 6 * 4)
+# Per-system device scalars of a batch solved with a block per system:
+# rtol, atol, tol^2, b.b, maxiter, offsets, the status buffer (20), the claim
+# order (4) and the two true norms (16), rounded up.
+BLOCK_PER_SYSTEM_BYTES = 8 * 12
 # CuPy's memory pool rounds every allocation up to this many bytes.
 POOL_ROUND = 512
 # Allocations of one solve at most (each rounded up by the pool).
 ARRAYS_PER_SOLVE = 24
 
 
+def block_route(method: str, nsys: int, max_rows: int | None) -> bool:
+    """Whether a GPU batch runs CG with a thread block per system (``cg_blocks.cu``).
+
+    CG on several systems, the largest of at most the setting
+    ``batched_block_max_rows`` rows (None: unknown, so no).
+    """
+    return (method == "cg" and int(nsys) > 1 and max_rows is not None
+            and 0 < int(max_rows) <= config.current().batched_block_max_rows)
+
+
 def workspace_bytes(method: str, n: int, nsys: int, dtype: Any, index_dtype: Any, *,
-                    jacobi: bool) -> int:
+                    jacobi: bool, max_rows: int | None = None) -> int:
     """Device bytes of one solve's workspace: x, the work vectors, the per-system scalars.
 
     Counts what :class:`FusedWorkspace` / :class:`GmresWorkspace` allocate
     (``z`` with Jacobi, the compaction row list for several systems).
+    ``max_rows``: rows of the batch's largest system, which decides
+    whether CG takes a block per system (:func:`block_route`: no
+    compaction list, no accumulators).
     """
     if method not in WORK_VECTORS:
         raise ValueError(f"predict_bytes: method={method!r}; expected 'cg', "
@@ -57,6 +74,8 @@ def workspace_bytes(method: str, n: int, nsys: int, dtype: Any, index_dtype: Any
     iw = np.dtype(index_dtype).itemsize
     n, nsys = int(n), int(nsys)
     work = (1 + WORK_VECTORS[method] + (1 if jacobi else 0)) * n * w
+    if block_route(method, nsys, max_rows):
+        return int(work + nsys * BLOCK_PER_SYSTEM_BYTES)
     work += n * iw if nsys > 1 else 0  # the compaction row list
     scalars = nsys * PER_SYSTEM_BYTES
     if method == "gmres":
@@ -81,15 +100,16 @@ def array_bytes(n: int, nnz: int, dtype: Any, index_dtype: Any = np.int32, *,
 
 
 def predict_bytes(n: int, nnz: int, nsys: int, dtype: Any, index_dtype: Any = np.int32,
-                  method: str = "cg", *, jacobi: bool = True, x0: bool = True) -> int:
+                  method: str = "cg", *, jacobi: bool = True, x0: bool = True,
+                  max_rows: int | None = None) -> int:
     """Upper bound of the device bytes a batch plus one solve's workspace takes.
 
     Counts the packed CSR, ``b``, ``x0`` (when ``x0``), ``row_sys``,
     ``dinv`` (when ``jacobi``) (:func:`array_bytes`), the solution ``x``,
     the method's work vectors and the per-system scalars
-    (:func:`workspace_bytes`), and the memory pool's 512-byte rounding of
-    each allocation. The planner's model of a batch (``solve_many`` reserves
-    this for it).
+    (:func:`workspace_bytes`; ``max_rows`` as there), and the memory
+    pool's 512-byte rounding of each allocation. The planner's model of a
+    batch (``solve_many`` reserves this for it).
 
     Examples
     --------
@@ -98,7 +118,8 @@ def predict_bytes(n: int, nnz: int, nsys: int, dtype: Any, index_dtype: Any = np
     True
     """
     arrays = array_bytes(n, nnz, dtype, index_dtype, jacobi=jacobi, x0=x0)
-    return int(arrays + workspace_bytes(method, n, nsys, dtype, index_dtype, jacobi=jacobi)
+    return int(arrays + workspace_bytes(method, n, nsys, dtype, index_dtype, jacobi=jacobi,
+                                        max_rows=max_rows)
                + ARRAYS_PER_SOLVE * POOL_ROUND)
 
 
@@ -128,6 +149,19 @@ class FusedWorkspace:
         self.nslot = CG_SLOTS if cg else BICG_SLOTS
         nacc = CG_ACCS if cg else BICG_ACCS
         empty = cp.empty
+        self.sizes = np.diff(batch.offsets).astype(np.int64)
+        # CG on several small systems: a thread block per system, one launch
+        # (gpu.FusedSolve._run_blocks); no accumulators, compaction or graphs.
+        self.blocks = block_route(method, nsys, int(self.sizes.max()) if nsys else None)
+        if self.blocks:
+            nacc = 0
+            # Systems in the order blocks claim them (largest first), then the
+            # claim counter; the per-system squared norms ||b - A x||, ||b||.
+            order = np.empty(nsys + 1, dtype=np.int32)
+            order[:nsys] = np.argsort(-self.sizes, kind="stable")
+            order[nsys] = 0
+            self.order = cp.asarray(order)
+            self.norms2 = empty(2 * nsys, dtype=np.float64)
         self.x = empty(n, dtype=dt)
         nvec = 3 if cg else 5
         self.vec = [empty(n, dtype=dt) for _ in range(nvec)]
@@ -151,15 +185,14 @@ class FusedWorkspace:
         # systems) once most rows belong to finished systems. They read the
         # count and the switch from ``ctl`` on the device, so a compaction
         # is two copies on the stream and the captured graph stays valid.
-        self.act = cp.empty(n if nsys > 1 else 0, dtype=batch.index_dtype)
+        self.act = cp.empty(n if nsys > 1 and not self.blocks else 0, dtype=batch.index_dtype)
         self.nact = np.int64(n)
         self.ctl = cp.asarray(np.array([n, 0], dtype=np.int64))  # [rows walked, compacted]
         self.compactions = 0
-        self.sizes = np.diff(batch.offsets).astype(np.int64)
         self.maxmax = int(batch.maxiter.max()) if nsys else 0
         # Batches of several systems replay graphs at every size: the host then
         # needs the GIL once per graph chunk instead of three launches an iteration.
-        self.uses_graph = self.maxmax > 0 and (
+        self.uses_graph = self.maxmax > 0 and not self.blocks and (
             n <= settings.batched_graph_max_rows or (nsys > 1 and settings.batched_graph_batches))
         self.graph = None  # captured ahead by gpu.prepare()
 

@@ -349,6 +349,7 @@ def _skewed_systems(rng):
 @pytest.mark.parametrize("vector", [False, True], ids=["thread-rows", "warp-rows"])
 @pytest.mark.parametrize("method", ["cg", "bicgstab"])
 def test_gpu_compaction_gives_the_same_iterates(settings, method, vector):
+    settings(batched_block_max_rows=0)  # CG's row kernels (not a block per system)
     if vector:
         settings(batched_vector_min_nnz_per_row=0)
     systems = _skewed_systems(np.random.default_rng(12))
@@ -502,7 +503,7 @@ def test_gpu_batches_with_and_without_graphs_agree_and_report_gpu_time(settings,
 
     systems = _skewed_systems(np.random.default_rng(5))
     solve = cg_batched if method == "cg" else bicgstab_batched
-    settings(batched_graph_max_rows=0)  # every batch counts as large
+    settings(batched_graph_max_rows=0, batched_block_max_rows=0)  # every batch counts as large
     t0 = time.perf_counter()
     graphs = solve(PackedBatch.pack(systems, device="cuda:0"))
     wall = time.perf_counter() - t0
@@ -528,9 +529,11 @@ def test_cpu_batches_report_no_gpu_time():
 
 
 @pytest.mark.gpu
-def test_gpu_prepared_workspace_is_used_once_and_gives_the_same_solve():
+def test_gpu_prepared_workspace_is_used_once_and_gives_the_same_solve(settings):
     """solve_many's stagers build a batch's workspace ahead (``batched.prepare``)."""
     import weakref
+
+    settings(batched_block_max_rows=0)  # the row kernels, whose first graph is captured ahead
 
     systems = _skewed_systems(np.random.default_rng(8))
     plain = cg_batched(PackedBatch.pack(systems, device="cuda:0"))
@@ -568,3 +571,125 @@ def test_gpu_prepared_workspace_is_used_once_and_gives_the_same_solve():
     assert solver.graph is None  # taken by the solve
     assert (out.status == 0).all() and (np.abs(out.iterations - plain.iterations) <= 1).all()
     np.testing.assert_allclose(host(out.x), host(plain.x), rtol=1e-6, atol=1e-9)
+
+
+# ------------------------------------------------- CG with a thread block per system (GPU)
+
+
+def _block_cases(rng):
+    """(name, systems): batches the block route takes, with what it must get right."""
+    spd = [poisson2d(m) for m in (3, 9, 17, 40)] + [random_gram_spd(30, rng), laplacian1d(200)]
+    plain = [LinearSystem(A, rng.standard_normal(A.shape[0]), rtol=10.0 ** -(6 + k % 5))
+             for k, A in enumerate(spd)]
+    zero_b = [LinearSystem(poisson2d(6), np.zeros(36), x0=np.ones(36)),
+              LinearSystem(poisson2d(7), rng.standard_normal(49), x0=rng.standard_normal(49))]
+    d = np.linspace(-1.0, 2.0, 30)
+    d[np.abs(d) < 0.1] = 0.5
+    indefinite = sp.diags(d).tocsr() + sp.diags([0.05, 0.05], [-1, 1], shape=(30, 30)).tocsr()
+    mixed = [LinearSystem(poisson2d(5), rng.standard_normal(25)),
+             LinearSystem(indefinite, rng.standard_normal(30), maxiter=500),
+             LinearSystem(poisson2d(20), rng.standard_normal(400), rtol=1e-14, maxiter=7),
+             LinearSystem(poisson2d(4), rng.standard_normal(16), rtol=1e-14, maxiter=1)]
+    scaled = [LinearSystem(symmetrically_scaled(poisson2d(m), 10.0 ** rng.uniform(-2, 2, m * m)),
+                           rng.standard_normal(m * m), rtol=1e-9, maxiter=5000) for m in (8, 15, 24)]
+    return [("plain", plain, False), ("zero b and x0", zero_b, False),
+            ("breakdown, maxiter", mixed, False), ("jacobi", scaled, True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("case", range(4))
+def test_gpu_block_route_gives_the_row_kernels_iterates(settings, case, dtype):
+    """A block per system: the row kernels' statuses, counts and x; true norms as the host's."""
+    name, systems, jacobi = _block_cases(np.random.default_rng(20 + case))[case]
+    if dtype == np.float32:
+        systems = [LinearSystem(s.A.astype(np.float32), s.b.astype(np.float32), rtol=max(s.rtol, 1e-5),
+                                maxiter=s.maxiter,
+                                x0=None if s.x0 is None else s.x0.astype(np.float32))
+                   for s in systems]
+
+    def pack(device="cpu"):
+        return PackedBatch.pack(systems, device=device, jacobi=jacobi)
+
+    batch = pack("cuda:0")
+    batched.prepare(batch, "cg")
+    assert batch.workspace.blocks and not batch.workspace.uses_graph, name
+    blocks = cg_batched(batch)
+    cpu = cg_batched(pack())
+    settings(batched_block_max_rows=0)
+    rows = cg_batched(pack("cuda:0"))
+    assert blocks.status.tolist() == rows.status.tolist() == cpu.status.tolist(), name
+    # Sums in another order: a count may move by one at a tolerance's edge.
+    assert (np.abs(blocks.iterations - rows.iterations) <= 1).all(), name
+    assert (np.abs(blocks.iterations - cpu.iterations) <= 1).all(), name
+    assert blocks.host_syncs == 0 and blocks.checkpoints == 1 and blocks.compactions == 0
+    assert blocks.gpu_seconds > 0
+    host_batch = pack()
+    xs = host_batch.unpack(host(blocks.x))
+    rn, bn = blocks.true_norms
+    for k, (s, x, y) in enumerate(zip(systems, xs, host_batch.unpack(host(rows.x)), strict=True)):
+        A, b, x64 = s.A.astype(np.float64), s.b.astype(np.float64), x.astype(np.float64)
+        # float64 sums in another order: the residual's rounding, eps (|b| + |A| |x|)
+        # an entry, whatever the residual's own size.
+        rounding = 1e-14 * (np.linalg.norm(b) + np.linalg.norm(abs(A) @ abs(x64)))
+        assert abs(rn[k] - np.linalg.norm(b - A @ x64)) <= rounding, (name, k)
+        assert bn[k] == pytest.approx(np.linalg.norm(b), rel=1e-12)
+        if blocks.status[k] == 0 and dtype == np.float64:  # float32's true residual may lag
+            assert rn[k] <= 1.5 * max(s.rtol * bn[k], s.atol), (name, k)
+            if blocks.iterations[k] == rows.iterations[k]:
+                scale = np.linalg.norm(y.astype(np.float64)) + 1.0
+                assert np.linalg.norm(x.astype(np.float64) - y) <= (1e-3 if dtype == np.float32 else 1e-7) * scale
+        if not bn[k]:
+            assert not x.any()  # b = 0: x = 0 whatever x0
+    # The recurrence residual at the stop, as the row kernels report it.
+    same = blocks.iterations == rows.iterations
+    np.testing.assert_allclose(blocks.residual_norms[same], rows.residual_norms[same],
+                               rtol=1e-3 if dtype == np.float32 else 1e-6,
+                               atol=1e-13 * float(bn.max()))
+
+
+@pytest.mark.gpu
+def test_gpu_block_route_only_for_several_small_cg_systems(settings):
+    """One system, BiCGStab, or a system above batched_block_max_rows: the row kernels."""
+    rng = np.random.default_rng(9)
+    small = [LinearSystem(poisson2d(m), rng.standard_normal(m * m)) for m in (10, 12)]
+    big = small + [LinearSystem(poisson2d(40), rng.standard_normal(1600))]
+    cases = [(small, "cg", True), (small[:1], "cg", False), (small, "bicgstab", False)]
+    for systems, method, expect in cases:
+        batch = PackedBatch.pack(systems, device="cuda:0")
+        batched.prepare(batch, method)
+        assert batch.workspace.blocks is expect
+    settings(batched_block_max_rows=1599)
+    batch = PackedBatch.pack(big, device="cuda:0")
+    batched.prepare(batch, "cg")
+    assert not batch.workspace.blocks
+    settings(batched_block_max_rows=1600)
+    batch = PackedBatch.pack(big, device="cuda:0")
+    batched.prepare(batch, "cg")
+    assert batch.workspace.blocks
+    out = cg_batched(batch)
+    assert (out.status == 0).all() and out.true_norms is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("threads", [32, 96, 1024])
+def test_gpu_block_route_any_block_size(settings, threads):
+    """Blocks of one warp, of three (not a power of two) and the largest: the same answers."""
+    settings(batched_block_threads=threads)
+    rng = np.random.default_rng(31)
+    systems = [LinearSystem(poisson2d(m), rng.standard_normal(m * m), rtol=1e-10)
+               for m in (2, 7, 33, 50)]
+    out = cg_batched(PackedBatch.pack(systems, device="cuda:0"))
+    cpu = cg_batched(PackedBatch.pack(systems))
+    assert (out.status == 0).all() and (np.abs(out.iterations - cpu.iterations) <= 1).all()
+    for s, x in zip(systems, PackedBatch.pack(systems).unpack(host(out.x)), strict=True):
+        assert true_residual(s.A, x, s.b) <= 1.5e-10 * np.linalg.norm(s.b)
+
+
+def test_block_threads_setting_is_checked():
+    with pytest.raises(ValueError, match="batched_block_threads"):
+        with config.override(batched_block_threads=100):
+            pass
+    with pytest.raises(ValueError, match="batched_block_threads"):
+        with config.override(batched_block_threads=2048):
+            pass

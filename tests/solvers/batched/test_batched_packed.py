@@ -164,6 +164,19 @@ def test_predict_bytes_is_an_upper_bound_cpu(method, jacobi):
     assert predicted - actual <= 64 * 1024
 
 
+def test_block_route_model_counts_no_compaction_list_or_accumulators(settings):
+    """CG on several small systems takes a block per system; its model drops what it does not allocate."""
+    args = (50_000, 250_000, 20, np.float64, np.int32, "cg")
+    rows = predict_bytes(*args, jacobi=False, x0=False)  # largest system unknown: the row kernels
+    blocks = predict_bytes(*args, jacobi=False, x0=False, max_rows=4_000)
+    assert rows - blocks == 50_000 * 4 + 20 * (8 * (8 + 6 * 4) - 8 * 12)
+    assert predict_bytes(*args, jacobi=False, x0=False, max_rows=1 << 20) == rows  # too large
+    assert predict_bytes(*args[:-1], "bicgstab", jacobi=False, x0=False, max_rows=4_000) > rows
+    settings(batched_block_max_rows=0)
+    assert predict_bytes(*args, jacobi=False, x0=False, max_rows=4_000) == rows
+    assert not batched.block_route("cg", 1, 100) and not batched.block_route("gmres", 5, 100)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", ["cg", "bicgstab"])
 def test_predict_bytes_is_an_upper_bound_gpu(method):
@@ -190,3 +203,24 @@ def test_predict_bytes_is_an_upper_bound_gpu(method):
     predicted = predict_bytes(batch.n, batch.nnz, batch.nsys, batch.dtype, batch.index_dtype, method, jacobi=True, x0=False)
     assert held <= predicted
     assert held >= 0.9 * predicted - 64 * 1024
+
+
+@pytest.mark.gpu
+def test_predict_bytes_of_the_block_route_is_a_tight_upper_bound_gpu():
+    import cupy as cp
+
+    pool = cp.get_default_memory_pool()
+    rng = np.random.default_rng(3)
+    systems = [LinearSystem(poisson2d(m), rng.standard_normal(m * m)) for m in (60, 90, 120, 70)]
+    cp.cuda.Device(0).synchronize()
+    batched.release_done()
+    pool.free_all_blocks()
+    before = pool.total_bytes()
+    batch = PackedBatch.pack(systems, device="cuda:0", jacobi=True)
+    out = cg_batched(batch)
+    cp.cuda.Device(0).synchronize()
+    held = pool.total_bytes() - before
+    assert (out.status == 0).all() and out.true_norms is not None
+    predicted = predict_bytes(batch.n, batch.nnz, batch.nsys, batch.dtype, batch.index_dtype, "cg",
+                              jacobi=True, x0=False, max_rows=120 * 120)
+    assert 0.9 * predicted - 64 * 1024 <= held <= predicted
