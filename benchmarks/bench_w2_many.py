@@ -33,6 +33,7 @@ seconds per system, and ``extra_info["metric"]`` says so):
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -440,6 +441,49 @@ def bench_w2_gpu_jax_vmap_cg(benchmark, w2_own, machine_info):
             extra[key] = MEDIANS[f"gpu_ours_{matrices}"] / median
     machine_info(benchmark, "cuda", role="jax-vmap-cg", dtype="float64", systems=len(pairs),
                  target="ours <= 0.2 x this", **extra)
+    per_system(benchmark, len(pairs))
+
+
+@pytest.mark.gpu
+@pytest.mark.benchmark(group="w2-gpu")
+def bench_w2_gpu_cudss_batch(benchmark, w2_own, machine_info):
+    """cuDSS's non-uniform batch (nvmath-python's ``DirectSolver`` over the 400 matrices at once).
+
+    Skipped without nvmath-python and cuDSS. The matrices and right-hand
+    sides are on the GPU before timing (as for the block-diagonal anchor);
+    the timed call is one batched direct solve: analysis, factorisation and
+    solve of every system, as a first solve of new matrices needs. The
+    solutions are checked against each system's rtol before timing. Ours,
+    timed before it in this run, is recorded as ``ours_vs_cudss``.
+    """
+    advanced = pytest.importorskip("nvmath.sparse.advanced")
+    cp, csp, _ = _gpu_modules()
+    _sizes, pairs = w2_own
+    with cp.cuda.Device(0):
+        mats = [csp.csr_matrix(A) for A, _b in pairs]
+        rhs = [cp.asarray(b) for _A, b in pairs]
+    kind = advanced.DirectSolverMatrixType
+    options = advanced.DirectSolverOptions(sparse_system_type=kind.SPD,
+                                           logger=logging.getLogger("bench.cudss"))
+
+    def run():
+        with cp.cuda.Device(0):
+            xs = advanced.direct_solver(mats, rhs, options=options)
+            sync()
+        return xs
+
+    xs = run()
+    for (A, b), x in zip(pairs, xs, strict=True):
+        assert np.linalg.norm(b - A @ cp.asnumpy(x)) <= RTOL * np.linalg.norm(b)
+    benchmark.pedantic(run, rounds=ROUNDS, iterations=1, warmup_rounds=1)
+    median = benchmark.stats.stats.median
+    extra = {}
+    for matrices, key in (("per-system", "ours_vs_cudss"), ("shared", "ours_shared_vs_cudss")):
+        if f"gpu_ours_{matrices}" in MEDIANS:
+            extra[key] = MEDIANS[f"gpu_ours_{matrices}"] / median
+    machine_info(benchmark, "cuda", role="cudss-batch", dtype="float64", systems=len(pairs),
+                 note="one nvmath DirectSolver over the 400 matrices (SPD), operands on the GPU "
+                      "before timing; analysis, factorisation and solve timed", **extra)
     per_system(benchmark, len(pairs))
 
 

@@ -30,7 +30,10 @@ def cg_batched(batch: PackedBatch, *, check_every: int | None = None,
     check_every : int, optional
         GPU only: iterations between checkpoints (copies of the convergence
         flags to the host, read while later iterations stay queued). Default:
-        24 (one CUDA graph chunk), 8 for systems of over 1M rows.
+        24 (one CUDA graph chunk), 8 for systems of over 1M rows. A batch of
+        several small systems (a thread block per system, see
+        ``batched_block_max_rows`` in :mod:`managed_solve.config`) has no
+        checkpoints and ignores it.
     first_check : int, optional
         GPU only: iterations queued before the host's first read, for a
         caller that predicts the iteration count (``solve`` passes the count

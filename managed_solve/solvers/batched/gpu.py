@@ -34,8 +34,16 @@ Design (the GPU half of :mod:`managed_solve.solvers.batched`):
 - All workspace is allocated before the loop (:class:`FusedWorkspace`);
   nothing is allocated inside it.
 
-The kernels (``cg_bicgstab.cu``) compute the same iterates as the Numba twins
-in :mod:`managed_solve.kernels.krylov` (tests compare them).
+- CG on several systems of at most ``batched_block_max_rows`` rows each
+  (the setting) takes another route, :meth:`FusedSolve._run_blocks`: a
+  thread block per system iterates it to its end inside one launch
+  (``cg_blocks.cu``), claiming systems largest first, and returns each
+  system's true residual norm with its status. No graph, checkpoint or
+  compaction is needed there: the host waits once, for the end.
+
+The kernels (``cg_bicgstab.cu``, ``cg_blocks.cu``) compute the same iterates
+as the Numba twins in :mod:`managed_solve.kernels.krylov` (tests compare
+them).
 """
 
 from __future__ import annotations
