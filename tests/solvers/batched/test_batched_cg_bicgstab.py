@@ -693,3 +693,24 @@ def test_block_threads_setting_is_checked():
     with pytest.raises(ValueError, match="batched_block_threads"):
         with config.override(batched_block_threads=2048):
             pass
+
+
+@pytest.mark.multi_gpu
+def test_block_route_on_the_second_gpu_is_the_firsts_bit_for_bit():
+    """Sums in a fixed order: the same batch gives the same bits on either GPU (launched on its own)."""
+    rng = np.random.default_rng(0)
+    systems = [LinearSystem(poisson2d(m), rng.standard_normal(m * m), rtol=1e-10)
+               for m in (5, 17, 40, 63, 90)]
+    outs = []
+    for dev in ("cuda:0", "cuda:1"):
+        batch = PackedBatch.pack(systems, device=dev, jacobi=True)
+        batched.prepare(batch, "cg")
+        assert batch.workspace.blocks
+        out = cg_batched(batch)
+        assert out.x.device.id == int(dev[-1]) and (out.status == 0).all()
+        outs.append(out)
+    cpu = cg_batched(PackedBatch.pack(systems, jacobi=True))
+    assert (np.abs(outs[1].iterations - cpu.iterations) <= 1).all()
+    assert outs[0].iterations.tolist() == outs[1].iterations.tolist()
+    np.testing.assert_array_equal(host(outs[0].x), host(outs[1].x))
+    np.testing.assert_array_equal(outs[0].true_norms[0], outs[1].true_norms[0])
