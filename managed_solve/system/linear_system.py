@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -350,71 +350,45 @@ def quick_options(rtol: Any, atol: Any, maxiter: Any, method: Any, M: Any) -> bo
     return method in METHODS and (M is None or (type(M) is str and M in PRECONDITIONERS))
 
 
-def host_csr_builder(*, rtol: Any, method: Any, M: Any, memo: dict | None
-                     ) -> Callable[[Any, Any, str | None], LinearSystem | None] | None:
-    """A constructor of many systems that share their options, the options checked once, here.
-
-    ``build(A, b, name)`` is ``LinearSystem(A, b, rtol=rtol, method=method,
-    M=M, name=name, _finite_memo=memo)`` for an input of the constructor's
-    quick path (a SciPy CSR ``A``, a NumPy ``b`` of its dtype), raising the
-    constructor's error on a NaN or an Inf; None for any other input (the
-    constructor then decides). None instead of a builder where the options
-    do not pass the quick path (:func:`quick_options`): ``solve_many``
-    validates hundreds of systems of one call's options.
-
-    Examples
-    --------
-    >>> import scipy.sparse as sp
-    >>> build = host_csr_builder(rtol=1e-6, method="auto", M="auto", memo=None)
-    >>> s = build(sp.identity(3, format="csr"), np.ones(3), "s")
-    >>> s.rtol, s.name, build(sp.identity(3, format="csr"), [1.0, 1.0, 1.0], "list")
-    (1e-06, 's', None)
-    """
-    try:
-        if not quick_options(rtol, 0.0, None, method, M):
-            return None
-    except (TypeError, ValueError):  # not numbers: the constructor's own checks name them
-        return None
-    new = object.__new__
-
-    def build(A: Any, b: Any, name: str | None) -> LinearSystem | None:
-        if type(b) is not np.ndarray:
-            return None
-        s = new(LinearSystem)
-        return s if s._host_csr(A, b, rtol, 0.0, None, method, M, name, True, memo, None,
-                                options_passed=True) else None
-
-    return build
-
-
 def host_csr_systems(items: Sequence[Any], *, rtol: Any, method: Any, M: Any,
                      memo: dict | None, label: str = "systems") -> list:
-    """:func:`host_csr_builder` over many inputs, one call: each a LinearSystem, None or an error.
+    """The constructor's quick path over many inputs that share their options, checked once here.
 
-    Item ``i``, an ``(A, b)`` tuple of the constructor's quick path, becomes
-    ``LinearSystem(A, b, ..., name=f"{label}[{i}]")``, or the error the
-    constructor raises for it (a NaN or an Inf), returned as the exception
-    object; None for every other item (the constructor then decides).
+    Item ``i``, an ``(A, b)`` tuple of the quick path (a SciPy CSR ``A``, a
+    NumPy ``b`` of its dtype), becomes ``LinearSystem(A, b, rtol=rtol,
+    method=method, M=M, name=f"{label}[{i}]", _finite_memo=memo)``, or the
+    error the constructor raises for it (a NaN or an Inf), returned as the
+    exception object; None for every other item (the constructor then
+    decides), and for every item where the options do not pass the quick
+    path (:func:`quick_options`). ``solve_many`` validates hundreds of
+    systems of one call's options.
 
     Examples
     --------
     >>> import scipy.sparse as sp
     >>> A = sp.identity(2, format="csr")
-    >>> out = host_csr_systems([(A, np.ones(2)), (A, np.array([1.0, np.nan])), A], rtol=1e-8,
-    ...                        method="auto", M="auto", memo=None)
-    >>> out[0].name, type(out[1]).__name__, out[2]
-    ('systems[0]', 'ValueError', None)
+    >>> out = host_csr_systems([(A, np.ones(2)), (A, np.array([1.0, np.nan])), A, (A, [1.0, 1.0])],
+    ...                        rtol=1e-6, method="auto", M="auto", memo=None)
+    >>> out[0].name, out[0].rtol, type(out[1]).__name__, out[2], out[3]
+    ('systems[0]', 1e-06, 'ValueError', None, None)
     """
     out: list = [None] * len(items)
-    build = host_csr_builder(rtol=rtol, method=method, M=M, memo=memo)
-    if build is None:
+    try:
+        if not quick_options(rtol, 0.0, None, method, M):
+            return out
+    except (TypeError, ValueError):  # not numbers: the constructor's own checks name them
         return out
+    new = object.__new__
     for i, item in enumerate(items):
-        if type(item) is tuple and len(item) == 2:
-            try:
-                out[i] = build(item[0], item[1], f"{label}[{i}]")
-            except (TypeError, ValueError) as exc:
-                out[i] = exc
+        if type(item) is not tuple or len(item) != 2 or type(item[1]) is not np.ndarray:
+            continue
+        s = new(LinearSystem)
+        try:
+            if s._host_csr(item[0], item[1], rtol, 0.0, None, method, M, f"{label}[{i}]", True,
+                           memo, None, options_passed=True):
+                out[i] = s
+        except (TypeError, ValueError) as exc:
+            out[i] = exc
     return out
 
 

@@ -8,7 +8,7 @@ import scipy.sparse as sp
 import scipy.sparse.linalg as sla
 
 from managed_solve import LinearSystem
-from managed_solve.system.linear_system import host_csr_builder
+from managed_solve.system.linear_system import host_csr_systems
 from tests._problems import laplacian1d
 
 
@@ -107,33 +107,39 @@ def test_a_host_csr_and_a_vector_of_its_dtype_give_the_general_path_fields(form,
 @pytest.mark.parametrize("options", [{"rtol": 1e-6, "method": "auto", "M": "auto"},
                                      {"rtol": 0.5, "method": "cg", "M": "jacobi"},
                                      {"rtol": 1, "method": "gmres", "M": None}])
-def test_the_host_csr_builder_builds_what_the_constructor_builds(options):
+def test_host_csr_systems_builds_what_the_constructor_builds(options):
     A = laplacian1d(300)
     memo: dict = {}
-    build = host_csr_builder(memo=memo, **options)
+
+    def build(A, b):
+        return host_csr_systems([(A, b)], memo=memo, label="s", **options)[0]
+
     for form in (sp.csr_matrix, sp.csr_array):
         for dtype in (np.float32, np.float64):
             B, b = form(A.astype(dtype)), np.ones(300, dtype=dtype)
-            quick = build(B, b, "s")
-            assert _fields(quick) == _fields(LinearSystem(B, b, name="s", **options))
-            assert list(vars(quick)) == list(vars(LinearSystem(B, b, name="s", **options)))
-    # Other inputs are the constructor's; a NaN raises the constructor's error.
-    assert build(A.tocoo(), np.ones(300), "s") is None and build(A, [1.0] * 300, "s") is None
-    assert build(A, np.ones(300, dtype=np.float32), "s") is None
+            quick = build(B, b)
+            assert _fields(quick) == _fields(LinearSystem(B, b, name="s[0]", **options))
+            assert list(vars(quick)) == list(vars(LinearSystem(B, b, name="s[0]", **options)))
+    # Other inputs are the constructor's; a NaN gives the constructor's error.
+    assert build(A.tocoo(), np.ones(300)) is None and build(A, [1.0] * 300) is None
+    assert build(A, np.ones(300, dtype=np.float32)) is None
+    assert host_csr_systems([A, [A, np.ones(300)]], memo=memo, **options) == [None, None]
     bad = np.ones(300)
     bad[7] = np.nan
-    with pytest.raises(ValueError) as quick:
-        build(A, bad, "s")
+    quick = build(A, bad)
+    assert isinstance(quick, ValueError)
     with pytest.raises(ValueError) as full:
-        LinearSystem(A, bad, name="s", **options)
-    assert str(quick.value) == str(full.value)
+        LinearSystem(A, bad, name="s[0]", **options)
+    assert str(quick) == str(full.value)
 
 
-def test_the_host_csr_builder_leaves_options_that_fail_to_the_constructor():
-    assert host_csr_builder(rtol=0, method="auto", M="auto", memo=None) is None  # atol is 0 too
-    assert host_csr_builder(rtol=1e-8, method="lu", M="auto", memo=None) is None
-    assert host_csr_builder(rtol=1e-8, method="auto", M=np.eye(3), memo=None) is None
-    assert host_csr_builder(rtol="tight", method="auto", M="auto", memo=None) is None
+def test_host_csr_systems_leaves_options_that_fail_to_the_constructor():
+    items = [(laplacian1d(3), np.ones(3))]
+    assert host_csr_systems(items, rtol=0, method="auto", M="auto", memo=None) == [None]  # atol is 0 too
+    assert host_csr_systems(items, rtol=1e-8, method="lu", M="auto", memo=None) == [None]
+    assert host_csr_systems(items, rtol=1e-8, method="auto", M=np.eye(3), memo=None) == [None]
+    assert host_csr_systems(items, rtol="tight", method="auto", M="auto", memo=None) == [None]
+    assert host_csr_systems(items, rtol=1e-8, method="auto", M="auto", memo=None)[0] is not None
 
 
 @pytest.mark.parametrize(
