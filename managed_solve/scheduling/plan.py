@@ -497,7 +497,7 @@ def packed_bytes(manager: DeviceManager, systems: Sequence[LinearSystem | None]
     their systems' estimates.
     """
     try:
-        from ..solvers.batched import block_route, predict_bytes
+        from ..solvers.batched import predict_bytes
     except ImportError:  # the core is not installed: the planner's own model
         predict_bytes = None
     with_x0 = {i for i, s in enumerate(systems) if s is not None and s.x0 is not None}
@@ -513,11 +513,9 @@ def packed_bytes(manager: DeviceManager, systems: Sequence[LinearSystem | None]
         idx = np.int32 if max(n, nnz) < 2**31 - 1 else np.int64
         if predict_bytes is not None:
             x0 = bool(with_x0) and any(e.index in with_x0 for e in members)
-            max_rows = max([e.n for e in members])
             raw = predict_bytes(n, nnz, len(members), np.dtype(dt), np.dtype(idx), method,
-                                jacobi=bool(jacobi), x0=x0, max_rows=max_rows)
-            if not block_route(method, len(members), max_rows):
-                raw += 8 * n  # the true-residual check's product A @ x
+                                jacobi=bool(jacobi), x0=x0, max_rows=max([e.n for e in members]),
+                                residual_check=True)
         else:
             raw = sum(e.nbytes for e in members)
         return manager.size_of(int(raw))

@@ -101,7 +101,7 @@ def array_bytes(n: int, nnz: int, dtype: Any, index_dtype: Any = np.int32, *,
 
 def predict_bytes(n: int, nnz: int, nsys: int, dtype: Any, index_dtype: Any = np.int32,
                   method: str = "cg", *, jacobi: bool = True, x0: bool = True,
-                  max_rows: int | None = None) -> int:
+                  max_rows: int | None = None, residual_check: bool = False) -> int:
     """Upper bound of the device bytes a batch plus one solve's workspace takes.
 
     Counts the packed CSR, ``b``, ``x0`` (when ``x0``), ``row_sys``,
@@ -109,7 +109,10 @@ def predict_bytes(n: int, nnz: int, nsys: int, dtype: Any, index_dtype: Any = np
     the method's work vectors and the per-system scalars
     (:func:`workspace_bytes`; ``max_rows`` as there), and the memory
     pool's 512-byte rounding of each allocation. The planner's model of a
-    batch (``solve_many`` reserves this for it).
+    batch (``solve_many`` reserves this for it, with ``residual_check``:
+    the true-residual check's product ``A @ x`` after the solve, which a
+    batch with a block per system does not need, its kernel computing the
+    norms).
 
     Examples
     --------
@@ -118,9 +121,12 @@ def predict_bytes(n: int, nnz: int, nsys: int, dtype: Any, index_dtype: Any = np
     True
     """
     arrays = array_bytes(n, nnz, dtype, index_dtype, jacobi=jacobi, x0=x0)
+    check = 0
+    if residual_check and not block_route(method, nsys, max_rows):
+        check = int(n) * np.dtype(np.float64).itemsize
     return int(arrays + workspace_bytes(method, n, nsys, dtype, index_dtype, jacobi=jacobi,
                                         max_rows=max_rows)
-               + ARRAYS_PER_SOLVE * POOL_ROUND)
+               + check + ARRAYS_PER_SOLVE * POOL_ROUND)
 
 
 class FusedWorkspace:
