@@ -218,6 +218,10 @@ class Settings:
     lu_solve_columns: int = 4
 
     def __post_init__(self) -> None:
+        rows = self.batched_block_max_rows
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+            raise ValueError(f"override(batched_block_max_rows={rows!r}): expected an integer "
+                             ">= 0 (rows of a batch's largest system; 0 turns the route off)")
         threads = self.batched_block_threads
         if (isinstance(threads, bool) or not isinstance(threads, int) or threads % 32
                 or not 32 <= threads <= 1024):

@@ -693,6 +693,10 @@ def test_block_threads_setting_is_checked():
     with pytest.raises(ValueError, match="batched_block_threads"):
         with config.override(batched_block_threads=2048):
             pass
+    for rows in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="batched_block_max_rows"):
+            with config.override(batched_block_max_rows=rows):
+                pass
 
 
 @pytest.mark.multi_gpu
