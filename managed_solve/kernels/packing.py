@@ -63,8 +63,12 @@ def addresses(arrays: Sequence[np.ndarray]) -> np.ndarray:
     of each of hundreds of systems, holding the GIL. A read-only or empty
     array has no such view and takes ``a.ctypes.data``.
     """
-    out = np.empty(len(arrays), dtype=np.int64)
     view, address = ctypes.c_char.from_buffer, ctypes.addressof
+    try:  # one list, one conversion: no NumPy item assignment per array
+        return np.array([address(view(a)) for a in arrays], dtype=np.int64)
+    except (TypeError, ValueError):
+        pass
+    out = np.empty(len(arrays), dtype=np.int64)
     for k, a in enumerate(arrays):
         try:
             out[k] = address(view(a))

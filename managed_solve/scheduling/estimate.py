@@ -193,9 +193,11 @@ def batched_preconditioner(s: LinearSystem, device_kind: str) -> bool:
     system is solved alone, where the policy may set up AMG.
     """
     M = s.M
+    if M is None:  # the commonest: settled at validation
+        return True
     if isinstance(M, str) and M == "auto":
         return s.n < amg_min_n(device_kind)
-    return M is None or is_jacobi(M)
+    return is_jacobi(M)
 
 
 def deferrable(s: LinearSystem, device_kind: str) -> bool:
@@ -218,8 +220,10 @@ def dtype_name(dt: np.dtype) -> str:
 
 def route(s: LinearSystem, device_kind: str, cache: dict | None = None) -> tuple[str, tuple]:
     """(route, group) of a system; batches mix systems of one group only."""
-    dt = dtype_name(s.dtype)
-    if s.kind != "csr" or s.method in ("minres", "direct") or not batched_preconditioner(s, device_kind) \
+    dt = _DTYPE_NAMES.get(s.dtype) or dtype_name(s.dtype)
+    M = s.M
+    if s.kind != "csr" or s.method in ("minres", "direct") \
+            or not (M is None or batched_preconditioner(s, device_kind)) \
             or s.nullspace is not None:  # a projected singular system: solve() handles it
         return SINGLE, (s.method, dt)
     method = resolve_method(s, device_kind, cache)
@@ -227,7 +231,7 @@ def route(s: LinearSystem, device_kind: str, cache: dict | None = None) -> tuple
         return DIRECT, ("direct", dt, is_symmetric(s.A, cache))
     if method not in BATCHED_METHODS:  # MINRES: the batched core has none
         return SINGLE, (s.method, dt)
-    return BATCH, (method, dt, is_jacobi(s.M))
+    return BATCH, (method, dt, M is not None and is_jacobi(M))
 
 
 def home(s: LinearSystem) -> str | None:

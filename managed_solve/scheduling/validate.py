@@ -38,6 +38,7 @@ wait may last the interpreter's switch interval).
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -312,14 +313,39 @@ def symmetry_candidate(A: Any, least: int | None = None) -> bool:
     over the pattern of its own); the kernels check the pattern as they
     walk it (``NOT_CANONICAL``).
     """
-    if not (_backend.is_scipy_sparse(A) and A.format == "csr"):
+    nnz = _csr_nnz(A)
+    if nnz is None:
         return False
-    nnz, data = A.nnz, A.data
+    data = A.data
     return (nnz > 0 and (least is None or nnz < least) and data.dtype in _FLOATS
             and getattr(A, "_has_canonical_format", True) is not False
             and getattr(A, "_has_sorted_indices", True) is not False
             and data.flags.c_contiguous and A.indices.flags.c_contiguous
             and A.indptr.flags.c_contiguous)
+
+
+def _csr_nnz(A: Any) -> int | None:
+    """A SciPy CSR matrix's stored entries; None for anything else.
+
+    The exact SciPy types by identity, their count read from ``indptr``
+    (what their ``nnz`` returns, without its two calls): the inputs'
+    checks ask this of every input.
+    """
+    sp = sys.modules.get("scipy.sparse")
+    if sp is None:
+        return None
+    t = type(A)
+    if t is sp.csr_matrix or t is sp.csr_array:
+        return int(A.indptr[-1])
+    if sp.issparse(A) and A.format == "csr":
+        return A.nnz
+    return None
+
+
+def _csr_types() -> tuple:
+    """SciPy's two CSR types, found by identity (none before ``scipy.sparse`` is imported)."""
+    sp = sys.modules.get("scipy.sparse")
+    return (sp.csr_matrix, sp.csr_array) if sp is not None else ()
 
 
 def test_symmetry(mats: Sequence[Any], cache: dict, rel: float = 1e-12) -> None:
@@ -344,7 +370,9 @@ class SymmetryPass:
     """
 
     def __init__(self, groups: list):
-        self.groups = groups  # (matrices, kernel arguments, codes, bounds, finite) per dtype triple
+        # (matrices, kernel arguments, codes, bounds, finite, whole) per dtype triple;
+        # whole: each matrix's data array where the walk reads all of it, else None.
+        self.groups = groups
         self.count = sum(len(g[0]) for g in groups)
         self.work = SYMMETRY_NS * float(sum(int(g[1][4].sum()) for g in groups))
 
@@ -365,14 +393,15 @@ class SymmetryPass:
         """
         from ..kernels.symmetry import DIFFERENT_PATTERN, NOT_CANONICAL
 
-        for group, _args, codes, bounds, _finite in self.groups:
-            for A, code, b in zip(group, codes.tolist(), bounds.tolist(), strict=True):
+        for group, _args, codes, bounds, *_rest in self.groups:
+            for A, code, b in zip(group, codes.tolist(), map(tuple, bounds.tolist()), strict=True):
                 if code == NOT_CANONICAL:
                     continue
                 A.has_canonical_format = True
+                key = id(A)
                 if code != DIFFERENT_PATTERN:
-                    cache[id(A)] = (A, bool(code))
-                cache[("gershgorin", id(A))] = (A, tuple(b))
+                    cache[key] = (A, bool(code))
+                cache[("gershgorin", key)] = (A, b)
 
     def covered(self) -> set[int]:
         """The ids of the ``data`` arrays whose finite check the kernels make.
@@ -380,14 +409,12 @@ class SymmetryPass:
         Each matrix's stored entries, when they are its whole ``data`` (a
         longer array is left to the finite check of whole arrays).
         """
-        return {id(A.data) for group, args, *_answers in self.groups
-                for A, nnz in zip(group, args[4].tolist(), strict=True) if A.data.shape[0] == nnz}
+        return {id(d) for *_x, whole in self.groups for d in whole if d is not None}
 
     def finite_data(self) -> list[np.ndarray]:
         """The :meth:`covered` ``data`` arrays found finite (after :func:`run_all`)."""
-        return [A.data for group, args, _codes, _bounds, finite in self.groups
-                for A, nnz, ok in zip(group, args[4].tolist(), finite.tolist(), strict=True)
-                if ok and A.data.shape[0] == nnz]
+        return [d for _group, _args, _codes, _bounds, finite, whole in self.groups
+                for d, ok in zip(whole, finite.tolist(), strict=True) if ok and d is not None]
 
     def run(self, cache: dict) -> None:
         """Run the kernels over every range, then store the answers in ``cache``."""
@@ -397,7 +424,9 @@ class SymmetryPass:
 
 def symmetry_pass(mats: Sequence[Any], rel: float = 1e-12) -> SymmetryPass:
     """:func:`test_symmetry`'s tables: the matrices largest first, by dtypes, with their addresses."""
-    sizes = np.fromiter((A.nnz for A in mats), np.int64, len(mats))
+    exact = _csr_types()
+    sizes = np.fromiter((int(A.indptr[-1]) if type(A) in exact else A.nnz for A in mats),
+                        np.int64, len(mats))  # a CSR's nnz, without its property's calls
     by_dtype: dict[tuple, list] = {}
     for k in np.argsort(-sizes, kind="stable").tolist():  # largest first, then in input order
         A = mats[k]
@@ -409,12 +438,13 @@ def symmetry_pass(mats: Sequence[Any], rel: float = 1e-12) -> SymmetryPass:
         codes = np.zeros(len(group), dtype=np.int8)
         bounds = np.zeros((len(group), 4), dtype=np.float64)
         finite = np.zeros(len(group), dtype=np.uint8)
+        data = [A.data for A in group]
         args = (_addresses([A.indptr for A in group]), _addresses([A.indices for A in group]),
-                _addresses([A.data for A in group]),
-                np.fromiter((A.shape[0] for A in group), np.int64, len(group)), nnzs,
-                np.empty(0, pdt), np.empty(0, idt), np.empty(0, ddt), float(rel), codes, bounds,
-                finite)
-        groups.append((group, args, codes, bounds, finite))
+                _addresses(data), np.fromiter((A.shape[0] for A in group), np.int64, len(group)),
+                nnzs, np.empty(0, pdt), np.empty(0, idt), np.empty(0, ddt), float(rel), codes,
+                bounds, finite)
+        whole = [d if d.shape[0] == nnz else None for d, nnz in zip(data, nnzs.tolist(), strict=True)]
+        groups.append((group, args, codes, bounds, finite, whole))
     return SymmetryPass(groups)
 
 
@@ -472,7 +502,11 @@ def input_matrices(items: Sequence[Any], method: str, least: int) -> list:
     if method != "auto":
         return []
     for item in items:
-        if isinstance(item, LinearSystem):
+        if type(item) is tuple and len(item) == 2:  # the commonest input, by its exact type
+            A, b = item
+            if type(b) is not np.ndarray or id(A) in found or not symmetry_candidate(A, least):
+                continue
+        elif isinstance(item, LinearSystem):
             if not pass_tested(item, least):
                 continue
             A = item.A
@@ -502,11 +536,12 @@ def finite_candidates(items: Sequence[Any], covered: Collection[int] = ()) -> li
     below ``MIN_ARRAYS`` arrays: a few checks cost less one by one.
     """
     arrays: dict[int, Any] = dict.fromkeys(covered)
+    exact = _csr_types()
     for item in items:
         if not isinstance(item, (tuple, list)) or len(item) != 2:
             continue
         A, b = item
-        if _backend.is_scipy_sparse(A) and A.format == "csr":
+        if type(A) in exact or (_backend.is_scipy_sparse(A) and A.format == "csr"):
             data = A.data
             if id(data) not in arrays and _scannable(data):
                 arrays[id(data)] = data

@@ -28,6 +28,8 @@ from .inputs import (
 from .method import METHODS, PRECONDITIONERS, check_preconditioner, settle_auto
 from .properties import is_symmetric
 
+_F32, _F64 = FLOAT_DTYPES
+
 A_NONFINITE = "A has NaN or Inf entries; clean the matrix before solving"
 B_NONFINITE = "b has NaN or Inf entries"
 
@@ -194,9 +196,16 @@ class LinearSystem:
         sp = sys.modules.get("scipy.sparse")
         if sp is None or (type(A) is not sp.csr_matrix and type(A) is not sp.csr_array):
             return False
-        dt = b.dtype
-        if b.ndim != 1 or dt not in FLOAT_DTYPES or type(A.data) is not np.ndarray \
-                or A.data.dtype != dt:
+        dt, data = b.dtype, A.data
+        # The dtypes by identity first (NumPy's float dtypes are singletons): hundreds of
+        # systems a call pass here.
+        if dt is _F64 or dt is _F32:
+            dtype = dt
+        elif dt in FLOAT_DTYPES:
+            dtype = _F32 if dt == _F32 else _F64
+        else:
+            return False
+        if b.ndim != 1 or type(data) is not np.ndarray or (data.dtype is not dt and data.dtype != dt):
             return False
         n, m = A.shape
         if n != m or n == 0 or b.shape[0] != n:
@@ -204,8 +213,10 @@ class LinearSystem:
         if not options_passed and not quick_options(rtol, atol, maxiter, method, M):
             return False
         A.sum_duplicates()  # canonical form, in place, as as_operator leaves it
-        if check_finite:
-            bad = host_nonfinite(A.data if A.nnz else None, b, memo)
+        if check_finite and not (memo is not None and memo.get(id(b)) is b
+                                 and (memo.get(id(A.data)) is A.data or not A.indptr[-1])):
+            # Not both found finite already (solve_many's pass finds most): read them.
+            bad = host_nonfinite(A.data if A.indptr[-1] else None, b, memo)  # indptr[-1]: A.nnz
             if bad is not None:
                 call = call or (f"LinearSystem({name!r})" if name else "LinearSystem(A, b)")
                 raise ValueError(f"{call}: {B_NONFINITE if bad is b else A_NONFINITE}")
@@ -215,7 +226,7 @@ class LinearSystem:
         self.maxiter = maxiter
         self.method, self.M, self.name = method, settle_auto(M, "csr", n, method), name
         self.nullspace = None
-        self.dtype = FLOAT_DTYPES[0] if dt == FLOAT_DTYPES[0] else FLOAT_DTYPES[1]
+        self.dtype = dtype
         return True
 
     # ------------------------------------------------------------------ facts

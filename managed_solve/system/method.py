@@ -267,18 +267,21 @@ def krylov_method(A: Any, symmetric: bool | None, *, cache: dict | None = None) 
     """
     if not symmetric:
         return "bicgstab"
-    key = ("diag>0", id(A))
-    hit = cache.get(key) if cache is not None else None
-    if hit is not None and hit[0] is A:
-        positive = hit[1]
+    if cache is None:
+        return "cg" if positive_diagonal(A) else "minres"  # sync: one read
+    # The symmetry tests read the diagonal already (their bounds keep its least
+    # entry): the commonest hit, looked up first.
+    seen = cache.get(("gershgorin", id(A)))
+    if seen is not None and seen[0] is A:
+        positive = bool(seen[1][2] > 0)
     else:
-        seen = cache.get(("gershgorin", id(A))) if cache is not None else None
-        if seen is not None and seen[0] is A:  # the tests read the diagonal already (kept there)
-            positive = bool(seen[1][2] > 0)
+        key = ("diag>0", id(A))
+        hit = cache.get(key)
+        if hit is not None and hit[0] is A:
+            positive = hit[1]
         else:
             positive = positive_diagonal(A)  # sync: one read per matrix
-            if cache is not None:
-                cache[key] = (A, positive)
+            cache[key] = (A, positive)
     return "cg" if positive else "minres"
 
 
