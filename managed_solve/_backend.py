@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from types import ModuleType
@@ -185,124 +185,6 @@ def thread_lane(name: str, lanes: int) -> ThreadPoolExecutor:
         pool = thread_pool(f"{name}-{k % max(1, int(lanes))}", 1)
         setattr(_LANES, name, pool)
     return pool
-
-
-#: Byte alignment of the arrays carved from one page-locked block (DMA- and
-#: vector-friendly for every dtype).
-CARVE_ALIGN = 256
-
-
-def carve_layout(specs: Sequence[tuple[int, Any]]) -> tuple[list[int], int]:
-    """Byte offsets of arrays of ``specs`` (``(count, dtype)`` each) laid end to end, and the total.
-
-    Each array starts at a multiple of :data:`CARVE_ALIGN`.
-
-    Examples
-    --------
-    >>> carve_layout([(3, "float64"), (10, "int32")])
-    ([0, 256], 296)
-    """
-    offsets, end = [], 0
-    for count, dtype in specs:
-        start = -(-end // CARVE_ALIGN) * CARVE_ALIGN
-        offsets.append(start)
-        end = start + int(count) * np.dtype(dtype).itemsize
-    return offsets, end
-
-
-def carve(buffer: Any, specs: Sequence[tuple[int, Any]]) -> list[np.ndarray]:
-    """Arrays of ``specs`` (``(count, dtype)`` each) over one ``buffer`` (:func:`carve_layout`'s bytes)."""
-    offsets, _total = carve_layout(specs)
-    return [np.frombuffer(buffer, dtype=np.dtype(dt), count=int(count), offset=off)
-            for (count, dt), off in zip(specs, offsets, strict=True)]
-
-
-def _alloc_pinned(nbytes: int) -> Any:
-    return cupy().cuda.alloc_pinned_memory(max(1, int(nbytes)))
-
-
-def pinned_arrays(specs: Sequence[tuple[int, Any]], keep: list,
-                  alloc: Callable[[int], Any] | None = None) -> list[np.ndarray]:
-    """Arrays of ``specs`` (``(count, dtype)`` each) over ONE page-locked block.
-
-    Each page-locked allocation a process makes costs milliseconds
-    (``cudaHostAlloc`` pins its pages); the arrays of one batch come from one
-    block instead of one each. CuPy's pinned pool keeps a freed block for
-    later requests of its (rounded) size, so later calls of similar sizes
-    reuse it. ``keep`` holds the block until the caller's copies are done
-    (see :func:`pinned_empty`); ``alloc(nbytes)`` gives a block (default:
-    CuPy's pinned pool).
-    """
-    _offsets, total = carve_layout(specs)
-    mem = (alloc or _alloc_pinned)(total)
-    keep.append(mem)
-    return carve(mem, specs)
-
-
-class PinnedArena:
-    """Small page-locked buffers carved in turn from shared slabs.
-
-    Buffers of at most ``largest`` bytes (status read-backs, row lists) come
-    from the current slab of ``slab_bytes``; when it is used up a new one is
-    taken. A slab goes back to ``alloc``'s pool once no buffer carved from it
-    is held (each holder's ``keep`` list holds the slab), so a process pays
-    one allocation per slab instead of one per buffer. ``alloc(nbytes)``
-    returns the slab (an object with the buffer protocol).
-
-    Examples
-    --------
-    >>> arena = PinnedArena(bytearray, slab_bytes=4096, largest=1024)
-    >>> keep = []
-    >>> a, b = arena.empty(8, "float64", keep), arena.empty(4, "int32", keep)
-    >>> arena.slabs, len(keep), a.nbytes, b.nbytes
-    (1, 2, 64, 16)
-    """
-
-    def __init__(self, alloc: Callable[[int], Any], *, slab_bytes: int = 1 << 21,
-                 largest: int = 1 << 16):
-        self.alloc, self.slab_bytes, self.largest = alloc, int(slab_bytes), int(largest)
-        self.slabs = 0  # slabs taken so far
-        self._lock = threading.Lock()
-        self._slab: Any = None
-        self._used = 0
-
-    def empty(self, count: int, dtype: Any, keep: list) -> np.ndarray:
-        """An array of ``count`` elements; ``keep`` holds its block until the caller drops it."""
-        dt = np.dtype(dtype)
-        nbytes = max(1, int(count) * dt.itemsize)
-        if nbytes > self.largest:
-            mem = self.alloc(nbytes)
-            keep.append(mem)
-            return np.frombuffer(mem, dtype=dt, count=int(count))
-        with self._lock:
-            start = -(-self._used // CARVE_ALIGN) * CARVE_ALIGN
-            if self._slab is None or start + nbytes > self.slab_bytes:
-                self._slab, start = self.alloc(self.slab_bytes), 0
-                self.slabs += 1
-            slab = self._slab
-            self._used = start + nbytes
-        keep.append(slab)
-        return np.frombuffer(slab, dtype=dt, count=int(count), offset=start)
-
-
-_ARENA_LOCK = threading.Lock()
-_ARENA: list[PinnedArena] = []  # the process's arena over CuPy's pinned pool, made on first use
-
-
-def pinned_empty(count: int, dtype: Any, keep: list) -> np.ndarray:
-    """A NumPy array of ``count`` elements over page-locked memory from CuPy's pinned pool.
-
-    The pool hands a block out again as soon as its owner is freed, even while
-    an asynchronous copy from or to it is still queued: ``keep`` (a list the
-    caller holds until its copies are done) keeps the block alive. Small
-    arrays share slabs (:class:`PinnedArena`): a fresh process would
-    otherwise pay one ``cudaHostAlloc`` for each.
-    """
-    with _ARENA_LOCK:
-        if not _ARENA:
-            _ARENA.append(PinnedArena(_alloc_pinned))
-        arena = _ARENA[0]
-    return arena.empty(count, dtype, keep)
 
 
 # Streams the process keeps per GPU and role (see device_stream).

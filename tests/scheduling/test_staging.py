@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -35,7 +37,7 @@ def test_vectorised_host_pack_matches_block_diagonal(jacobi, chunk_nnz):
     blocks = []
 
     def allocate(specs):  # stands in for the page-locked block used towards GPUs
-        from managed_solve._backend import carve, carve_layout
+        from managed_solve._pinned import carve, carve_layout
 
         blocks.append(bytearray(b"\xff" * carve_layout(specs)[1]))  # no zeros to lean on
         return carve(blocks[-1], specs)
@@ -93,7 +95,7 @@ def _span(a):
 
 
 def test_pinned_arrays_carve_one_block_into_aligned_disjoint_arrays():
-    from managed_solve._backend import CARVE_ALIGN, pinned_arrays
+    from managed_solve._pinned import CARVE_ALIGN, pinned_arrays
 
     made, keep = [], []
     specs = [(1001, np.float64), (1001, np.int32), (3, np.int64), (0, np.float32), (17, np.uint8)]
@@ -116,7 +118,7 @@ def test_pinned_arrays_carve_one_block_into_aligned_disjoint_arrays():
 
 
 def test_pinned_arena_serves_small_buffers_from_shared_slabs():
-    from managed_solve._backend import CARVE_ALIGN, PinnedArena
+    from managed_solve._pinned import CARVE_ALIGN, PinnedArena
 
     made = []
     arena = PinnedArena(_counting_alloc(made), slab_bytes=4096, largest=1024)
@@ -139,6 +141,122 @@ def test_pinned_arena_serves_small_buffers_from_shared_slabs():
     big = arena.empty(2048, np.uint8, big_keep)  # past `largest`: a block of its own
     assert len(made) == 4 and big_keep == [made[-1]] and big.nbytes == 2048
     assert arena.slabs == 3
+
+
+def test_staging_pool_lends_the_smallest_fitting_block_once_its_arrays_are_gone():
+    from managed_solve._pinned import StagingPool, block_class
+
+    made = []
+    pool = StagingPool(_counting_alloc(made), keep_free=2)
+    assert pool.lend(300_000) is None and pool.allocations == 0  # nothing pinned: the caller stages
+    pool.pin(300_000)
+    assert len(made) == pool.allocations == 1 and len(made[0]) == block_class(300_000)
+    a = pool.lend(300_000)
+    assert a.nbytes == 300_000 and a.dtype == np.uint8 and pool.free_blocks == 0
+    views = [np.frombuffer(a, np.float64, count=10), np.frombuffer(a, np.int32, count=4, offset=256)]
+    del a
+    assert pool.free_blocks == 0 and pool.lend(200_000) is None  # its views still hold the block
+    pool.pin(200_000)
+    b = pool.lend(200_000)
+    views.clear()
+    assert pool.free_blocks == 1
+    del b
+    assert pool.free_blocks == 2
+    c = pool.lend(150_000)  # both fit within 2x: the smaller one
+    assert c.__array_interface__["data"][0] == \
+        np.frombuffer(made[1], np.uint8).__array_interface__["data"][0]
+    assert pool.lend(40_000) is None  # the 327,680-byte block is more than twice 40,000 (+64 KiB)
+    pool.pin(40_000)
+    del c
+    assert pool.free_blocks == 2 and pool.allocations == 3  # keep_free: the smallest of three left
+    assert sorted(len(m) for m in made) == [block_class(40_000), block_class(200_000),
+                                            block_class(300_000)]
+
+
+def test_staging_pool_pins_later_on_its_helper_thread_and_reports_failures():
+    from managed_solve._pinned import StagingPool
+
+    made, threads = [], []
+
+    def alloc(nbytes):
+        threads.append(threading.current_thread().name)
+        return _counting_alloc(made)(nbytes)
+
+    pool = StagingPool(alloc)
+    for nbytes in (1_000_000, 1_000_000, 5_000_000):  # one block a request, even of one class
+        pool.pin_later(nbytes)
+    pool.settle()
+    assert pool.allocations == 3 and pool.free_blocks == 3
+    assert all(name.startswith("managed_solve-staging-pin") for name in threads)
+    held = [pool.lend(950_000), pool.lend(950_000), pool.lend(4_000_000)]
+    assert [h.nbytes for h in held] == [950_000, 950_000, 4_000_000] and pool.free_blocks == 0
+
+    def broken(nbytes):
+        raise MemoryError("no page-locked memory left")
+
+    failing = StagingPool(broken)
+    failing.pin_later(100)
+    with pytest.raises(MemoryError, match="page-locked"):
+        failing.settle()
+    failing.settle()  # reported once
+
+
+def test_staging_block_stages_in_pageable_memory_until_a_block_is_pinned():
+    from managed_solve import _pinned
+
+    made = []
+    pool = _pinned.StagingPool(_counting_alloc(made))
+    with _pinned.staging_pool_scope(pool):
+        keep: list = []
+        specs = [(5000, np.float64), (5000, np.int32), (101, np.int32)]
+        first = _pinned.pinned_arrays(specs, keep)
+        assert made == [] or len(made) == 1  # its block is being pinned on the helper thread
+        assert all(a.base is not None for a in first) and len(keep) == 1
+        assert not any(np.shares_memory(keep[0], np.frombuffer(m, np.uint8)) for m in made)
+        pool.settle()
+        assert pool.allocations == 1 and pool.free_blocks == 1
+        keep2: list = []
+        second = _pinned.pinned_arrays(specs, keep2)  # the pinned block, carved as before
+        assert pool.allocations == 1 and pool.free_blocks == 0
+        assert np.shares_memory(keep2[0], np.frombuffer(made[0], np.uint8))
+        for k, part in enumerate(second):
+            part[...] = k + 1
+        assert all((part == k + 1).all() for k, part in enumerate(second))
+        del second, keep2, part
+        assert pool.free_blocks == 1
+
+
+@pytest.mark.gpu
+def test_a_first_batch_stages_in_pageable_memory_and_later_ones_in_the_block_pinned_for_them():
+    import cupy as cp
+
+    from managed_solve import _pinned
+    from managed_solve.manager import DeviceManager
+    from managed_solve.scheduling import solve_many
+
+    rng = np.random.default_rng(2)
+    # One size: one iteration band, so one batch (of 27,000 rows).
+    items = [(poisson2d(30), rng.standard_normal(900)) for _ in range(30)]
+    mgr = DeviceManager(["cuda:0"])
+
+    def check(res):
+        assert all(r.converged for r in res)
+        for r, (A, b) in zip(res, items, strict=True):
+            x = cp.asnumpy(r.x)
+            assert np.linalg.norm(b - A @ x) <= 1e-8 * np.linalg.norm(b) * (1 + 1e-6)
+
+    with _pinned.staging_pool_scope(_pinned.StagingPool(cp.cuda.alloc_pinned_memory)) as pool:
+        check(solve_many(items, manager=mgr, rtol=1e-8))  # pageable staging, a block pinned for later
+        pool.settle()
+        assert pool.allocations == 1
+        block = pool.lend(1_500_000)  # the batch's ~2.1 MB block
+        attrs = cp.cuda.runtime.pointerGetAttributes(block.__array_interface__["data"][0])
+        assert attrs.type == cp.cuda.runtime.memoryTypeHost  # page-locked
+        del block
+        check(solve_many(items, manager=mgr, rtol=1e-8))
+        check(solve_many(items, manager=mgr, rtol=1e-8))
+        pool.settle()
+        assert pool.allocations == 1  # the later batches were staged in that block
 
 
 @pytest.mark.gpu

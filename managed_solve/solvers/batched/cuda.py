@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ... import _backend
+from ... import _backend, _pinned
 
 #: Source files, in the order they are concatenated into one translation unit.
 SOURCE_FILES = ("common.cuh", "cg_bicgstab.cu", "cg_blocks.cu", "gmres.cu")
@@ -263,7 +263,7 @@ def grid_rows(n: int, device_id: int) -> int:
 
 def pinned(nbytes: int, dtype: Any, keep: list) -> np.ndarray:
     """A NumPy array over ``nbytes`` of page-locked memory (kept alive by ``keep``)."""
-    return _backend.pinned_empty(nbytes // np.dtype(dtype).itemsize, dtype, keep)
+    return _pinned.pinned_empty(nbytes // np.dtype(dtype).itemsize, dtype, keep)
 
 
 class RetiredQueue:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ... import _backend, config
+from ... import _backend, _pinned, config
 from ..engine import default_maxiter
 from . import gather
 
@@ -418,7 +418,7 @@ def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cp
     thread pool named ``pool`` (:func:`managed_solve._backend.thread_pool`).
     ``allocate(specs)`` allocates the outputs at once, one array per
     ``(size, dtype)`` of ``specs`` (towards a GPU: one page-locked block,
-    :func:`managed_solve._backend.pinned_arrays`).
+    :func:`managed_solve._pinned.pinned_arrays`).
     ``chunk_nnz`` defaults to ``config.current().pack_chunk_nnz``.
     """
     from ...kernels.packing import (
@@ -607,7 +607,7 @@ def _pack_host_to_gpu(systems: Sequence[Any], *, jacobi: bool, device_id: int, d
     keep: list = []
 
     def pinned(specs: list) -> list[np.ndarray]:
-        return _backend.pinned_arrays(specs, keep)
+        return _pinned.pinned_arrays(specs, keep)
 
     # A pool per GPU: two GPUs' stagers packing at once each get their own
     # threads (one shared pool made each wait behind the other's pieces).

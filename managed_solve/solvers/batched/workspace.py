@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ... import _backend, config
+from ... import _backend, _pinned, config
 from . import cuda
 
 # Krylov vectors GMRES keeps before a restart, by default (as ``solve``'s GMRES).
@@ -244,7 +244,7 @@ class GmresWorkspace:
             # can be in flight (reused in turn; stream order keeps them apart).
             size = every * (m + 1) * ns
             self._pinned_keep: list = []
-            self.landing = [_backend.pinned_empty(size, np.float64, self._pinned_keep)
+            self.landing = [_pinned.pinned_empty(size, np.float64, self._pinned_keep)
                             for _ in range(GMRES_AHEAD + 1)]
             self.chunks = 0
             self.graphs: dict = {}  # (first step, end step) -> captured chunk
