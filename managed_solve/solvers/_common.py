@@ -16,13 +16,13 @@ from typing import Any
 import numpy as np
 
 from .. import _backend
+from ..system.linear_system import default_maxiter
 from .engine import BREAKDOWN as BREAKDOWN
 from .engine import CONVERGED as CONVERGED
 from .engine import LEAST_SQUARES as LEAST_SQUARES
 from .engine import MAXITER as MAXITER
 from .engine import NOT_IN_RANGE as NOT_IN_RANGE
 from .engine import Outcome as Outcome
-from .engine import default_maxiter as default_maxiter
 
 # How often a generic solver reads its residual on the host when xp is CuPy:
 # each read is a device synchronisation that also drains the launch queue,

@@ -34,9 +34,10 @@ from typing import Any
 import numpy as np
 
 from .. import _backend
+from ..system.linear_system import default_maxiter
 from ._common import SAFE_NORM_RANGE, checkpoint_interval, stable_norm
 from .block_ops import NumpyBlockOps, block_ops
-from .engine import BREAKDOWN, CONVERGED, MAXITER, Outcome, default_maxiter
+from .engine import BREAKDOWN, CONVERGED, MAXITER, Outcome
 
 METHODS = ("cg", "bicgstab")
 RUNNING = -1

@@ -84,8 +84,8 @@ class Options:
     """What a prepared engine needs besides the operator: method, preconditioner, stopping rule.
 
     ``method`` is resolved (never ``"auto"``); ``M`` is None, a preconditioner
-    name or a user operator; ``maxiter`` None means the engine's default
-    (:func:`default_maxiter`).
+    name or a user operator; ``maxiter`` None means the default limit
+    (:func:`managed_solve.system.linear_system.default_maxiter`).
     """
 
     method: str
@@ -96,11 +96,6 @@ class Options:
     callback: Callable[[Any], None] | None = None
     symmetric: bool | None = None
     first_check: int | None = None  # iterations before the first host read (a learned hint)
-
-
-def default_maxiter(n: int) -> int:
-    """SciPy's default for CG-like methods: ``10 * n``, and at least 100."""
-    return max(100, 10 * int(n))
 
 
 class Prepared(ABC):

@@ -24,13 +24,14 @@ from typing import Any
 import numpy as np
 
 from .. import _backend
+from ..system.linear_system import default_maxiter
 from .amg.pcg import BoundCG, amg_of, bind, takes_bound_loop
 from .batched import BatchedEngine, BatchedPrepared
 from .bicgstab import bicgstab, bicgstab_fused
 from .block import METHODS as BLOCK_METHODS
 from .block import block_solve
 from .cg import cg, cg_fused
-from .engine import Options, Outcome, Prepared, default_maxiter
+from .engine import Options, Outcome, Prepared
 from .gmres import gmres, gmres_fused
 from .minres import minres
 from .preconditioners import block_preconditioner, inverse_diagonal, make_preconditioner

@@ -34,6 +34,15 @@ A_NONFINITE = "A has NaN or Inf entries; clean the matrix before solving"
 B_NONFINITE = "b has NaN or Inf entries"
 
 
+def default_maxiter(n: int) -> int:
+    """The iteration limit of a system given none (``maxiter=None``): SciPy's for CG-like methods.
+
+    ``10 * n``, and at least 100. Every engine and the batched core read it
+    here, so a system's limit is the same on every route.
+    """
+    return max(100, 10 * int(n))
+
+
 def nonnegative_finite(v: Any) -> bool:
     """``v`` is a finite number >= 0 (Python numbers without a NumPy call)."""
     if type(v) is float or type(v) is int:
@@ -56,7 +65,7 @@ class LinearSystem:
     rtol, atol : float
         Converged when ``||b - A x|| <= max(rtol * ||b||, atol)`` (SciPy's rule).
     maxiter : int, optional
-        Iteration limit; default ``10 * n`` (at least 100).
+        Iteration limit; default ``10 * n``, at least 100 (:func:`default_maxiter`).
     method : {"auto", "cg", "bicgstab", "gmres", "minres", "direct"}
     M : {"auto", "jacobi", "neumann", "amg"}, operator or None
         Preconditioner, as :func:`managed_solve.solve` takes it.

@@ -8,7 +8,8 @@ import scipy.sparse as sp
 
 from managed_solve import LinearSystem
 from managed_solve.kernels.packing import shift_blocks, shift_blocks_jacobi
-from managed_solve.solvers.batched import default_maxiter, pack_host
+from managed_solve.solvers.batched import pack_host
+from managed_solve.system.linear_system import default_maxiter
 
 
 def random_matrix(rng: np.random.Generator, n: int, dtype, index_dtype) -> sp.csr_matrix:

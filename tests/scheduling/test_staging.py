@@ -16,7 +16,8 @@ from tests._problems import poisson2d_skew as convection
 @pytest.mark.parametrize("chunk_nnz", [1 << 21, 40])  # one piece; many pieces on the pool
 @pytest.mark.parametrize("jacobi", [False, True])
 def test_vectorised_host_pack_matches_block_diagonal(jacobi, chunk_nnz):
-    from managed_solve.solvers.batched import default_maxiter, pack_host
+    from managed_solve.solvers.batched import pack_host
+    from managed_solve.system.linear_system import default_maxiter
 
     rng = np.random.default_rng(30)
     systems = []

@@ -28,7 +28,6 @@ from .gpu import prepare as prepare
 from .gpu import residual_norms as residual_norms
 from .outcome import BatchOutcome as BatchOutcome
 from .packed import PackedBatch as PackedBatch
-from .packed import default_maxiter as default_maxiter
 from .packed import pack_host as pack_host
 from .workspace import GMRES_RESTART as GMRES_RESTART
 from .workspace import block_route as block_route

@@ -38,7 +38,8 @@ import numpy as np
 
 from ... import _backend
 from ...device_args import cuda_ordinal
-from ..engine import BREAKDOWN, Options, Outcome, Prepared, default_maxiter
+from ...system.linear_system import default_maxiter
+from ..engine import BREAKDOWN, Options, Outcome, Prepared
 from . import gpu
 from .arguments import check_batch
 from .cpu import solve_fused

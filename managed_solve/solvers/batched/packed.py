@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 
 from ... import _backend, _pinned, config
-from ..engine import default_maxiter
+from ...system.linear_system import default_maxiter
 from . import gather
 
-__all__ = ["PackedBatch", "default_maxiter", "pack_host"]
+__all__ = ["PackedBatch", "pack_host"]
 
 _INT32_MAX = np.iinfo(np.int32).max
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))

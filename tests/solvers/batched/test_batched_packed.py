@@ -14,9 +14,9 @@ from managed_solve.solvers.batched import (
     PackedBatch,
     bicgstab_batched,
     cg_batched,
-    default_maxiter,
     predict_bytes,
 )
+from managed_solve.system.linear_system import default_maxiter
 from tests._problems import poisson2d
 
 
