@@ -131,6 +131,10 @@ class Settings:
     batched_block_threads : int
         Batched engine (GPU): threads of a block that iterates one system
         (a multiple of 32, at most 1024).
+    batched_block_shared_memory : bool
+        Batched engine (GPU): a block keeps its system's p, q and x in
+        shared memory when the batch's largest system fits there (off:
+        in device memory; the iterates are the same).
     batched_gmres_graphs : bool
         Batched engine (GPU): GMRES replays a chunk of Arnoldi steps seen in
         an earlier restart cycle as a CUDA graph (off: direct launches).
@@ -206,6 +210,7 @@ class Settings:
     batched_vector_min_nnz_per_row: int = 32
     batched_block_max_rows: int = 1 << 14
     batched_block_threads: int = 1024
+    batched_block_shared_memory: bool = True
     batched_gmres_graphs: bool = True
     batched_gmres_vectorised_on_host: bool = False
     # -- host kernels of the batched engine (solvers/batched/cpu.py)

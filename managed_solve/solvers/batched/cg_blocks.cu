@@ -36,22 +36,26 @@ __device__ __forceinline__ void ms_block_sums(double (&v)[K], double (*sh)[32]) 
 
 // ms_row_dot with the loads of four entries issued before their products: a
 // block per system has few warps to hide memory latency with. Same sum, in
-// the same order.
+// the same order. v holds the system's values from its first row on (global
+// column c at v[c - off]): a vector of the batch with off 0, or the block's
+// copy in shared memory with the system's first row as off.
 template <typename T, typename I>
 __device__ __forceinline__ double ms_row_dot4(const I* __restrict__ indptr,
                                               const I* __restrict__ indices,
-                                              const T* __restrict__ data, const T* v, ll i) {
+                                              const T* __restrict__ data, const T* v, ll off,
+                                              ll i) {
     double sum = 0.0;
     I j = indptr[i];
     const I end = indptr[i + 1];
     for (; j + 4 <= end; j += 4) {
-        const I c0 = indices[j], c1 = indices[j + 1], c2 = indices[j + 2], c3 = indices[j + 3];
+        const ll c0 = indices[j] - off, c1 = indices[j + 1] - off;
+        const ll c2 = indices[j + 2] - off, c3 = indices[j + 3] - off;
         const double d0 = (double)data[j], d1 = (double)data[j + 1];
         const double d2 = (double)data[j + 2], d3 = (double)data[j + 3];
         const double v0 = (double)v[c0], v1 = (double)v[c1], v2 = (double)v[c2], v3 = (double)v[c3];
         sum += d0 * v0; sum += d1 * v1; sum += d2 * v2; sum += d3 * v3;
     }
-    for (; j < end; ++j) sum += (double)data[j] * (double)v[indices[j]];
+    for (; j < end; ++j) sum += (double)data[j] * (double)v[indices[j] - off];
     return sum;
 }
 
@@ -62,7 +66,15 @@ __device__ __forceinline__ double ms_row_dot4(const I* __restrict__ indptr,
 // by decreasing size; next: the claim counter (zero at launch).
 // norms2[s] = ||b - A x||^2, norms2[nsys + s] = ||b||^2. At most 1024 threads
 // a block, so 64 registers a thread at most.
-template <typename T, typename I, bool JAC, bool HASX0>
+//
+// SH: p, q and x of the block's system live in dynamic shared memory (3 n
+// values of T; the host launches with room for the batch's largest system)
+// and x goes to the batch's x at the end. Each iteration then reads and
+// writes in device memory only the matrix and r (and z, dinv with Jacobi):
+// the kernel is bound by memory bandwidth, and a block's p, q and x made up
+// about 40% of its traffic. Same operations in the same order, values stored
+// as T either way: the same iterates as without SH.
+template <typename T, typename I, bool JAC, bool HASX0, bool SH>
 __global__ void __launch_bounds__(1024, 1)
 ms_cg_blocks(const I* __restrict__ indptr, const I* __restrict__ indices,
              const T* __restrict__ data, const T* __restrict__ b, const T* __restrict__ x0,
@@ -71,12 +83,13 @@ ms_cg_blocks(const I* __restrict__ indptr, const I* __restrict__ indices,
              const int* __restrict__ order, int* next, int nsys, const double* __restrict__ rtol,
              const double* __restrict__ atol, const ll* __restrict__ maxiter, double* res2,
              ll* iters, int* status, double* norms2) {
+    extern __shared__ double ms_dyn[];  // SH: the system's p, q, x
     __shared__ int claimed;
     __shared__ double red[2][3][32];
     int flip = 0;
     const ll step = blockDim.x;
     for (;;) {
-        __syncthreads();  // every thread has read the previous claim
+        __syncthreads();  // every thread has read the previous claim (and the previous x)
         if (threadIdx.x == 0) {
             const int k = atomicAdd(next, 1);
             claimed = k < nsys ? order[k] : -1;
@@ -84,24 +97,29 @@ ms_cg_blocks(const I* __restrict__ indptr, const I* __restrict__ indices,
         __syncthreads();
         const int s = claimed;
         if (s < 0) return;
-        const ll lo = offs[s] + threadIdx.x, hi = offs[s + 1];
+        const ll off = offs[s], n = offs[s + 1] - off, lo = threadIdx.x;
+        // The system's p, q, x from its first row: row i of the batch at [i - off].
+        T* P = SH ? (T*)ms_dyn : p + off;
+        T* Q = SH ? (T*)ms_dyn + n : q + off;
+        T* X = SH ? (T*)ms_dyn + 2 * n : x + off;
 
         // r = b - A x0 (or b), z = dinv r, p = z; sums b.b, r.r, r.z
         double c3[3] = {0.0, 0.0, 0.0};
-        for (ll i = lo; i < hi; i += step) {
+        for (ll k = lo; k < n; k += step) {
+            const ll i = off + k;
             const double bi = (double)b[i];
             T ri;
             if (HASX0) {
-                x[i] = x0[i];
-                ri = (T)(bi - ms_row_dot4(indptr, indices, data, x0, i));
+                X[k] = x0[i];
+                ri = (T)(bi - ms_row_dot4(indptr, indices, data, x0, (ll)0, i));
             } else {
-                x[i] = (T)0;
+                X[k] = (T)0;
                 ri = (T)bi;
             }
             const T zi = JAC ? (T)((double)dinv[i] * (double)ri) : ri;
             r[i] = ri;
             if (JAC) z[i] = zi;
-            p[i] = zi;
+            P[k] = zi;
             c3[0] += bi * bi; c3[1] += (double)ri * (double)ri; c3[2] += (double)ri * (double)zi;
         }
         ms_block_sums<3>(c3, red[flip ^= 1]);
@@ -115,7 +133,7 @@ ms_cg_blocks(const I* __restrict__ indptr, const I* __restrict__ indices,
         double res = rr;
         if (bb == 0.0) {  // x = 0 whatever x0 (SciPy returns b)
             st = MS_CONVERGED; res = 0.0;
-            if (HASX0) for (ll i = lo; i < hi; i += step) x[i] = (T)0;
+            if (HASX0) for (ll k = lo; k < n; k += step) X[k] = (T)0;
         } else if (rr <= t2) st = MS_CONVERGED;
         else if (maxit <= 0) st = MS_MAXITER;
         else if (rz == 0.0 || !isfinite(rz)) st = MS_BREAKDOWN;
@@ -123,10 +141,10 @@ ms_cg_blocks(const I* __restrict__ indptr, const I* __restrict__ indices,
         while (st == MS_RUNNING) {
             // q = A p; p.q
             double c1[1] = {0.0};
-            for (ll i = lo; i < hi; i += step) {
-                const double qi = ms_row_dot4(indptr, indices, data, (const T*)p, i);
-                q[i] = (T)qi;
-                c1[0] += (double)p[i] * qi;
+            for (ll k = lo; k < n; k += step) {
+                const double qk = ms_row_dot4(indptr, indices, data, (const T*)P, off, off + k);
+                Q[k] = (T)qk;
+                c1[0] += (double)P[k] * qk;
             }
             ms_block_sums<1>(c1, red[flip ^= 1]);
             const double pq = c1[0];
@@ -135,9 +153,10 @@ ms_cg_blocks(const I* __restrict__ indptr, const I* __restrict__ indices,
             const double alpha = rz / pq;
             double c2[2] = {0.0, 0.0};
             #pragma unroll 4
-            for (ll i = lo; i < hi; i += step) {
-                x[i] = (T)((double)x[i] + alpha * (double)p[i]);
-                const T ri = (T)((double)r[i] - alpha * (double)q[i]);
+            for (ll k = lo; k < n; k += step) {
+                const ll i = off + k;
+                X[k] = (T)((double)X[k] + alpha * (double)P[k]);
+                const T ri = (T)((double)r[i] - alpha * (double)Q[k]);
                 r[i] = ri;
                 const T zi = JAC ? (T)((double)dinv[i] * (double)ri) : ri;
                 if (JAC) z[i] = zi;
@@ -154,9 +173,10 @@ ms_cg_blocks(const I* __restrict__ indptr, const I* __restrict__ indices,
             const double beta = rz1 / rz;
             rz = rz1;
             #pragma unroll 4
-            for (ll i = lo; i < hi; i += step) {
+            for (ll k = lo; k < n; k += step) {
+                const ll i = off + k;
                 const double zi = JAC ? (double)z[i] : (double)r[i];
-                p[i] = (T)(zi + beta * (double)p[i]);
+                P[k] = (T)(zi + beta * (double)P[k]);
             }
             __syncthreads();  // the next product reads other threads' p
         }
@@ -164,10 +184,12 @@ ms_cg_blocks(const I* __restrict__ indptr, const I* __restrict__ indices,
         // ||b - A x|| and ||b|| in float64
         __syncthreads();  // x complete
         double c2[2] = {0.0, 0.0};
-        for (ll i = lo; i < hi; i += step) {
+        for (ll k = lo; k < n; k += step) {
+            const ll i = off + k;
             const double bi = (double)b[i];
-            const double ri = bi - ms_row_dot4(indptr, indices, data, (const T*)x, i);
+            const double ri = bi - ms_row_dot4(indptr, indices, data, (const T*)X, off, i);
             c2[0] += ri * ri; c2[1] += bi * bi;
+            if (SH) x[i] = X[k];
         }
         ms_block_sums<2>(c2, red[flip ^= 1]);
         if (threadIdx.x == 0) {

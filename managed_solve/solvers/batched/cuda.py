@@ -81,8 +81,10 @@ def instantiations(T: str, I: str, family: str | None = None) -> dict[str, str]:
             for x in (0, 1):
                 names[f"init{s}{j}{x}"] = f"ms_init<{T}, {I}, {_B[s]}, {_B[j]}, {_B[x]}>"
             names[f"cg_update{s}{j}"] = f"ms_cg_update<{T}, {I}, {_B[s]}, {_B[j]}>"
-            # (s here: whether the systems have x0; one block per system)
-            names[f"cg_blocks{j}{s}"] = f"ms_cg_blocks<{T}, {I}, {_B[j]}, {_B[s]}>"
+            # (s here: whether the systems have x0; one block per system, its
+            # vectors in device memory or, h, in shared memory)
+            for h in (0, 1):
+                names[f"cg_blocks{j}{s}{h}"] = f"ms_cg_blocks<{T}, {I}, {_B[j]}, {_B[s]}, {_B[h]}>"
             names[f"bicg_direction{s}{j}"] = f"ms_bicg_direction<{T}, {I}, {_B[s]}, {_B[j]}>"
             names[f"bicg_update_s{s}{j}"] = f"ms_bicg_update_s<{T}, {I}, {_B[s]}, {_B[j]}>"
             names[f"bicg_update_r{s}{j}"] = f"ms_bicg_update_r<{T}, {I}, {_B[s]}, {_B[j]}>"
@@ -254,6 +256,24 @@ def sm_count(device_id: int) -> int:
     """Streaming multiprocessors of a GPU."""
     cp = _backend.cupy()
     return int(cp.cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+
+@functools.cache
+def shared_bytes_optin(device_id: int) -> int:
+    """Shared memory one block may ask for on a GPU (static and dynamic together)."""
+    cp = _backend.cupy()
+    return int(cp.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"])
+
+
+#: Shared memory a block per system declares itself (its sums and its claim),
+#: with room to spare, on top of the dynamic part holding the system's vectors.
+BLOCK_STATIC_SHARED = 2048
+
+
+def block_shared_bytes(max_rows: int, itemsize: int, device_id: int) -> int:
+    """Dynamic shared memory for a block per system to keep p, q and x there, or 0 when they do not fit."""
+    need = 3 * int(max_rows) * int(itemsize)
+    return need if need + BLOCK_STATIC_SHARED <= shared_bytes_optin(device_id) else 0
 
 
 def grid_rows(n: int, device_id: int) -> int:

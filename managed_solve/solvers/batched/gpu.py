@@ -284,6 +284,12 @@ class FusedSolve(FusedWorkspace):
         dinv = b.dinv if self.jac else self.x  # never read without Jacobi
         x0 = b.x0 if has_x0 else self.x  # never read without x0
         ns = self.nsys
+        # p, q and x in shared memory when the largest system's fit there.
+        shared = cuda.block_shared_bytes(int(self.sizes.max()), self.x.itemsize, self.dev) \
+            if settings.batched_block_shared_memory else 0
+        kernel = self.k[f"cg_blocks{self.jac}{has_x0}{int(shared > 0)}"]
+        if shared > kernel.max_dynamic_shared_size_bytes:
+            kernel.max_dynamic_shared_size_bytes = shared
         keep: list = []
         host = cuda.pinned(self.norms2.nbytes + self.info.nbytes, np.uint8, keep)
         runtime = cp.cuda.runtime
@@ -291,10 +297,10 @@ class FusedSolve(FusedWorkspace):
         with stream:
             started = stream.record()
             runtime.memsetAsync(counter.data.ptr, 0, counter.nbytes, stream.ptr)
-            self.k[f"cg_blocks{self.jac}{has_x0}"]((grid,), (threads,), (
+            kernel((grid,), (threads,), (
                 b.indptr, b.indices, b.data, b.b, x0, dinv, self.x, r, z, p, q, self.offs,
                 self.order, counter, self.ns, self.rtol, self.atol, self.maxiter, self.res2,
-                self.iters, self.status, self.norms2))
+                self.iters, self.status, self.norms2), shared_mem=shared)
             runtime.memcpyAsync(host.ctypes.data, self.norms2.data.ptr, self.norms2.nbytes,
                                 runtime.memcpyDeviceToHost, stream.ptr)
             runtime.memcpyAsync(host.ctypes.data + self.norms2.nbytes, self.info.data.ptr,

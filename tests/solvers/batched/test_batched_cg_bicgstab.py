@@ -649,6 +649,60 @@ def test_gpu_block_route_gives_the_row_kernels_iterates(settings, case, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("case", range(4))
+def test_gpu_block_route_in_shared_memory_gives_the_same_bits(settings, case, dtype):
+    """p, q and x in shared memory or in device memory: the same operations, the same bits."""
+    from managed_solve.solvers.batched import cuda
+
+    name, systems, jacobi = _block_cases(np.random.default_rng(40 + case))[case]
+    systems = [LinearSystem(s.A.astype(dtype), s.b.astype(dtype), rtol=max(s.rtol, 1e-5)
+                            if dtype == np.float32 else s.rtol, maxiter=s.maxiter,
+                            x0=None if s.x0 is None else s.x0.astype(dtype)) for s in systems]
+    largest = max(s.n for s in systems)
+    assert cuda.block_shared_bytes(largest, np.dtype(dtype).itemsize, 0) == \
+        3 * largest * np.dtype(dtype).itemsize  # these fit
+    outs = []
+    for shared in (True, False):
+        settings(batched_block_shared_memory=shared)
+        batch = PackedBatch.pack(systems, device="cuda:0", jacobi=jacobi)
+        batched.prepare(batch, "cg")
+        assert batch.workspace.blocks, name
+        outs.append(cg_batched(batch))
+    sh, dm = outs
+    assert sh.status.tolist() == dm.status.tolist(), name
+    assert sh.iterations.tolist() == dm.iterations.tolist(), name
+    np.testing.assert_array_equal(host(sh.x), host(dm.x))
+    np.testing.assert_array_equal(sh.residual_norms, dm.residual_norms)
+    np.testing.assert_array_equal(sh.true_norms[0], dm.true_norms[0])
+    cpu = cg_batched(PackedBatch.pack(systems, jacobi=jacobi))
+    assert sh.status.tolist() == cpu.status.tolist(), name
+    assert (np.abs(sh.iterations - cpu.iterations) <= 1).all(), name
+
+
+@pytest.mark.gpu
+def test_gpu_block_route_keeps_vectors_in_shared_memory_while_they_fit():
+    """3 n values a system: W2's largest (9,216 rows) fit an H100's or H200's block in float64;
+    what does not fit runs from device memory, and still converges."""
+    from managed_solve.solvers.batched import cuda
+
+    optin = cuda.shared_bytes_optin(0)
+    fits = (optin - cuda.BLOCK_STATIC_SHARED) // 24  # float64 rows that fit
+    assert cuda.block_shared_bytes(fits, 8, 0) == 24 * fits
+    assert cuda.block_shared_bytes(fits + 1, 8, 0) == 0
+    assert cuda.block_shared_bytes(fits + 1, 4, 0) == 12 * (fits + 1)
+    if optin >= 227 * 1024:  # sm_90
+        assert cuda.block_shared_bytes(9216, 8, 0) > 0
+    m = int(np.ceil(np.sqrt(fits + 1)))  # a system too large for shared memory
+    rng = np.random.default_rng(3)
+    systems = [LinearSystem(poisson2d(k), rng.standard_normal(k * k)) for k in (m, 20)]
+    out = cg_batched(PackedBatch.pack(systems, device="cuda:0"))
+    assert (out.status == 0).all()
+    for s, x in zip(systems, PackedBatch.pack(systems).unpack(host(out.x)), strict=True):
+        assert true_residual(s.A, x, s.b) <= 1.5e-8 * np.linalg.norm(s.b)
+
+
+@pytest.mark.gpu
 def test_gpu_block_route_only_for_several_small_cg_systems(settings):
     """One system, BiCGStab, or a system above batched_block_max_rows: the row kernels."""
     rng = np.random.default_rng(9)

@@ -38,7 +38,7 @@ def test_every_name_expression_names_a_kernel_of_the_source(dtype, index_dtype):
             assert set(args[1:]) <= {I, "true", "false"}
     # Every kernel the loops launch has a name expression.
     assert {"init_status", "bicg_check", "zero_x", "gmres_scale"} <= set(names)
-    assert len(names) == 54
+    assert len(names) == 58
 
 
 def test_compile_options_define_the_row_layout_the_source_reads():
