@@ -202,9 +202,12 @@ def warmup(device: Any = None, methods: Iterable[str] = METHODS, *,
 
             cache = cupy_cache_dir()
             for dt in dts:
-                for m in methods:
+                # CG's block kernels for systems too large for shared memory come too.
+                families = [(m, cuda.family_of(m)) for m in methods]
+                families += [("cg, larger blocks", "cg_blocks")] if "cg" in methods else []
+                for m, family in families:
                     files, t0 = _files(cache), time.perf_counter()
-                    cuda.kernels(dev.index, dt, np.int32, cuda.family_of(m))
+                    cuda.kernels(dev.index, dt, np.int32, family)
                     fresh = _files(cache) > files
                     record(device=name, step=f"CUDA module {m} ({dt.name})",
                            seconds=time.perf_counter() - t0, compiled=[], loaded_from_cache=[],

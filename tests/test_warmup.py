@@ -113,9 +113,10 @@ def test_warmup_on_a_gpu_loads_the_batched_cuda_modules():
 
     steps = ms.warmup("cuda:0", methods=["cg", "gmres"])
     modules = [s for s in steps if s.get("cuda_module")]
-    assert [s["step"] for s in modules] == ["CUDA module cg (float64)", "CUDA module gmres (float64)"]
+    assert [s["step"] for s in modules] == ["CUDA module cg (float64)", "CUDA module gmres (float64)",
+                                            "CUDA module cg, larger blocks (float64)"]
     assert all(s["cuda_module"] in ("compiled", "loaded from cache") for s in modules)
-    assert cuda.loaded(0, np.float64, np.int32, "cg") and cuda.loaded(0, np.float64, np.int32, "gmres")
+    assert all(cuda.loaded(0, np.float64, np.int32, f) for f in ("cg", "gmres", "cg_blocks"))
     assert [s["step"] for s in steps if not s.get("cuda_module")] == \
         ["compaction rows", "cg (float64)", "gmres (float64)"]
 

@@ -58,8 +58,11 @@ def compile_options(*, contiguous_rows: bool = True) -> tuple[str, ...]:
     return ("-std=c++17", f"-DMS_CONTIGUOUS={int(contiguous_rows)}")
 
 
-#: The method families, each compiled as its own module (:func:`instantiations`).
-FAMILIES = ("cg", "bicgstab", "gmres")
+#: The method families, each compiled as its own module (:func:`instantiations`),
+#: and the block-per-system CG kernels that keep their vectors in device
+#: memory ("cg_blocks": compiled only when a batch's largest system does not
+#: fit in shared memory; the "cg" module holds the shared-memory ones).
+FAMILIES = ("cg", "bicgstab", "gmres", "cg_blocks")
 
 
 def family_of(method: str) -> str:
@@ -106,10 +109,13 @@ def instantiations(T: str, I: str, family: str | None = None) -> dict[str, str]:
         return names
     if family not in FAMILIES:
         raise ValueError(f"instantiations(family={family!r}): expected one of {FAMILIES} or None")
+    in_memory = {k for k in names if k.startswith("cg_blocks") and k.endswith("0")}
+    if family == "cg_blocks":
+        return {k: names[k] for k in sorted(in_memory)}
     prefixes = {"cg": ("init", "cg_", "zero_x", "residual"),
                 "bicgstab": ("init", "bicg_", "zero_x", "residual"),
                 "gmres": ("gmres_", "residual")}[family]
-    return {k: v for k, v in names.items() if k.startswith(prefixes)}
+    return {k: v for k, v in names.items() if k.startswith(prefixes) and k not in in_memory}
 
 
 def type_names(dtype: Any, index_dtype: Any) -> tuple[str, str]:

@@ -287,7 +287,10 @@ class FusedSolve(FusedWorkspace):
         # p, q and x in shared memory when the largest system's fit there.
         shared = cuda.block_shared_bytes(int(self.sizes.max()), self.x.itemsize, self.dev) \
             if settings.batched_block_shared_memory else 0
-        kernel = self.k[f"cg_blocks{self.jac}{has_x0}{int(shared > 0)}"]
+        name = f"cg_blocks{self.jac}{has_x0}{int(shared > 0)}"
+        # The device-memory kernels are a module of their own, compiled when first needed.
+        kernel = self.k[name] if shared else \
+            cuda.kernels(self.dev, b.dtype, b.index_dtype, "cg_blocks")[name]
         if shared > kernel.max_dynamic_shared_size_bytes:
             kernel.max_dynamic_shared_size_bytes = shared
         keep: list = []

@@ -80,7 +80,13 @@ def test_each_method_family_holds_the_kernels_its_loop_launches():
                      "residual1"},
         "gmres": {"gmres_spmv0", "gmres_spmv1", "gmres_dots1", "gmres_combine0", "gmres_scale",
                   "residual0"},
+        "cg_blocks": {"cg_blocks000", "cg_blocks010", "cg_blocks100", "cg_blocks110"},
     }
+    # CG's module holds the block kernels with their vectors in shared memory; those with
+    # them in device memory (a system too large for it) are a module of their own.
+    assert {k for k in fams["cg"] if k.startswith("cg_blocks")} == \
+        {"cg_blocks001", "cg_blocks011", "cg_blocks101", "cg_blocks111"}
+    assert set(fams["cg_blocks"]) == launched["cg_blocks"]
     for fam, names in fams.items():
         assert launched[fam] <= set(names), fam
         assert all(every[k] == v for k, v in names.items())
