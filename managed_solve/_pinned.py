@@ -83,7 +83,8 @@ class StagingPool:
     :func:`block_class` on a helper thread, for the batches after it: a
     process's first batches never wait for pinning. A block is free again
     once every array carved from it is gone; at most ``keep_free`` free
-    blocks are kept, beyond that the smallest goes back to ``alloc``'s pool.
+    blocks are kept, beyond that the smallest goes back to ``alloc``'s pool,
+    and at most ``max_pending`` pins wait at once.
 
     Examples
     --------
@@ -98,8 +99,10 @@ class StagingPool:
     1
     """
 
-    def __init__(self, alloc: Callable[[int], Any], *, slack: float = 2.0, keep_free: int = 8):
+    def __init__(self, alloc: Callable[[int], Any], *, slack: float = 2.0, keep_free: int = 8,
+                 max_pending: int = 4):
         self.alloc, self.slack, self.keep_free = alloc, float(slack), int(keep_free)
+        self.max_pending = int(max_pending)
         self.allocations = 0  # blocks pinned so far
         self._free: list[tuple[int, Any]] = []  # (size, block), smallest first
         self._pending: list[Future] = []
@@ -140,10 +143,18 @@ class StagingPool:
         self._give(size, mem)
 
     def pin_later(self, nbytes: int) -> None:
-        """Pin a free block for ``nbytes`` on the pool's helper thread (without the GIL while it pins)."""
-        fut = _backend.thread_pool("staging-pin", 1).submit(self.pin, nbytes)
+        """Pin a free block for ``nbytes`` on the pool's helper thread (without the GIL while it pins).
+
+        At most ``max_pending`` pins wait at once: a burst of batches staged
+        before the first block is pinned (many batches, one call) stages the
+        rest in pageable memory instead of pinning a block for each.
+        """
         with self._lock:
-            self._pending = [f for f in self._pending if not f.done()] + [fut]
+            # Failed pins stay until settle() reports them; finished ones go.
+            self._pending = [f for f in self._pending if not f.done() or f.exception() is not None]
+            if sum(not f.done() for f in self._pending) >= self.max_pending:
+                return
+            self._pending.append(_backend.thread_pool("staging-pin", 1).submit(self.pin, nbytes))
 
     def settle(self) -> None:
         """Wait for the blocks :meth:`pin_later` was asked for (their errors are raised here)."""

@@ -192,11 +192,29 @@ def test_staging_pool_pins_later_on_its_helper_thread_and_reports_failures():
     held = [pool.lend(950_000), pool.lend(950_000), pool.lend(4_000_000)]
     assert [h.nbytes for h in held] == [950_000, 950_000, 4_000_000] and pool.free_blocks == 0
 
+    gate, started = threading.Event(), []
+
+    def slow(nbytes):
+        started.append(nbytes)
+        gate.wait(10)
+        return bytearray(nbytes)
+
+    bursty = StagingPool(slow, max_pending=2)
+    for nbytes in range(100_000, 600_000, 100_000):  # five misses while nothing is pinned yet
+        bursty.pin_later(nbytes)
+    gate.set()
+    bursty.settle()
+    assert bursty.allocations == 2 and bursty.free_blocks == 2  # the other three staged unpinned
+    bursty.pin_later(700_000)  # nothing pending now: pinned
+    bursty.settle()
+    assert bursty.allocations == 3
+
     def broken(nbytes):
         raise MemoryError("no page-locked memory left")
 
     failing = StagingPool(broken)
     failing.pin_later(100)
+    failing.pin_later(200)  # the first one's failure, done or not by now, is kept for settle()
     with pytest.raises(MemoryError, match="page-locked"):
         failing.settle()
     failing.settle()  # reported once
