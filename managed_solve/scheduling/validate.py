@@ -502,11 +502,8 @@ def input_matrices(items: Sequence[Any], method: str, least: int) -> list:
     if method != "auto":
         return []
     for item in items:
-        if type(item) is tuple and len(item) == 2:  # the commonest input, by its exact type
-            A, b = item
-            if type(b) is not np.ndarray or id(A) in found or not symmetry_candidate(A, least):
-                continue
-        elif isinstance(item, LinearSystem):
+        # The commonest input, a tuple, skips the LinearSystem test.
+        if type(item) is not tuple and isinstance(item, LinearSystem):
             if not pass_tested(item, least):
                 continue
             A = item.A
