@@ -49,6 +49,7 @@ them).
 from __future__ import annotations
 
 import math
+import threading
 from collections import deque
 from typing import Any
 
@@ -57,6 +58,10 @@ import numpy as np
 from ... import _backend, config
 from . import cuda
 from .workspace import FusedWorkspace
+
+# A kernel's shared-memory limit only grows: two lanes launching the same
+# kernel for batches of different sizes must not lower it under each other.
+_SHARED_LIMIT_LOCK = threading.Lock()
 
 RUNNING = -1
 # Iterations per captured CUDA graph: a multiple of the CG (3) and BiCGStab
@@ -291,8 +296,9 @@ class FusedSolve(FusedWorkspace):
         # The device-memory kernels are a module of their own, compiled when first needed.
         kernel = self.k[name] if shared else \
             cuda.kernels(self.dev, b.dtype, b.index_dtype, "cg_blocks")[name]
-        if shared > kernel.max_dynamic_shared_size_bytes:
-            kernel.max_dynamic_shared_size_bytes = shared
+        with _SHARED_LIMIT_LOCK:
+            if shared > kernel.max_dynamic_shared_size_bytes:
+                kernel.max_dynamic_shared_size_bytes = shared
         keep: list = []
         host = cuda.pinned(self.norms2.nbytes + self.info.nbytes, np.uint8, keep)
         runtime = cp.cuda.runtime
