@@ -232,6 +232,10 @@ class Settings:
                 or not 32 <= threads <= 1024):
             raise ValueError(f"override(batched_block_threads={threads!r}): expected a multiple "
                              "of 32 from 32 to 1024 (threads of a CUDA block)")
+        shared = self.batched_block_shared_memory
+        if not isinstance(shared, bool):
+            raise ValueError(f"override(batched_block_shared_memory={shared!r}): expected True or "
+                             "False (whether a block per system keeps its vectors in shared memory)")
         lanes = self.lanes_per_device
         if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1:
             raise ValueError(f"override(lanes_per_device={lanes!r}): expected an integer >= 1 "

@@ -751,6 +751,12 @@ def test_block_threads_setting_is_checked():
         with pytest.raises(ValueError, match="batched_block_max_rows"):
             with config.override(batched_block_max_rows=rows):
                 pass
+    for shared in ("no", 0, None):
+        with pytest.raises(ValueError, match="batched_block_shared_memory"):
+            with config.override(batched_block_shared_memory=shared):
+                pass
+    with config.override(batched_block_shared_memory=False):
+        assert config.current().batched_block_shared_memory is False
 
 
 @pytest.mark.multi_gpu
