@@ -24,9 +24,9 @@ import numpy as np
 
 from . import _backend, config
 from ._solve_many import solve_many
+from ._threads import row_threads
 from .manager import DeviceManager
 from .scheduling.validate import MIN_ARRAYS
-from .solvers.batched.cpu import row_threads
 
 #: The methods whose batched kernels :func:`warmup` prepares by default.
 METHODS = ("cg", "bicgstab", "gmres")

@@ -213,7 +213,8 @@ class Settings:
     batched_block_shared_memory: bool = True
     batched_gmres_graphs: bool = True
     batched_gmres_vectorised_on_host: bool = False
-    # -- host kernels of the batched engine (solvers/batched/cpu.py)
+    # -- host threads: the batched kernels, solve_many's input checks, LU solves (_threads.py;
+    #    host_blas_threads: _backend.py)
     host_threads: int | None = None
     host_parallel_min_work: float = 2e5
     host_row_parallel_min_rows: int = 1 << 18

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _backend, config
+from .._threads import host_cores
 from ..devices import Device
 from ..manager import DeviceManager
 from ..result import SolveResult, Status
-from ..solvers.batched.cpu import host_cores
 from ..system import LinearSystem
 from . import routes
 from .adjust import Adjustments
@@ -379,8 +379,8 @@ class Runner(Adjustments):
     def start(self) -> None:
         """Start the workers: one per lane on accelerators, else one (host LU batches: one per host thread).
 
-        The LU workers keep to the batched kernels' thread budget
-        (:func:`~managed_solve.solvers.batched.cpu.host_cores`: the setting
+        The LU workers keep to the host kernels' thread budget
+        (:func:`~managed_solve._threads.host_cores`: the setting
         ``host_threads``, the process's CPU affinity, ``NUMBA_NUM_THREADS``), so
         a caller who holds the host to one thread gets one. An accelerator's
         lanes (setting ``lanes_per_device``) share its stage and finish threads.

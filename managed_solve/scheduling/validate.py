@@ -17,7 +17,7 @@ hundreds of small calls; each takes the GIL back when it returns, and
 beside the call's other Python threads each re-take may wait for the
 interpreter's switch interval. Here the arrays' addresses are read once
 and ranges of them go out to the caller and the host-kernel helpers
-(:func:`managed_solve.solvers.batched.cpu.run_kernels`), one GIL-free
+(:func:`managed_solve._threads.run_kernels`), one GIL-free
 kernel call (:mod:`managed_solve.kernels.checks`) per range.
 
 Both passes give what the per-matrix functions give (the same kernels'
@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from .. import _backend, config
+from .._threads import run_kernels
 from ..result import SolveResult, Status
 from ..system import METHODS, LinearSystem, check_preconditioner
 from ..system.linear_system import host_csr_systems
@@ -249,11 +250,9 @@ def run_all(passes: Sequence[Any]) -> None:
     """Every kernel call of ``passes`` (objects with ``work``, ``count`` and ``jobs()``), one hand-out.
 
     The calling thread and the host-kernel helpers claim ranges of each
-    pass's items (:func:`managed_solve.solvers.batched.cpu.run_kernels`,
-    threads by the host kernels' rule for the passes' predicted nanoseconds).
+    pass's items (:func:`managed_solve._threads.run_kernels`, threads by
+    the host-threads rule for the passes' predicted nanoseconds).
     """
-    from ..solvers.batched.cpu import run_kernels
-
     run_kernels([job for p in passes for job in p.jobs()], sum(p.work for p in passes),
                 sum(p.count for p in passes), RANGES_PER_THREAD)
 

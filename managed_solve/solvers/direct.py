@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from .. import _backend, config
+from .._threads import run_claimed, threads_for
 from ._common import BREAKDOWN, CONVERGED, MAXITER, Outcome, column_norms, stable_norm
-from .batched.cpu import run_claimed, threads_for
 from .cholesky import Cholesky, NotPositiveDefinite, eligible
 from .engine import BlockOutcomes, Options, Prepared
 

@@ -7,12 +7,11 @@ import pytest
 import scipy.sparse as sp
 
 import managed_solve as ms
-from managed_solve import LinearSystem, Status
+from managed_solve import LinearSystem, Status, _threads
 from managed_solve.kernels import checks
 from managed_solve.kernels.symmetry import csr_symmetry_gershgorin
 from managed_solve.manager import DeviceManager
 from managed_solve.scheduling import solve_many, validate
-from managed_solve.solvers.batched import cpu
 from managed_solve.system import inputs, is_symmetric
 from managed_solve.system.properties import gershgorin
 from tests._problems import helmholtz2d, poisson2d
@@ -102,7 +101,7 @@ def test_pass_fills_the_cache_as_the_per_matrix_tests_do():
 def test_ranges_cover_every_matrix_once():
     work = np.array([5.0, 1.0, 1.0, 1.0, 8.0, 2.0, 2.0])
     for count in (1, 2, 3, 16):
-        ranges = cpu.work_ranges(work, count, validate.RANGES_PER_THREAD)
+        ranges = _threads.work_ranges(work, count, validate.RANGES_PER_THREAD)
         covered = [k for lo, hi in ranges for k in range(lo, hi)]
         assert covered == list(range(len(work)))
         assert len(ranges) <= validate.RANGES_PER_THREAD * count
