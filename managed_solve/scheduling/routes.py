@@ -79,32 +79,18 @@ def run_batch(systems: list[LinearSystem], prepared: Any, method: str, dev: Devi
 
 
 def run_packed(prepared: Any, method: str) -> tuple:
-    """The device part of a batch: the batched engine's solve, then each system's true residual norm.
+    """The device part of a batch: the batched engine's solve, with each system's true residual norm.
 
     ``prepared``: the batch as the batched engine prepared it
-    (``BatchedEngine.prepare_batch``). Returns ``(outcome, residual norms,
-    b norms, seconds)``, the norms on the host.
+    (``BatchedEngine.prepare_batch``), whose solve returns the true norms.
+    Returns ``(outcome, residual norms, b norms, seconds)``, the norms on
+    the host.
     """
-    packed = prepared.batch
     t0 = time.perf_counter()
     out = prepared.solve(method=method)
     seconds = time.perf_counter() - t0
-    xp = packed.xp
-    if out.true_norms is not None:  # the host kernels computed them as each system stopped
-        rn, bn = out.true_norms
-    elif xp is np:
-        N = int(packed.n)
-        A = _backend.sparse_module(xp).csr_matrix((packed.data, packed.indices, packed.indptr),
-                                                  shape=(N, N))
-        r = packed.b - A @ out.x
-        seg = packed.row_sys
-        rn = np.sqrt(np.bincount(seg, weights=r * r, minlength=packed.nsys))
-        bn = np.sqrt(np.bincount(seg, weights=packed.b * packed.b, minlength=packed.nsys))
-    else:
-        from ..solvers.batched import residual_norms
-
-        rn, bn = residual_norms(packed, out.x, method)  # sync: one host read of per-system norms
-    rescale_extreme_norms(packed, out.x, rn, bn)
+    rn, bn = out.true_norms
+    rescale_extreme_norms(prepared.batch, out.x, rn, bn)
     return out, rn, bn, seconds
 
 

@@ -26,7 +26,7 @@ def test_true_residual_check_restarts_drifted_systems(monkeypatch, where):
     run_core = engine.run_core
     calls = []
 
-    def drifting_cg(batch, method, **kw):
+    def drifting_cg(batch, method, *, true_norms=False, **kw):
         out = run_core(batch, method, **kw)
         calls.append(batch.nsys)
         if len(calls) == 1:  # first batch: spoil every other system's answer, claim convergence
@@ -34,6 +34,8 @@ def test_true_residual_check_restarts_drifted_systems(monkeypatch, where):
                 if int(name[1:]) % 2:  # odd grid sizes
                     v *= 1.01
             out.true_norms = None  # the host kernels' norms are of the unspoiled x
+        if true_norms and out.true_norms is None:  # the true norms of the x returned
+            out.true_norms = engine.system_norms(batch, out.x, method)
         return out
 
     monkeypatch.setattr(engine, "run_core", drifting_cg)  # the batched engine's core (CG here)
@@ -190,6 +192,13 @@ def test_solve_many_on_gpus_starts_the_cuda_modules_it_will_launch(monkeypatch):
     calls.clear()
     estimation.prefetch_cuda_modules(systems, gpus[1:], "gmres")
     assert calls == [([1], "float32", "int32", ("gmres",)), ([1], "float64", "int32", ("gmres",))]
+    calls.clear()
+    # Dtypes the call started before validation (many.start_cuda) are not started again.
+    estimation.prefetch_cuda_modules(systems, gpus, "auto", skip={np.dtype(np.float64)})
+    assert calls == [([0, 1], "float32", "int32", ("cg",))]
+    estimation.prefetch_cuda_modules(systems, gpus, "auto",
+                                     skip={np.dtype(np.float32), np.dtype(np.float64)})
+    assert calls == [([0, 1], "float32", "int32", ("cg",))]
     calls.clear()
     estimation.prefetch_cuda_modules(systems, [cpu_device(), Device("sim", 0, "sim", 1 << 30)], "cg")
     estimation.prefetch_cuda_modules(systems, gpus, "direct")

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ... import _backend, _pinned
+from ... import _backend
 
 #: Source files, in the order they are concatenated into one translation unit.
 SOURCE_FILES = ("common.cuh", "cg_bicgstab.cu", "cg_blocks.cu", "gmres.cu")
@@ -285,11 +285,6 @@ def block_shared_bytes(max_rows: int, itemsize: int, device_id: int) -> int:
 def grid_rows(n: int, device_id: int) -> int:
     """Blocks for a grid-stride row kernel: one full wave (8 blocks of 256 per SM) at most."""
     return max(1, min(math.ceil(n / THREADS), sm_count(device_id) * 8))
-
-
-def pinned(nbytes: int, dtype: Any, keep: list) -> np.ndarray:
-    """A NumPy array over ``nbytes`` of page-locked memory (kept alive by ``keep``)."""
-    return _pinned.pinned_empty(nbytes // np.dtype(dtype).itemsize, dtype, keep)
 
 
 class RetiredQueue:

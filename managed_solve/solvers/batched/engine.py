@@ -139,6 +139,9 @@ class PreparedBatch:
     def solve(self, rhs: Any = None, x0: Any = None, *, method: str | None = None) -> BatchOutcome:
         """Solve every system of the batch; each keeps its own scalars, stopping rule and status.
 
+        The outcome carries each system's true residual and right-hand side
+        norms (``BatchOutcome.true_norms``), the figures a caller verifies.
+
         ``rhs``/``x0``: packed vectors of the batch's rows replacing the
         systems' own (None: theirs). ``method``: default the one given to
         ``prepare_batch``.
@@ -155,27 +158,51 @@ class PreparedBatch:
                                 row_sys=batch.row_sys, rtol=batch.rtol, atol=batch.atol,
                                 maxiter=batch.maxiter, dinv=batch.dinv, device=batch.device,
                                 names=batch.names)
-        return run_core(batch, method)
+        return run_core(batch, method, true_norms=True)
 
 
-def run_core(batch: PackedBatch, method: str, *, first_check: int | None = None) -> BatchOutcome:
+def run_core(batch: PackedBatch, method: str, *, first_check: int | None = None,
+             true_norms: bool = False) -> BatchOutcome:
     """The batched core of ``method`` ("cg", "bicgstab" or "gmres") on a packed batch.
 
     CG and BiCGStab go straight to their loop on the batch's device (the
     fused CUDA loop of :mod:`.gpu`, or the host kernels of :mod:`.cpu`): the
     engine packed the batch itself, so the public drivers' argument checks
     (:func:`.cg.cg_batched`) have nothing to check but a learned
-    ``first_check``.
+    ``first_check``. ``true_norms``: the outcome carries each system's
+    ``(||b_s - A_s x_s||, ||b_s||)`` (``BatchOutcome.true_norms``),
+    computed where the core did not compute them already.
     """
     if method == "gmres":
-        return gmres_batched(batch, restart=GMRES_RESTART)
-    if method not in ("cg", "bicgstab"):
+        out = gmres_batched(batch, restart=GMRES_RESTART)
+    elif method not in ("cg", "bicgstab"):
         raise ValueError(f"the batched engine runs 'cg', 'bicgstab' or 'gmres', not {method!r}")
-    if first_check is not None:
-        check_batch(batch, f"{method}_batched(batch)", None, first_check)
+    else:
+        if first_check is not None:
+            check_batch(batch, f"{method}_batched(batch)", None, first_check)
+        if batch.xp is not np:
+            out = BatchOutcome(*gpu.solve(batch, method, None, first_check, true_norms=true_norms))
+        else:
+            out = solve_fused(batch, method)
+    if true_norms and out.true_norms is None:
+        out.true_norms = system_norms(batch, out.x, method)
+    return out
+
+
+def system_norms(batch: PackedBatch, x: Any, method: str = "cg") -> tuple[np.ndarray, np.ndarray]:
+    """Per-system ``||b_s - A_s x_s||`` and ``||b_s||`` of a batch and its solution, on the host.
+
+    On a GPU one fused kernel of ``method``'s module
+    (:func:`.gpu.residual_norms`); on the host one product and two bincounts.
+    """
     if batch.xp is not np:
-        return BatchOutcome(*gpu.solve(batch, method, None, first_check))
-    return solve_fused(batch, method)
+        return gpu.residual_norms(batch, x, method)
+    n = int(batch.n)
+    A = _backend.sparse_module(np).csr_matrix((batch.data, batch.indices, batch.indptr), shape=(n, n))
+    r = batch.b - A @ x
+    seg = batch.row_sys
+    return (np.sqrt(np.bincount(seg, weights=r * r, minlength=batch.nsys)),
+            np.sqrt(np.bincount(seg, weights=batch.b * batch.b, minlength=batch.nsys)))
 
 
 class BatchedPrepared(Prepared):

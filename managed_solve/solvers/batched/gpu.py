@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from ... import _backend, config
+from ... import _backend, _pinned, config
 from . import cuda
 from .workspace import FusedWorkspace
 
@@ -87,7 +87,8 @@ def residual_norms(batch: Any, x: Any, method: str = "cg") -> tuple[np.ndarray, 
     """Per-system ``||b_s - A_s x_s||`` and ``||b_s||`` of a CuPy batch, as host float64 arrays.
 
     ``method``: the batch's method, whose kernel module (already loaded by
-    its solve) holds the residual kernel too.
+    its solve) holds the residual kernel too. A fused solve asked for its
+    true norms (:func:`solve`) runs the same kernel itself, on its workspace.
 
     One fused pass (products, squares and per-system sums in float64) and one
     device -> host copy, instead of a cuSPARSE product, two weighted bincounts
@@ -95,25 +96,35 @@ def residual_norms(batch: Any, x: Any, method: str = "cg") -> tuple[np.ndarray, 
     """
     cp = _backend.cupy()
     dev = batch.data.device.id
-    ns = batch.nsys
     with cp.cuda.Device(dev):
         k = cuda.kernels(dev, batch.dtype, batch.index_dtype, cuda.family_of(method))
-        sums = cp.zeros(2 * ns, dtype=np.float64)
-        k[f"residual{int(ns == 1)}"]((cuda.grid_rows(batch.n, dev),), (cuda.THREADS,), (
-            batch.indptr, batch.indices, batch.data, batch.b, x, batch.row_sys, sums[:ns],
-            sums[ns:], np.int64(batch.n)))
-        h = sums.get()  # sync: one read of the per-system norms
+        norms = _true_norms(cp, k, cuda.grid_rows(batch.n, dev), batch, x)
     # The caller's stream waited for the solve's stream, masked iterations included:
     # the batch and workspace kept for them can go now, not at the next solve.
     cuda.release_done()
+    return norms
+
+
+def _true_norms(cp: Any, k: dict, grid: int, batch: Any, x: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The residual kernel over every row of ``batch`` on the current stream, then one read."""
+    ns = batch.nsys
+    sums = cp.zeros(2 * ns, dtype=np.float64)
+    k[f"residual{int(ns == 1)}"]((grid,), (cuda.THREADS,), (
+        batch.indptr, batch.indices, batch.data, batch.b, x, batch.row_sys, sums[:ns],
+        sums[ns:], np.int64(batch.n)))
+    h = sums.get()  # sync: one read of the per-system norms
     return np.sqrt(h[:ns]), np.sqrt(h[ns:])
 
 
-def solve(batch: Any, method: str, check_every: int | None, first_check: int | None = None) -> tuple:
+def solve(batch: Any, method: str, check_every: int | None, first_check: int | None = None, *,
+          true_norms: bool = False) -> tuple:
     """Run batched CG or BiCGStab on a CuPy batch; returns BatchOutcome's fields.
 
     A workspace made beforehand by :func:`prepare` for this batch and method
-    is used (once); otherwise it is built here.
+    is used (once); otherwise it is built here. ``true_norms``: each
+    system's ``(||b_s - A_s x_s||, ||b_s||)`` too, computed on the device
+    after the solve (with a block per system the kernel computes them
+    anyway).
     """
     cp = _backend.cupy()
     dev = batch.data.device.id
@@ -124,7 +135,7 @@ def solve(batch: Any, method: str, check_every: int | None, first_check: int | N
             solver, solver.batch = ready, batch
         else:
             solver = FusedSolve(cp, batch, method, dev)
-        return solver.run(check_every, first_check)
+        return solver.run(check_every, first_check, true_norms=true_norms)
 
 
 def prepare(batch: Any, method: str) -> None:
@@ -251,7 +262,7 @@ class FusedSolve(FusedWorkspace):
         from ...kernels.packing import active_rows
 
         starts = self.batch.offsets[:-1][running].astype(np.int64)
-        host = cuda.pinned(m * self.act.itemsize + 16, np.uint8, self._keep)
+        host = _pinned.pinned_empty(m * self.act.itemsize + 16, np.uint8, self._keep)
         rows = host[16:].view(self.act.dtype)
         active_rows(starts, lens, rows)  # without the GIL
         host[:16].view(np.int64)[:] = (m, 1)
@@ -300,7 +311,7 @@ class FusedSolve(FusedWorkspace):
             if shared > kernel.max_dynamic_shared_size_bytes:
                 kernel.max_dynamic_shared_size_bytes = shared
         keep: list = []
-        host = cuda.pinned(self.norms2.nbytes + self.info.nbytes, np.uint8, keep)
+        host = _pinned.pinned_empty(self.norms2.nbytes + self.info.nbytes, np.uint8, keep)
         runtime = cp.cuda.runtime
         counter = self.order[ns:]
         with stream:
@@ -324,7 +335,8 @@ class FusedSolve(FusedWorkspace):
                 np.sqrt(h[:8 * ns].view(np.float64)), h[16 * ns:].view(np.int32).astype(np.int8),
                 0, 1, 0, gpu_seconds, (norms[:ns].copy(), norms[ns:].copy()))
 
-    def run(self, check_every: int | None, first_check: int | None = None) -> tuple:
+    def run(self, check_every: int | None, first_check: int | None = None, *,
+            true_norms: bool = False) -> tuple:
         """Launch iterations ahead of the host; read statuses without draining the GPU.
 
         After every ``spacing`` iterations the statuses go to a page-locked
@@ -379,12 +391,13 @@ class FusedSolve(FusedWorkspace):
                             self._iteration(launched)
                             launched += 1
                     self._before_read(launched)
-                    buf = free.pop() if free else cuda.pinned(self.info.nbytes, np.uint8, self._keep)
+                    buf = free.pop() if free else _pinned.pinned_empty(self.info.nbytes, np.uint8,
+                                                                          self._keep)
                     cp.cuda.runtime.memcpyAsync(buf.ctypes.data, self.info.data.ptr, self.info.nbytes,
                                                 cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)
                     pending.append((launched, stream.record(), buf))
                 if not pending:  # maxmax == 0: set-up decided every system
-                    buf = cuda.pinned(self.info.nbytes, np.uint8, self._keep)
+                    buf = _pinned.pinned_empty(self.info.nbytes, np.uint8, self._keep)
                     done = stream.record()
                     self.info.get(out=buf)  # sync: the statuses set-up wrote, nothing queued behind
                     syncs += 1
@@ -430,7 +443,8 @@ class FusedSolve(FusedWorkspace):
         # Later work on the caller's stream must see x; masked iterations still queued
         # on ours finish first, and the workspace is only reused after them.
         caller.wait_event(stream.record())
-        if pending:
+        norms = _true_norms(cp, self.k, self.grid, self.batch, self.x) if true_norms else None
+        if pending and norms is None:
             # The batch and this workspace too: their memory may have come from
             # another stream's pool arena (the stager's), which must not hand it
             # out again while masked iterations still read it.
@@ -440,6 +454,6 @@ class FusedSolve(FusedWorkspace):
         gpu_seconds = cp.cuda.get_elapsed_time(started, done) / 1e3  # both events are complete
         return (self.x, h[8 * ns:16 * ns].view(np.int64).copy(),
                 np.sqrt(h[:8 * ns].view(np.float64)), h[16 * ns:].view(np.int32).astype(np.int8),
-                syncs, checkpoints, self.compactions, gpu_seconds)
+                syncs, checkpoints, self.compactions, gpu_seconds, norms)
 
 

@@ -35,9 +35,10 @@ class BatchOutcome:
         every system finished (CUDA events; None on the CPU). Wall time far
         above it means the host kept the GPU waiting.
     true_norms : tuple of two numpy float64 arrays, or None
-        ``(||b_s - A_s x_s||, ||b_s||)`` of each system, computed by the host
-        kernels as each system stopped (None where they were not: GPU
-        batches, one large system alone).
+        ``(||b_s - A_s x_s||, ||b_s||)`` of each system: computed by the host
+        kernels as each system stopped, by the GPU kernel of a block per
+        system, and by every solve of a ``PreparedBatch`` (None elsewhere:
+        the drivers' GPU row loops, one large system alone on the host).
     """
 
     x: Any

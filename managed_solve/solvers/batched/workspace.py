@@ -144,7 +144,7 @@ class FusedWorkspace:
         self.cp, self.batch, self.method, self.dev = cp, batch, method, dev
         n, nsys, dt = batch.n, batch.nsys, batch.dtype
         self.n, self.nsys = n, nsys
-        self.k = cuda.kernels(dev, dt, batch.index_dtype, cuda.family_of(method))
+        self.k = cuda.kernels(dev, dt, batch.index_dtype, method)  # CG's or BiCGStab's module
         self.single = int(nsys == 1)
         self.jac = int(batch.dinv is not None)
         # A warp per row once rows are long enough to give most lanes work.

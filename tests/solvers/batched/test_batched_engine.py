@@ -178,6 +178,55 @@ def test_a_prepared_batch_solves_as_the_batched_core_does(method, jacobi):
         assert np.linalg.norm(s.b - s.A @ x) <= 10 * s.rtol * np.linalg.norm(s.b)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("method", ["cg", "bicgstab", "gmres"])
+@pytest.mark.parametrize("count", [1, 5])
+def test_a_prepared_batch_reports_each_systems_true_norms(device, method, count):
+    """Every solve of a prepared batch carries ||b_s - A_s x_s|| and ||b_s|| of the x it returns.
+
+    One system and CG or BiCGStab on a GPU: the row loop computes them at its end; several
+    CG systems: the kernel with a block per system; GMRES: one pass after the core.
+    """
+    rng = np.random.default_rng(21)
+    mats = [poisson2d(int(m)) if method == "cg" else upwind(int(m)) for m in rng.integers(4, 12, count)]
+    systems = [LinearSystem(A, rng.standard_normal(A.shape[0]), rtol=1e-9) for A in mats]
+    prepared = BatchedEngine().prepare_batch(systems, device, method=method)
+    out = prepared.solve()
+    assert out.true_norms is not None and (out.status == 0).all()
+    rn, bn = out.true_norms
+    xs = prepared.batch.unpack(out.x)
+    for k, (s, x) in enumerate(zip(systems, xs, strict=True)):
+        x = x if isinstance(x, np.ndarray) else x.get()
+        assert rn[k] == pytest.approx(np.linalg.norm(s.b - s.A @ x), rel=1e-9, abs=1e-14)
+        assert bn[k] == pytest.approx(np.linalg.norm(s.b), rel=1e-12)
+        assert rn[k] <= 10 * s.rtol * bn[k]
+
+
+def test_the_true_norms_of_one_large_host_gmres_system():
+    """The core's large-system GMRES reports none itself: the engine computes them."""
+    n = 10_000
+    A = sp.diags([-1.0, 4.0, -1.5], [-1, 0, 1], shape=(n, n), format="csr")
+    b = np.random.default_rng(3).standard_normal(n)
+    out = BatchedEngine().prepare_batch([LinearSystem(A, b, rtol=1e-10)], "cpu", method="gmres").solve()
+    rn, bn = out.true_norms
+    assert out.status.tolist() == [0]
+    assert rn[0] == pytest.approx(np.linalg.norm(b - A @ out.x), rel=1e-9)
+    assert bn[0] == pytest.approx(np.linalg.norm(b), rel=1e-12) and rn[0] <= 1e-10 * bn[0]
+
+
+@pytest.mark.gpu
+def test_gpu_a_row_loop_with_true_norms_keeps_nothing_for_queued_work():
+    """The norms' read waits for every queued iteration, so the solve retires nothing."""
+    from managed_solve.solvers.batched import cuda
+
+    rng = np.random.default_rng(4)
+    systems = [LinearSystem(poisson2d(30), rng.standard_normal(900))]
+    cuda.release_done()
+    before = len(cuda.RETIRED)
+    out = BatchedEngine().prepare_batch(systems, "cuda:0", method="cg").solve()
+    assert out.status.tolist() == [0] and len(cuda.RETIRED) == before
+
+
 def test_a_prepared_batch_takes_new_right_hand_sides_and_a_method_when_solved():
     A = poisson2d(6)
     systems = [LinearSystem(A, np.ones(36)), LinearSystem(2 * A, np.arange(36.0))]
