@@ -424,7 +424,7 @@ def _fulfil(target: Future, done: Future) -> None:
 
 # --------------------------------------------------------------------------- the step
 def estimate_call(checked: Checked, manager: DeviceManager, devs: Sequence[Device],
-                  method: str) -> Work:
+                  method: str, *, prefetched: Collection[np.dtype] = ()) -> Work:
     """Each valid system's route, bytes and cost on the call's devices ``devs``.
 
     ``checked`` is validation's answer (its cache holds the inputs' matrix
@@ -437,13 +437,15 @@ def estimate_call(checked: Checked, manager: DeviceManager, devs: Sequence[Devic
     ``INVALID_INPUT`` result. With many systems and a few large ones
     (:func:`head_start`), only the large ones are estimated now; the others
     when the plan asks (``Work.rest``), while those compute.
+    ``prefetched``: value dtypes whose modules the call started already
+    on ``devs`` (``many.start_cuda``).
     """
     valid, results, cache = checked.systems, checked.results, checked.cache
     test_gpu_matrices(valid, cache)  # systems already on a GPU: one read for all
     devs = list(devs)
     host_only = all(d.kind == "cpu" for d in devs)
     if not host_only:
-        prefetch_cuda_modules(valid, devs, method)  # compiles beside what follows
+        prefetch_cuda_modules(valid, devs, method, skip=prefetched)  # compiles beside what follows
     kind = "cpu" if host_only else next(d.kind for d in devs if d.kind != "cpu")
     ref = devs[0]
     if host_only:
@@ -539,23 +541,30 @@ def head_start(ns: Sequence[int | None], devices: Sequence[Device],
     return pos[big].tolist(), pos[~big].tolist(), bound
 
 
+#: The module family a call's ``method`` launches first, for the methods
+#: with one ("auto" mostly ends in CG: its module first, BiCGStab's when a
+#: system turns out non-symmetric).
+PREFETCH_FAMILY = {"auto": "cg", "cg": "cg", "bicgstab": "bicgstab", "gmres": "gmres"}
+
+
 def prefetch_cuda_modules(systems: Sequence[LinearSystem | None], devs: Sequence[Device],
-                          method: str) -> None:
+                          method: str, *, skip: Collection[np.dtype] = ()) -> None:
     """Start compiling (or loading) the batched CUDA modules this call will launch, on helper threads.
 
     On a cold cache the modules take seconds to compile; NVRTC runs without
     the GIL, so the call's estimates, plan and packing go on meanwhile. The
-    family follows ``method`` ("auto" mostly ends in CG: its module first,
-    BiCGStab's when a system turns out non-symmetric); systems' value dtypes
-    with int32 indices (a batch's unless it has more than 2**31 rows or
-    entries; others compile when met).
+    family follows ``method`` (:data:`PREFETCH_FAMILY`); systems' value
+    dtypes with int32 indices (a batch's unless it has more than 2**31
+    rows or entries; others compile when met), but for those in ``skip``
+    (started already).
     """
-    family = {"auto": "cg", "cg": "cg", "bicgstab": "bicgstab", "gmres": "gmres"}.get(method)
+    family = PREFETCH_FAMILY.get(method)
     gpus = [d.index for d in devs if d.is_cuda]
     if family is None or not gpus:
         return
     floats = (np.dtype(np.float32), np.dtype(np.float64))
     dtypes = {s.dtype for s in systems if s is not None and s.kind == "csr" and s.dtype in floats}
+    dtypes.difference_update(skip)
     if not dtypes:
         return
     from ..solvers.batched import prefetch_kernels

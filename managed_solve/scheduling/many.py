@@ -78,7 +78,7 @@ def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = 
     mgr = manager if manager is not None else default_manager()
     # A GPU run's contexts and CUDA modules start first, on helper threads,
     # beside validation's host checks.
-    start_cuda(items, mgr, devices, disperse, method)
+    started = start_cuda(items, mgr, devices, disperse, method)
     with _backend.COLLECTION.held(False, active=settings.pause_gc):
         checked = validation.validate_call(items, method=method, M=M, rtol=rtol,
                                            return_on=return_on, on_error=on_error,
@@ -92,7 +92,7 @@ def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = 
             blas = settings.host_blas_threads
             with _backend.SWITCH_INTERVAL.held(switch, active=switch is not None and gpus >= 2), \
                     _backend.BLAS_THREADS.held(blas, active=blas is not None):
-                work = estimation.estimate_call(checked, mgr, devs, method)
+                work = estimation.estimate_call(checked, mgr, devs, method, prefetched=started)
                 plan = planning.plan_call(work, mgr)
                 out = running.run_call(plan, work, mgr, progress=progress, kept=kept)
         except BaseException:
@@ -138,7 +138,7 @@ def select_devices(manager: DeviceManager, devices: object, disperse: bool,
 
 
 def start_cuda(items: Sequence[Any], manager: DeviceManager, devices: Any, disperse: bool,
-               method: str) -> None:
+               method: str) -> frozenset[np.dtype]:
     """Start a GPU run's CUDA side before its host work: the GPUs' contexts and the batched modules.
 
     Both run on helper threads without the GIL (a context takes about a
@@ -146,10 +146,10 @@ def start_cuda(items: Sequence[Any], manager: DeviceManager, devices: Any, dispe
     beside the host checks, whose first call in a process sets Numba up
     (a quarter of a second of Python). Only where the GPUs are known before
     validation: every accelerator (``disperse``, the default) or those
-    named in ``devices``. The modules' dtypes are read off the raw inputs
-    (:func:`input_dtypes`); :func:`.estimate.prefetch_cuda_modules`, after
-    validation,
-    adds any this missed.
+    named in ``devices``, which are then the devices the call uses. The
+    modules' dtypes are read off the raw inputs (:func:`input_dtypes`);
+    returned, so that :func:`.estimate.prefetch_cuda_modules`, after
+    validation, adds only those this missed.
     """
     if devices is None:
         devs = manager.accelerators
@@ -157,19 +157,21 @@ def start_cuda(items: Sequence[Any], manager: DeviceManager, devices: Any, dispe
         try:
             devs = resolve_devices(devices, manager.inventory, call="solve_many", arg="devices")
         except (TypeError, ValueError):
-            return  # the call's own device selection reports it
+            return frozenset()  # the call's own device selection reports it
     gpus = [d.index for d in devs if d.is_cuda]
     if not gpus or (not disperse and len(devs) > 1):  # the one GPU used is chosen later
-        return
+        return frozenset()
     for index in gpus:
         _backend.open_cuda_context(index)
-    family = {"auto": "cg", "cg": "cg", "bicgstab": "bicgstab", "gmres": "gmres"}.get(method)
+    family = estimation.PREFETCH_FAMILY.get(method)
     if family is None:
-        return
+        return frozenset()
     from ..solvers.batched import prefetch_kernels
 
-    for dt in sorted(input_dtypes(items), key=str):
+    dtypes = input_dtypes(items)
+    for dt in sorted(dtypes, key=str):
         prefetch_kernels(gpus, dt, np.int32, (family,))
+    return frozenset(dtypes)
 
 
 _F32 = np.dtype(np.float32)

@@ -468,16 +468,17 @@ def test_a_gpu_call_opens_its_gpus_and_starts_their_modules_before_validation(mo
     A32 = poisson2d(4).astype(np.float32)
     items = [(poisson2d(5), np.ones(25)), (A32, np.ones(16, np.float32)),
              (A32, np.ones(16)), ("not", "a system")]
-    many.start_cuda(items, mgr, None, True, "auto")
+    started = many.start_cuda(items, mgr, None, True, "auto")
     assert opened == [0, 1]
     assert calls == [([0, 1], "float32", ("cg",)), ([0, 1], "float64", ("cg",))]
+    assert started == {np.dtype(np.float32), np.dtype(np.float64)}  # estimate skips these
     opened.clear(), calls.clear()
     many.start_cuda(items[:1], mgr, "cuda:1", False, "bicgstab")  # one GPU named
     assert opened == [1] and calls == [([1], "float64", ("bicgstab",))]
     opened.clear(), calls.clear()
-    many.start_cuda(items, mgr, None, False, "auto")  # disperse=False: chosen after validation
-    many.start_cuda(items, mgr, "cpu", True, "auto")
-    many.start_cuda(items, mgr, "cuda:7", True, "auto")  # the call's selection reports it
+    assert not many.start_cuda(items, mgr, None, False, "auto")  # disperse=False: chosen later
+    assert not many.start_cuda(items, mgr, "cpu", True, "auto")
+    assert not many.start_cuda(items, mgr, "cuda:7", True, "auto")  # the selection reports it
     assert opened == [] and calls == []
     many.start_cuda(items, mgr, "cuda:0", True, "minres")  # no batched module, still a GPU run
     assert opened == [0] and calls == []
