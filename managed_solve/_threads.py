@@ -238,3 +238,28 @@ def run_kernels(jobs: Sequence[tuple[Any, tuple, np.ndarray]], work: float, coun
 
     run_claimed(task, len(tasks), threads)
     return threads
+
+
+def run_ordered(kernel: Any, work: np.ndarray, args: tuple) -> int:
+    """Run ``kernel(order, start, stop, *args)`` over items claimed largest ``work`` first.
+
+    ``order`` lists the items by decreasing work and each task is the slice
+    ``order[start:stop]``, one item or several small ones
+    (:func:`claim_order`), claimed by the calling thread and the helpers
+    (:func:`run_claimed`) over the threads :func:`threads_for` grants. The
+    kernel is called here, so the caller hands over no callback. Returns the
+    threads used.
+
+    Examples
+    --------
+    >>> seen = []
+    >>> run_ordered(lambda order, a, b, out: out.extend(order[a:b].tolist()), np.array([1.0, 3.0]),
+    ...             (seen,)), seen
+    (1, [1, 0])
+    """
+    order, bounds = claim_order(work)
+    tasks = len(bounds) - 1
+    threads = threads_for(float(work.sum()), tasks)
+    starts, stops = bounds[:-1].tolist(), bounds[1:].tolist()
+    run_claimed(lambda k: kernel(order, starts[k], stops[k], *args), tasks, threads)
+    return threads

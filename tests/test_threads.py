@@ -130,3 +130,23 @@ def test_run_kernels_calls_each_kernel_over_ranges_covering_its_items_once():
         ranges = _threads.work_ranges(weights_a, count)
         assert [k for lo, hi in ranges for k in range(lo, hi)] == list(range(7))
         assert len(ranges) <= 4 * count
+
+
+def test_run_ordered_calls_the_kernel_over_every_item_largest_work_first():
+    """Each item once, in tasks of the claim order; the kernel is called here (no callback)."""
+    least = _threads.TASK_FRACTION * config.current().host_parallel_min_work
+    work = np.array([least / 10] * 12 + [least * 5, least * 3])
+    slices: list[list[int]] = []
+    lock = threading.Lock()
+
+    def kernel(order, start, stop, out):
+        with lock:
+            out.append(order[start:stop].tolist())
+
+    with config.override(host_threads=2):
+        used = _threads.run_ordered(kernel, work, (slices,))
+    assert used == 2
+    assert sorted(k for part in slices for k in part) == list(range(14))
+    order, bounds = _threads.claim_order(work)
+    assert sorted(slices) == sorted(order[a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+    assert [12] in slices and [13] in slices  # the two large items are tasks of their own

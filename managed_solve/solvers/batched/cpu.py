@@ -12,10 +12,9 @@ Host threads: the kernels' systems are claimed in tasks by the calling
 thread and helpers, as :mod:`managed_solve._threads` says (how many
 threads a batch uses, :func:`~managed_solve._threads.threads_for` and
 :func:`~managed_solve._threads.row_threads`; how they claim its systems,
-largest first, :func:`~managed_solve._threads.claim_order` and
-:func:`~managed_solve._threads.run_claimed`). Here only the systems' predicted
-work (:func:`system_work`) and the hand-out of a ``*_some`` kernel over
-them (:func:`run_systems`).
+largest first, :func:`~managed_solve._threads.run_ordered`). Here only
+the systems' predicted work (:func:`system_work`) and the hand-out of a
+``*_some`` kernel over them (:func:`run_systems`).
 
 No thread count is changed process-wide and BLAS is not called by these
 kernels, so they never compete with BLAS threads of their own.
@@ -193,16 +192,9 @@ def system_work(offsets: np.ndarray, indptr: np.ndarray, rtol: np.ndarray, maxit
 def run_systems(kernel: Any, batch: Any, method: str, args: tuple) -> int:
     """Run a ``*_some`` kernel over every system of a host batch; returns the threads used.
 
-    ``args`` are the kernel's arguments after ``(order, start, stop)``. Tasks
-    are claimed largest predicted work first
-    (:func:`~managed_solve._threads.claim_order`), over the threads
-    :func:`~managed_solve._threads.threads_for` grants
-    (:func:`~managed_solve._threads.run_claimed`).
+    ``args`` are the kernel's arguments after ``(order, start, stop)``. The
+    systems are claimed largest predicted work first
+    (:func:`managed_solve._threads.run_ordered`).
     """
     work = system_work(batch.offsets, batch.indptr, batch.rtol, batch.maxiter, method)
-    order, bounds = _threads.claim_order(work)
-    tasks = len(bounds) - 1
-    threads = _threads.threads_for(float(work.sum()), tasks)
-    starts, stops = bounds[:-1].tolist(), bounds[1:].tolist()
-    _threads.run_claimed(lambda k: kernel(order, starts[k], stops[k], *args), tasks, threads)
-    return threads
+    return _threads.run_ordered(kernel, work, args)
