@@ -110,7 +110,8 @@ def predict_bytes(n: int, nnz: int, nsys: int, dtype: Any, index_dtype: Any = np
     (:func:`workspace_bytes`; ``max_rows`` as there), and the memory
     pool's 512-byte rounding of each allocation. The planner's model of a
     batch (``solve_many`` reserves this for it, with ``residual_check``:
-    the true-residual check's product ``A @ x`` after the solve, which a
+    a vector's room for the true-residual check after the solve, its sums
+    and the scaled recomputation of a system whose sums overflowed, which a
     batch with a block per system does not need, its kernel computing the
     norms).
 

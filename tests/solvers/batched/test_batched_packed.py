@@ -172,7 +172,7 @@ def test_block_route_model_counts_no_compaction_list_or_accumulators(settings):
     assert rows - blocks == 50_000 * 4 + 20 * (8 * (8 + 6 * 4) - 8 * 12)
     assert predict_bytes(*args, jacobi=False, x0=False, max_rows=1 << 20) == rows  # too large
     assert predict_bytes(*args[:-1], "bicgstab", jacobi=False, x0=False, max_rows=4_000) > rows
-    # The planner's allowance for the true-residual check's product: the row kernels' only.
+    # The planner's allowance for the true-residual check: the row kernels' only.
     assert predict_bytes(*args, jacobi=False, x0=False, residual_check=True) == rows + 8 * 50_000
     assert predict_bytes(*args, jacobi=False, x0=False, max_rows=4_000, residual_check=True) == blocks
     settings(batched_block_max_rows=0)
