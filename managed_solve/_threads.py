@@ -10,7 +10,7 @@ of a run (:mod:`managed_solve.scheduling.runner`). :func:`threads_for` and
 (:func:`host_cores` the most); :func:`run_claimed` shares tasks out over
 the calling thread and helpers, :func:`claim_order` orders systems into
 tasks and :func:`run_kernels` (with :func:`work_ranges`) calls kernels over
-ranges of items.
+ranges of items, :func:`run_ordered` over systems claimed largest first.
 
 - Many tasks: the calling thread and up to ``threads_for(...) - 1``
   helpers each take the next task (largest predicted work first) and run
@@ -29,10 +29,9 @@ ranges of items.
   ``host_row_parallel_min_cores`` cores and the system at least
   ``host_row_parallel_min_rows`` rows (:func:`row_threads`). The
   row-parallel layout ends each of its three (CG) or five (BiCGStab)
-  sweeps an iteration at a barrier that waits for the slowest thread; on
-  the 2-core development machine, with other processes running, two
-  threads took 1.8 to 12 times as long per iteration as one, at every size
-  from 10,000 to 1M rows.
+  sweeps an iteration at a barrier that waits for the slowest thread, so
+  on a small host with other processes running it loses more than the
+  threads gain (measured in the CPU section of ``docs/performance.md``).
 """
 
 from __future__ import annotations
