@@ -443,12 +443,16 @@ class FusedSolve(FusedWorkspace):
         # Later work on the caller's stream must see x; masked iterations still queued
         # on ours finish first, and the workspace is only reused after them.
         caller.wait_event(stream.record())
-        norms = _true_norms(cp, self.k, self.grid, self.batch, self.x) if true_norms else None
-        if pending and norms is None:
-            # The batch and this workspace too: their memory may have come from
-            # another stream's pool arena (the stager's), which must not hand it
-            # out again while masked iterations still read it.
-            cuda.retire(stream.record(), self._keep + [graph, self])
+        norms = None
+        try:
+            if true_norms:  # its read waits for the masked iterations too
+                norms = _true_norms(cp, self.k, self.grid, self.batch, self.x)
+        finally:
+            if pending and norms is None:
+                # The batch and this workspace too: their memory may have come from
+                # another stream's pool arena (the stager's), which must not hand it
+                # out again while masked iterations still read it.
+                cuda.retire(stream.record(), self._keep + [graph, self])
         ns = self.nsys
         h = final
         gpu_seconds = cp.cuda.get_elapsed_time(started, done) / 1e3  # both events are complete

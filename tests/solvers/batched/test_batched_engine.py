@@ -227,6 +227,34 @@ def test_gpu_a_row_loop_with_true_norms_keeps_nothing_for_queued_work():
     assert out.status.tolist() == [0] and len(cuda.RETIRED) == before
 
 
+@pytest.mark.gpu
+def test_gpu_a_row_loop_whose_norms_fail_still_keeps_what_queued_work_reads(monkeypatch):
+    """An error computing the norms (here no memory for their sums) leaves the queued
+    iterations' workspace kept until they end, and reaches the caller."""
+    import cupy as cp
+
+    from managed_solve.solvers.batched import cuda
+
+    rng = np.random.default_rng(4)
+    prepared = BatchedEngine().prepare_batch([LinearSystem(poisson2d(30), rng.standard_normal(900))],
+                                             "cuda:0", method="cg")
+    cp.cuda.Device(0).synchronize()
+    cuda.release_done()
+    before = len(cuda.RETIRED)
+
+    def no_memory(*args, **kwargs):
+        raise cp.cuda.memory.OutOfMemoryError(16, 0, 0)
+
+    monkeypatch.setattr(cp, "zeros", no_memory)  # only the norms' sums allocate in the loop
+    with pytest.raises(cp.cuda.memory.OutOfMemoryError):
+        prepared.solve()
+    monkeypatch.undo()
+    assert len(cuda.RETIRED) == before + 1  # iterations were queued past convergence
+    cp.cuda.Device(0).synchronize()
+    cuda.release_done()
+    assert len(cuda.RETIRED) == before
+
+
 def test_a_prepared_batch_takes_new_right_hand_sides_and_a_method_when_solved():
     A = poisson2d(6)
     systems = [LinearSystem(A, np.ones(36)), LinearSystem(2 * A, np.arange(36.0))]
