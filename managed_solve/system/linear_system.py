@@ -233,7 +233,9 @@ class LinearSystem:
         self.grad = None
         self.rtol, self.atol = float(rtol), float(atol)
         self.maxiter = maxiter
-        self.method, self.M, self.name = method, settle_auto(M, "csr", n, method), name
+        # Only "auto" needs settling; the commonest M, None, is kept without a call.
+        self.method, self.M, self.name = \
+            method, M if M is None else settle_auto(M, "csr", n, method), name
         self.nullspace = None
         self.dtype = dtype
         return True
