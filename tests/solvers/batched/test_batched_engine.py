@@ -217,14 +217,18 @@ def test_the_true_norms_of_one_large_host_gmres_system():
 @pytest.mark.gpu
 def test_gpu_a_row_loop_with_true_norms_keeps_nothing_for_queued_work():
     """The norms' read waits for every queued iteration, so the solve retires nothing."""
+    import cupy as cp
+
     from managed_solve.solvers.batched import cuda
 
     rng = np.random.default_rng(4)
     systems = [LinearSystem(poisson2d(30), rng.standard_normal(900))]
-    cuda.release_done()
-    before = len(cuda.RETIRED)
-    out = BatchedEngine().prepare_batch(systems, "cuda:0", method="cg").solve()
-    assert out.status.tolist() == [0] and len(cuda.RETIRED) == before
+    prepared = BatchedEngine().prepare_batch(systems, "cuda:0", method="cg")
+    cp.cuda.Device(0).synchronize()
+    cuda.release_done()  # all earlier work is done: the queue is empty
+    assert len(cuda.RETIRED) == 0
+    out = prepared.solve()
+    assert out.status.tolist() == [0] and len(cuda.RETIRED) == 0
 
 
 @pytest.mark.gpu
@@ -234,13 +238,15 @@ def test_gpu_a_row_loop_whose_norms_fail_still_keeps_what_queued_work_reads(monk
     import cupy as cp
 
     from managed_solve.solvers.batched import cuda
+    from managed_solve.solvers.batched import gpu as batched_gpu
 
     rng = np.random.default_rng(4)
     prepared = BatchedEngine().prepare_batch([LinearSystem(poisson2d(30), rng.standard_normal(900))],
                                              "cuda:0", method="cg")
     cp.cuda.Device(0).synchronize()
-    cuda.release_done()
+    cuda.release_done()  # all earlier work is done: the queue is empty
     before = len(cuda.RETIRED)
+    assert before == 0
 
     def no_memory(*args, **kwargs):
         raise cp.cuda.memory.OutOfMemoryError(16, 0, 0)
@@ -249,7 +255,11 @@ def test_gpu_a_row_loop_whose_norms_fail_still_keeps_what_queued_work_reads(monk
     with pytest.raises(cp.cuda.memory.OutOfMemoryError):
         prepared.solve()
     monkeypatch.undo()
-    assert len(cuda.RETIRED) == before + 1  # iterations were queued past convergence
+    # Iterations still queued when the host saw every system stop (the usual case; none
+    # when the host came late and the GPU had run them all): the workspace is kept for them.
+    kept = cuda.RETIRED.held()[before:]
+    assert len(kept) <= 1
+    assert all(any(isinstance(obj, batched_gpu.FusedSolve) for obj in k) for k in kept)
     cp.cuda.Device(0).synchronize()
     cuda.release_done()
     assert len(cuda.RETIRED) == before
