@@ -38,7 +38,6 @@ wait may last the interpreter's switch interval).
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -330,21 +329,11 @@ def _csr_nnz(A: Any) -> int | None:
     (what their ``nnz`` returns, without its two calls): the inputs'
     checks ask this of every input.
     """
-    sp = sys.modules.get("scipy.sparse")
-    if sp is None:
-        return None
-    t = type(A)
-    if t is sp.csr_matrix or t is sp.csr_array:
+    if type(A) in _backend.scipy_csr_types():
         return int(A.indptr[-1])
-    if sp.issparse(A) and A.format == "csr":
+    if _backend.is_scipy_sparse(A) and A.format == "csr":
         return A.nnz
     return None
-
-
-def _csr_types() -> tuple:
-    """SciPy's two CSR types, found by identity (none before ``scipy.sparse`` is imported)."""
-    sp = sys.modules.get("scipy.sparse")
-    return (sp.csr_matrix, sp.csr_array) if sp is not None else ()
 
 
 def test_symmetry(mats: Sequence[Any], cache: dict, rel: float = 1e-12) -> None:
@@ -423,7 +412,7 @@ class SymmetryPass:
 
 def symmetry_pass(mats: Sequence[Any], rel: float = 1e-12) -> SymmetryPass:
     """:func:`test_symmetry`'s tables: the matrices largest first, by dtypes, with their addresses."""
-    exact = _csr_types()
+    exact = _backend.scipy_csr_types()
     sizes = np.fromiter((int(A.indptr[-1]) if type(A) in exact else A.nnz for A in mats),
                         np.int64, len(mats))  # a CSR's nnz, without its property's calls
     by_dtype: dict[tuple, list] = {}
@@ -532,7 +521,7 @@ def finite_candidates(items: Sequence[Any], covered: Collection[int] = ()) -> li
     below ``MIN_ARRAYS`` arrays: a few checks cost less one by one.
     """
     arrays: dict[int, Any] = dict.fromkeys(covered)
-    exact = _csr_types()
+    exact = _backend.scipy_csr_types()
     for item in items:
         if not isinstance(item, (tuple, list)) or len(item) != 2:
             continue

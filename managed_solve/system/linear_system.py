@@ -7,7 +7,6 @@ errors naming the argument, what was expected, what arrived and the fix.
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -202,8 +201,7 @@ class LinearSystem:
         ``matvec``), so its ``grad`` is None. ``options_passed``: the caller
         found the options pass (:func:`quick_options`) already.
         """
-        sp = sys.modules.get("scipy.sparse")
-        if sp is None or (type(A) is not sp.csr_matrix and type(A) is not sp.csr_array):
+        if type(A) not in _backend.scipy_csr_types():
             return False
         dt, data = b.dtype, A.data
         # The dtypes by identity first (NumPy's float dtypes are singletons): hundreds of
