@@ -74,8 +74,8 @@ def block_class(nbytes: int) -> int:
 class StagingPool:
     """Page-locked blocks for batches' staging, reused best-fit, pinned off the critical path.
 
-    Pinning is slow (``cudaHostAlloc`` pins pages at about 1 GB/s on the
-    GPU hosts measured), and CuPy's pinned pool hands a freed block only to
+    Pinning is slow (``cudaHostAlloc`` pins pages at about 1 GB/s, see
+    ``docs/performance.md``), and CuPy's pinned pool hands a freed block only to
     a later request of the same rounded size. Here :meth:`lend` gives the
     smallest free block that holds a request and is at most ``slack`` times
     its size. When none does, the caller stages in pageable memory this

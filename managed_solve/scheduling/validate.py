@@ -235,8 +235,8 @@ MIN_ARRAYS = 16
 #: Ranges handed out per participating thread (balance against hand-outs).
 RANGES_PER_THREAD = 4
 #: Predicted nanoseconds per stored entry of the symmetry test (the cursor
-#: walk, its pattern check included: 1.4 measured on one thread of a 2-core
-#: x86-64 machine over W2's matrices) and per entry of the finite check (a
+#: walk, its pattern check included; calibrated on W2's matrices, see the CPU
+#: section of docs/performance.md) and per entry of the finite check (a
 #: streaming read).
 SYMMETRY_NS, FINITE_NS = 1.5, 1.0
 
