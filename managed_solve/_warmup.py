@@ -78,7 +78,7 @@ def numba_cache_dir() -> str | None:
 
 def cupy_cache_dir() -> str:
     """Where CuPy keeps compiled CUDA modules (``CUPY_CACHE_DIR``, else ``~/.cupy/kernel_cache``)."""
-    return os.environ.get("CUPY_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cupy",
+    return config.environment(config.ENV_CUPY_CACHE_DIR) or os.path.join(os.path.expanduser("~"), ".cupy",
                                                             "kernel_cache")
 
 

@@ -25,9 +25,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-#: Environment variables the library reads (see :func:`environment`).
+#: Environment variables the library reads (see :func:`environment`): its own two,
+#: and two that name where other libraries keep files (CuPy's compiled-module
+#: cache, cuDSS's OpenMP threading layer).
 ENV_DEVICES = "MANAGED_SOLVE_DEVICES"
 ENV_SIMULATE = "MANAGED_SOLVE_SIMULATE"
+ENV_CUPY_CACHE_DIR = "CUPY_CACHE_DIR"
+ENV_CUDSS_THREADING_LIB = "CUDSS_THREADING_LIB"
+_ENV = (ENV_DEVICES, ENV_SIMULATE, ENV_CUPY_CACHE_DIR, ENV_CUDSS_THREADING_LIB)
 
 
 @dataclass(frozen=True)
@@ -293,8 +298,8 @@ def environment(name: str) -> str | None:
     The variables are read at call time, so a process may set them after
     importing the package.
     """
-    if name not in (ENV_DEVICES, ENV_SIMULATE):
-        raise ValueError(f"environment({name!r}): not a variable of this library; "
-                         f"expected {ENV_DEVICES} or {ENV_SIMULATE}.")
+    if name not in _ENV:
+        raise ValueError(f"environment({name!r}): not a variable this library reads; "
+                         f"expected one of {', '.join(_ENV)}.")
     value = os.environ.get(name)
     return value if value else None

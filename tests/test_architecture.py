@@ -251,3 +251,24 @@ def test_tests_patch_no_private_name_of_the_package():
                 for line in _private_patches(path.read_text())]
     assert not offences, ("tests patching private names of managed_solve (add a seam or test the "
                           "behaviour through the public API):\n" + "\n".join(offences))
+
+
+def _environment_reads(tree: ast.AST) -> list[int]:
+    """Lines reading the process environment: ``os.environ`` (any use) or ``os.getenv``."""
+    return sorted({node.lineno for node in ast.walk(tree)
+                   if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv")
+                   and isinstance(node.value, ast.Name) and node.value.id == "os"})
+
+
+def test_the_environment_check_sees_every_form():
+    found = _environment_reads(ast.parse(
+        'a = os.environ.get("X")\nb = os.getenv("Y")\nc = os.environ["Z"]\nd = config.environment("W")\n'
+        'e = "X" in os.environ\n'))
+    assert found == [1, 2, 3, 5]
+
+
+def test_environment_variables_are_read_in_one_place():
+    """Every variable goes through ``config.environment``, which lists the ones the library reads."""
+    offences = [f"{module}:{line}" for module, path in MODULES.items() if module != "managed_solve.config"
+                for line in _environment_reads(ast.parse(path.read_text(), str(path)))]
+    assert not offences, "environment read outside managed_solve.config:\n" + "\n".join(offences)

@@ -140,3 +140,22 @@ def test_warmup_on_a_gpu_then_a_w2_like_call_compiles_nothing_more():
     res = ms.solve_many(pairs, devices=["cuda:0"], return_on="host")
     assert all(r.converged for r in res)
     assert compiled_since(before)["compiled"] == []
+
+
+def test_cache_and_library_paths_follow_their_environment_variables(monkeypatch, tmp_path):
+    """Read when asked, through ``config.environment``: a variable set after import counts."""
+    from managed_solve import _warmup, config
+    from managed_solve.solvers import _cudss
+
+    monkeypatch.setenv(config.ENV_CUPY_CACHE_DIR, str(tmp_path))
+    assert _warmup.cupy_cache_dir() == str(tmp_path)
+    monkeypatch.delenv(config.ENV_CUPY_CACHE_DIR)
+    assert _warmup.cupy_cache_dir() == os.path.join(os.path.expanduser("~"), ".cupy", "kernel_cache")
+    lib = tmp_path / "libcudss_mtlayer_gomp.so.0"
+    lib.write_bytes(b"")
+    monkeypatch.setenv(config.ENV_CUDSS_THREADING_LIB, str(lib))
+    assert _cudss.find_threading_lib() == str(lib)
+    monkeypatch.setenv(config.ENV_CUDSS_THREADING_LIB, str(tmp_path / "absent.so"))
+    assert _cudss.find_threading_lib() is None  # a named file that is not there is not used
+    with pytest.raises(ValueError, match="CUDSS_THREADING_LIB"):
+        config.environment("PATH")

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _backend
+from .. import _backend, config
 
 log = logging.getLogger("managed_solve")
 # nvmath-python logs each phase (INFO) to the logger it is given, the root
@@ -393,7 +393,7 @@ def _stream(xp: Any) -> Any:
 
 def find_threading_lib() -> str | None:
     """cuDSS's OpenMP threading layer: $CUDSS_THREADING_LIB, else the one beside libcudss."""
-    path = os.environ.get("CUDSS_THREADING_LIB")
+    path = config.environment(config.ENV_CUDSS_THREADING_LIB)
     if not path:
         try:
             from cuda.pathfinder import load_nvidia_dynamic_lib
