@@ -272,3 +272,43 @@ def test_environment_variables_are_read_in_one_place():
     offences = [f"{module}:{line}" for module, path in MODULES.items() if module != "managed_solve.config"
                 for line in _environment_reads(ast.parse(path.read_text(), str(path)))]
     assert not offences, "environment read outside managed_solve.config:\n" + "\n".join(offences)
+
+
+def _number(node: ast.AST) -> float | None:
+    """A literal number (``2.0``, ``-1``), else None."""
+    try:
+        value = ast.literal_eval(node)
+    except ValueError:
+        return None
+    return value if isinstance(value, (int, float)) else None
+
+
+def _laplacian_builds(source: str) -> list[int]:
+    """Lines building a Laplacian inline: ``sp.kronsum(...)`` or ``diags`` of ``[-1, 2, -1]``."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name))):
+            continue
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id
+        if name == "kronsum":
+            lines.append(node.lineno)
+        elif name == "diags" and node.args and isinstance(node.args[0], (ast.List, ast.Tuple)):
+            values = [_number(e) for e in node.args[0].elts]
+            if values == [-1.0, 2.0, -1.0]:
+                lines.append(node.lineno)
+    return lines
+
+
+def test_the_laplacian_check_sees_every_form():
+    found = _laplacian_builds(
+        'T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(8, 8))\n'
+        'A = sp.kronsum(T, T)\nB = diags([-1, 2, -1], [-1, 0, 1])\n'
+        'C = sp.diags([-1.0, 4.0, -1.5], [-1, 0, 1])\nD = sp.diags(d)\nE = sp.diags([f(1), 2.0, -1.0])\n')
+    assert found == [1, 2, 3]
+
+
+def test_tests_take_their_laplacians_from_the_gallery():
+    """One gallery of model problems (``tests/_problems.py``): no test file builds its own Poisson matrix."""
+    offences = [f"{path.relative_to(TESTS.parent)}:{line}" for path in sorted(TESTS.rglob("*.py"))
+                if path.name != "_problems.py" for line in _laplacian_builds(path.read_text())]
+    assert not offences, "Laplacians built outside tests/_problems.py:\n" + "\n".join(offences)

@@ -13,6 +13,7 @@ import pytest
 
 import managed_solve as ms
 from managed_solve.cli import main
+from tests._problems import poisson2d
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,13 +61,7 @@ def test_warmup_then_solve_many_compiles_nothing_more():
     ms.warmup("cpu", methods=["cg"])
     before = jit_snapshot()
     dm = ms.DeviceManager(["cpu"])
-    import scipy.sparse as sp
-
-    def poisson(m):
-        T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(m, m))
-        return sp.kronsum(T, T, format="csr")
-
-    res = ms.solve_many([(poisson(m), np.ones(m * m)) for m in (33, 47, 61)], manager=dm)
+    res = ms.solve_many([(poisson2d(m), np.ones(m * m)) for m in (33, 47, 61)], manager=dm)
     assert all(r.converged and r.method == "cg" for r in res)
     assert compiled_since(before) == {"compiled": [], "loaded_from_cache": []}
 
@@ -125,18 +120,11 @@ def test_warmup_on_a_gpu_loads_the_batched_cuda_modules():
 def test_warmup_on_a_gpu_then_a_w2_like_call_compiles_nothing_more():
     """The GPU path of a call of many systems of several sizes (their compaction list
     included) runs only what warmup prepared."""
-    import scipy.sparse as sp
-
     from managed_solve._warmup import compiled_since, jit_snapshot
 
     ms.warmup("cuda:0", methods=["cg"])
     before = jit_snapshot()
-
-    def poisson(m):
-        T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(m, m))
-        return sp.kronsum(T, T, format="csr")
-
-    pairs = [(poisson(m), np.ones(m * m)) for m in range(16, 96, 4)]
+    pairs = [(poisson2d(m), np.ones(m * m)) for m in range(16, 96, 4)]
     res = ms.solve_many(pairs, devices=["cuda:0"], return_on="host")
     assert all(r.converged for r in res)
     assert compiled_since(before)["compiled"] == []

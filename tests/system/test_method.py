@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 import scipy.sparse as sp  # noqa: E402
 
 import managed_solve as ms  # noqa: E402
-from tests._problems import convection_diffusion, poisson2d  # noqa: E402
+from tests._problems import convection_diffusion, laplacian1d, poisson2d  # noqa: E402
 
 
 def _system(A, **kw):
@@ -99,7 +99,7 @@ def test_cpu_policy_weighs_cg_against_the_lu_by_predicted_time_and_right_hand_si
     assert method_policy.choose_method(_system((-A).tocsr()), "cpu") == "direct"
     biharmonic = (A @ A).tocsr()  # 13 entries a row: Krylov (past the 2D-like row test) anyway
     assert method_policy.predict_cg_iterations(biharmonic, 1e-8) == np.inf
-    chain = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(3000, 3000), format="csr")
+    chain = laplacian1d(3000)
     assert method_policy.choose_method(_system(chain), "cpu") == "direct"
     # An easy system (a heat step) is CG's even for a reused Solver.
     heat = (sp.identity(A.shape[0], format="csr") + 0.05 * A).tocsr()

@@ -13,6 +13,7 @@ from tests._problems import (
     array_modules,
     elasticity,
     host,
+    laplacian1d,
     on,
     poisson2d,
     poisson3d,
@@ -42,7 +43,7 @@ def test_strength_with_theta_zero_is_the_off_diagonal_pattern(backend):
 
 
 def test_strength_threshold_drops_weak_couplings(backend):
-    T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(8, 8))
+    T = laplacian1d(8)
     A = (sp.kron(T, sp.eye(8)) + 0.01 * sp.kron(sp.eye(8), T)).tocsr()  # y couplings weak
     xp, sparse = array_modules(backend)
     S = graph_matrix(symmetric_strength(on(backend, A), 0.25, 1, xp, sparse))

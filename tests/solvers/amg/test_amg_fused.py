@@ -21,7 +21,7 @@ from managed_solve.solvers.amg.preconditioner import csr_arrays
 from managed_solve.solvers.amg.smoothers import Smoother, make_smoother
 from managed_solve.solvers.amg.spectral import spectral_radius
 from managed_solve.solvers.cg import cg
-from tests._problems import host, poisson2d, poisson3d
+from tests._problems import host, laplacian1d, poisson2d, poisson3d
 
 SMOOTHERS = ["chebyshev", "jacobi", "l1_jacobi"]
 
@@ -135,7 +135,7 @@ def kernel_matrices():
     R = (sp.diags((np.arange(300) % 17 != 3).astype(float)) @ R).tocsr()  # rows 3, 20, ... empty
     R.eliminate_zeros()
     out = {"poisson2d": poisson2d(30), "poisson3d": poisson3d(9), "dense-rows": R,
-           "tridiagonal": sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(500, 500)).tocsr(),
+           "tridiagonal": laplacian1d(500),
            "diagonal": sp.diags(np.linspace(1.0, 2.0, 100)).tocsr(),
            "wide": sp.random(64, 64, density=0.9, random_state=7, format="csr"),
            "mid": sp.random(300, 300, density=0.1, random_state=8, format="csr"),
