@@ -287,6 +287,15 @@ def grid_rows(n: int, device_id: int) -> int:
     return max(1, min(math.ceil(n / THREADS), sm_count(device_id) * 8))
 
 
+def row_launch(device_id: int, dtype: Any, index_dtype: Any, family: str, n: int
+               ) -> tuple[dict[str, Any], int]:
+    """What a sequence of row kernels over ``n`` rows needs: the family's kernels and the grid.
+
+    :func:`kernels` and :func:`grid_rows` in one call (a workspace asks for both).
+    """
+    return kernels(device_id, dtype, index_dtype, family), grid_rows(n, device_id)
+
+
 class RetiredQueue:
     """Objects kept alive until the GPU work queued before an event has finished.
 

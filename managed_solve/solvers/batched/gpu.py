@@ -97,8 +97,9 @@ def residual_norms(batch: Any, x: Any, method: str = "cg") -> tuple[np.ndarray, 
     cp = _backend.cupy()
     dev = batch.data.device.id
     with cp.cuda.Device(dev):
-        k = cuda.kernels(dev, batch.dtype, batch.index_dtype, cuda.family_of(method))
-        norms = _true_norms(cp, k, cuda.grid_rows(batch.n, dev), batch, x)
+        k, grid = cuda.row_launch(dev, batch.dtype, batch.index_dtype, cuda.family_of(method),
+                                  batch.n)
+        norms = _true_norms(cp, k, grid, batch, x)
     # The caller's stream waited for the solve's stream, masked iterations included:
     # the batch and workspace kept for them can go now, not at the next solve.
     cuda.release_done()

@@ -145,12 +145,12 @@ class FusedWorkspace:
         self.cp, self.batch, self.method, self.dev = cp, batch, method, dev
         n, nsys, dt = batch.n, batch.nsys, batch.dtype
         self.n, self.nsys = n, nsys
-        self.k = cuda.kernels(dev, dt, batch.index_dtype, method)  # CG's or BiCGStab's module
+        # CG's or BiCGStab's module, and the row kernels' grid
+        self.k, self.grid = cuda.row_launch(dev, dt, batch.index_dtype, method, n)
         self.single = int(nsys == 1)
         self.jac = int(batch.dinv is not None)
         # A warp per row once rows are long enough to give most lanes work.
         self.vspmv = int(batch.nnz >= settings.batched_vector_min_nnz_per_row * max(n, 1))
-        self.grid = cuda.grid_rows(n, dev)
         self.sgrid = max(1, math.ceil(nsys / 128))
         cg = method == "cg"
         self.nslot = CG_SLOTS if cg else BICG_SLOTS
@@ -233,8 +233,8 @@ class GmresWorkspace:
         self.compactions = 0
         if self.gpu:
             dev = int(batch.data.device.id)
-            self.k = cuda.kernels(dev, dt, batch.index_dtype, "gmres")
-            self.grid = (cuda.grid_rows(n, dev),)
+            self.k, grid = cuda.row_launch(dev, dt, batch.index_dtype, "gmres", n)
+            self.grid = (grid,)
             self.block = (cuda.THREADS,)
             self.nn, self.nsys32 = np.int64(n), np.int32(ns)
             self.dinv = batch.dinv if self.jac else self.w  # never read without Jacobi
