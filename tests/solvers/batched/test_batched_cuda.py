@@ -135,3 +135,12 @@ def test_kernels_compile_each_module_once_across_threads_and_retry_a_failure():
         cache.kernels(7, np.float64, np.int32, "lu")
     with pytest.raises(ValueError, match="family"):  # the process's cache, before any compiling
         cuda.kernels(7, np.float64, np.int32, "lu")
+
+
+@pytest.mark.gpu
+def test_row_launch_gives_the_module_and_one_wave_of_blocks_at_most():
+    k, grid = cuda.row_launch(0, np.float64, np.int32, "cg", 10_000)
+    assert k is cuda.kernels(0, np.float64, np.int32, "cg")  # the cached module, not a new one
+    assert grid == cuda.grid_rows(10_000, 0) == -(-10_000 // cuda.THREADS)
+    _, big = cuda.row_launch(0, np.float64, np.int32, "gmres", 1 << 26)
+    assert big == 8 * cuda.sm_count(0)
