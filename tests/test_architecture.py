@@ -312,3 +312,12 @@ def test_tests_take_their_laplacians_from_the_gallery():
     offences = [f"{path.relative_to(TESTS.parent)}:{line}" for path in sorted(TESTS.rglob("*.py"))
                 if path.name != "_problems.py" for line in _laplacian_builds(path.read_text())]
     assert not offences, "Laplacians built outside tests/_problems.py:\n" + "\n".join(offences)
+
+
+def test_no_package_function_is_named_like_a_test():
+    """pytest collects ``test_*`` functions from any file it is pointed at; the package's are not tests."""
+    offences = [f"{module}:{node.lineno} {node.name}" for module, path in MODULES.items()
+                for node in ast.walk(ast.parse(path.read_text(), str(path)))
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and node.name.startswith("test_")]
+    assert not offences, "functions named test_* in the package:\n" + "\n".join(offences)

@@ -18,7 +18,7 @@ auto policy (:func:`managed_solve.system.method.choose_method`, the one
 The auto method's tests (symmetry, Gershgorin bounds) of the inputs' host
 matrices run in validation's pass, many matrices a GIL-free kernel call on
 every core (:func:`.validate.check_inputs`). Those of matrices
-validation replaced run after it (:func:`test_host_matrices`; on a call
+validation replaced run after it (:func:`check_host_matrices`; on a call
 with accelerators on a helper thread, :func:`start_host_matrices`, their
 systems' methods deferred to their batches: :func:`deferred_estimate`).
 Large matrices' chunked tests run on helper threads beside the estimate
@@ -84,7 +84,7 @@ def count_shared(systems: Sequence[LinearSystem | None], cache: dict) -> None:
 
 def host_matrices(systems: Sequence[LinearSystem | None], cache: dict, least: int | None = None,
                   skip: Collection[int] = ()) -> list:
-    """The distinct matrices :func:`test_host_matrices` tests (untested, :func:`.validate.pass_tested`).
+    """The distinct matrices :func:`check_host_matrices` tests (untested, :func:`.validate.pass_tested`).
 
     ``least``: default :func:`.validate.pass_least`. Matrices whose ids
     are in ``skip`` (under test already) are left out.
@@ -103,30 +103,30 @@ def host_matrices(systems: Sequence[LinearSystem | None], cache: dict, least: in
     return list(found.values())
 
 
-def test_host_matrices(systems: Sequence[LinearSystem | None], cache: dict,
+def check_host_matrices(systems: Sequence[LinearSystem | None], cache: dict,
                        least: int | None = None) -> int:
     """Run the auto policy's matrix tests on every core, before the estimates.
 
     Each distinct host CSR matrix of an "auto" system below ``least``
     stored entries (default :func:`.validate.pass_least`) gets its
     one-pass symmetry and Gershgorin test, many matrices a GIL-free kernel
-    call (:func:`.validate.test_symmetry`), shared out largest first over
+    call (:func:`.validate.check_symmetry`), shared out largest first over
     the calling thread and the host-kernel helpers. The estimate loop then
     finds every answer in ``cache``; :func:`prefetch_methods` leaves these
     matrices alone. Returns the number of matrices tested.
     """
     mats = host_matrices(systems, cache, least)
-    validation.test_symmetry(mats, cache)
+    validation.check_symmetry(mats, cache)
     return len(mats)
 
 
-def test_gpu_matrices(systems: Sequence[LinearSystem | None], cache: dict) -> int:
+def check_gpu_matrices(systems: Sequence[LinearSystem | None], cache: dict) -> int:
     """The auto policy's matrix tests of the systems' GPU matrices, all at once.
 
     Each distinct cupyx CSR matrix of an "auto" system gets its symmetry code
     and Gershgorin bounds from one launch per GPU and dtype pair, read back
     in one copy (:func:`managed_solve.system.device_checks.symmetry_many`),
-    into ``cache`` as :func:`.validate.test_symmetry` leaves the host
+    into ``cache`` as :func:`.validate.check_symmetry` leaves the host
     matrices'. Tested one by one, each would cost a transpose and several
     host reads. A matrix whose rows are not canonical is left to the
     per-matrix test. Returns the number of matrices tested.
@@ -156,7 +156,7 @@ def test_gpu_matrices(systems: Sequence[LinearSystem | None], cache: dict) -> in
 
 
 def start_host_matrices(mats: Sequence[Any], cache: dict) -> dict[int, Future]:
-    """:func:`test_host_matrices` of ``mats`` (:func:`host_matrices`) on a helper thread.
+    """:func:`check_host_matrices` of ``mats`` (:func:`host_matrices`) on a helper thread.
 
     Returns one future, by the id of each matrix. A call with accelerators
     defers these systems' methods (:func:`deferred_estimate`): its plan is
@@ -353,7 +353,7 @@ def prefetch_methods(systems: Sequence[LinearSystem | None], device_kind: str,
     matrix of at least ``prefetch_small_nnz`` stored entries goes there,
     largest first; on fewer cores only those of ``prefetch_min_nnz`` or more
     (two cores gain nothing from running the small tests beside the loop).
-    Matrices whose ids are in ``skip`` (those :func:`test_host_matrices`
+    Matrices whose ids are in ``skip`` (those :func:`check_host_matrices`
     takes: :func:`host_matrices`) are left alone.
     """
     settings = config.current()
@@ -371,7 +371,7 @@ def prefetch_methods(systems: Sequence[LinearSystem | None], device_kind: str,
         if key in seen:
             continue
         seen.add(key)
-        if key in skip:  # under test by test_host_matrices, many a kernel call
+        if key in skip:  # under test by check_host_matrices, many a kernel call
             continue
         hit = cache.get(key)
         if hit is not None and hit[0] is s.A:  # tested already
@@ -429,7 +429,7 @@ def estimate_call(checked: Checked, manager: DeviceManager, devs: Sequence[Devic
 
     ``checked`` is validation's answer (its cache holds the inputs' matrix
     tests); ``method`` the call's. The auto policy's tests still missing run first: GPU matrices
-    in one read (:func:`test_gpu_matrices`), host matrices that validation
+    in one read (:func:`check_gpu_matrices`), host matrices that validation
     replaced on every core (or, with accelerators, on a helper thread, their
     systems' methods deferred to their batches: :func:`deferred_estimate`),
     large ones beside the estimate loop (:func:`prefetch_methods`). A system
@@ -441,7 +441,7 @@ def estimate_call(checked: Checked, manager: DeviceManager, devs: Sequence[Devic
     on ``devs`` (``many.start_cuda``).
     """
     valid, results, cache = checked.systems, checked.results, checked.cache
-    test_gpu_matrices(valid, cache)  # systems already on a GPU: one read for all
+    check_gpu_matrices(valid, cache)  # systems already on a GPU: one read for all
     devs = list(devs)
     host_only = all(d.kind == "cpu" for d in devs)
     if not host_only:
@@ -457,7 +457,7 @@ def estimate_call(checked: Checked, manager: DeviceManager, devs: Sequence[Devic
     mats = host_matrices(valid, cache, checked.least)
     early = prefetch_methods(valid, kind, cache, skip={id(A) for A in mats})
     if host_only:  # the method decides the route (a host LU or a batch): known before the plan
-        validation.test_symmetry(mats, cache)
+        validation.check_symmetry(mats, cache)
         passed: dict = {}
     else:  # beside the estimates, the plan and the first batch's packing
         passed = start_host_matrices(mats, cache)

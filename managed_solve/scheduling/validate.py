@@ -303,7 +303,7 @@ def finite_arrays(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
 
 
 def symmetry_candidate(A: Any, least: int | None = None) -> bool:
-    """Whether :func:`test_symmetry` takes a matrix: a non-empty float SciPy CSR, contiguous.
+    """Whether :func:`check_symmetry` takes a matrix: a non-empty float SciPy CSR, contiguous.
 
     ``least``: and fewer stored entries than that (the many-matrix pass's,
     :func:`pass_least`). Not known to be out of canonical form: SciPy's
@@ -336,7 +336,7 @@ def _csr_nnz(A: Any) -> int | None:
     return None
 
 
-def test_symmetry(mats: Sequence[Any], cache: dict, rel: float = 1e-12) -> None:
+def check_symmetry(mats: Sequence[Any], cache: dict, rel: float = 1e-12) -> None:
     """The symmetry code and Gershgorin bounds of host CSR matrices into ``cache``, largest first.
 
     ``mats``: distinct matrices passing :func:`symmetry_candidate`. Each
@@ -350,7 +350,7 @@ def test_symmetry(mats: Sequence[Any], cache: dict, rel: float = 1e-12) -> None:
 
 
 class SymmetryPass:
-    """The address tables of :func:`test_symmetry`, read on the calling thread; the kernels anywhere.
+    """The address tables of :func:`check_symmetry`, read on the calling thread; the kernels anywhere.
 
     A caller that runs the kernels on a helper thread (:meth:`run`) builds
     this first: the helper then holds the GIL only to hand out ranges and to
@@ -411,7 +411,7 @@ class SymmetryPass:
 
 
 def symmetry_pass(mats: Sequence[Any], rel: float = 1e-12) -> SymmetryPass:
-    """:func:`test_symmetry`'s tables: the matrices largest first, by dtypes, with their addresses."""
+    """:func:`check_symmetry`'s tables: the matrices largest first, by dtypes, with their addresses."""
     exact = _backend.scipy_csr_types()
     sizes = np.fromiter((int(A.indptr[-1]) if type(A) in exact else A.nnz for A in mats),
                         np.int64, len(mats))  # a CSR's nnz, without its property's calls

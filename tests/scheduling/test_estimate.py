@@ -115,7 +115,7 @@ def test_host_matrix_tests_of_a_cpu_call_run_first_on_every_core_and_agree():
     systems = [s for s in policy_systems() + mesh_sweep(2) if s.kind != "operator"]
     cache: dict = {}
     with ms.config.override(host_parallel_min_work=0.0):  # threads even for these small ones
-        estimation.test_host_matrices(systems, cache)
+        estimation.check_host_matrices(systems, cache)
     tested = [s for s in systems if s.kind == "csr" and s.method == "auto"]
     assert tested and all(cache[id(s.A)][1] == is_symmetric(s.A) for s in tested)
     assert all(("gershgorin", id(s.A)) in cache for s in tested if is_symmetric(s.A))

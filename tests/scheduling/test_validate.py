@@ -86,7 +86,7 @@ def test_pass_fills_the_cache_as_the_per_matrix_tests_do():
     mats = mixed_matrices()
     cache: dict = {}
     with ms.config.override(host_threads=2, host_parallel_min_work=0.0):
-        validate.test_symmetry(mats, cache)
+        validate.check_symmetry(mats, cache)
     assert cache.get(id(mats[6])) is None  # R + I: its pattern is not symmetric
     for A in mats:
         hit = cache.get(id(A))
