@@ -80,9 +80,11 @@ def accepted(systems: Sequence[LinearSystem], codes: np.ndarray, residuals: np.n
     """
     rtol = np.array([s.rtol for s in systems], dtype=np.float64)
     atol = np.array([s.atol for s in systems], dtype=np.float64)
-    # Written so that a NaN residual or bound is not accepted, as in verdict.
-    return (np.asarray(codes) == CONVERGED) & (np.asarray(residuals) <= np.maximum(
-        rtol * np.asarray(b_norms, dtype=np.float64), atol))
+    # Written so that a NaN residual or bound is not accepted, as in verdict; an
+    # rtol of 0 times an infinite ||b|| is such a NaN, not a warning for the caller.
+    with np.errstate(invalid="ignore"):
+        return (np.asarray(codes) == CONVERGED) & (np.asarray(residuals) <= np.maximum(
+            rtol * np.asarray(b_norms, dtype=np.float64), atol))
 
 
 def fallback_for(s: LinearSystem, method: str, symmetric: bool | None = None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 
 from managed_solve import LinearSystem
 from managed_solve.solvers.engine import BREAKDOWN, CONVERGED, MAXITER
@@ -12,6 +13,7 @@ from managed_solve.solvers.verify import ACCEPT, accepted, verdict
 from tests._problems import laplacian1d
 
 
+@pytest.mark.filterwarnings("error")
 def test_accepted_is_verdicts_accept_of_converged_systems():
     A = laplacian1d(4)
     tolerances = [(1e-8, 0.0), (0.0, 1e-3), (1e-6, 1e-3), (0.5, 0.0)]
