@@ -139,13 +139,21 @@ class PreparedDirect(Prepared):
             if _is_sparse(A):
                 self._lu, self.how = host_factor(A, self.options.symmetric, cholesky=cholesky)
             else:
-                import scipy.linalg as sla
+                from scipy.linalg import get_lapack_funcs
 
+                # LAPACK's getrf itself, as scipy.linalg.lu_factor calls it, but with
+                # its info read here: a zero pivot is this engine's Singular, not a
+                # LinAlgWarning for the caller (warning filters are process-wide).
+                a = np.array(A, order="F")
+                (getrf,) = get_lapack_funcs(("getrf",), (a,))
                 with np.errstate(all="ignore"):
-                    self._lu = sla.lu_factor(np.asarray(A), check_finite=False)
-                if not np.all(np.diagonal(self._lu[0])):
+                    lu, piv, info = getrf(a, overwrite_a=True)
+                if info < 0:
+                    raise ValueError(f"LAPACK getrf: argument {-info} is invalid")
+                if info > 0 or not np.all(np.diagonal(lu)):
                     raise Singular("the dense LU met an exactly zero pivot")
-                self.how = "LAPACK LU (scipy.linalg.lu_factor)"
+                self._lu = (lu, piv)
+                self.how = "LAPACK LU (getrf, as scipy.linalg.lu_factor)"
 
     @property
     def factor_bytes(self) -> int:
