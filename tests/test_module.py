@@ -238,7 +238,7 @@ def test_module_reused_on_two_devices_in_one_graph(env, pinned):
     loss.backward()
     rloss = _recurrent_loss(ref, _input(2, 4), _input(200, 5))
     rloss.backward()
-    np.testing.assert_allclose(float(loss), float(rloss), rtol=1e-12)
+    np.testing.assert_allclose(loss.item(), rloss.item(), rtol=1e-12)
     _assert_grads_equal(m, ref)
     assert {p.grad.placement for p in m.parameters()} == {A}  # gradients accumulate at home
     assert {p.placement for p in m.parameters()} == {A}  # parameters never moved
