@@ -89,10 +89,11 @@ def _torch_sparse(t: Any, *, call: str) -> Any:
     col = torch_to_array(t.col_indices(), call=call, arg="A.col_indices()")
     val = torch_to_array(t.values(), call=call, arg="A.values()")
     xp = _backend.array_module(val)
-    if xp is not np and shape[0] == shape[1]:
-        return _checked_gpu_csr(val, col, crow, shape[0], call=call)
-    sparse = _backend.sparse_module(xp)
-    return sparse.csr_matrix((val, col, crow), shape=shape)
+    if xp is not np:
+        if shape[0] == shape[1]:
+            return _checked_gpu_csr(val, col, crow, shape[0], call=call)
+        return _backend.sparse_module(xp).csr_matrix((val, col, crow), shape=shape)
+    return _checked_host_csr(val, col, crow, shape, call=call)
 
 
 def _csr_triple(A: Any, *, call: str) -> Any:
@@ -108,7 +109,7 @@ def _csr_triple(A: Any, *, call: str) -> Any:
     n = int(crow.shape[0]) - 1
     if xp is not np:
         return _checked_gpu_csr(val, col, crow, n, call=call)
-    return _backend.sparse_module(xp).csr_matrix((val, col, crow), shape=(n, n))
+    return _checked_host_csr(val, col, crow, (n, n), call=call)
 
 
 def _checked_gpu_csr(val: Any, col: Any, crow: Any, n: int, *, call: str) -> Any:
@@ -143,13 +144,40 @@ def _gpu_pattern_flags(indptr: Any, indices: Any, n: int, *, call: str) -> int:
 
     flags = device_checks.csr_structure(indptr, indices, n)
     if flags & device_checks.FLAG_BAD_INDPTR:
-        raise ValueError(f"{call}: A's row pointers (crow_indices / indptr) are not a CSR index: "
-                         f"they must start at 0, never decrease and end at the number of stored "
-                         f"entries ({int(indices.shape[0])}); rebuild A from valid arrays")
+        raise _bad_indptr(call, int(indices.shape[0]))
     if flags & device_checks.FLAG_BAD_INDEX:
-        raise ValueError(f"{call}: A has column indices outside [0, {n}); fix the matrix's "
-                         "col_indices / indices")
+        raise _bad_index(call, n)
     return flags
+
+
+def _bad_indptr(call: str, nnz: int) -> ValueError:
+    return ValueError(f"{call}: A's row pointers (crow_indices / indptr) are not a CSR index: "
+                      f"they must start at 0, never decrease and end at the number of stored "
+                      f"entries ({nnz}); rebuild A from valid arrays")
+
+
+def _bad_index(call: str, n: int) -> ValueError:
+    return ValueError(f"{call}: A has column indices outside [0, {n}); fix the matrix's "
+                      "col_indices / indices")
+
+
+def _checked_host_csr(val: np.ndarray, col: np.ndarray, crow: np.ndarray, shape: tuple[int, int],
+                      *, call: str) -> Any:
+    """A SciPy CSR matrix over host arrays whose pattern was checked first.
+
+    SciPy's constructor checks only the arrays' lengths, and torch builds
+    CSR tensors without checking their indices: an index outside the
+    matrix would be read out of bounds by every kernel after this.
+    """
+    if col.dtype.kind not in "iu" or crow.dtype.kind not in "iu":
+        raise TypeError(f"{call}: A's index arrays must be integers, got {crow.dtype} and {col.dtype}")
+    nnz = int(col.shape[0])
+    if crow.shape[0] != shape[0] + 1 or int(crow[0]) != 0 or int(crow[-1]) != nnz \
+            or (crow.shape[0] > 2 and int(np.diff(crow).min()) < 0):
+        raise _bad_indptr(call, nnz)
+    if nnz and (int(col.min()) < 0 or int(col.max()) >= shape[1]):
+        raise _bad_index(call, shape[1])
+    return _backend.sparse_module(np).csr_matrix((val, col, crow), shape=shape)
 
 
 def as_operator(A: Any, *, call: str = "solve") -> tuple[Any, str]:

@@ -129,6 +129,44 @@ def test_a_crow_col_values_tuple_is_a_csr_matrix():
         as_operator((A.indptr, A.indices, A.data[:-1]))
 
 
+def _spoiled(A, how):
+    """A's (crow, col, values) with one index spoiled: a column out of range or a decreasing crow."""
+    crow, col = A.indptr.copy(), A.indices.copy()
+    if how == "col_high":
+        col[-1] = A.shape[0] + 91
+    elif how == "col_negative":
+        col[-1] = -1
+    elif how == "col_huge":
+        col[0] = 10**8
+    elif how == "crow_decreasing":
+        crow[2], crow[3] = crow[3], crow[2]
+    elif how == "crow_short":
+        crow[-1] -= 1
+    return crow, col, A.data.copy()
+
+
+@pytest.mark.parametrize("how", ["col_high", "col_negative", "col_huge", "crow_decreasing",
+                                 "crow_short"])
+def test_a_csr_pattern_out_of_range_is_refused_before_any_kernel_reads_it(how):
+    """Neither SciPy's constructor nor torch checks the indices; every kernel would read out of bounds."""
+    import managed_solve as ms
+
+    A, b = laplacian1d(8), np.ones(8)
+    match = "column indices outside" if how.startswith("col") else "row pointers"
+    with pytest.raises(ValueError, match=rf"solve\(A, b\): A.*{match}"):
+        ms.solve(_spoiled(A, how), b)
+    res = ms.solve_many([(A, b), (_spoiled(A, how), b), (A, 2 * b)], devices=["cpu"])
+    assert [r.status for r in res] == [ms.Status.CONVERGED, ms.Status.INVALID_INPUT,
+                                       ms.Status.CONVERGED]
+    assert match in res[1].message
+    torch = pytest.importorskip("torch")
+    crow, col, val = (torch.tensor(a) for a in _spoiled(A, how))
+    if how.startswith("col"):  # torch refuses a decreasing crow itself
+        t = torch.sparse_csr_tensor(crow, col, val, size=(8, 8), check_invariants=False)
+        with pytest.raises(ValueError, match=match):
+            ms.solve(t, torch.ones(8, dtype=torch.float64))
+
+
 def test_grad_source_records_what_requires_grad_and_refuses_what_cannot_have_one():
     torch = pytest.importorskip("torch")
     from managed_solve.system.inputs import grad_source
