@@ -30,7 +30,7 @@ class Status(enum.Enum):
             Status.BREAKDOWN: "the method broke down (a zero or negative curvature or a "
             "vanishing inner product); for an indefinite or non-symmetric matrix use "
             "method='minres' or method='gmres'",
-            Status.INVALID_INPUT: "the system was rejected before solving",
+            Status.INVALID_INPUT: "the system was rejected as input",
             Status.DEVICE_ERROR: "the device failed while solving (out of memory or a driver error)",
             Status.LEAST_SQUARES: "b is not in the range of the singular A: x is a least-squares "
             "solution (make b consistent, e.g. zero-sum for a pure Neumann problem)",

@@ -8,6 +8,8 @@ the runner's queues, plan and manager:
 - a batch that hit an out-of-memory or device error, split and its halves
   placed on other devices, finally on the CPU (:meth:`Adjustments.recover`);
   a system no device could take delivered with ``DEVICE_ERROR``;
+- a batch that failed on one system's input, split on its device until that
+  system is alone (:meth:`Adjustments.isolate`);
 - a deferred batch whose systems need different methods, one batch per
   method (:meth:`Adjustments.regroup`).
 """
@@ -85,6 +87,8 @@ class Adjustments:
         # Device errors and plain RuntimeErrors (a driver or library failing
         # once) are retried on other devices, each device once, then the CPU.
         if not (is_device_error(exc) or type(exc) is RuntimeError):
+            if isinstance(exc, Exception):
+                return self.isolate(b, dev, exc)
             log.error("solve_many: batch %d on %s failed: %r", b.id, dev, exc)
             msg = (f"solve_many: solving on {dev} raised {type(exc).__name__}: {exc} "
                    "(not a device error, so not retried)")
@@ -113,6 +117,35 @@ class Adjustments:
                 self.queued_seconds[name] = self.queued_seconds.get(name, 0.0) + h.cost / speed
             out.append((name, h))
         return out
+
+    def isolate(self, b: Batch, dev: Device, exc: Exception) -> list[tuple[str, Batch]]:
+        """A batch that failed on what one of its systems holds: that system alone gets the error.
+
+        Validation cannot see everything a solve finds (a zero on the
+        diagonal Jacobi divides by, a preconditioner MINRES finds
+        indefinite); ``solve()`` raises such an error for its one system.
+        Here the batch is split in halves, on the same device, until the
+        failing system is alone; the others are solved. The failing system
+        gets ``INVALID_INPUT`` for a ``ValueError`` or ``TypeError`` (what
+        ``solve()`` raises for its input), else ``DEVICE_ERROR`` with the
+        error.
+        """
+        if b.nsys > 1:
+            log.info("solve_many: batch %d (%d systems) on %s raised %s; splitting it to find the "
+                     "system", b.id, b.nsys, dev, type(exc).__name__)
+            with self.cond:
+                halves = split(b, self.plan.estimates, next_id=self.next_id,
+                               batch_bytes=self.batch_bytes)
+                self.next_id += len(halves)
+            return [(str(dev), h) for h in halves]
+        i = b.indices[0]
+        if isinstance(exc, (ValueError, TypeError)):
+            self.deliver(i, invalid_result(exc, i, self.systems[i]))
+            return []
+        log.error("solve_many: batch %d on %s failed: %r", b.id, dev, exc)
+        self.fail(i, dev, f"solve_many: solving on {dev} raised {type(exc).__name__}: {exc} "
+                          "(not a device error, so not retried)")
+        return []
 
     def fail(self, i: int, dev: Device, msg: str) -> None:
         s = self.systems[i]

@@ -16,7 +16,7 @@ import pytest
 import scipy.sparse as sp
 import scipy.sparse.linalg as sla
 
-from managed_solve import DeviceManager, LinearSystem, Status, solve_many
+from managed_solve import DeviceManager, LinearSystem, Status, solve, solve_many
 from managed_solve.devices import SimulatedOutOfMemory
 from tests._problems import convection_diffusion, laplacian1d, poisson2d
 
@@ -108,3 +108,57 @@ def test_a_sharded_system_whose_shards_fit_nowhere_runs_on_the_cpu():
     res = solve_many([(A, b)], manager=DeviceManager(simulate="4x64KiB"))[0]
     assert res.converged and res.device == "cpu", res.message
     np.testing.assert_allclose(res.to_numpy(), sla.spsolve(A.tocsc(), b), rtol=1e-6)
+
+
+def _zero_on_diagonal(n: int, row: int):
+    """A nonsingular tridiagonal matrix with one zero diagonal entry (Jacobi divides by it)."""
+    A = laplacian1d(n).tolil()
+    A[row, row] = 0.0
+    return A.tocsr()
+
+
+def _manager(device: str) -> DeviceManager:
+    """A manager solving on ``device`` alone: the CPU, or one simulated GPU."""
+    if device == "cpu":
+        return DeviceManager(["cpu"])
+    return DeviceManager([device], simulate="1x1GiB")
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim:0"])
+def test_an_input_error_found_inside_a_batch_sinks_only_its_system(device):
+    """A zero diagonal under M="jacobi" is found when the batch is packed: that system alone is refused."""
+    rng = np.random.default_rng(5)
+    bad = {2, 9, 10}
+    pairs = [(_zero_on_diagonal(40, 7), rng.standard_normal(40)) if k in bad
+             else (laplacian1d(40 + k), rng.standard_normal(40 + k)) for k in range(16)]
+    res = solve_many(pairs, manager=_manager(device), M="jacobi", method="cg")
+    assert len(res) == len(pairs)
+    for k, (r, (A, b)) in enumerate(zip(res, pairs, strict=True)):
+        if k in bad:
+            assert r.status is Status.INVALID_INPUT and r.x is None
+            assert "non-zero diagonal" in r.message and r.name == f"systems[{k}]"
+        else:
+            assert r.status is Status.CONVERGED
+            x = sla.spsolve(A.tocsc(), b)
+            assert np.linalg.norm(np.asarray(r.x) - x) <= 1e-6 * np.linalg.norm(x)
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim:0"])
+def test_what_solve_raises_for_one_system_is_that_systems_invalid_input(device):
+    """solve() raises for an indefinite preconditioner under MINRES and for M="amg" on a dense A;
+    solve_many gives those systems INVALID_INPUT with the same message, not DEVICE_ERROR."""
+    n = 30
+    negative = sp.diags(-np.linspace(1.0, 10.0, n)).tocsr()  # symmetric negative definite: MINRES
+    dense = laplacian1d(n).toarray()
+    b = np.ones(n)
+    systems = [LinearSystem(negative, b, M="jacobi"), LinearSystem(dense, b, M="amg"),
+               LinearSystem(negative, b)]
+    dm = _manager(device)
+    res = solve_many(systems, manager=dm)
+    for s, r in zip(systems[:2], res[:2], strict=True):
+        with pytest.raises((ValueError, TypeError)) as raised:
+            solve(s, device=device, manager=dm)
+        assert r.status is Status.INVALID_INPUT
+        assert r.message == f"{type(raised.value).__name__}: {raised.value}"
+    assert res[2].status is Status.CONVERGED
+    assert np.allclose(np.asarray(res[2].x), b / negative.diagonal())
