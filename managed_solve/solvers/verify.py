@@ -15,6 +15,7 @@ and decides, by one rule for every route (:func:`verdict`):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,8 +54,9 @@ def verdict(s: LinearSystem, method: str, code: int, residual: float, b_norm: fl
     ('fall back', 'accept')
     """
     if code == CONVERGED:
-        # Written so that a NaN residual is drift too.
-        return ACCEPT if residual <= tolerance(s, b_norm) else RESTART
+        # Written so that a NaN residual is drift too; an infinite one (a b whose
+        # norm overflows, against an infinite bound) is never converged.
+        return ACCEPT if residual <= tolerance(s, b_norm) and residual < math.inf else RESTART
     if code == BREAKDOWN and s.method == "auto" and (
             method in FALLBACK or (method == "direct" and s.kind != "operator")):
         return FALL_BACK
@@ -82,9 +84,10 @@ def accepted(systems: Sequence[LinearSystem], codes: np.ndarray, residuals: np.n
     atol = np.array([s.atol for s in systems], dtype=np.float64)
     # Written so that a NaN residual or bound is not accepted, as in verdict; an
     # rtol of 0 times an infinite ||b|| is such a NaN, not a warning for the caller.
+    residuals = np.asarray(residuals)
     with np.errstate(invalid="ignore"):
-        return (np.asarray(codes) == CONVERGED) & (np.asarray(residuals) <= np.maximum(
-            rtol * np.asarray(b_norms, dtype=np.float64), atol))
+        return (np.asarray(codes) == CONVERGED) & (residuals <= np.maximum(
+            rtol * np.asarray(b_norms, dtype=np.float64), atol)) & (residuals < np.inf)
 
 
 def fallback_for(s: LinearSystem, method: str, symmetric: bool | None = None,
@@ -117,6 +120,13 @@ def status_of(out: Outcome, method: str, residual: float, tol: float,
             system: LinearSystem) -> tuple[Status, str]:
     if out.code == BREAKDOWN:
         return Status.BREAKDOWN, out.message or Status.BREAKDOWN.message
+    if residual == math.inf and out.code in (CONVERGED, LEAST_SQUARES):
+        # Finite entries whose norms overflow (||b|| past 1.8e308): every
+        # tolerance test reads inf <= inf, so nothing here shows convergence.
+        return Status.BREAKDOWN, (
+            f"{method}: ||b - A x|| overflows float64 (past {np.finfo(np.float64).max:.3g}), so "
+            "convergence cannot be measured; scale the equations (divide A and b by a common "
+            "factor such as max|b|) and solve again.")
     if out.code == LEAST_SQUARES:
         if residual <= tol * (1 + 1e-6):  # b was in the range after all
             return Status.CONVERGED, f"{method}: converged in {out.iterations} iterations"
