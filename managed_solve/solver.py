@@ -23,7 +23,7 @@ from .device_args import cuda_ordinal
 from .devices import Device
 from .placement import block_passes, move_to, named_device, reserve_for
 from .result import SolveResult, Status
-from .solvers import batched
+from .solvers import batched, verify
 from .solvers._common import (
     column_norms,
     power_of_two_scale,
@@ -599,8 +599,8 @@ class Solver:
                     _check_representable(out, xs)
                 out.residual_norm *= sb
         peaks: dict[str, int] = {}  # bytes a solve by each method holds (the same every column)
-        for (used, out), b, bn, tol, off in zip(finished, user_bs, b_norms, tols, outside,
-                                                strict=True):
+        for (used, out), b, bn, tol, off, c in zip(finished, user_bs, b_norms, tols, outside,
+                                                   cut if N is not None else bs, strict=True):
             x = out.x
             if x is not None and N is not None:
                 x = out.x = x - N @ (N.T @ x)
@@ -614,12 +614,11 @@ class Solver:
                 batched.release_done()
             else:
                 residual = out.residual_norm
-            status, message = status_of(out, used, residual, tol, system)
-            if off > tol and x is not None and status is not Status.CONVERGED:
-                status = Status.LEAST_SQUARES
-                message = (f"b has a part of norm {off:.3g} outside the range of A (tolerance "
-                           f"{tol:.3g}): no x solves the system; x is the least-squares "
-                           f"solution orthogonal to the null space (||b - A x|| = {residual:.3g}).")
+            if off > tol and x is not None:  # judged by b's part in the range, b - c
+                status, message = verify.status_outside_range(
+                    out, used, residual, true_residual_norm(A, b - c, x), off, tol, system)
+            else:
+                status, message = status_of(out, used, residual, tol, system)
             if mgr is not None:
                 peak = peaks.get(used)
                 if peak is None:

@@ -52,6 +52,15 @@ def laplacian1d(n, dtype=np.float64, *, neumann=False):
     return A
 
 
+def one_large_eigenvalue(n, value=1e10):
+    """``diag(value, 1, ..., 1)``: nonsingular, cond ``|value|``; SPD when ``value > 0``.
+
+    Badly scaled rather than singular: ``||A r|| / (||A|| ||r||)`` is
+    ``1 / |value|`` for any r without a first entry.
+    """
+    return sp.diags(np.r_[value, np.ones(n - 1)]).tocsr()
+
+
 # -- 2D and 3D Laplacians and their variants
 def poisson2d(m, dtype=np.float64):
     """The 5-point Laplacian on an m x m grid: SPD, n = m * m."""

@@ -95,6 +95,25 @@ def test_nullspace_constant_projects_b_and_x(method):
     np.testing.assert_allclose(ok.x, x_true, rtol=1e-6, atol=1e-8)
 
 
+@pytest.mark.parametrize("device", ["cpu", "sim:0"])
+@pytest.mark.parametrize("method", ["cg", "minres", "bicgstab", "gmres"])
+def test_nullspace_least_squares_only_when_the_projected_system_converged(method, device):
+    """Out of iterations on P b is MAXITER: x is then not the least-squares answer."""
+    dm = DeviceManager(simulate="2x1GiB")
+    A = laplacian1d(60, neumann=True)
+    b = np.random.default_rng(3).standard_normal(60)  # a constant part: inconsistent
+    x_ls = np.linalg.lstsq(A.toarray(), b, rcond=None)[0]  # orthogonal to the constants
+    short = solve(A, b, method=method, nullspace="constant", device=device, maxiter=10,
+                  manager=dm)
+    assert short.status is Status.MAXITER, (short.status, short.message)
+    assert "projected system" in short.message
+    assert np.linalg.norm(short.x - x_ls) > 1e-2 * np.linalg.norm(x_ls)
+    full = solve(A, b, method=method, nullspace="constant", device=device, maxiter=5000,
+                 manager=dm)
+    assert full.status is Status.LEAST_SQUARES, (full.status, full.message)
+    np.testing.assert_allclose(full.x, x_ls, rtol=1e-5, atol=1e-6 * np.abs(x_ls).max())
+
+
 def test_nullspace_vectors_in_a_solver_and_solve_many():
     A = laplacian1d(30, neumann=True)
     N = np.ones(30)

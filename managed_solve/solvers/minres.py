@@ -29,6 +29,12 @@ from ._common import (
     safe_div,
 )
 
+# The least-squares watch (see minres): the relative drop of the true
+# residual that shows b is still being reached, and the fewest iterations a
+# watch runs before it may conclude.
+LS_PROGRESS = 1e-3
+LS_WINDOW = 10
+
 
 def minres(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 0.0,
            maxiter: int | None = None, M: Callable[[Any], Any] | None = None,
@@ -103,12 +109,22 @@ def minres(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 
     w2 = xp.zeros_like(b)
     r2 = r1
     hist = xp.empty(every, dtype=xp.float64)
-    # ||A r|| / (||A|| ||r||) per iteration (SciPy's test2): near zero while
-    # ||r|| stays large, b is not in A's range and x is a least-squares
-    # solution; iterating on would only grow x along A's null space.
+    # ||A r|| / (||A|| ||r||) per iteration (SciPy's test2), ||A|| estimated
+    # from the Lanczos tridiagonal. Near zero while ||r|| stays large, b may
+    # not be in A's range, but this alone does not tell a singular A from a
+    # badly scaled one: with cond(A) > 1 / rtol the ratio falls below rtol
+    # while the residual still shrinks (A = diag(1e10, 1, ..., 1) does at the
+    # second step and converges at the third). So a hit only starts a watch
+    # that keeps x: it is the least-squares answer when the true residual has
+    # not shrunk by the time the iteration count has doubled (no x reaches
+    # b's part outside the range), else the iteration goes on. The
+    # recurrence's own estimate is no witness there: once Lanczos has
+    # exhausted the range it falls below the true residual while x grows
+    # along the null space, which is also why the kept x is the answer.
     normal = xp.empty(every, dtype=xp.float64)
     tnorm2 = zero
     ls_tol = max(float(rtol), 10 * float(np.finfo(dt).eps))
+    watch: tuple[int, float, Any] | None = None  # iteration, true ||r|| and x of the last hit
     bad = xp.zeros((), dtype=bool)
     start = 1
     for it in range(1, maxiter + 1):
@@ -155,10 +171,20 @@ def minres(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 
             if k is not None:
                 return Outcome(x, CONVERGED, it, float(h[k]), host_syncs=syncs,
                                info={"converged_at": start + k})
-            ls = first_below(_backend.to_host(normal[:it - start + 1]), ls_tol)  # sync: a second read at the checkpoint
-            if ls is not None:
-                return Outcome(x, LEAST_SQUARES, it, float(h[ls]), NOT_IN_RANGE,
-                               host_syncs=syncs, info={"least_squares_at": start + ls})
+            hit = first_below(_backend.to_host(normal[:it - start + 1]), ls_tol) is not None  # sync: a second read at the checkpoint
+            if watch is not None and (it - watch[0] >= max(watch[0], LS_WINDOW) or it == maxiter):
+                rnorm = float(norm(xp, b - matvec(x)))  # sync: the watch's second true residual
+                syncs += 1
+                if rnorm >= (1 - LS_PROGRESS) * watch[1] and it - watch[0] >= LS_WINDOW:
+                    return Outcome(watch[2], LEAST_SQUARES, it, watch[1], NOT_IN_RANGE,
+                                   host_syncs=syncs, info={"least_squares_at": watch[0]})
+                if it == maxiter and rnorm > watch[1]:  # hand back the better of the two
+                    return Outcome(watch[2], MAXITER, it, watch[1], host_syncs=syncs)
+                watch = (it, rnorm, x.copy()) if hit else None
+            elif watch is None and hit:
+                # sync: the true residual at the hit
+                watch = (it, float(norm(xp, b - matvec(x))), x.copy())
+                syncs += 1
             if not (h[-1] == h[-1]):
                 return Outcome(x, BREAKDOWN, it, float(h[-1]),
                                "MINRES produced a non-finite residual; check A for NaN/Inf.",

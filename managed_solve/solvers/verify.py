@@ -153,6 +153,30 @@ def status_of(out: Outcome, method: str, residual: float, tol: float,
     return Status.CONVERGED, f"{method}: converged in {out.iterations} iterations"
 
 
+def status_outside_range(out: Outcome, method: str, residual: float, projected: float, off: float,
+                         tol: float, system: LinearSystem) -> tuple[Status, str]:
+    """The status of a solve whose b has a part of norm ``off > tol`` outside A's known range.
+
+    That part is in every residual, so the status is that of the projected
+    system P b (``projected = ||P b - A x||``): solved, x is the least-squares
+    answer (``LEAST_SQUARES``); not solved, x is no such answer (``MAXITER``
+    or ``BREAKDOWN``, as :func:`status_of` says of P b).
+    """
+    status, message = status_of(out, method, projected, tol, system)
+    outside = f"b has a part of norm {off:.3g} outside the range of A"
+    if status is Status.CONVERGED:
+        return Status.LEAST_SQUARES, (
+            f"{outside} (tolerance {tol:.3g}): no x solves the system; x is the least-squares "
+            f"solution orthogonal to the null space (||b - A x|| = {residual:.3g}).")
+    if status is Status.MAXITER:
+        return status, (
+            f"{outside} and {method} did not solve the projected system P b for the rest: "
+            f"||P b - A x|| = {projected:.3g} > {tol:.3g} after {out.iterations} iterations, so x "
+            "is not the least-squares solution; raise maxiter, loosen rtol, or add a "
+            "preconditioner (M='jacobi').")
+    return status, f"{outside}; {message}"
+
+
 def refine(A: Any, b: Any, prepared: Any, out: Outcome, tol: float, transpose: bool) -> Outcome:
     """Restart from x while the recurrence converged but the true residual did not."""
     total, syncs = out.iterations, out.host_syncs

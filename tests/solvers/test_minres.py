@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import scipy.sparse.linalg as sla
 
-from managed_solve import solve
+from managed_solve import DeviceManager, Status, solve, solve_many
 from managed_solve.solvers.minres import minres
-from tests._problems import BACKENDS, assert_solves, helmholtz2d, on
+from tests._problems import BACKENDS, assert_solves, helmholtz2d, on, one_large_eigenvalue
 
 
 @pytest.fixture(params=BACKENDS)
@@ -59,3 +59,33 @@ def test_minres_rejects_indefinite_preconditioner():
     A = helmholtz2d(6)
     with pytest.raises(ValueError, match="positive definite"):
         minres(A, np.ones(36), M=lambda r: -r)
+
+
+def test_a_badly_scaled_nonsingular_matrix_is_not_least_squares(backend):
+    """cond(A) = 1e10 > 1 / rtol puts ||A r|| / (||A|| ||r||) below rtol at the second step
+    while the residual still shrinks: MINRES goes on to converge, as SciPy's minres does."""
+    A = one_large_eigenvalue(10)
+    b = np.random.default_rng(0).standard_normal(10)
+    x_ref = sla.spsolve(A.tocsc(), b)
+    Ad, bd = on(backend, A, b)
+    out = minres(Ad, bd, rtol=1e-8)
+    assert out.code == 0, (out.code, out.message)
+    x = out.x.get() if hasattr(out.x, "get") else out.x
+    np.testing.assert_allclose(x, x_ref, rtol=1e-6, atol=1e-8 * np.linalg.norm(x_ref))
+
+
+def test_solve_does_not_call_a_badly_scaled_matrix_singular():
+    """minres on the CPU and a simulated GPU, and "auto" where it picks MINRES (a negative diagonal)."""
+    dm = DeviceManager(simulate="2x1GiB")
+    b = np.random.default_rng(0).standard_normal(10)
+    runs = [(one_large_eigenvalue(10), "minres", "cpu"), (one_large_eigenvalue(10), "minres", "sim:0"),
+            (one_large_eigenvalue(10, -1e10), "auto", "sim:0")]
+    for A, method, device in runs:
+        res = solve(A, b, method=method, device=device, manager=dm)
+        assert res.status is Status.CONVERGED and res.method == "minres", (res.status, res.message)
+        assert np.linalg.norm(b - A @ res.x) <= 1e-8 * np.linalg.norm(b)
+        x_ref = sla.spsolve(A.tocsc(), b)
+        np.testing.assert_allclose(res.x, x_ref, rtol=1e-6, atol=1e-8 * np.linalg.norm(x_ref))
+    A = one_large_eigenvalue(10, -1e10)
+    assert [r.status for r in solve_many([(A, b), (A, b)], manager=dm)] == [Status.CONVERGED] * 2
+
