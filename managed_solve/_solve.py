@@ -9,6 +9,7 @@ true-residual check and the fall-back rule are the Solver's. Several GPUs
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -127,6 +128,12 @@ def solve(A_or_system: Any, b: Any = None, *, x0: Any = None, rtol: float = 1e-8
     """
     if not isinstance(A_or_system, LinearSystem) and b is not None and _is_block(b):
         if devices is not None or _names_several(device):
+            if np.shape(b)[1] == 1:  # one column: the sharded solve of the vector, as a column
+                return _as_column(solve(
+                    A_or_system, _column(b), x0=None if x0 is None else _column(x0), rtol=rtol,
+                    atol=atol, maxiter=maxiter, method=method, M=M, callback=callback,
+                    device=device, dtype=dtype, manager=manager, devices=devices,
+                    nullspace=nullspace))
             raise ValueError("solve(A, B, devices=...): a sharded solve takes one right-hand side; "
                              "solve the columns one by one, or on one device.")
         solver = Solver(A_or_system, method=method, M=M, rtol=rtol, atol=atol, maxiter=maxiter,
@@ -161,14 +168,29 @@ def _names_several(device: Any) -> bool:
 
 
 def _is_block(b: Any) -> bool:
-    """A right-hand side of k > 1 columns."""
+    """A 2-D right-hand side, (n, 1) included: its x and figures are per column."""
     shape = getattr(b, "shape", None)
     if shape is None:
         try:
             shape = np.shape(b)
         except (TypeError, ValueError):  # ragged lists: validation reports them
             return False
-    return len(shape) == 2 and shape[1] > 1
+    return len(shape) == 2
+
+
+def _column(v: Any) -> Any:
+    """The one column of an (n, 1) array (NumPy, CuPy, torch or nested lists) as a vector; else v."""
+    if not hasattr(v, "shape"):
+        v = np.asarray(v)
+    return v[:, 0] if len(v.shape) == 2 and v.shape[1] == 1 else v
+
+
+def _as_column(res: SolveResult) -> SolveResult:
+    """A one-vector result in the form of a one-column block's: x (n, 1), figures per column."""
+    x = None if res.x is None else res.x.reshape(-1, 1)
+    return replace(res, x=x, iterations=np.array([res.iterations]),
+                   residual_norm=np.array([res.residual_norm]), b_norm=np.array([res.b_norm]),
+                   info={**res.info, "columns": 1}, column_status=(res.status,))
 
 
 def _sharded(system: LinearSystem, devices: Any, mgr: Any) -> SolveResult:

@@ -409,11 +409,9 @@ class Solver:
             v = torch_to_array(v, call="Solver.solve", arg=what)
         elif not (isinstance(v, np.ndarray) or _backend.is_cupy_array(v)):
             v = np.asarray(v)
-        if v.ndim == 2 and v.shape[1] == 1:
-            v = v.reshape(-1)
-        if v.ndim not in (1, 2) or v.shape[0] != n:
-            raise ValueError(f"Solver.solve: {what} must have shape ({n},) or ({n}, k), got "
-                             f"shape {tuple(v.shape)}.")
+        if v.ndim not in (1, 2) or v.shape[0] != n or (v.ndim == 2 and v.shape[1] < 1):
+            raise ValueError(f"Solver.solve: {what} must have shape ({n},) or ({n}, k) with "
+                             f"k >= 1, got shape {tuple(v.shape)}.")
         check_dtype(v.dtype, call="Solver.solve", arg=what)
         xp = _backend.array_module(system.b)
         if _backend.array_module(v) is not xp:
@@ -431,6 +429,8 @@ class Solver:
             self._check_open()
             B = self._rhs(b, "b")
             X0 = self._rhs(x0, "x0") if x0 is not None else None
+            if X0 is not None and X0.ndim != B.ndim and X0.size == B.size:
+                X0 = X0.reshape(B.shape)  # one guess for one column, as (n,) or (n, 1)
             if X0 is not None and X0.ndim != B.ndim:
                 raise ValueError(f"Solver.solve: x0 has shape {tuple(X0.shape)}, b {tuple(B.shape)}; "
                                  "give one initial guess per right-hand side.")

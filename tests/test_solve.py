@@ -328,6 +328,27 @@ def test_sharded_route_matches_direct_solve(how):
     np.testing.assert_allclose(res.to_numpy(), sla.spsolve(A.tocsc(), b), rtol=1e-7, atol=1e-9)
 
 
+@pytest.mark.filterwarnings("ignore:Sparse:UserWarning")
+@pytest.mark.parametrize("method,where", [
+    ("direct", {"device": "cpu"}), ("cg", {"device": "cpu"}), ("direct", {"device": "sim:0"}),
+    ("cg", {"device": "sim:0"}), ("cg", {"devices": "all"}),  # sharded: iterative only
+], ids=["cpu-direct", "cpu-cg", "sim-direct", "sim-cg", "sharded-cg"])
+def test_a_one_column_b_gives_a_one_column_x(method, where):
+    """b of shape (n, 1) is a block of one column: x (n, 1) and its column status, on every route."""
+    torch = pytest.importorskip("torch")
+    dm = DeviceManager(simulate="2x1GiB")
+    A = poisson2d(9)
+    B = np.linspace(-1.0, 2.0, A.shape[0])[:, None]
+    want = sla.spsolve(A.tocsc(), B[:, 0])
+    for b in (B, torch.from_numpy(B)):
+        res = solve(A, b, method=method, rtol=1e-10, manager=dm, **where)
+        assert res.x.shape == (81, 1) and res.column_status == (Status.CONVERGED,)
+        assert res.converged and res.iterations.shape == (1,)
+        assert res.to_torch().shape == (81, 1)
+        np.testing.assert_allclose(res.to_numpy()[:, 0], want, rtol=1e-7, atol=1e-10)
+    assert solve(A, B[:, 0], method=method, manager=dm, **where).x.shape == (81,)
+
+
 def test_sharded_route_nonsymmetric_picks_bicgstab():
     dm = DeviceManager(simulate="2x1GiB")
     A = poisson2d_plus_diagonal(16, 0.3)

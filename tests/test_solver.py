@@ -44,17 +44,39 @@ def _check_columns(res, A, B, rtol):
     assert res.converged and np.all(res.relative_residual <= rtol * (1 + 1e-6))
 
 
+@pytest.mark.parametrize("k", [1, 5])  # one column is a block too: (n, 1) x, per-column figures
 @pytest.mark.parametrize("method", METHODS)
-def test_several_right_hand_sides_match_splu_per_column(backend, method):
+def test_several_right_hand_sides_match_splu_per_column(backend, method, k):
     A = poisson2d(12) if method in ("cg", "minres") else convection_diffusion(12)
     if method == "minres":
         A = (A - 0.3 * sp.identity(A.shape[0])).tocsr()  # symmetric indefinite
-    B = _block(A.shape[0], 5)
+    B = _block(A.shape[0], k)
     Ad, Bd = on(backend, A, B)
     with Solver(Ad, method=method, rtol=1e-9) as solver:
         res = solver.solve(Bd)
     _check_columns(res, A, B, 1e-9)
-    assert res.method == method and len(res.iterations) == 5
+    assert res.method == method and len(res.iterations) == k
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("device", ["cpu", "sim:0"])
+def test_a_one_column_block_keeps_its_shape_forward_and_transposed(method, device):
+    """B of shape (n, 1) gives x of shape (n, 1) and one column status, as any (n, k) block does."""
+    A = laplacian1d(40) if method in ("cg", "minres") else convection_diffusion(6)
+    n = A.shape[0]
+    B = _block(n, 1, seed=3)
+    dm = DeviceManager(simulate="1x1GiB")
+    with Solver(A, method=method, rtol=1e-10, device=device, manager=dm) as solver:
+        blocks = [(solver.solve(B), A), (solver.solve_transpose(B), A.T),
+                  (solver.solve(B, x0=np.zeros(n)), A)]  # one guess, as (n,) or (n, 1)
+        vector = solver.solve(B[:, 0], x0=np.zeros((n, 1)))
+    for res, M in blocks:
+        assert res.x.shape == (n, 1) and res.column_status == (Status.CONVERGED,)
+        assert res.iterations.shape == res.residual_norm.shape == (1,) and res.device == device
+        np.testing.assert_allclose(res.x[:, 0], sla.spsolve(M.tocsc(), B[:, 0]),
+                                   rtol=1e-7, atol=1e-10)
+    # A 1-D b keeps a 1-D x.
+    assert vector.x.shape == (n,) and vector.column_status is None and vector.converged
 
 
 def test_solve_accepts_a_block_and_each_column_converges_on_its_own():
@@ -293,6 +315,8 @@ def test_bad_right_hand_sides_name_the_argument():
             solver.solve(bad)
         with pytest.raises(ValueError, match="x0"):
             solver.solve(np.ones((16, 2)), x0=np.ones(16))
+        with pytest.raises(ValueError, match=r"k >= 1, got shape \(16, 0\)"):
+            solver.solve(np.ones((16, 0)))
 
 
 def test_exported_at_the_top_level():
