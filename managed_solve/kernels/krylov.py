@@ -75,16 +75,21 @@ def precondition(dinv, v, i):
 
 @numba.njit(cache=True, inline="always")
 def residual_sums(lo, hi, indptr, indices, data, b, x):
-    """``(||b - A x||^2, ||b||^2)`` over rows ``lo:hi``, accumulated in float64.
+    """``(||b - A x||^2, ||b||^2)`` over rows ``lo:hi``, in float64 throughout.
 
     The true residual of a system just solved, while its rows are still in
-    cache (the check the verify rule reads).
+    cache (the check the verify rule reads). Each product is formed in
+    float64 (exact for float32 values), not in the system's dtype: a
+    float32 product's rounding would blur a residual below it.
     """
     rr = 0.0
     bb = 0.0
     for i in range(np.uint64(lo), np.uint64(hi)):
-        bi = b[i] * 1.0
-        ri = bi - row_product(indptr, indices, data, x, i)
+        bi = np.float64(b[i])
+        acc = 0.0
+        for j in range(np.uint64(indptr[i]), np.uint64(indptr[i + 1])):
+            acc += np.float64(data[j]) * np.float64(x[np.uint64(indices[j])])
+        ri = bi - acc
         rr += ri * ri
         bb += bi * bi
     return rr, bb

@@ -10,7 +10,7 @@ import pytest
 from managed_solve import LinearSystem
 from managed_solve.solvers.engine import BREAKDOWN, CONVERGED, MAXITER
 from managed_solve.solvers.verify import ACCEPT, accepted, verdict
-from tests._problems import laplacian1d
+from tests._problems import host, laplacian1d
 
 
 @pytest.mark.filterwarnings("error")
@@ -33,7 +33,7 @@ def test_accepted_is_verdicts_accept_of_converged_systems():
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-@pytest.mark.parametrize("device", ["cpu", "sim:0"])
+@pytest.mark.parametrize("device", ["cpu", "sim:0", pytest.param("cuda:0", marks=pytest.mark.gpu)])
 def test_a_b_whose_norm_overflows_is_never_reported_converged(device):
     """Finite entries, ||b|| past float64's range: every bound reads inf <= inf, which proves nothing."""
     import scipy.sparse as sp
@@ -43,14 +43,81 @@ def test_a_b_whose_norm_overflows_is_never_reported_converged(device):
     n = 100
     A = sp.diags(np.full(n, 10.0)).tocsr()
     b = np.full(n, 1e308)  # ||b|| = 1e309; the answer, 1e307, is a float64
-    dm = ms.DeviceManager([device], simulate="1x1GiB") if device != "cpu" else ms.DeviceManager(["cpu"])
+    dm = _manager(device)
     for method in ("auto", "cg", "bicgstab", "gmres", "minres"):
         r = ms.solve(A, b, method=method, device=device, manager=dm)
         assert r.status is ms.Status.BREAKDOWN and "overflows float64" in r.message, (method, r)
     direct = ms.solve(A, b, method="direct", device=device, manager=dm)
     assert direct.status is ms.Status.CONVERGED
-    np.testing.assert_allclose(np.asarray(direct.x), 1e307, rtol=1e-14)
+    np.testing.assert_allclose(host(direct.x), 1e307, rtol=1e-14)
     many = ms.solve_many([(A, b), (A, b / 1e10)], manager=dm)
     assert many[0].status is ms.Status.BREAKDOWN and "overflows float64" in many[0].message
     assert many[1].status is ms.Status.CONVERGED
-    np.testing.assert_allclose(np.asarray(many[1].x), 1e297, rtol=1e-8)
+    np.testing.assert_allclose(host(many[1].x), 1e297, rtol=1e-8)
+
+
+def _float32_system(n: int, seed: int):
+    """A well-conditioned nonsymmetric float32 system (diagonally dominant) and its right-hand side."""
+    import scipy.sparse as sp
+
+    rng = np.random.default_rng(seed)
+    R = sp.random(n, n, density=0.3, random_state=rng)
+    A = (R + sp.diags(np.asarray(abs(R).sum(axis=1)).ravel() + 1.0)).tocsr().astype(np.float32)
+    return A, rng.standard_normal(n).astype(np.float32)
+
+
+def _residual64(A, b, x):
+    return float(np.linalg.norm(b.astype(np.float64) - A.astype(np.float64) @ host(x).astype(np.float64)))
+
+
+def _manager(device: str):
+    import managed_solve as ms
+
+    if device.startswith("sim"):
+        return ms.DeviceManager([device], simulate="1x1GiB")
+    return ms.DeviceManager([device])
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim:0", pytest.param("cuda:0", marks=pytest.mark.gpu)])
+def test_a_float32_answer_is_judged_by_its_float64_residual(device):
+    """Products of float32 values are exact in float64: the residual the tolerance is about.
+
+    In float32 the residual of a good answer rounds to about 1e-7 ||b|| (or to
+    0), so rtol=1e-12 passed; measured in float64 it does not, and a
+    tolerance float32 can meet still does.
+    """
+    import managed_solve as ms
+
+    A, b = _float32_system(7, 12)
+    dm = _manager(device)
+    bn = float(np.linalg.norm(b.astype(np.float64)))
+    for method in ("bicgstab", "gmres", "direct"):
+        hard = ms.solve(A, b, method=method, rtol=1e-12, device=device, manager=dm)
+        true = _residual64(A, b, hard.x)
+        assert true > 1e-12 * bn and hard.status is ms.Status.MAXITER, (method, hard)
+        assert hard.residual_norm == pytest.approx(true, rel=1e-6)
+        easy = ms.solve(A, b, method=method, rtol=1e-5, device=device, manager=dm)
+        assert easy.status is ms.Status.CONVERGED, (method, easy)
+        assert _residual64(A, b, easy.x) <= 1e-5 * bn
+    systems = [ms.LinearSystem(*_float32_system(7 + k, k), rtol=1e-12, method=m)
+               for k, m in enumerate(("bicgstab", "gmres", "direct", "cg"))]
+    for s, r in zip(systems, ms.solve_many(systems, manager=dm), strict=True):
+        true = _residual64(s.A, s.b, r.x)
+        assert r.status is ms.Status.MAXITER and true > 1e-12 * np.linalg.norm(s.b), (s.method, r)
+        assert r.residual_norm == pytest.approx(true, rel=1e-6)
+
+
+def test_a_float32_block_is_judged_column_by_column_in_float64():
+    import managed_solve as ms
+
+    A, _ = _float32_system(9, 4)
+    B = np.random.default_rng(4).standard_normal((9, 3)).astype(np.float32)
+    with ms.Solver(A, method="direct", rtol=1e-12, device="cpu") as solver:
+        r = solver.solve(B)
+    for j in range(3):
+        assert r.column_status[j] is ms.Status.MAXITER
+    with ms.Solver(A, method="direct", rtol=1e-5, device="cpu") as solver:
+        r = solver.solve(B)
+    assert all(s is ms.Status.CONVERGED for s in r.column_status)
+    for j in range(3):
+        assert _residual64(A, B[:, j], np.asarray(r.x)[:, j]) <= 1e-5 * np.linalg.norm(B[:, j])
