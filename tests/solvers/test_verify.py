@@ -46,7 +46,10 @@ def test_a_b_whose_norm_overflows_is_never_reported_converged(device):
     dm = _manager(device)
     for method in ("auto", "cg", "bicgstab", "gmres", "minres"):
         r = ms.solve(A, b, method=method, device=device, manager=dm)
-        assert r.status is ms.Status.BREAKDOWN and "overflows float64" in r.message, (method, r)
+        # The verify rule's message, or the engine's own where it stopped on the
+        # non-finite norm itself (GMRES on a GPU).
+        assert r.status is ms.Status.BREAKDOWN, (method, r)
+        assert "overflows float64" in r.message or "non-finite residual" in r.message, r.message
     direct = ms.solve(A, b, method="direct", device=device, manager=dm)
     assert direct.status is ms.Status.CONVERGED
     np.testing.assert_allclose(host(direct.x), 1e307, rtol=1e-14)
