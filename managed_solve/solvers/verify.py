@@ -116,8 +116,15 @@ def fall_back(s: LinearSystem, method: str, code: int, symmetric: bool | None = 
 REFINEMENTS = 2
 
 
-def status_of(out: Outcome, method: str, residual: float, tol: float,
-            system: LinearSystem) -> tuple[Status, str]:
+def status_of(out: Outcome, method: str, residual: float, tol: float, system: Any, *,
+              restarts: int = REFINEMENTS) -> tuple[Status, str]:
+    """The result status of ``out`` and its message, judged by the true ``residual`` against ``tol``.
+
+    ``system``: the :class:`LinearSystem` solved, or anything with its
+    ``rtol`` and ``dtype`` (the messages name them). ``restarts``: the
+    restarts made after the recurrence converged (:func:`refine`), for the
+    message of a true residual that still misses the tolerance.
+    """
     if out.code == BREAKDOWN:
         return Status.BREAKDOWN, out.message or Status.BREAKDOWN.message
     if residual == math.inf and out.code in (CONVERGED, LEAST_SQUARES):
@@ -145,7 +152,7 @@ def status_of(out: Outcome, method: str, residual: float, tol: float,
                 f"A is too ill-conditioned for rtol={system.rtol:g} in {system.dtype}.")
         return Status.MAXITER, (
             f"{method}: the recurrence met the tolerance but the true residual "
-            f"||b - A x|| = {residual:.3g} exceeds {tol:.3g} after {REFINEMENTS} restarts; "
+            f"||b - A x|| = {residual:.3g} exceeds {tol:.3g} after {restarts} restarts; "
             f"{system.dtype} may not resolve rtol={system.rtol:g} (use dtype='float64' or a "
             "looser rtol).")
     if method == "direct":

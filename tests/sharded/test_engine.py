@@ -95,6 +95,26 @@ def test_statuses(kind, devices_for):
     assert "positive definite" in neg.message
 
 
+@pytest.mark.parametrize("method", ["cg", "bicgstab"])
+def test_float32_convergence_is_the_true_residuals(kind, devices_for, method):
+    """The recurrence of a float32 solve meets rtol=1e-12 by drifting from the true residual:
+    the verify rule, applied to the distributed true residual, says MAXITER; a tolerance
+    float32 can meet stays CONVERGED, its x within it by a float64 check."""
+    A = poisson2d(40, np.float32)
+    b = np.random.default_rng(0).standard_normal(A.shape[0]).astype(np.float32)
+    devs, dm = devices_for(kind, 2)
+    bn = float(np.linalg.norm(b.astype(np.float64)))
+    hard = sharded.solve_sharded(A, b, devices=devs, manager=dm, rtol=1e-12, method=method)
+    true = np.linalg.norm(b.astype(np.float64) - A.astype(np.float64) @ host(hard.x).astype(np.float64))
+    assert true > 1e-12 * bn
+    assert hard.status is Status.MAXITER and "the true residual" in hard.message
+    assert hard.residual_norm == pytest.approx(true, rel=1e-6)
+    easy = sharded.solve_sharded(A, b, devices=devs, manager=dm, rtol=1e-4, method=method)
+    x = host(easy.x).astype(np.float64)
+    assert easy.status is Status.CONVERGED
+    assert np.linalg.norm(b.astype(np.float64) - A.astype(np.float64) @ x) <= 1e-4 * bn
+
+
 def test_a_single_column_right_hand_side_is_a_vector():
     dm = DeviceManager(simulate="2x1GiB")
     A = poisson2d(6)
