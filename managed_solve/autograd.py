@@ -198,12 +198,15 @@ def _function() -> Any:
             link = link_ref()
             ctx.link_ref = link_ref
             ctx.set_materialize_grads(False)
-            ctx.save_for_backward(torch.empty(0))  # ties the link to the saved state
+            # The empty tensor ties the link to the saved state; the inputs that
+            # require grad are kept for a second differentiation's trap (:func:`_trap`).
+            ctx.save_for_backward(torch.empty(0), *[t for t in flat if torch.is_tensor(t)
+                                                    and t.requires_grad])
             return tuple(as_torch(x) for x in link.xs)
 
         @staticmethod
         def backward(ctx: Any, *grads: Any) -> tuple:
-            _ = ctx.saved_tensors  # torch's own error once a backward freed the graph
+            _, *inputs = ctx.saved_tensors  # torch's own error once a backward freed the graph
             link = ctx.link_ref()
             rhs = [(j, _array(g)) for j, g in enumerate(grads) if g is not None]
             out: list[Any] = [None] * (2 * len(link.xs))
@@ -221,9 +224,46 @@ def _function() -> Any:
                     out[2 * j] = matrix_grad(src, u, v)
                 if src.b is not None and ctx.needs_input_grad[2 + 2 * j]:
                     out[2 * j + 1] = lam.to(src.b.device, src.b.dtype).reshape(src.b.shape)
+            if torch.is_grad_enabled():  # create_graph=True: the gradients may be differentiated
+                # They depend on A and b (through x and the adjoint) and on the incoming
+                # gradients: a second differentiation reaches the trap by any of them.
+                traps = [g for g in grads if g is not None and g.requires_grad] + inputs
+                if traps:
+                    out = [o if o is None else o + _trap()(o, *traps) for o in out]
             return (None, *out)
 
     return Solve
+
+
+@functools.cache
+def _trap() -> Any:
+    """A zero on the graph of a solve's gradient whose own gradient is an error.
+
+    The adjoint solve runs outside torch's graph, so a gradient of a solve's
+    gradient (a Hessian-vector product through ``create_graph=True``) would
+    silently leave out the solve's part. Added to each gradient the backward
+    returns, tied to the incoming gradients (which lead back to the inputs),
+    it makes that second differentiation raise instead. torch's
+    ``once_differentiable`` does not: its error node is not on the path to
+    the inputs ``torch.autograd.grad`` asks for, so it is skipped.
+    """
+    import torch
+
+    class SecondDerivative(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, like: Any, *tied: Any) -> Any:
+            return torch.zeros_like(like)
+
+        @staticmethod
+        def backward(ctx: Any, *_grads: Any) -> tuple:
+            raise RuntimeError(
+                "managed_solve: second derivatives through a solve are not supported: its "
+                "gradient is computed by an adjoint solve outside torch's graph, so a gradient "
+                "of that gradient (create_graph=True, a Hessian-vector product) would leave out "
+                "the solve's part. Differentiate once, or use torch.linalg.solve on a dense A "
+                "for second derivatives.")
+
+    return SecondDerivative.apply
 
 
 def _array(g: Any) -> Any:

@@ -457,3 +457,44 @@ def test_a_gradient_reaches_a_cpu_leaf_from_a_gpu_solve():
     gv, gb = dense_reference(rows, cols, values, b, 25, w.cpu())
     close(values.grad, gv)
     close(b.grad, gb)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("form", ["values", "csr", "dense"])
+def test_create_graph_keeps_first_derivatives_and_refuses_second_ones(form, device):
+    """The adjoint solve runs outside torch's graph: a gradient of the gradient would drop the
+    solve's part (a Hessian-vector product came back as the loss's other terms alone), so it
+    raises; the first derivatives under create_graph=True are the dense reference's."""
+    A = convection_diffusion(5)
+    n = A.shape[0]
+    b = torch.linspace(1.0, 2.0, n, dtype=torch.float64, device=device).requires_grad_(True)
+    if form == "values":
+        rows, cols, values = triplets(A, device)
+        C = A.tocsr()
+        Ain = (torch.tensor(C.indptr, device=device), torch.tensor(C.indices, device=device),
+               torch.tensor(C.data, device=device, requires_grad=True))
+        leaf = Ain[2]
+    elif form == "csr":
+        leaf, Ain, _ = csr_tensor(A, device)
+    else:
+        leaf = Ain = torch.tensor(A.toarray(), device=device, requires_grad=True)
+    x = ms.solve(Ain, b, rtol=1e-12, method="direct").to_torch()
+    weights = torch.arange(1.0, n + 1, dtype=torch.float64, device=device)
+    gA, gb = torch.autograd.grad((weights * x).sum(), (leaf, b), create_graph=True)
+    D = torch.tensor(A.toarray(), dtype=torch.float64, requires_grad=True)
+    bb = b.detach().cpu().clone().requires_grad_(True)
+    (weights.cpu() * torch.linalg.solve(D, bb)).sum().backward()
+    close(gb, bb.grad, 1e-9)
+    want_A = D.grad if form == "dense" else D.grad[torch.tensor(A.tocoo().row), torch.tensor(A.tocoo().col)]
+    got_A = gA.to_dense() if gA.layout != torch.strided else gA
+    if form == "csr":
+        got_A = got_A.values() if got_A.layout != torch.strided else got_A
+        want_A = D.grad[torch.tensor(A.tocsr().tocoo().row), torch.tensor(A.tocsr().tocoo().col)]
+    close(got_A.reshape(-1) if form != "dense" else got_A, want_A.reshape(-1) if form != "dense" else want_A, 1e-9)
+    # d(gb)/db is zero (gb = A^-T w), d(gb)/dA is not; gA depends on both. (The values'
+    # gradient of a torch CSR tensor is not differentiated again here: it passes through
+    # torch's sparse backward, which stops before reaching the solve.)
+    seconds = [(gb, leaf), (gb, b)] + ([(gA, leaf), (gA, b)] if form != "csr" else [])
+    for g, wrt in seconds:
+        with pytest.raises(RuntimeError, match="second derivatives through a solve are not supported"):
+            torch.autograd.grad(g.sum(), wrt, allow_unused=True, retain_graph=True)
