@@ -35,7 +35,7 @@ import numpy as np
 
 from . import _backend
 from .dlpack import as_torch
-from .result import SolveResult
+from .result import SolveResult, Status
 from .system import LinearSystem
 from .system.inputs import GradSource
 from .system.method import matrix_symmetry
@@ -277,7 +277,11 @@ def _array(g: Any) -> Any:
 def _lambda(adj: SolveResult, name: str | None) -> Any:
     """The adjoint solution as a tensor; a warning naming the system when it did not converge."""
     who = name or "the system"
-    if not adj.converged:
+    # With a null space the gradient of x = A^+ b is A^+ applied to dL/dx, which
+    # seldom lies in A's range: the adjoint's least-squares answer is that exact
+    # gradient, not a failure.
+    exact = adj.status is Status.LEAST_SQUARES and adj.x is not None
+    if not adj.converged and not exact:
         warnings.warn(f"managed_solve: the adjoint solve of {who} did not converge "
                       f"({adj.status.name}: {adj.message or adj.status.message}); its gradient is "
                       f"{'inaccurate' if adj.x is not None else 'not given'}.",
