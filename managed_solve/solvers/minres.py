@@ -35,6 +35,10 @@ from ._common import (
 LS_PROGRESS = 1e-3
 LS_WINDOW = 10
 
+INDEFINITE_M = ("MINRES: the preconditioner M is not positive definite (r.M r < 0 for a residual "
+                "r); MINRES needs a symmetric positive definite M: use M='jacobi' on a matrix "
+                "with a positive diagonal, or no preconditioner.")
+
 
 def minres(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 0.0,
            maxiter: int | None = None, M: Callable[[Any], Any] | None = None,
@@ -88,13 +92,11 @@ def minres(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 
     y = precond(r1)
     beta1_sq = float(xp.dot(r1, y))  # sync: checks M once before the loop
     syncs += 1
-    if beta1_sq < 0:
-        raise ValueError(
-            "minres(M=...): the preconditioner is not positive definite (r.M r < 0); "
-            "MINRES needs a symmetric positive definite M. Use M='jacobi' on a matrix with a "
-            "positive diagonal, or no preconditioner."
-        )
     r0 = float(norm(xp, r1))  # sync: an initial guess may already solve the system
+    if beta1_sq < 0:
+        # The same breakdown as one met in the loop: whether r.M r < 0 shows at
+        # the start or later depends on b, and the outcome must not.
+        return Outcome(x, BREAKDOWN, 0, r0, INDEFINITE_M, host_syncs=syncs)
     if r0 <= tol or beta1_sq == 0:
         return Outcome(x, CONVERGED, 0, r0, host_syncs=syncs)
 
@@ -165,9 +167,7 @@ def minres(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 
             h, broke, k = read_checkpoint(hist, it - start + 1, bad, tol)
             syncs += 1
             if broke:
-                return Outcome(x, BREAKDOWN, it, float(h[-1]),
-                               "MINRES: the preconditioner M is not positive definite; use an SPD "
-                               "M or none.", host_syncs=syncs)
+                return Outcome(x, BREAKDOWN, it, float(h[-1]), INDEFINITE_M, host_syncs=syncs)
             if k is not None:
                 return Outcome(x, CONVERGED, it, float(h[k]), host_syncs=syncs,
                                info={"converged_at": start + k})
