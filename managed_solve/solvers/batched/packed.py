@@ -388,8 +388,10 @@ def _inverse_diagonal(A: Any, dt: np.dtype, *, call: str) -> Any:
     xp = _backend.array_module(d)
     zero = int(xp.count_nonzero(d == 0))  # sync: one read at set-up
     if zero:
-        raise ValueError(f"{call}: jacobi=True needs a non-zero diagonal, but {zero} diagonal "
-                         "entries are zero; use jacobi=False or reorder the system")
+        first = int(xp.flatnonzero(d == 0)[0])  # sync: the error's row, once
+        raise ValueError(f"M='jacobi' needs a non-zero diagonal, but A has {zero} zero diagonal "
+                         f"entries (the first in row {first}), and Jacobi divides by them; use "
+                         f"M=None (jacobi=False) or reorder the system ({call})")
     return (1.0 / d).astype(dt, copy=False)
 
 

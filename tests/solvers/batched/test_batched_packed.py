@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
+import managed_solve as ms
 from managed_solve import LinearSystem
 from managed_solve.solvers import batched
 from managed_solve.solvers.batched import (
@@ -17,7 +18,7 @@ from managed_solve.solvers.batched import (
     predict_bytes,
 )
 from managed_solve.system.linear_system import default_maxiter
-from tests._problems import poisson2d
+from tests._problems import laplacian1d, poisson2d
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -119,6 +120,12 @@ def test_pack_rejects_bad_input():
     zero_diag = LinearSystem(sp.csr_matrix(np.array([[0.0, 1.0], [1.0, 0.0]])), np.ones(2))
     with pytest.raises(ValueError, match="non-zero diagonal"):
         PackedBatch.pack([zero_diag], jacobi=True)
+    # One system's solve names the user's option and the first zero row, not the batch's internals.
+    A = laplacian1d(25).tolil()
+    A[7, 7] = A[9, 9] = 0.0
+    with pytest.raises(ValueError, match=r"^M='jacobi' needs a non-zero diagonal, but A has 2 zero "
+                                         r"diagonal entries \(the first in row 7\).*use M=None"):
+        ms.solve(A.tocsr(), np.ones(25), method="cg", M="jacobi", device="cpu")
 
 
 def test_from_csr_keeps_arrays_and_validates():
