@@ -384,10 +384,48 @@ def lumped_mass(mesh: Mesh, *, device: Any = "cpu", dtype: Any = np.float64,
 
 
 # ------------------------------------------------------------------- grids
-def grid_spacing(shape: tuple[int, ...], lengths: Any = 1.0) -> tuple[float, ...]:
-    """Node spacing of an interior grid of ``shape`` nodes on a box of ``lengths``: ``L/(n+1)``."""
-    lengths = np.broadcast_to(np.asarray(lengths, dtype=float), (len(shape),))
-    return tuple(float(L) / (s + 1) for L, s in zip(lengths, shape, strict=True))
+def grid_shape(shape: Any, *, call: str = "grid_shape") -> tuple[int, ...]:
+    """``shape`` as a tuple of 2 or 3 positive ints; a TypeError or ValueError naming ``call`` otherwise."""
+    try:
+        items = tuple(shape)
+    except TypeError:
+        raise TypeError(f"{call}(shape={shape!r}): expected a tuple of 2 or 3 positive integers "
+                        f"(interior nodes per axis), got {type(shape).__name__}; e.g. "
+                        f"shape=({shape!r}, {shape!r}) for a square grid") from None
+    ok = len(items) in (2, 3)
+    for s in items if ok else ():
+        a = np.asarray(s)
+        ok = ok and a.ndim == 0 and a.dtype.kind in "iuf" and bool(np.isfinite(a)) \
+            and int(a) == a and a >= 1
+    if not ok:
+        raise ValueError(f"{call}(shape={shape!r}): expected 2 or 3 positive integers (interior nodes "
+                         "per axis), e.g. shape=(31, 31)")
+    return tuple(int(s) for s in items)
+
+
+def grid_spacing(shape: tuple[int, ...], lengths: Any = 1.0, *,
+                 call: str = "grid_spacing") -> tuple[float, ...]:
+    """Node spacing of an interior grid of ``shape`` nodes on a box of ``lengths``: ``L/(n+1)``.
+
+    ``lengths`` is one number (a cube) or one per axis, each finite and > 0;
+    anything else is a TypeError or ValueError naming ``call``.
+    """
+    d = len(shape)
+    try:
+        a = np.asarray(_backend.to_host(lengths))
+    except Exception:  # a ragged sequence, or an object NumPy cannot read
+        a = np.asarray(None)
+    if a.dtype.kind not in "iuf":
+        raise TypeError(f"{call}(lengths={lengths!r}): expected a number or {d} real side lengths, "
+                        f"e.g. lengths={(1.0,) * d}")
+    if not (a.ndim == 0 or a.shape == (d,)):
+        raise ValueError(f"{call}(lengths={lengths!r}): a {d}-D grid needs one number or {d} side "
+                         f"lengths, got shape {a.shape}; e.g. lengths={(1.0,) * d}")
+    a = np.broadcast_to(a.astype(float), (d,))
+    if not (np.isfinite(a) & (a > 0)).all():
+        raise ValueError(f"{call}(lengths={lengths!r}): side lengths must be finite and > 0, got "
+                         f"{a.tolist()}")
+    return tuple(float(L) / (s + 1) for L, s in zip(a, shape, strict=True))
 
 
 def face_coefficients(shape: tuple[int, ...], coefficient: Any, spacing: tuple[float, ...],
@@ -414,8 +452,15 @@ def face_coefficients(shape: tuple[int, ...], coefficient: Any, spacing: tuple[f
         elif callable(coefficient):
             coords = [(np.arange(fshape[j]) + (0.5 if j == ax else 1.0)) * spacing[j] for j in range(d)]
             mesh_ = np.meshgrid(*coords, indexing="ij")
-            c = np.broadcast_to(np.asarray(coefficient(*mesh_), dtype=float), tuple(fshape[:d]))
+            c = np.asarray(coefficient(*mesh_))
+            if c.dtype.kind not in "iuf":
+                raise TypeError(f"{call}(coefficient=...): the callable returned dtype {c.dtype}; "
+                                "it must return real values")
+            c = np.broadcast_to(c.astype(float), tuple(fshape[:d]))
             faces.append(np.ascontiguousarray(c).reshape(fshape))
+        elif np.asarray(coefficient).dtype.kind not in "iuf":
+            raise TypeError(f"{call}(coefficient=...): expected None, a real number, an array of "
+                            f"the grid's shape or a callable, got dtype {np.asarray(coefficient).dtype}")
         elif np.ndim(coefficient) == 0:
             faces.append(np.full(fshape, float(coefficient)))
         else:
@@ -453,14 +498,11 @@ def assemble_grid(shape: tuple[int, ...], *, coefficient: Any = None, lengths: A
     ((9, 9), 33, 64.0)
     """
     call = "assemble_grid"
-    shape = tuple(shape)
-    if len(shape) not in (2, 3) or any(int(s) != s or s < 1 for s in shape):
-        raise ValueError(f"{call}(shape={shape!r}): expected 2 or 3 positive integers")
-    shape = tuple(int(s) for s in shape)
+    shape = grid_shape(shape, call=call)
     dt = _check_dtype(dtype, call)
     idt = _check_index_dtype(index_dtype, call)
     t = resolve_target(device, backend, call=call)
-    h = grid_spacing(shape, lengths)
+    h = grid_spacing(shape, lengths, call=call)
     cx, cy, cz = face_coefficients(shape, coefficient, h, call=call)
     nx, ny, nz = shape + (1,) * (3 - len(shape))
     n = nx * ny * nz

@@ -32,12 +32,14 @@ from .assembly import (
     Target,
     assemble,
     assemble_grid,
+    grid_shape,
     grid_spacing,
     lumped_mass,
     resolve_target,
 )
 from .mesh import Mesh
 from .system import LinearSystem
+from .system.inputs import check_torch_dtype
 
 __all__ = ["laplacian", "laplacian_nullspace", "mass", "poisson", "screened_poisson", "heat_step",
            "poisson_grid"]
@@ -79,11 +81,14 @@ def _vertex_values(f: Any, mesh: Mesh, t: Target, dtype: np.dtype, call: str, ar
     xp, n = t.xp, mesh.n_vertices
     if callable(f):
         f = f(mesh.vertices)
-    if np.ndim(f) == 0:
-        return xp.full(n, float(f), dtype=dtype)
     if _backend.is_torch_tensor(f):
+        check_torch_dtype(f, call=call, arg=arg)
         f = f.detach()
         f = f.cpu().numpy() if t.backend != "cuda" else _backend.cupy().from_dlpack(f)
+    if f is None or isinstance(f, (str, bytes)) or np.ndim(f) == 0:
+        return xp.full(n, _real_number(f, call, arg, f"a real number, one value per vertex (shape "
+                                                    f"({n},)) or a callable of the (n, 3) vertices"),
+                       dtype=dtype)
     if t.backend != "cuda":
         f = _backend.to_host(f)
     f = xp.asarray(f)
@@ -93,6 +98,84 @@ def _vertex_values(f: Any, mesh: Mesh, t: Target, dtype: np.dtype, call: str, ar
     if f.dtype.kind not in "iuf":
         raise TypeError(f"{call}({arg}=...): expected real values, got dtype {f.dtype}")
     return f.astype(dtype, copy=False)
+
+
+def _real_number(value: Any, call: str, arg: str, expected: str = "a real number") -> float:
+    """``value`` as a float when it is one real number; a TypeError naming ``arg`` otherwise."""
+    if _backend.is_torch_tensor(value):
+        check_torch_dtype(value, call=call, arg=arg)
+        value = value.detach().cpu().numpy()
+    a = None if value is None or isinstance(value, (str, bytes)) else np.asarray(value)
+    if a is None or a.ndim != 0 or a.dtype.kind not in "iuf":
+        found = f"dtype {a.dtype}" if a is not None and a.ndim == 0 else type(value).__name__
+        raise TypeError(f"{call}({arg}={value!r}): expected {expected}, got {found}; pass e.g. "
+                        f"{arg}=1.0")
+    return float(a)
+
+
+def _positive(value: Any, call: str, arg: str, hint: str) -> float:
+    """``value`` as a finite float > 0; a TypeError or ValueError naming ``arg`` otherwise."""
+    x = _real_number(value, call, arg)
+    if not (np.isfinite(x) and x > 0):
+        raise ValueError(f"{call}({arg}={value!r}): expected a finite {hint}")
+    return x
+
+
+def _vertex_index(index: Any, n: int, where: str) -> np.ndarray:
+    """Vertex indices (integers in [0, n), or a boolean mask of length n) as int64 on the host.
+
+    A mask of another length would silently select the wrong vertices, and a
+    negative index would wrap to the far end, so both are refused.
+    """
+    if _backend.is_torch_tensor(index) or _backend.is_cupy_array(index):
+        index = _backend.to_host(index)
+    try:
+        idx = np.asarray(index)
+    except Exception:  # a ragged sequence
+        idx = np.asarray(None)
+    if idx.dtype == bool:
+        if idx.size != n:
+            raise ValueError(f"{where}: a boolean mask must have one entry per vertex, length {n}, "
+                             f"got length {idx.size}; or give the vertex indices")
+        return np.flatnonzero(idx.reshape(-1)).astype(np.int64)
+    if idx.dtype.kind not in "iu":
+        raise TypeError(f"{where}: vertex indices must be integers or a boolean mask, got "
+                        f"{f'dtype {idx.dtype}' if idx.dtype != object else type(index).__name__}")
+    idx = idx.reshape(-1).astype(np.int64)
+    if idx.size and (idx.min() < 0 or idx.max() >= n):
+        raise ValueError(f"{where}: vertex indices must lie in [0, {n}), got "
+                         f"[{idx.min()}, {idx.max()}]; there are {n} vertices")
+    return idx
+
+
+def _index_values(idx: np.ndarray, values: Any, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """``values`` as float64, one per index; duplicate indices keep one entry, and must agree."""
+    if _backend.is_torch_tensor(values):
+        check_torch_dtype(values, call=where, arg="values")
+    try:
+        v = np.asarray(_backend.to_host(values))
+    except Exception:  # a ragged sequence
+        v = np.asarray(None)
+    if v.dtype.kind not in "iuf":
+        raise TypeError(f"{where}: values must be real numbers (one number, or one per vertex "
+                        f"index), got {f'dtype {v.dtype}' if v.dtype != object else type(values).__name__}")
+    if v.ndim == 0:
+        v = np.full(idx.shape, float(v))
+    elif v.size != idx.size:
+        raise ValueError(f"{where}: got {v.size} values for {idx.size} vertex indices; give one "
+                         "value per index, or a single number for all of them")
+    v = v.reshape(-1).astype(np.float64)
+    if not np.isfinite(v).all():
+        raise ValueError(f"{where}: values must be finite, got {v[~np.isfinite(v)][0]!r}")
+    uniq, first, inverse = np.unique(idx, return_index=True, return_inverse=True)
+    if uniq.size < idx.size:
+        clash = v != v[first][inverse]
+        if clash.any():
+            j = int(np.flatnonzero(clash)[0])
+            raise ValueError(f"{where}: vertex {idx[j]} is given twice with different values "
+                             f"({float(v[first][inverse][j])!r} and {float(v[j])!r}); give each vertex once")
+        idx, v = uniq, v[first]
+    return idx, v
 
 
 def _mass_times(mesh: Mesh, u: Any, lumped: bool, t: Target, dtype: np.dtype, backend: Any) -> Any:
@@ -109,11 +192,16 @@ def apply_dirichlet(A: Any, b: Any, index: Any, values: Any) -> tuple[Any, Any]:
     and columns of ``index`` become identity rows with ``b[index] = values``.
     The matrix stays symmetric, and positive definite when the remaining
     block is, so CG still applies. Works on SciPy and cupyx CSR alike.
+    ``index`` holds integers in [0, n) or is a boolean mask of length n;
+    ``values`` is one number or one per index (a vertex given twice must
+    get the same value twice).
     """
     xp = _backend.array_module(b)
     n = A.shape[0]
-    idx = xp.asarray(index, dtype=np.int64).reshape(-1)
-    g = xp.broadcast_to(xp.asarray(values, dtype=b.dtype), idx.shape)
+    idx, vals = _index_values(_vertex_index(index, n, "apply_dirichlet(index=...)"), values,
+                              "apply_dirichlet(values=...)")
+    idx = xp.asarray(idx)
+    g = xp.asarray(vals, dtype=b.dtype)
     full = xp.zeros(n, dtype=b.dtype)
     full[idx] = g
     b = b - A @ full
@@ -127,26 +215,18 @@ def apply_dirichlet(A: Any, b: Any, index: Any, values: Any) -> tuple[Any, Any]:
     return A, b
 
 
-def _dirichlet(dirichlet: Any, n: int, call: str) -> tuple[np.ndarray, Any]:
+def _dirichlet(dirichlet: Any, n: int, call: str) -> tuple[np.ndarray, np.ndarray]:
     try:
         index, values = dirichlet
     except (TypeError, ValueError):
         raise TypeError(f"{call}(dirichlet=...): expected a pair (vertex_indices, values), got "
                         f"{type(dirichlet).__name__}") from None
-    index = np.asarray(_backend.to_host(index))
-    if index.dtype == bool:
-        index = np.flatnonzero(index)
-    if index.dtype.kind not in "iu":
-        raise TypeError(f"{call}(dirichlet=...): vertex indices must be integers or a boolean mask, "
-                        f"got dtype {index.dtype}")
-    index = index.reshape(-1)
+    where = f"{call}(dirichlet=(indices, values))"
+    index = _vertex_index(index, n, where)
     if index.size == 0:
         raise ValueError(f"{call}(dirichlet=...): no vertices given; pass dirichlet=None to pin the "
                          "constant instead")
-    if index.min() < 0 or index.max() >= n:
-        raise ValueError(f"{call}(dirichlet=...): vertex indices must lie in [0, {n}), got "
-                         f"[{index.min()}, {index.max()}]")
-    return index, values
+    return _index_values(index, values, where)
 
 
 def laplacian_nullspace(mesh: Mesh, fixed: Any = None) -> Any:
@@ -161,7 +241,8 @@ def laplacian_nullspace(mesh: Mesh, fixed: Any = None) -> Any:
     ----------
     mesh : Mesh
     fixed : array of int, optional
-        Vertex indices whose values are prescribed.
+        Vertex indices (in [0, n), or a boolean mask of length n) whose
+        values are prescribed.
 
     Returns
     -------
@@ -176,11 +257,12 @@ def laplacian_nullspace(mesh: Mesh, fixed: Any = None) -> Any:
     >>> pde.laplacian_nullspace(m), pde.laplacian_nullspace(m, fixed=[0])
     ('constant', None)
     """
+    _check_mesh(mesh, "laplacian_nullspace")
     labels = mesh.connected_components()
     count = int(labels.max()) + 1
     free = np.ones(count, dtype=bool)
     if fixed is not None:
-        free[labels[np.asarray(fixed, dtype=np.int64).reshape(-1)]] = False
+        free[labels[_vertex_index(fixed, mesh.n_vertices, "laplacian_nullspace(fixed=...)")]] = False
     if not free.any():
         return None
     if count == 1:
@@ -357,9 +439,7 @@ def screened_poisson(mesh: Mesh, f: Any, alpha: float, *, lumped: bool = True, d
     """
     call = "screened_poisson"
     _check_mesh(mesh, call)
-    if not (np.isfinite(alpha) and alpha > 0):
-        raise ValueError(f"{call}(alpha={alpha!r}): expected a finite alpha > 0 (alpha = 0 is "
-                         "singular: use poisson())")
+    alpha = _positive(alpha, call, "alpha", "alpha > 0 (alpha = 0 is singular: use poisson())")
     dt = np.dtype(dtype)
     t = _target(device, manager, estimate_nbytes(mesh, dt), backend, call)
     with _ctx(t):
@@ -393,10 +473,8 @@ def heat_step(mesh: Mesh, u: Any, dt: float, kappa: float = 1.0, *, lumped: bool
     """
     call = "heat_step"
     _check_mesh(mesh, call)
-    if not (np.isfinite(dt) and dt > 0):
-        raise ValueError(f"{call}(dt={dt!r}): expected a finite time step > 0")
-    if not (np.isfinite(kappa) and kappa > 0):
-        raise ValueError(f"{call}(kappa={kappa!r}): expected a finite diffusivity > 0")
+    dt = _positive(dt, call, "dt", "time step > 0")
+    kappa = _positive(kappa, call, "kappa", "diffusivity > 0")
     vt = np.dtype(dtype)
     t = _target(device, manager, estimate_nbytes(mesh, vt), backend, call)
     with _ctx(t):
@@ -442,27 +520,34 @@ def poisson_grid(shape: tuple[int, ...], f: Any, coefficient: Any = None, *, len
     True
     """
     call = "poisson_grid"
-    shape = tuple(shape)
-    if len(shape) not in (2, 3) or any(int(s) != s or s < 1 for s in shape):
-        raise ValueError(f"{call}(shape={shape!r}): expected 2 or 3 positive integers")
-    shape = tuple(int(s) for s in shape)
-    vt = np.dtype(dtype)
+    shape = grid_shape(shape, call=call)
+    h = grid_spacing(shape, lengths, call=call)
     n = int(np.prod(shape))
-    nbytes = n * (2 * len(shape) + 1) * (vt.itemsize + 4) + 3 * n * vt.itemsize
-    t = _target(device, manager, nbytes, backend, call)
-    h = grid_spacing(shape, lengths)
     if callable(f):
         coords = np.meshgrid(*[(np.arange(s) + 1.0) * hh for s, hh in zip(shape, h, strict=True)],
                              indexing="ij")
-        f = np.broadcast_to(np.asarray(f(*coords), dtype=float), shape)
-    if np.ndim(f) == 0:
-        fv = np.full(n, float(f))
+        f = f(*coords)
+        if np.ndim(f) not in (0, len(shape)):
+            raise ValueError(f"{call}(f=...): the callable must return an array of shape {shape}, "
+                             f"got shape {np.shape(f)}")
+        if np.ndim(f) == len(shape) and np.shape(f) != shape:
+            f = np.broadcast_to(f, shape)  # a function constant along an axis
+    if _backend.is_torch_tensor(f):
+        check_torch_dtype(f, call=call, arg="f")
+    if f is None or isinstance(f, (str, bytes)) or np.ndim(f) == 0:
+        fv = np.full(n, _real_number(f, call, "f", f"a real number, an array of shape {shape} or a "
+                                                   "callable f(x, y[, z])"))
     else:
-        fv = np.asarray(_backend.to_host(f), dtype=float)
+        fv = np.asarray(_backend.to_host(f))
+        if fv.dtype.kind not in "iuf":
+            raise TypeError(f"{call}(f=...): expected real values, got dtype {fv.dtype}")
         if fv.shape != shape and fv.shape != (n,):
             raise ValueError(f"{call}(f=...): expected an array of shape {shape} (or ({n},)), got "
                              f"{fv.shape}")
-        fv = fv.reshape(-1)
+        fv = fv.reshape(-1).astype(float)
+    vt = np.dtype(dtype)
+    nbytes = n * (2 * len(shape) + 1) * (vt.itemsize + 4) + 3 * n * vt.itemsize
+    t = _target(device, manager, nbytes, backend, call)
     with _ctx(t):
         A = assemble_grid(shape, coefficient=coefficient, lengths=lengths, device=t.device,
                           dtype=vt, index_dtype=index_dtype, backend=t.backend)

@@ -80,3 +80,17 @@ def test_cuda_assembly_on_a_non_default_stream_matches_cpu():
     R = assembly.assemble_grid((20, 30), coefficient=lambda x, y: 1 + x * y, dtype=np.float32)
     assert isinstance(G, csp.csr_matrix) and G.dtype == np.float32
     assert abs(G.get() - R).max() <= 1e-6 * abs(R).max()
+
+
+def test_grid_shape_and_lengths_errors_name_the_argument():
+    with pytest.raises(TypeError, match=r"assemble_grid\(shape=4\): expected a tuple of 2 or 3 positive"):
+        assembly.assemble_grid(4)
+    with pytest.raises(ValueError, match=r"assemble_grid\(shape=\(4, 0\)\): expected 2 or 3 positive"):
+        assembly.assemble_grid((4, 0))
+    with pytest.raises(ValueError, match=r"assemble_grid\(lengths=0\): side lengths must be finite and > 0"):
+        assembly.assemble_grid((3, 3), lengths=0)
+    with pytest.raises(ValueError, match=r"grid_spacing\(lengths=\[1.0, 1.0\]\): a 3-D grid needs one number or 3"):
+        assembly.grid_spacing((3, 3, 3), [1.0, 1.0])
+    with pytest.raises(TypeError, match=r"assemble_grid\(coefficient=...\): expected None, a real number.*complex"):
+        assembly.assemble_grid((3, 3), coefficient=1 + 1j)
+    assert assembly.grid_spacing((3, 1), (2.0, 4.0)) == (0.5, 2.0)

@@ -253,3 +253,73 @@ def test_errors_name_the_argument():
         pde.poisson(m, 1.0, dirichlet=5, device="cpu")
     with pytest.raises(TypeError, match="Mesh"):
         pde.laplacian("sphere.obj", device="cpu")
+
+
+def test_dirichlet_is_checked_before_it_changes_the_problem():
+    m = grid(5, 5)  # 25 vertices, 16 on the boundary
+    bnd = m.boundary_vertices()
+    with pytest.raises(ValueError, match=r"boolean mask must have one entry per vertex, length 25, got length 3"):
+        pde.poisson(m, 1.0, dirichlet=(np.array([True, True, True]), 5.0), device="cpu")
+    with pytest.raises(ValueError, match=r"vertex 0 is given twice with different values \(1.0 and 2.0\)"):
+        pde.poisson(m, 1.0, dirichlet=([0, 0], [1.0, 2.0]), device="cpu")
+    with pytest.raises(ValueError, match=r"dirichlet=\(indices, values\)\): got 2 values for 16 vertex indices"):
+        pde.poisson(m, 1.0, dirichlet=(bnd, [1.0, 2.0]), device="cpu")
+    with pytest.raises(TypeError, match=r"dirichlet=\(indices, values\)\): values must be real.*complex"):
+        pde.poisson(m, 1.0, dirichlet=(bnd, 1j), device="cpu")
+    with pytest.raises(ValueError, match=r"values must be finite"):
+        pde.poisson(m, 1.0, dirichlet=(bnd, np.nan), device="cpu")
+    # A vertex given twice with one value poses the problem it poses given once.
+    once = solve(pde.poisson(m, 1.0, dirichlet=(bnd, 2.0), device="cpu"))
+    twice = solve(pde.poisson(m, 1.0, dirichlet=(np.r_[bnd, bnd[:3]], 2.0), device="cpu"))
+    np.testing.assert_allclose(twice, once, rtol=1e-14)
+    np.testing.assert_allclose(once[bnd], 2.0)
+
+
+def test_vertex_indices_outside_the_mesh_are_refused_not_wrapped():
+    m = grid(5, 5)
+    L = pde.laplacian(m, device="cpu").A
+    with pytest.raises(ValueError, match=r"apply_dirichlet\(index=...\): vertex indices must lie in \[0, 25\), got \[28, 28\]"):
+        pde.apply_dirichlet(L.copy(), np.ones(25), [28], 1.0)
+    with pytest.raises(ValueError, match=r"apply_dirichlet\(values=...\): got 2 values for 1 vertex"):
+        pde.apply_dirichlet(L.copy(), np.ones(25), [3], [1.0, 2.0])
+    for fixed in ([25], [-1]):
+        with pytest.raises(ValueError, match=r"laplacian_nullspace\(fixed=...\): vertex indices must lie in \[0, 25\)"):
+            pde.laplacian_nullspace(m, fixed=fixed)
+    assert pde.laplacian_nullspace(m, fixed=[24]) is None
+    assert pde.laplacian_nullspace(m, fixed=np.zeros(25, bool)) == "constant"
+
+
+def test_poisson_grid_refuses_complex_f_and_bad_shape_or_lengths():
+    with pytest.raises(TypeError, match=r"poisson_grid\(f=...\): expected real values, got dtype complex128"):
+        pde.poisson_grid((4, 4), np.full((4, 4), 1 + 5j), device="cpu")
+    with pytest.raises(TypeError, match=r"poisson_grid\(f=...\): expected real values"):
+        pde.poisson_grid((4, 4), lambda x, y: x + 1j * y, device="cpu")
+    for lengths in (0.0, -1.0, np.nan, (1.0, np.inf)):
+        with pytest.raises(ValueError, match=r"poisson_grid\(lengths=.*\): side lengths must be finite and > 0"):
+            pde.poisson_grid((4, 4), 1.0, lengths=lengths, device="cpu")
+    with pytest.raises(ValueError, match=r"a 2-D grid needs one number or 2 side lengths, got shape \(3,\)"):
+        pde.poisson_grid((4, 4), 1.0, lengths=(1.0, 2.0, 3.0), device="cpu")
+    with pytest.raises(TypeError, match=r"poisson_grid\(lengths='1'\): expected a number or 2 real side lengths"):
+        pde.poisson_grid((4, 4), 1.0, lengths="1", device="cpu")
+    with pytest.raises(TypeError, match=r"poisson_grid\(shape=5\): expected a tuple.*shape=\(5, 5\)"):
+        pde.poisson_grid(5, 1.0, device="cpu")
+    with pytest.raises(TypeError, match=r"poisson_grid\(f=None\): expected a real number"):
+        pde.poisson_grid((4, 4), None, device="cpu")
+    # Per-axis lengths still set h = L / (n + 1) per axis: the centre row is 2/hx^2 + 2/hy^2.
+    s = pde.poisson_grid((3, 3), lambda x, y: x, lengths=(2.0, 4.0), device="cpu")
+    assert s.A[4, 4] == pytest.approx(2 / 0.5**2 + 2 / 1.0**2, rel=1e-15)
+    np.testing.assert_allclose(s.b.reshape(3, 3)[:, 0], [0.5, 1.0, 1.5], rtol=1e-15)
+
+
+def test_scalar_arguments_of_the_wrong_type_name_the_argument():
+    m = icosphere(1)
+    with pytest.raises(TypeError, match=r"heat_step\(dt=None\): expected a real number, got NoneType"):
+        pde.heat_step(m, np.ones(m.n_vertices), None, device="cpu")
+    with pytest.raises(TypeError, match=r"heat_step\(kappa='2'\): expected a real number, got str"):
+        pde.heat_step(m, np.ones(m.n_vertices), 0.1, kappa="2", device="cpu")
+    with pytest.raises(TypeError, match=r"screened_poisson\(alpha='1'\): expected a real number"):
+        pde.screened_poisson(m, 1.0, "1", device="cpu")
+    with pytest.raises(TypeError, match=r"poisson\(f=None\): expected a real number, one value per vertex"):
+        pde.poisson(m, None, device="cpu")
+    with pytest.raises(TypeError, match=r"poisson\(f=1j\): expected a real number.*got dtype complex128"):
+        pde.poisson(m, 1j, device="cpu")
