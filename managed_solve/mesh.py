@@ -40,8 +40,10 @@ class Mesh:
         Non-numeric vertices, or faces that are not integers.
     ValueError
         Wrong shapes, non-finite coordinates, indices out of range, a face
-        repeating a vertex, duplicate faces, faces of zero area (volume), or
-        vertices used by no face; the message names the face or vertex.
+        repeating a vertex, duplicate faces, faces of zero area (volume) at
+        any coordinate scale, an area (volume) float64 cannot hold at this
+        scale (rescale the vertices), or vertices used by no face; the
+        message names the face or vertex.
 
     Examples
     --------
@@ -109,15 +111,24 @@ class Mesh:
                              "vertices); their rows would be empty and the system singular. "
                              "Drop them (mesh.read() does this for files).")
         self._vertices, self._faces = v, f
-        measure = self._element_measures()
-        h = _element_scale(v, f)
-        tiny = measure <= _DEGENERATE * h ** (k - 1)
+        measure, shape = _measures(v, f)
+        tiny = shape <= _DEGENERATE
+        what = "area" if k == 3 else "volume"
         if tiny.any():
             e = int(np.flatnonzero(tiny)[0])
-            what = "area" if k == 3 else "volume"
             raise ValueError(f"{call}: face {e} = {f[e].tolist()} has zero {what} "
-                             f"({measure[e]:.3g}); its vertices are collinear or coplanar. "
-                             "Remove or repair degenerate faces.")
+                             f"({what} / longest edge**{k - 1} = {shape[e]:.3g} <= {_DEGENERATE:g}); its "
+                             "vertices are collinear or coplanar. Remove or repair degenerate faces.")
+        # A well-shaped element whose measure is still not a normal float64 lies
+        # beyond what float64 can represent at this coordinate scale.
+        bad = ~(np.isfinite(measure) & (measure >= np.finfo(np.float64).tiny))
+        if bad.any():
+            e = int(np.flatnonzero(bad)[0])
+            top = float(np.abs(v).max())
+            way = "overflows" if not np.isfinite(measure[e]) else "underflows"
+            raise ValueError(f"{call}: face {e} = {f[e].tolist()} is a valid element, but its {what} "
+                             f"{way} float64 at this coordinate scale (largest |coordinate| "
+                             f"{top:.3g}). Rescale the vertices, e.g. vertices / {top:.3g}.")
         v.setflags(write=False)
         f.setflags(write=False)
         measure.setflags(write=False)
@@ -164,21 +175,11 @@ class Mesh:
         """Area of each triangle or volume of each tetrahedron (read-only)."""
         return self._measure
 
-    def _element_measures(self) -> np.ndarray:
-        v, f = self._vertices, self._faces
-        e1 = v[f[:, 1]] - v[f[:, 0]]
-        e2 = v[f[:, 2]] - v[f[:, 0]]
-        if f.shape[1] == 3:
-            return 0.5 * np.linalg.norm(np.cross(e1, e2), axis=1)
-        e3 = v[f[:, 3]] - v[f[:, 0]]
-        return np.abs(np.einsum("ij,ij->i", e1, np.cross(e2, e3))) / 6.0
-
     def area(self) -> float:
         """Total surface area (triangles) or boundary area (tetrahedra)."""
         if self.kind == "triangle":
             return float(self._measure.sum())
-        v, b = self._vertices, self.boundary_faces()
-        return float(0.5 * np.linalg.norm(np.cross(v[b[:, 1]] - v[b[:, 0]], v[b[:, 2]] - v[b[:, 0]]), axis=1).sum())
+        return float(_measures(self._vertices, self.boundary_faces())[0].sum())
 
     def volume(self) -> float:
         """Total volume of a tetrahedral mesh.
@@ -266,7 +267,10 @@ class Mesh:
         if self.kind != "triangle":
             raise ValueError("Mesh.vertex_normals(): needs a triangle surface, this mesh holds tetrahedra")
         v, f = self._vertices, self._faces
-        fn = np.cross(v[f[:, 1]] - v[f[:, 0]], v[f[:, 2]] - v[f[:, 0]])  # length = 2 * area
+        # A power-of-two rescaling (exact) keeps the cross products and norms finite at any scale.
+        top = float(np.abs(v).max())
+        v = np.ldexp(v, -int(np.frexp(top)[1])) if top > 0 else v
+        fn = np.cross(v[f[:, 1]] - v[f[:, 0]], v[f[:, 2]] - v[f[:, 0]])  # length = 2 * scaled area
         vn = np.zeros_like(v)
         for j in range(3):
             np.add.at(vn, f[:, j], fn)
@@ -276,14 +280,34 @@ class Mesh:
         return f"Mesh({self.kind}, n_vertices={self.n_vertices}, n_faces={self.n_faces})"
 
 
-def _element_scale(v: np.ndarray, f: np.ndarray) -> np.ndarray:
-    """Longest edge of each element (scale for the degeneracy test)."""
+def _measures(v: np.ndarray, f: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each element's area (volume), and that measure over its longest edge squared (cubed).
+
+    The second is the scale-free shape test for degeneracy. Each element's
+    edges are divided by a power of two near their largest component
+    (exact), so no difference, cross product or norm overflows or
+    underflows at any coordinate scale; the measure is scaled back last,
+    and is inf or 0 only where the true value lies beyond float64.
+    """
     k = f.shape[1]
-    h = np.zeros(len(f))
-    for a in range(k):
-        for b in range(a + 1, k):
-            h = np.maximum(h, np.linalg.norm(v[f[:, b]] - v[f[:, a]], axis=1))
-    return h
+    top = float(np.abs(v).max())
+    p = int(np.frexp(top)[1]) if top > 0 else 0
+    u = np.ldexp(v, -p)  # |u| < 1: differences below stay finite
+    e = np.stack([u[f[:, j]] - u[f[:, 0]] for j in range(1, k)], axis=1)  # (m, k-1, 3)
+    big = np.abs(e).max(axis=(1, 2))
+    q = np.frexp(big)[1]  # 0 for an element whose vertices coincide
+    e = np.ldexp(e, -q[:, None, None])  # largest component in [0.5, 1)
+    pairs = [e[:, j] for j in range(k - 1)] + [e[:, j] - e[:, i] for i in range(k - 1)
+                                               for j in range(i + 1, k - 1)]
+    h = np.max([np.linalg.norm(d, axis=1) for d in pairs], axis=0)
+    if k == 3:
+        unit = 0.5 * np.linalg.norm(np.cross(e[:, 0], e[:, 1]), axis=1)
+    else:
+        unit = np.abs(np.einsum("ij,ij->i", e[:, 0], np.cross(e[:, 1], e[:, 2]))) / 6.0
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore", under="ignore"):
+        shape = np.where(h > 0, unit / h ** (k - 1), 0.0)
+        measure = np.ldexp(unit, (k - 1) * (q + p))
+    return measure, shape
 
 
 # ---------------------------------------------------------------- generators

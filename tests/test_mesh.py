@@ -328,3 +328,26 @@ def test_cli_reports_a_bad_mesh_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert path in err and "vertex index 9" in err
+
+
+def test_degeneracy_test_is_scale_invariant_and_never_overflows():
+    tri = np.array([[0, 0, 0], [1, 0, 0], [0, 1, 0]], float)
+    for scale in (1e-150, 1e150):
+        m = Mesh(tri * scale, [[0, 1, 2]])
+        assert m.area() == pytest.approx(0.5 * scale**2, rel=1e-15)
+        np.testing.assert_array_equal(m.vertex_normals(), [[0, 0, 1]] * 3)
+    tet = np.array([[0, 0, 0], [1, 0, 0], [0, 1, 0], [0, 0, 1]], float)
+    big = Mesh(tet * 1e100, [[0, 1, 2, 3]])
+    assert big.volume() == pytest.approx(1e300 / 6, rel=1e-15)
+    assert big.area() == pytest.approx((1.5 + np.sqrt(3) / 2) * 1e200, rel=1e-15)
+    # A valid element whose measure float64 cannot hold: the cause and the fix, not "collinear".
+    for vertices, way in ((tri * 1e160, "overflows"), (tri * 1e-170, "underflows"),
+                          (np.array([[-1, 0, 0], [1, 0, 0], [0, 1, 0]]) * 1.5e308, "overflows")):
+        with pytest.raises(ValueError, match=rf"face 0 = \[0, 1, 2\] is a valid element, but its area "
+                                             rf"{way} float64.*Rescale the vertices"):
+            Mesh(vertices, [[0, 1, 2]])
+    # Collinear vertices are degenerate at every scale, also where squared edges overflow.
+    line = np.array([[0, 0, 0], [1, 0, 0], [2, 0, 1e-14]], float)
+    for scale in (1e-170, 1.0, 1e160, 4e307):
+        with pytest.raises(ValueError, match=r"face 0 = \[0, 1, 2\] has zero area.*collinear"):
+            Mesh(line * scale, [[0, 1, 2]])

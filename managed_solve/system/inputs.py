@@ -51,6 +51,19 @@ def check_dtype(dtype: Any, *, call: str, arg: str) -> np.dtype:
     return dt
 
 
+def check_torch_dtype(t: Any, *, call: str, arg: str) -> None:
+    """Refuse a torch dtype NumPy and CuPy have no counterpart for (bfloat16, float8, complex32, ...).
+
+    Neither DLPack nor ``Tensor.numpy()`` can hand such a tensor over, and
+    torch's own error names no argument.
+    """
+    name = str(t.dtype).removeprefix("torch.")
+    if name in ("bfloat16", "complex32", "chalf") or name.startswith(("float8", "qint", "quint", "bits")):
+        raise TypeError(f"{call}: {arg} is a torch tensor of dtype {t.dtype}, which NumPy and CuPy "
+                        f"cannot represent; convert it first, e.g. {arg}.to(torch.float32) "
+                        "(or torch.float64 for full precision).")
+
+
 def torch_to_array(t: Any, *, call: str, arg: str) -> Any:
     """A torch tensor as a NumPy (CPU) or CuPy (CUDA) view, through DLPack.
 
@@ -61,6 +74,7 @@ def torch_to_array(t: Any, *, call: str, arg: str) -> Any:
     recorded beforehand by :func:`grad_source`, and the layer that solves
     attaches the solution to the graph (:mod:`managed_solve.autograd`).
     """
+    check_torch_dtype(t, call=call, arg=arg)
     if t.requires_grad:
         t = t.detach()
     if t.device.type == "cpu":

@@ -254,3 +254,17 @@ def test_host_nonfinite_names_the_first_bad_array_and_remembers_the_good_ones():
     assert host_nonfinite(good, bad, memo) is bad
     assert memo == {id(good): good}  # found finite, kept; the bad one is not
     assert host_nonfinite(None, good, memo) is None and host_nonfinite(good, good, None) is None
+
+
+def test_torch_dtypes_without_a_numpy_counterpart_are_refused_naming_the_argument():
+    torch = pytest.importorskip("torch")
+    import managed_solve as ms
+
+    A = laplacian1d(8)
+    with pytest.raises(TypeError, match=r"b is a torch tensor of dtype torch.bfloat16.*b.to\(torch.float32\)"):
+        ms.solve(A, torch.ones(8, dtype=torch.bfloat16), device="cpu")
+    with pytest.raises(TypeError, match=r"A is a torch tensor of dtype torch.bfloat16"):
+        ms.solve(torch.tensor(A.toarray(), dtype=torch.bfloat16), np.ones(8), device="cpu")
+    # float16 has a NumPy counterpart and is solved (in float64: the system's dtype rule).
+    x = ms.solve(A, torch.ones(8, dtype=torch.float16), device="cpu").x
+    np.testing.assert_allclose(np.asarray(x), sla.spsolve(A.tocsc(), np.ones(8)), rtol=1e-10)
