@@ -6,10 +6,16 @@ turns it into Devices of a manager here, so they accept the same names and
 word their errors alike: the call and argument, what arrived, the fix. What a
 caller then requires of the devices (GPUs only, each once) stays with it.
 The name grammar itself is :func:`managed_solve.devices.parse_device_name`.
+
+The DeviceManager's other arguments (seconds, byte counts, its settings) are
+checked here too, where the call is made, so the error names the argument
+rather than the arithmetic that would go wrong later (a NaN timeout waits
+forever, a negative byte count widens a device's room).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -18,7 +24,8 @@ import numpy as np
 from . import _backend
 from .devices import Device, discover_cuda, is_cuda_kind, parse_device_name
 
-__all__ = ["NOT_MANAGED_FIX", "cuda_ordinal", "device_list", "resolve_device", "resolve_devices"]
+__all__ = ["NOT_MANAGED_FIX", "cuda_ordinal", "device_list", "manager_settings", "resolve_device",
+           "resolve_devices", "seconds_arg", "seconds_per_item", "timeout_arg", "work_args"]
 
 
 def cuda_ordinal(device: Any, *, what: str = "device") -> int | None:
@@ -218,3 +225,86 @@ def _find(item: Any, inventory: Sequence[Device], *, call: str | None, arg: str,
                 return d
     have = ", ".join(str(d) for d in inventory)
     raise (RuntimeError if any_cuda else ValueError)(f"{here}: {key} is not managed here (devices: {have}); {fix}.")
+
+
+# ---------------------------------------------------------------- manager arguments
+def _real(value: Any) -> bool:
+    """A plain real number: an int, a float or a numpy scalar; not a bool or a string."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
+def seconds_arg(value: Any, where: str, example: str) -> float:
+    """``value`` as finite seconds >= 0, else an error naming ``where`` (``reserve(timeout=nan)``).
+
+    NaN passes every ``< 0`` test and, as a wait, never ends; inf is no time a
+    prediction can hold and overflows a lock's wait. Both are refused here,
+    where the caller still sees which argument carried them.
+    """
+    if not _real(value):
+        raise TypeError(f"{where}: expected a number of seconds >= 0, got {type(value).__name__}; "
+                        f"e.g. {example}")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{where}: expected a finite number of seconds >= 0; e.g. {example}")
+    return float(value)
+
+
+def timeout_arg(call: str, timeout: Any) -> float:
+    """``timeout=`` of a call that waits for memory: finite seconds >= 0 (None is the caller's default)."""
+    return seconds_arg(timeout, f"{call}(timeout={timeout!r})",
+                       "timeout=1.0, or timeout=None for the manager's wait_timeout")
+
+
+def work_args(call: str, nbytes: Any, seconds: Any, cost: Any) -> int:
+    """``nbytes`` (returned as an int), ``seconds`` and ``cost`` of a placement, checked.
+
+    Bytes must be >= 0, and seconds and cost None or finite and >= 0: they
+    are summed into a device's room and predicted busy time, where one NaN
+    makes every later comparison false and one negative value makes a busy
+    device look idle.
+    """
+    if not _real(nbytes):
+        raise TypeError(f"{call}(nbytes={nbytes!r}): expected a byte count, got "
+                        f"{type(nbytes).__name__}; pass the bytes the work needs, an integer >= 0")
+    if not (math.isfinite(nbytes) and nbytes >= 0):
+        raise ValueError(f"{call}(nbytes={nbytes!r}): expected a byte count >= 0; pass the bytes "
+                         "the work needs, or 0 when it needs none")
+    if seconds is not None:
+        seconds_arg(seconds, f"{call}(seconds={seconds!r})", "seconds=1.5, or None to predict from the bytes")
+    if cost is not None and not (_real(cost) and math.isfinite(cost) and cost >= 0):
+        raise ValueError(f"{call}(cost={cost!r}): expected finite bytes streamed >= 0, e.g. "
+                         "cost=1e9, or None to use the bytes")
+    return int(nbytes)
+
+
+def seconds_per_item(seconds: Any, n: int, *, call: str) -> None:
+    """``seconds=`` of a call placing ``n`` items: None, or one finite time >= 0 per item."""
+    if seconds is None:
+        return
+    if not isinstance(seconds, Sequence) or isinstance(seconds, str):
+        raise TypeError(f"{call}(seconds={seconds!r}): expected a list of {n} predicted times, one "
+                        "per item, or seconds=None to predict from the bytes")
+    if len(seconds) != n:
+        raise ValueError(f"{call}(seconds=...): {len(seconds)} times for {n} items; give one "
+                         "predicted time per item, or seconds=None to predict from the bytes")
+    for i, s in enumerate(seconds):
+        seconds_arg(s, f"{call}(seconds[{i}]={s!r})", "seconds=[1.0, 2.5]")
+
+
+def manager_settings(reserved: Any, wait_timeout: Any, simulate: Any, max_hints: Any) -> None:
+    """The settings of ``DeviceManager(...)``, checked before any device is discovered."""
+    if not _real(reserved):
+        raise TypeError(f"DeviceManager(reserved={reserved!r}): expected a number, got "
+                        f"{type(reserved).__name__}; a fraction in [0, 1), e.g. reserved=0.1")
+    if not 0.0 <= reserved < 1.0:
+        raise ValueError(f"DeviceManager(reserved={reserved}): expected a fraction in [0, 1), e.g. 0.1")
+    seconds_arg(wait_timeout, f"DeviceManager(wait_timeout={wait_timeout!r})",
+                "wait_timeout=1.0, or 0 to spill at once")
+    if simulate is not None and not isinstance(simulate, str):
+        raise TypeError(f"DeviceManager(simulate={simulate!r}): expected a string of GPU sizes with "
+                        f"units, got {type(simulate).__name__}; e.g. simulate='2x1GiB' (two GPUs "
+                        "of 1 GiB) or simulate='2GiB,1GiB'")
+    # A negative bound made every hint trim pop from an empty table (KeyError in each solve).
+    if not (isinstance(max_hints, (int, np.integer)) and not isinstance(max_hints, bool)) or max_hints < 0:
+        raise (ValueError if _real(max_hints) else TypeError)(
+            f"DeviceManager(max_hints={max_hints!r}): expected an integer >= 0 (the number of work "
+            "signatures remembered; 0 keeps none), e.g. max_hints=4096")

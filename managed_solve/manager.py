@@ -29,6 +29,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from . import device_args as args
 from . import hints as hints_file
 from .device_args import device_list, resolve_device
 from .devices import Device, discover, format_bytes, warn_spill
@@ -195,14 +196,14 @@ class DeviceManager:
         libraries, fragmentation, other processes).
     wait_timeout : float
         Seconds ``reserve`` waits for a release when nothing fits, before
-        spilling to the CPU.
+        spilling to the CPU: a finite number >= 0 (0 spills at once).
     hints_path : str, optional
         JSON file hints are loaded from (if it exists) and saved to by
         :meth:`save_hints`. A file that is not a valid hints file is ignored
         with a warning naming it and the problem, and the manager starts
         with no hints (the next save replaces the file).
     max_hints : int
-        Bound on remembered work signatures (least recently used dropped).
+        Bound on remembered work signatures (least recently used dropped); 0 keeps none.
 
     Examples
     --------
@@ -217,10 +218,7 @@ class DeviceManager:
                  reserved: float = 0.1, wait_timeout: float = 0.0,
                  simulate: str | None = None, hints_path: str | None = None,
                  max_hints: int = 4096):
-        if not 0.0 <= reserved < 1.0:
-            raise ValueError(f"DeviceManager(reserved={reserved}): expected a fraction in [0, 1), e.g. 0.1")
-        if wait_timeout < 0:
-            raise ValueError(f"DeviceManager(wait_timeout={wait_timeout}): expected seconds >= 0")
+        args.manager_settings(reserved, wait_timeout, simulate, max_hints)
         if devices is None or isinstance(devices, str):
             inv = discover(devices, simulate=simulate)
         else:
@@ -326,6 +324,7 @@ class DeviceManager:
         the measured time (scaled to the device's speed) and raises ``nbytes``
         to the measured peak.
         """
+        nbytes = args.work_args("predict", nbytes, None, cost)
         dev = self.get_device(device) if device is not None else (self.accelerators or [self._cpu])[0]
         if cost is None:
             cost = float(nbytes)
@@ -500,6 +499,7 @@ class DeviceManager:
         the CPU is returned (the spill warned about once, see ``DeviceWarning``).
         """
         n = nbytes if isinstance(nbytes, int) and not isinstance(nbytes, bool) else self.size_of(nbytes)
+        n = args.work_args("find_device", n, seconds, cost)
         pinned = self.pinned(obj) if obj is not None else None
         with self._cond:
             if pinned is not None:
@@ -534,7 +534,7 @@ class DeviceManager:
         seconds, cost : float, optional
             Predicted time (or cost in bytes streamed) of the work, for dispersal.
         timeout : float, optional
-            Seconds to wait for a release when nothing fits; default ``wait_timeout``.
+            Seconds (finite, >= 0) to wait for a release when nothing fits; default ``wait_timeout``.
         spill : bool
             When nothing fits after waiting: True places on the CPU (warned once),
             False raises ``MemoryError``.
@@ -546,10 +546,9 @@ class DeviceManager:
             ``spill`` is False.
         """
         n = nbytes if isinstance(nbytes, int) and not isinstance(nbytes, bool) else self.size_of(nbytes)
-        if n < 0:
-            raise ValueError(f"reserve(nbytes={n}): expected a byte count >= 0")
+        n = args.work_args("reserve", n, seconds, cost)
+        wait = self.wait_timeout if timeout is None else args.timeout_arg("reserve", timeout)
         target = self.get_device(device) if device is not None else (self.pinned(obj) if obj is not None else None)
-        wait = self.wait_timeout if timeout is None else float(timeout)
         deadline = time.monotonic() + wait
         with self._cond:
             while True:
@@ -563,7 +562,7 @@ class DeviceManager:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
-                self._cond.wait(remaining)
+                self._cond.wait(min(remaining, threading.TIMEOUT_MAX))  # a longer wait overflows
             if dev is None:
                 if target is not None:
                     why = "pinned to" if device is None else "asked for"
@@ -633,6 +632,7 @@ class DeviceManager:
             (one,) = self.plan([items], disperse=disperse, seconds=seconds)
             return one
         items = list(items)
+        args.seconds_per_item(seconds, len(items), call="plan")
         with self._cond:
             ledger = {d: _Ledger(l.reserved_bytes, l.busy_seconds) for d, l in self._ledger.items()}
         out = []

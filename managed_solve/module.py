@@ -21,6 +21,7 @@ from typing import Any
 from . import _backend
 from .devices import Device
 from .manager import DeviceManager, default_manager
+from .placement import check_manager
 from .tensor import (
     ManagedTensor,
     account_placement,
@@ -28,6 +29,7 @@ from .tensor import (
     is_simulated_key,
     placement_of,
     raw_size_of,
+    simulated_name,
     torch_device,
 )
 
@@ -63,6 +65,11 @@ def _device_key(dev: Any) -> str | None:
             return None
         return f"cuda:{d.index or 0}" if d.type == "cuda" else str(d)
     return None
+
+
+#: What to do about a simulated device the module's manager lacks.
+_MODULE_FIX = ("name one of those, or give the module a manager that has it: "
+               "ManagedModule.from_module(m, manager=DeviceManager(simulate='2x1GiB'))")
 
 
 class ManagedModule(nn.Module):
@@ -115,6 +122,7 @@ class ManagedModule(nn.Module):
                 f"ManagedModule.from_module(module=...): expected a torch.nn.Module, got "
                 f"{type(module).__name__}"
             )
+        check_manager(manager, "ManagedModule.from_module")  # before the module is changed
         if not isinstance(module, ManagedModule):
             base = type(module)
             sub = _managed_classes.get(base)
@@ -199,6 +207,12 @@ class ManagedModule(nn.Module):
     def _manager(self) -> DeviceManager:
         return self.__dict__.get("manager") or type(self).manager or default_manager()
 
+    def _known(self, key: str, call: str) -> str:
+        """``key`` as its manager names it; a simulated device it lacks raises its ValueError."""
+        if is_simulated_key(key):
+            return simulated_name(key, self._manager(), call=call, fix=_MODULE_FIX)
+        return key
+
     def _tensors(self) -> list:
         return [*self.parameters(), *self.buffers()]
 
@@ -243,7 +257,7 @@ class ManagedModule(nn.Module):
             key = _device_key(args[0]) if args else None
             rest = args[1:] if key is not None else args
         if key is not None:
-            self._place(key)
+            self._place(self._known(key, "ManagedModule.to"))
         else:
             self.manage()
         if rest or kwargs:
@@ -295,6 +309,8 @@ class ManagedModule(nn.Module):
         key = self.placement if device is None else _device_key(device)
         if key is None:
             raise TypeError(f"ManagedModule.pin(device={device!r}): expected a device such as 'cuda:1' or 'sim:0'")
+        if device is not None:
+            key = self._known(key, "ManagedModule.pin")
         on_meta = any(t.is_meta for t in self._tensors())
         if key != self.placement and not on_meta:
             self._place(key)

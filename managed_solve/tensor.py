@@ -30,12 +30,14 @@ import weakref
 from typing import Any
 
 from . import _backend
+from .device_args import resolve_device
 from .devices import Device, warn_once
 from .manager import DeviceManager, default_manager
 
 # Stored bytes of one tensor (sparse: values + indices). raw_size_of dispatches on the
 # type's module name, which misses tensor subclasses, so the tensor sizer is used directly.
 from .manager import tensor_bytes as raw_size_of
+from .placement import check_manager
 
 torch = _backend.torch_module()
 
@@ -93,6 +95,23 @@ def is_simulated_key(key: str | None) -> bool:
 
 def _is_managed_device_arg(dev: Any) -> bool:
     return isinstance(dev, Device) or (isinstance(dev, str) and dev.strip().lower().startswith("sim"))
+
+
+#: What to do about a simulated device the tensor's manager lacks.
+_TENSOR_FIX = ("name one of those, or give the tensor a manager that has it: "
+               "managed(t, manager=DeviceManager(simulate='2x1GiB'))")
+
+
+def simulated_name(device: Any, mgr: DeviceManager, *, call: str, fix: str = _TENSOR_FIX) -> str:
+    """The manager's name of a simulated device argument (``"sim:1"``, ``"SIM:1"``, a Device).
+
+    A simulated GPU exists only in a manager's inventory: its tensors sit on
+    the CPU, so torch never checks the name. It is looked up as the manager
+    looks up any device name, so an unknown one (``"sim:5"``, ``"simx"``)
+    raises the manager's ValueError instead of labelling a tensor with a
+    device nothing can run on.
+    """
+    return str(resolve_device(device, mgr.inventory, call=call, fix=fix))
 
 
 def placement_of(t: Any) -> str:
@@ -446,11 +465,13 @@ class ManagedTensor(torch.Tensor):
             key = str(device.device if isinstance(device, ManagedTensor) else device)
             if key == "cuda":
                 key = "cuda:0"
+            if is_simulated_key(key.strip().lower()):
+                key = simulated_name(key, self._manager(), call="ManagedTensor.pin")
         t = self if key == self.placement else self.to(key)
         mgr = t._manager()
         try:
             mgr.pin(t, key)
-        except ValueError:  # a device this manager does not know: pin by attribute only
+        except ValueError:  # a real device this manager does not manage: pin by attribute only
             pass
         t._ms_pin = key
         return t
@@ -466,6 +487,8 @@ class ManagedTensor(torch.Tensor):
         dev = kwargs.get("device", args[0] if args else None)
         if _is_managed_device_arg(dev):
             key = str(dev)
+            if is_simulated_key(key.strip().lower()):
+                key = simulated_name(dev, self._manager(), call="ManagedTensor.to")
             tdev = torch_device(key)
             if "device" in kwargs:
                 kwargs = {**kwargs, "device": tdev}
@@ -587,6 +610,6 @@ def managed(tensor: Any, *, manager: DeviceManager | None = None) -> ManagedTens
             "wrapped without losing its autograd history; use it as a plain tensor (operations "
             "with ManagedTensors still place it, sized by its stored bytes)."
         )
-    if manager is not None:
+    if check_manager(manager, "managed") is not None:
         t._ms_manager = manager
     return t

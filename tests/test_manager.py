@@ -604,3 +604,83 @@ def test_plan_view_answers_as_the_three_questions_it_replaces():
         assert view == [(dm.available_bytes(d), dm.speed(d), dm.predicted_finish(d))
                         for d in (a, b, dm.cpu)]
         assert view[0][0] < view[1][0] and view[0][2] == 2.0 and view[1][2] == 0.0
+
+
+# -------------------------------------------------------------- argument checks
+@pytest.mark.parametrize("bad, error", [(float("nan"), ValueError), (float("inf"), ValueError),
+                                        (-1.0, ValueError), ("1", TypeError)])
+def test_timeouts_are_refused_unless_finite_seconds(bad, error):
+    """A NaN wait never ends: it is refused before any reservation, never waited on.
+
+    The reservation asked for fits, so code that accepted the timeout returns at once
+    instead of waiting.
+    """
+    with pytest.raises(error, match=r"DeviceManager\(wait_timeout=.*seconds >= 0.*wait_timeout=1\.0"):
+        DeviceManager(simulate="1x1GiB", wait_timeout=bad)
+    dm = DeviceManager(simulate="1x1GiB")
+    with pytest.raises(error, match=r"reserve\(timeout=.*seconds >= 0.*timeout=None"):
+        dm.reserve(10, device="sim:0", timeout=bad)
+    assert dm.reserved_bytes("sim:0") == 0
+
+
+def test_max_hints_is_a_count_and_zero_keeps_none():
+    for bad, error in [(-1, ValueError), (1.5, ValueError), ("3", TypeError), (True, TypeError)]:
+        with pytest.raises(error, match=r"DeviceManager\(max_hints=.*integer >= 0.*max_hints=4096"):
+            DeviceManager(simulate="1x1GiB", max_hints=bad)
+    dm = DeviceManager(simulate="1x1GiB", max_hints=0)
+    dm.record("work", 1.0, device="sim:0")
+    assert dm.hints() == {}
+
+
+def test_settings_of_the_wrong_type_name_the_argument():
+    with pytest.raises(TypeError, match=r"DeviceManager\(simulate=2\): .*simulate='2x1GiB'"):
+        DeviceManager(simulate=2)
+    with pytest.raises(TypeError, match=r"DeviceManager\(reserved='0\.1'\): expected a number.*reserved=0\.1"):
+        DeviceManager(simulate="1x1GiB", reserved="0.1")
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    ({"seconds": float("nan")}, r"reserve\(seconds=nan\)"),
+    ({"seconds": -1e9}, r"reserve\(seconds=-1000000000\.0\)"),
+    ({"cost": float("nan")}, r"reserve\(cost=nan\)"),
+])
+def test_reserve_refuses_predictions_that_would_corrupt_the_ledger(kwargs, named):
+    dm = DeviceManager(simulate="1x1GiB")
+    with pytest.raises(ValueError, match=named):
+        dm.reserve(10, **kwargs)
+    assert dm.reserved_bytes("sim:0") == 0 and dm.predicted_finish(dm.accelerators[0]) == 0.0
+    assert "nan" not in dm.report()
+
+
+def test_negative_bytes_and_bad_predictions_are_refused():
+    dm = DeviceManager(simulate="1x1GiB")
+    with pytest.raises(ValueError, match=r"find_device\(nbytes=-5\): expected a byte count >= 0"):
+        dm.find_device(-5)
+    with pytest.raises(ValueError, match=r"find_device\(seconds=nan\)"):
+        dm.find_device(10, seconds=float("nan"))
+    with pytest.raises(ValueError, match=r"predict\(nbytes=-1\): expected a byte count >= 0"):
+        dm.predict(None, nbytes=-1)
+    with pytest.raises(ValueError, match=r"predict\(cost=-1\.0\)"):
+        dm.predict(None, cost=-1.0)
+
+
+def test_plan_takes_one_time_per_item():
+    dm = DeviceManager(simulate="1x1GiB")
+    with pytest.raises(ValueError, match=r"plan\(seconds=\.\.\.\): 1 times for 2 items; give one"):
+        dm.plan([10, 20], seconds=[1.0])
+    with pytest.raises(ValueError, match=r"plan\(seconds\[1\]=nan\)"):
+        dm.plan([10, 20], seconds=[1.0, float("nan")])
+    with pytest.raises(TypeError, match=r"plan\(seconds=2\.0\): expected a list of 2"):
+        dm.plan([10, 20], seconds=2.0)
+    assert [p.seconds for p in dm.plan([10, 20], seconds=[1.0, 2.0])] == [1.0, 2.0]
+
+
+def test_a_manager_argument_that_is_no_manager_is_refused_naming_it():
+    from managed_solve.placement import manager_or_default
+
+    with pytest.raises(TypeError, match=r"solve\(manager='cpu'\): expected a DeviceManager or None.*"
+                                        r"device='cpu'"):
+        manager_or_default("cpu", "solve")
+    dm = DeviceManager(simulate="1x1GiB")
+    assert manager_or_default(dm, "solve") is dm
+    assert isinstance(manager_or_default(None, "solve"), DeviceManager)

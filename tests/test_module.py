@@ -279,3 +279,22 @@ def test_plan_takes_one_module_and_returns_its_placement():
     assert [dm.available_bytes(d) for d in dm.accelerators] == room  # nothing reserved
     places = dm.plan(iter([big, 1 << 20]))  # iterators still give a list
     assert [str(p.device) for p in places] == ["sim:0", "sim:1"]
+
+
+def test_simulated_devices_the_manager_lacks_are_refused_and_the_module_stays():
+    dm = DeviceManager(simulate="2x1GiB")
+    m = ManagedModule.from_module(nn.Linear(4, 2), manager=dm).to("sim:1")
+    for name, problem in [("sim:7", "sim:7 is not managed here"), ("simx", "'simx' is not a device name")]:
+        with pytest.raises(ValueError, match=rf"ManagedModule\.to\(device=.*{problem}"):
+            m.to(name)
+        with pytest.raises(ValueError, match=rf"ManagedModule\.pin\(device=.*{problem}"):
+            m.pin(name)
+    assert m.placement == "sim:1" and m.pinned is None
+    assert all(t.placement == "sim:1" for t in m.parameters())
+
+
+def test_from_module_refuses_a_manager_argument_that_is_no_manager_before_changing_it():
+    net = nn.Linear(4, 2)
+    with pytest.raises(TypeError, match=r"from_module\(manager='cpu'\): expected a DeviceManager"):
+        ManagedModule.from_module(net, manager="cpu")
+    assert type(net) is nn.Linear

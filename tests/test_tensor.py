@@ -279,3 +279,32 @@ def test_meta_operands_are_left_to_torch():
     a = managed(torch.empty(4, device="meta"), manager=dm)
     out = a + managed(torch.empty(4, device="meta"), manager=dm)
     assert out.device.type == "meta"
+
+
+@pytest.mark.parametrize("name, problem", [("sim:5", "sim:5 is not managed here"),
+                                           ("simx", "'simx' is not a device name"),
+                                           ("sim", "'sim' is not a device name")])
+def test_simulated_devices_the_manager_lacks_are_refused_as_it_refuses_them(name, problem):
+    """A simulated GPU exists only in its manager: torch cannot check the name, the manager does."""
+    dm = DeviceManager(simulate="2x1GiB")
+    a = managed(torch.ones(4, dtype=torch.float64), manager=dm).to("sim:0")
+    with pytest.raises(ValueError, match=rf"ManagedTensor\.to\(device=.*{problem}"):
+        a.to(name)
+    with pytest.raises(ValueError, match=rf"ManagedTensor\.pin\(device=.*{problem}"):
+        a.pin(name)
+    with pytest.raises(ValueError, match=problem):
+        dm.get_device(name)  # the same lookup
+    assert a.placement == "sim:0" and a.pinned is None
+
+
+def test_simulated_device_names_are_read_as_the_manager_reads_them():
+    dm = DeviceManager(simulate="2x1GiB")
+    a = managed(torch.ones(4, dtype=torch.float64), manager=dm)
+    moved = a.to(" SIM:1")
+    assert moved.placement == "sim:1" and moved.managed_device is dm.get_device("sim:1")
+    assert str(a.pin("Sim:1").pinned) == "sim:1"
+
+
+def test_managed_refuses_a_manager_argument_that_is_no_manager():
+    with pytest.raises(TypeError, match=r"managed\(manager='cpu'\): expected a DeviceManager or None"):
+        managed(torch.ones(2), manager="cpu")
