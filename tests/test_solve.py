@@ -362,3 +362,17 @@ def test_sharded_route_rejects_unshardable_method():
     dm = DeviceManager(simulate="2x1GiB")
     with pytest.raises(ValueError, match="cannot be sharded"):
         solve(poisson2d(8), np.ones(64), devices="all", method="gmres", manager=dm)
+
+
+def test_a_manager_argument_that_is_not_a_manager_is_named():
+    """manager="cpu" meant device="cpu": a TypeError naming the call and the fix, not an AttributeError later."""
+    from managed_solve import solve_many
+
+    A, b = poisson2d(3), np.ones(9)
+    calls = {"solve": lambda: solve(A, b, manager="cpu"),
+             "solve_many": lambda: solve_many([(A, b)], manager="cpu"),
+             "solve ": lambda: solve(A, b, devices=["sim:0", "sim:1"], manager="cpu")}
+    for name, call in calls.items():
+        with pytest.raises(TypeError, match=rf"^{name.strip()}\(manager='cpu'\): expected a "
+                                            r"DeviceManager or None.*device='cpu'"):
+            call()

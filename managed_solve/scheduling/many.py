@@ -41,6 +41,7 @@ from .. import _backend, config
 from ..device_args import resolve_devices
 from ..devices import Device
 from ..manager import DeviceManager, default_manager
+from ..placement import check_manager
 from ..result import SolveResult
 from ..system import LinearSystem
 from . import adjoint
@@ -75,7 +76,7 @@ def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = 
     settings = config.current()
     kept = None
     items = list(systems)
-    mgr = manager if manager is not None else default_manager()
+    mgr = check_manager(manager, "solve_many") if manager is not None else default_manager()
     # A GPU run's contexts and CUDA modules start first, on helper threads,
     # beside validation's host checks.
     started = start_cuda(items, mgr, devices, disperse, method)

@@ -16,6 +16,7 @@ from .. import _backend
 from ..device_args import resolve_devices as resolve_devices_of
 from ..devices import Device
 from ..manager import default_manager
+from ..placement import check_manager
 
 __all__ = ["as_vector", "device_of", "gather_target", "host_csr", "resolve_devices"]
 
@@ -47,7 +48,7 @@ def resolve_devices(devices: Any, *, manager: Any = None, call: str = "solve_sha
     # Device objects are the caller's choice, used as given; names are the manager's
     # (the default manager is not made for a list of Devices).
     given = isinstance(devices, (list, tuple)) and all(isinstance(d, Device) for d in devices)
-    mgr = manager if manager is not None or given else default_manager()
+    mgr = check_manager(manager, call) if manager is not None or given else default_manager()
     inventory = mgr.inventory if mgr is not None else []
     chosen = resolve_devices_of(devices, inventory, call=call, arg="devices", as_given=True)
     named = [str(d) for d in chosen]
