@@ -29,11 +29,13 @@ from .solvers._common import (
     power_of_two_scale,
     stable_norm,
     stop_threshold,
+    transposed_operator,
     true_residual_norm,
 )
 from .solvers.direct import SINGULAR, DirectEngine, Singular
 from .solvers.engine import BREAKDOWN, MAXITER, BlockOutcomes, Options, Outcome, Prepared
-from .solvers.krylov import KrylovEngine, same_pattern
+from .solvers.krylov import KrylovEngine
+from .solvers.new_values import new_matrix, update_grad
 from .solvers.verify import fall_back, no_worse_than_the_start, refine, stagnated, status_of
 from .system import FALLBACK, LinearSystem
 from .system.inputs import (
@@ -321,59 +323,54 @@ class Solver:
         return self.grad if source is None else replace(self.grad, b=source.b)
 
     def update(self, A: Any) -> None:
-        """New values on the same sparsity pattern (a matrix, or its CSR data array).
+        """New values of the prepared matrix, all or nothing.
 
-        Only the numeric set-up is redone (a new factorisation, a new
-        preconditioner); a matrix of another pattern raises ValueError.
+        A sparse solver takes A's stored values in ``A.data``'s order (a 1-D
+        NumPy, CuPy or torch array) or a matrix of the same pattern (SciPy or
+        cupyx sparse, torch sparse CSR/COO, a ``(crow, col, values)`` tuple);
+        a dense solver takes a dense matrix of its shape. Only the numeric
+        set-up is redone (a new factorisation, a new preconditioner). Values
+        of another form, pattern, shape or dtype are refused before anything
+        changes; where the new set-up raises (Jacobi on a zero diagonal) the
+        solver keeps its previous matrix and set-up.
         """
         with self._lock:
             self._check_open()
-            system = self.system
-            if system.kind == "csr":
-                if hasattr(A, "shape") and not hasattr(A, "indptr") and len(A.shape) == 2:
-                    raise ValueError("Solver.update(A): give a sparse matrix of the prepared pattern "
-                                     "or its data array (A.data); prepare a new Solver otherwise.")
-                values = A
-                if hasattr(A, "indptr") or _backend.is_torch_tensor(A):
-                    values, _kind = as_operator(A, call="Solver.update(A)")
-                if hasattr(values, "indptr") and _backend.array_module(values.data) is not \
-                        _backend.array_module(system.A.data):
-                    values = values.get() if hasattr(values, "get") else \
-                        _backend.sparse_module(_backend.array_module(system.A.data)).csr_matrix(values)
-                new = same_pattern(system.A, values, "csr", call="Solver.update")
-                if not checked_finite(new.data, None):
-                    raise ValueError("Solver.update(A): the new values have NaN or Inf entries.")
-            elif system.kind == "dense":
-                new = _backend.array_module(system.A).asarray(A).astype(system.dtype, copy=False)
-                if new.shape != system.A.shape:
-                    raise ValueError(f"Solver.update(A): expected shape {system.A.shape}, got "
-                                     f"{tuple(new.shape)}; prepare a new Solver for a new shape.")
-            else:
-                raise ValueError("Solver.update(A): an operator has no values to update; prepare a "
-                                 "new Solver.")
-            self.system = system.replaced(A=new)
-            self._symmetric_adjoint = None
-            if _backend.is_torch_tensor(A) and A.ndim == 1:  # the values on this pattern
-                self.grad = grad_source((system.A.indptr, system.A.indices, A), None,
-                                        call="Solver.update(A)")
-            else:
-                self.grad = grad_source(A, None, call="Solver.update(A)")
-            if system.method == "auto" or system.method == "direct":
-                self.symmetric = matrix_symmetry(self.system)
-            self._scale_matrix()
-            engine_A = self._engine_system.A
-            for method, prepared in list(self._engines.items()):
-                if isinstance(prepared, Prepared):
+            new = new_matrix(self.system, A, call="Solver.update(A)")
+            grad = update_grad(self.system, A, call="Solver.update(A)")
+            kept = (self.system, self._engine_system, self.a_scale, self.symmetric)
+            touched: list[str] = []
+            try:
+                self.system = self.system.replaced(A=new)
+                if self.system.method == "auto" or self.system.method == "direct":
+                    self.symmetric = matrix_symmetry(self.system)
+                self._scale_matrix()
+                engine_A = self._engine_system.A
+                for method, prepared in list(self._engines.items()):
+                    if not isinstance(prepared, Prepared):  # a failed set-up: tried again on use
+                        del self._engines[method]
+                        continue
+                    touched.append(method)
                     if prepared.engine == "direct" and self.symmetric is not None:
                         # New values may break (or make) symmetry, which a Cholesky factor needs.
                         prepared.options = replace(prepared.options, symmetric=self.symmetric)
                     try:
-                        prepared.update(engine_A.data if system.kind == "csr" else engine_A)
+                        prepared.update(engine_A.data if self.system.kind == "csr" else engine_A)
                     except Singular:
                         prepared.close()
                         del self._engines[method]
-                else:
-                    del self._engines[method]
+            except BaseException:
+                # Back to the previous matrix: the engines that took (or half took) the
+                # new values are made again from it, the method's own one now.
+                self.system, self._engine_system, self.a_scale, self.symmetric = kept
+                for method in touched:
+                    prepared = self._engines.pop(method, None)
+                    if isinstance(prepared, Prepared):
+                        prepared.close()
+                self._set_up_now()
+                raise
+            self.grad = grad
+            self._symmetric_adjoint = None
 
     def close(self) -> None:
         """Release the engines' workspace and the manager's reservation (idempotent)."""
@@ -519,9 +516,7 @@ class Solver:
         """
         system, dev, mgr = self.system, self.device, self.manager
         method = self.method
-        # An operator's transpose exists where it has rmatvec (else the engine refuses).
-        A = system.A.T if transpose and (system.kind != "operator" or
-                                         hasattr(system.A, "rmatvec")) else system.A
+        A = _oriented(system, system.A, transpose)
         xp = _backend.array_module(bs[0])
         if block is not None and xp is np:  # one pass over the block for every column
             b_norms = column_norms(xp, block[0]).tolist()
@@ -544,8 +539,7 @@ class Solver:
         scaled = self.a_scale != 1.0 or any(s != 1.0 for s in b_scales)
         user_bs = [b + c for b, c in zip(bs, cut, strict=True)] if N is not None else bs
         if scaled:
-            A = self._engine_system.A.T if transpose and system.kind != "operator" \
-                else self._engine_system.A
+            A = _oriented(system, self._engine_system.A, transpose)
             bs = [b / sb for b, sb in zip(bs, b_scales, strict=True)]
             if x0s is not None:
                 x0s = [x0 * (self.a_scale / sb) for x0, sb in zip(x0s, b_scales, strict=True)]
@@ -589,7 +583,7 @@ class Solver:
                     for bn in b_norms], None
         seconds = (time.perf_counter() - t0) / len(bs)
         if scaled:
-            A = system.A.T if transpose and system.kind != "operator" else system.A
+            A = _oriented(system, system.A, transpose)
             tols = [stop_threshold(system.rtol, system.atol, bn) for bn in b_norms]
             for (_used, out), sb in zip(finished, b_scales, strict=True):
                 if out.x is not None:
@@ -679,6 +673,13 @@ class Solver:
             again.info["fallback_from"] = method
             method, out = fallback, again
             tried.append(method)
+
+
+def _oriented(system: LinearSystem, A: Any, transpose: bool) -> Any:
+    """A, or A^T for a transposed solve (an operator's from rmatvec; without, the engine refuses)."""
+    if transpose and system.kind != "operator":
+        return A.T
+    return transposed_operator(A) if transpose and hasattr(A, "rmatvec") else A
 
 
 def _check_representable(out: Outcome, scaled_x: Any) -> None:

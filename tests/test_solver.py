@@ -398,3 +398,157 @@ def test_two_solvers_sharing_one_amg_hierarchy_solve_side_by_side(device):
         for s in solvers:
             s.close()
     _assert_each_answer(A, bs, out)
+
+
+def _zero_diagonal(A):
+    """A with its diagonal set to stored zeros: the same pattern, values Jacobi cannot scale by."""
+    Z = A.copy()
+    Z.setdiag(0.0)
+    return Z.tocsr()
+
+
+@pytest.mark.parametrize("method,M", [("gmres", "jacobi"), ("gmres", "neumann"),
+                                      ("cg", "jacobi"), ("bicgstab", "jacobi")])
+def test_a_rejected_update_leaves_the_solver_solving_its_previous_matrix(method, M):
+    A = poisson2d(10)
+    Z = _zero_diagonal(A)
+    assert (Z.indptr == A.indptr).all() and (Z.indices == A.indices).all()
+    b = np.linspace(1.0, 2.0, A.shape[0])
+    with Solver(A, method=method, M=M, rtol=1e-10) as solver:
+        with pytest.raises(ValueError, match="zero diagonal"):
+            solver.update(Z)
+        res = solver.solve(b)
+        back = solver.solve_transpose(b)
+    assert res.converged and back.converged
+    np.testing.assert_allclose(res.x, sla.spsolve(A.tocsc(), b), rtol=1e-7)
+    np.testing.assert_allclose(back.x, sla.spsolve(A.T.tocsc(), b), rtol=1e-7)
+
+
+@pytest.mark.parametrize("method", ["cg", "gmres", "bicgstab", "minres", "direct"])
+def test_a_dense_solver_takes_a_new_matrix_of_its_shape(method):
+    D = poisson2d(4).toarray()
+    b = np.linspace(1.0, 2.0, D.shape[0])
+    with Solver(D, method=method, rtol=1e-10) as solver:
+        solver.solve(b)
+        solver.update(2.0 * D)
+        res = solver.solve(b)
+        with pytest.raises(ValueError, match="shape"):
+            solver.update(np.ones((3, 3)))
+        again = solver.solve(b)  # the refused update changed nothing
+    assert res.converged and again.converged
+    expected = sla.spsolve(sp.csc_matrix(2.0 * D), b)
+    np.testing.assert_allclose(res.x, expected, rtol=1e-7)
+    np.testing.assert_allclose(again.x, expected, rtol=1e-7)
+
+
+@pytest.mark.parametrize("method", ["direct", "cg", "gmres"])
+def test_update_refuses_complex_values_as_solve_does(method):
+    A = laplacian1d(12)
+    b = np.ones(A.shape[0])
+    with Solver(A, method=method, rtol=1e-10) as solver:
+        with pytest.raises(TypeError, match="update.*complex"):
+            solver.update(A.data * (1 + 1j))
+        with pytest.raises(TypeError, match="update.*complex"):
+            solver.update(sp.csr_matrix((A.data * (1 + 1j), A.indices, A.indptr), shape=A.shape))
+        res = solver.solve(b)
+    assert res.converged
+    np.testing.assert_allclose(res.x, sla.spsolve(A.tocsc(), b), rtol=1e-7)
+    D = A.toarray()
+    with Solver(D, method="direct") as solver:
+        with pytest.raises(TypeError, match="update.*complex"):
+            solver.update(D * (1 + 1j))
+        np.testing.assert_allclose(solver.solve(b).x, sla.spsolve(A.tocsc(), b), rtol=1e-7)
+
+
+def _update_forms(A, scale):
+    """A's values times ``scale`` in every form Solver.update takes for a sparse A."""
+    torch = pytest.importorskip("torch")
+    crow, col = torch.tensor(A.indptr), torch.tensor(A.indices)
+    values = torch.tensor(A.data * scale)
+    return {
+        "numpy values": A.data * scale,
+        "torch values": values,
+        "scipy csr": (A * scale).tocsr(),
+        "torch csr": torch.sparse_csr_tensor(crow, col, values, size=A.shape),
+        "torch coo": torch.sparse_csr_tensor(crow, col, values, size=A.shape).to_sparse_coo(),
+        "(crow, col, values)": (crow, col, values),
+    }
+
+
+@pytest.mark.parametrize("form", ["numpy values", "torch values", "scipy csr", "torch csr",
+                                  "torch coo", "(crow, col, values)"])
+@pytest.mark.parametrize("built_from", ["scipy", "torch csr"])
+def test_update_takes_every_documented_form(form, built_from):
+    torch = pytest.importorskip("torch")
+    A = convection_diffusion(6)
+    b = np.linspace(-1.0, 1.0, A.shape[0])
+    given = A if built_from == "scipy" else torch.sparse_csr_tensor(
+        torch.tensor(A.indptr), torch.tensor(A.indices), torch.tensor(A.data), size=A.shape)
+    with Solver(given, method="gmres", rtol=1e-10) as solver:
+        solver.update(_update_forms(A, 3.0)[form])
+        res = solver.solve(b)
+    assert res.converged
+    np.testing.assert_allclose(res.x, sla.spsolve((3.0 * A).tocsc(), b), rtol=1e-7)
+
+
+def test_update_names_the_accepted_forms_for_a_dense_matrix_on_a_sparse_solver():
+    A = laplacian1d(8)
+    with Solver(A, method="cg") as solver:
+        with pytest.raises(ValueError, match=r"Solver.update\(A\).*\(crow, col, values\)"):
+            solver.update(A.toarray())
+        np.testing.assert_allclose(solver.solve(np.ones(8)).x,
+                                   sla.spsolve(A.tocsc(), np.ones(8)), rtol=1e-7)
+
+
+def test_updated_torch_values_that_require_grad_get_their_gradient():
+    torch = pytest.importorskip("torch")
+    A = convection_diffusion(5)
+    crow, col = torch.tensor(A.indptr), torch.tensor(A.indices)
+    first = torch.tensor(A.data, requires_grad=True)
+    b = torch.linspace(1.0, 2.0, A.shape[0], dtype=torch.float64)
+    with Solver((crow, col, first), method="gmres", rtol=1e-12) as solver:
+        values = torch.tensor(2.0 * A.data, requires_grad=True)
+        solver.update(values)
+        solver.solve(b).to_torch().sum().backward()
+    dense = torch.sparse_csr_tensor(crow, col, values.detach(), size=A.shape).to_dense()
+    dense.requires_grad_(True)
+    torch.linalg.solve(dense, b).sum().backward()
+    rows = np.repeat(np.arange(A.shape[0]), np.diff(A.indptr))
+    expected = dense.grad.numpy()[rows, A.indices]
+    np.testing.assert_allclose(values.grad.numpy(), expected, rtol=1e-8, atol=1e-12)
+    assert first.grad is None
+
+
+class _RmatvecOnly:
+    """An operator with matvec and rmatvec and no ``.T``: what the transpose messages ask for."""
+
+    def __init__(self, A):
+        self.A, self.shape, self.dtype = A, A.shape, A.dtype
+
+    def matvec(self, x):
+        return self.A @ x
+
+    def rmatvec(self, x):
+        return self.A.T @ x
+
+
+@pytest.mark.parametrize("method", ["gmres", "bicgstab"])
+def test_solve_transpose_of_an_operator_uses_its_rmatvec(method):
+    A = convection_diffusion(8)
+    b = np.linspace(-1.0, 1.0, A.shape[0])
+    with Solver(_RmatvecOnly(A), method=method, rtol=1e-10) as solver:
+        res = solver.solve_transpose(b)
+        block = solver.solve_transpose(np.stack([b, 2.0 * b], axis=1))
+    assert res.converged and block.converged
+    expected = sla.spsolve(A.T.tocsc(), b)
+    np.testing.assert_allclose(res.x, expected, rtol=1e-7)
+    np.testing.assert_allclose(block.x, np.stack([expected, 2.0 * expected], axis=1), rtol=1e-7)
+
+
+def test_the_gradient_of_an_operator_solve_takes_the_adjoint_through_rmatvec():
+    torch = pytest.importorskip("torch")
+    A = convection_diffusion(8)
+    b = torch.linspace(-1.0, 1.0, A.shape[0], dtype=torch.float64, requires_grad=True)
+    solve(_RmatvecOnly(A), b, method="gmres", rtol=1e-12).to_torch().sum().backward()
+    expected = sla.spsolve(A.T.tocsc(), np.ones(A.shape[0]))
+    np.testing.assert_allclose(b.grad.numpy(), expected, rtol=1e-8)

@@ -145,6 +145,46 @@ def as_matvec(A: Any) -> Callable[[Any], Any]:
     return lambda v: A @ v
 
 
+class TransposedOperator:
+    """``A^T`` of an operator that has ``rmatvec`` but no ``.T`` (its products swapped)."""
+
+    def __init__(self, A: Any):
+        self.A = A
+        self.shape = (A.shape[1], A.shape[0])
+        self.dtype = getattr(A, "dtype", None)
+
+    def matvec(self, v: Any) -> Any:
+        return self.A.rmatvec(v)
+
+    def rmatvec(self, v: Any) -> Any:
+        return self.A.matvec(v) if hasattr(self.A, "matvec") else self.A @ v
+
+    def __matmul__(self, v: Any) -> Any:
+        return self.matvec(v)
+
+    @property
+    def T(self) -> Any:
+        return self.A
+
+    H = T
+
+
+def transposed_operator(A: Any) -> Any:
+    """``A^T`` of an operator: its own ``.T`` (a LinearOperator's), else one made of ``rmatvec``.
+
+    The transpose messages ask users for an operator with ``rmatvec``; an
+    object with only that (no ``.T``) is as good for a transposed solve.
+    """
+    T = getattr(A, "T", None)
+    if T is not None:
+        return T
+    if not hasattr(A, "rmatvec"):
+        raise NotImplementedError(
+            f"the transposed solve needs A^T; this operator ({type(A).__name__}) has neither .T "
+            "nor rmatvec. Give an operator with rmatvec (scipy.sparse.linalg.LinearOperator).")
+    return TransposedOperator(A)
+
+
 def as_preconditioner(M: Any) -> Callable[[Any], Any] | None:
     """``r -> M r`` for an operator (``matvec``), a matrix or a callable; None stays None."""
     if M is None:

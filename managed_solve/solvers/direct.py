@@ -415,11 +415,7 @@ class PreparedDirect(Prepared):
                 return
             self._factor(new)
         else:
-            new = self.xp.asarray(values)
-            if new.shape != self.A.shape:
-                raise ValueError(f"update(values): expected a matrix of shape {self.A.shape}, "
-                                 f"got {tuple(new.shape)}; prepare a new solver for a new shape.")
-            self._factor(new.astype(self.A.dtype, copy=False))
+            self._factor(same_pattern(self.A, values, "dense", call="update"))
 
 
 def _is_sparse(A: Any) -> bool:

@@ -24,7 +24,9 @@ from typing import Any
 import numpy as np
 
 from .. import _backend
+from ..system.inputs import check_dtype
 from ..system.linear_system import default_maxiter
+from ._common import transposed_operator
 from .amg.pcg import BoundCG, amg_of, bind, takes_bound_loop
 from .batched import BatchedEngine, BatchedPrepared
 from .bicgstab import bicgstab, bicgstab_fused
@@ -34,7 +36,12 @@ from .cg import cg, cg_fused
 from .engine import Options, Outcome, Prepared
 from .gmres import gmres, gmres_fused
 from .minres import minres
-from .preconditioners import block_preconditioner, inverse_diagonal, make_preconditioner
+from .preconditioners import (
+    block_preconditioner,
+    check_jacobi_diagonal,
+    inverse_diagonal,
+    make_preconditioner,
+)
 
 _GENERIC: dict[str, Callable[..., Outcome]] = {
     "cg": cg, "bicgstab": bicgstab, "gmres": gmres, "minres": minres}
@@ -106,22 +113,24 @@ class PreparedKrylov(Prepared):
         self._transposed: PreparedKrylov | None = None
 
     def _set_operator(self, A: Any) -> None:
-        self.A = A
+        """Take ``A`` and what depends on it; where that raises (a preconditioner A cannot
+        have, such as Jacobi's on a zero diagonal) the engine keeps its previous operator."""
         xp = _backend.array_module(A.data if self.kind == "csr" else A) if self.kind != "operator" \
             else None
-        self.fused = xp is not None and takes_fused_core(
-            A, self.kind, self.options.method, self.options.M, self.options.callback, xp)
+        o = self.options
+        fused = xp is not None and takes_fused_core(A, self.kind, o.method, o.M, o.callback, xp)
         # The fused core builds its Jacobi scaling itself; the generic loops get
         # the preconditioner built once here and reused by every solve.
-        self.M = None if self.fused else make_preconditioner(self.options.M, A)
-        self._block: BatchedPrepared | None = None  # the fused core for (n, k) blocks, made on use
-        self.block_loop = xp is not None and takes_block_loop(
-            self.kind, self.options.method, self.options.callback, xp, self.fused)
-        self._block_M: tuple[Any, Any] | None = None  # (M on blocks, Jacobi's dinv), made on use
+        M = None if fused else make_preconditioner(o.M, A)
+        if fused and is_jacobi(o.M):
+            check_jacobi_diagonal(A)
+        block_loop = xp is not None and takes_block_loop(self.kind, o.method, o.callback, xp, fused)
         # CG with an AMG preconditioner on a GPU: the cycle bound to the loop's
         # vectors, an iteration one CUDA graph (made on the first solve).
-        self.bound = not self.fused and takes_bound_loop(
-            A, self.kind, self.options.method, self.M, self.options.callback)
+        bound = not fused and takes_bound_loop(A, self.kind, o.method, M, o.callback)
+        self.A, self.fused, self.M, self.block_loop, self.bound = A, fused, M, block_loop, bound
+        self._block: BatchedPrepared | None = None  # the fused core for (n, k) blocks, made on use
+        self._block_M: tuple[Any, Any] | None = None  # (M on blocks, Jacobi's dinv), made on use
         self._bound: BoundCG | None = None
 
     def solve(self, rhs: Any, x0: Any = None) -> Outcome | list[Outcome]:
@@ -222,38 +231,52 @@ class PreparedKrylov(Prepared):
     def _transpose(self) -> PreparedKrylov:
         """The method prepared on A^T (made once)."""
         if self._transposed is None:
-            AT = self.A.T if self.kind != "operator" else self.A.H
+            AT = self.A.T if self.kind != "operator" else transposed_operator(self.A)
             if self.kind == "csr":
                 AT = AT.tocsr()
             self._transposed = PreparedKrylov(AT, self.options, self.device, self.kind)
         return self._transposed
 
     def update(self, values: Any) -> None:
-        """New values of a CSR matrix on the same pattern (``values`` as ``A.data``, or a matrix)."""
+        """New values: a CSR matrix's on its pattern (``A.data``'s form, or a matrix), or a
+        dense matrix of A's shape.
+
+        Where the new values are refused (a matrix of another pattern, a
+        preconditioner they cannot have) the engine keeps its previous
+        operator and set-up.
+        """
         self._check_open()
-        if self._block is not None:
-            self._block.close()
-            self._block = None
         A = same_pattern(self.A, values, self.kind, call="update")
+        block = self._block
         if isinstance(self.options.M, str) and hasattr(self.M, "update"):
             # M="amg": numeric re-setup of the hierarchy (its aggregates are kept).
-            self.A = A
             self.M.update(A)
-            self._block_M = None
-            self._bound = None
+            self.A = A
+            self._block, self._block_M, self._bound = None, None, None
         else:
             self._set_operator(A)
+        if block is not None:
+            block.close()
         self._transposed = None
 
 
 def same_pattern(A: Any, values: Any, kind: str, *, call: str) -> Any:
     """A new CSR matrix with A's pattern and ``values`` (an array of A.nnz values or a matrix).
 
-    A matrix of another pattern is a ValueError naming the fix.
+    A dense A's pattern is its shape: ``values`` is then a matrix of that
+    shape. A matrix of another pattern is a ValueError naming the fix.
     """
+    if kind == "dense":
+        xp = _backend.array_module(A)
+        new = xp.asarray(values) if xp is not np else np.asarray(_backend.to_host(values))
+        if new.shape != A.shape:
+            raise ValueError(f"{call}(A2): expected a matrix of shape {A.shape}, got "
+                             f"{tuple(new.shape)}; prepare a new solver for a new shape.")
+        check_dtype(new.dtype, call=f"{call}(A2)", arg="A2")
+        return new.astype(A.dtype, copy=False)
     if kind != "csr":
-        raise ValueError(f"{call}(values): only a sparse (CSR) operator can take new values on "
-                         "its pattern; prepare a new solver for this operator.")
+        raise ValueError(f"{call}(values): an operator has no values to update; prepare a new "
+                         "solver for the new operator.")
     xp = _backend.array_module(A.data)
     if hasattr(values, "indptr"):
         B = values.tocsr()
@@ -270,6 +293,7 @@ def same_pattern(A: Any, values: Any, kind: str, *, call: str) -> Any:
         if data.shape != A.data.shape:
             raise ValueError(f"{call}(values): expected {A.nnz} values (A.data's shape "
                              f"{tuple(A.data.shape)}), got shape {tuple(data.shape)}.")
+    check_dtype(data.dtype, call=f"{call}(values)", arg="the new values")
     data = data.astype(A.dtype, copy=False)
     sparse = _backend.sparse_module(xp)
     return sparse.csr_matrix((data, A.indices, A.indptr), shape=A.shape)

@@ -64,6 +64,24 @@ def inverse_diagonal(A: Any, *, call: str = "solve(M='jacobi')") -> Any:
     return 1.0 / d
 
 
+def check_jacobi_diagonal(A: Any) -> None:
+    """Refuse, at set-up, a zero diagonal that the fused core's Jacobi scaling would divide by.
+
+    The fused core scales by the diagonal at each solve; refused here, the
+    matrix is refused by the solver's set-up (or its update, which then
+    keeps the previous matrix), with the message the fused core gives.
+    """
+    d = diagonal(A)
+    xp = _backend.array_module(d)
+    zero = int(xp.count_nonzero(d == 0))  # sync: one read at set-up
+    if zero:
+        first = int(xp.flatnonzero(d == 0)[0])  # sync: the error's row, once
+        raise ValueError(f"M='jacobi' needs a non-zero diagonal, but A has {zero} zero diagonal "
+                         f"entr{'y' if zero == 1 else 'ies'} (the first in row {first}), and "
+                         "Jacobi divides by them; use M=None or reorder the system so that the "
+                         "diagonal is non-zero.")
+
+
 def scale_rows(d: Any, v: Any) -> Any:
     """``diag(d) v`` for a vector (n,) or a block (n, k)."""
     return d[:, None] * v if v.ndim == 2 else d * v

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import scipy.sparse as sp
 import scipy.sparse.linalg as sla
 
 from managed_solve import solve
@@ -95,3 +96,38 @@ def test_gmres_gpu_reads_host_at_checkpoints():
     assert out.code == 0 and isinstance(out.x, cp.ndarray)
     cycles = -(-out.iterations // 30)
     assert out.host_syncs <= 1 + cycles * (1 + -(-30 // GPU_SLACK))
+
+
+def _prepared(A, M):
+    from managed_solve.solvers.engine import Options
+    from managed_solve.solvers.krylov import KrylovEngine
+
+    return KrylovEngine().prepare(A, Options("gmres", M=M, rtol=1e-10), None,
+                                  kind="csr" if hasattr(A, "indptr") else "dense")
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_an_update_the_preconditioner_refuses_leaves_the_engine_as_it_was(dense):
+    A = convection_diffusion(8)
+    Z = A.copy()
+    Z.setdiag(0.0)  # the same pattern, a diagonal Jacobi cannot scale by
+    A, Z = (A.toarray(), Z.toarray()) if dense else (A, Z.tocsr())
+    b = np.linspace(1.0, 2.0, A.shape[0])
+    with _prepared(A, "jacobi") as engine:
+        with pytest.raises(ValueError, match="zero diagonal"):
+            engine.update(Z if dense else Z.data)
+        out = engine.solve(b)
+    np.testing.assert_allclose(out.x, sla.spsolve(sp.csc_matrix(A), b), rtol=1e-7)
+
+
+def test_a_dense_engine_takes_new_values_of_its_shape():
+    A = convection_diffusion(6).toarray()
+    b = np.linspace(1.0, 2.0, A.shape[0])
+    with _prepared(A, None) as engine:
+        engine.update(3.0 * A)
+        out = engine.solve(b)
+        back = engine.solve_transpose(b)
+        with pytest.raises(TypeError, match="complex"):
+            engine.update(A * (1 + 1j))
+    np.testing.assert_allclose(out.x, sla.spsolve(sp.csc_matrix(3.0 * A), b), rtol=1e-7)
+    np.testing.assert_allclose(back.x, sla.spsolve(sp.csc_matrix(3.0 * A.T), b), rtol=1e-7)
