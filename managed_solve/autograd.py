@@ -36,6 +36,7 @@ import numpy as np
 from . import _backend
 from .dlpack import as_torch
 from .result import SolveResult, Status
+from .solvers._common import transposed_operator
 from .system import LinearSystem
 from .system.inputs import GradSource
 from .system.method import matrix_symmetry
@@ -145,7 +146,7 @@ def transposed(system: LinearSystem) -> Any:
         raise NotImplementedError(
             f"gradient of {system.name or 'a system'}: the adjoint needs A^T; this operator has no "
             "rmatvec. Give a scipy.sparse.linalg.LinearOperator with rmatvec.")
-    return system.A.T
+    return transposed_operator(system.A)  # its .T, else one made of rmatvec
 
 
 # ---------------------------------------------------------------------- wiring

@@ -512,3 +512,23 @@ def test_a_null_space_solves_gradient_is_the_pseudo_inverses_without_a_warning()
     (res.to_torch() * g).sum().backward()  # the module's marks turn a RuntimeWarning into an error
     want = torch.linalg.pinv(torch.tensor(A.toarray())).T @ g
     close(b.grad, want, 1e-10)
+
+
+def test_the_adjoint_of_an_operator_with_rmatvec_alone_is_its_transpose():
+    """The transposition asks for an operator with rmatvec; one without .T is as good."""
+    from managed_solve.autograd import transposed
+
+    A = convection_diffusion(4)
+
+    class Op:
+        shape, dtype = A.shape, A.dtype
+
+        def matvec(self, v):
+            return A @ v
+
+        def rmatvec(self, v):
+            return A.T @ v
+
+    AT = transposed(ms.LinearSystem(Op(), np.ones(A.shape[0])))
+    v = np.random.default_rng(2).standard_normal(A.shape[0])
+    np.testing.assert_allclose(AT.matvec(v), A.T @ v, rtol=1e-14)
