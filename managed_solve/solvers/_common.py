@@ -201,6 +201,20 @@ def as_preconditioner(M: Any) -> Callable[[Any], Any] | None:
     )
 
 
+def refuse_zero_diagonal(d: Any, fix: str) -> None:
+    """Raise the ValueError of Jacobi on a diagonal ``d`` holding zeros: their count and first row.
+
+    ``fix``: the message's end, how the caller's user avoids it.
+    """
+    xp = _backend.array_module(d)
+    zero = int(xp.count_nonzero(d == 0))  # sync: one read at set-up
+    if zero:
+        first = int(xp.flatnonzero(d == 0)[0])  # sync: the error's row, once
+        raise ValueError(f"M='jacobi' needs a non-zero diagonal, but A has {zero} zero diagonal "
+                         f"entr{'y' if zero == 1 else 'ies'} (the first in row {first}), and "
+                         f"Jacobi divides by them; {fix}")
+
+
 def true_residual_norm(A: Any, b: Any, x: Any) -> float:
     """``||b - A x||`` computed from scratch (not the recurrence), read on the host.
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from .. import _backend
 from ..system.method import check_preconditioner
-from ._common import as_matvec, as_preconditioner
+from ._common import as_matvec, as_preconditioner, refuse_zero_diagonal
 from .amg import amg
 
 
@@ -71,15 +71,8 @@ def check_jacobi_diagonal(A: Any) -> None:
     matrix is refused by the solver's set-up (or its update, which then
     keeps the previous matrix), with the message the fused core gives.
     """
-    d = diagonal(A)
-    xp = _backend.array_module(d)
-    zero = int(xp.count_nonzero(d == 0))  # sync: one read at set-up
-    if zero:
-        first = int(xp.flatnonzero(d == 0)[0])  # sync: the error's row, once
-        raise ValueError(f"M='jacobi' needs a non-zero diagonal, but A has {zero} zero diagonal "
-                         f"entr{'y' if zero == 1 else 'ies'} (the first in row {first}), and "
-                         "Jacobi divides by them; use M=None or reorder the system so that the "
-                         "diagonal is non-zero.")
+    refuse_zero_diagonal(diagonal(A), "use M=None or reorder the system so that the diagonal "
+                                      "is non-zero.")
 
 
 def scale_rows(d: Any, v: Any) -> Any:

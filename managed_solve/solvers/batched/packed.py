@@ -16,6 +16,7 @@ import numpy as np
 
 from ... import _backend, _pinned, config
 from ...system.linear_system import default_maxiter
+from .._common import refuse_zero_diagonal
 from . import gather
 
 __all__ = ["PackedBatch", "pack_host"]
@@ -385,13 +386,7 @@ def _put(out: Any, lo: int, hi: int, part: Any, xp: Any) -> None:
 def _inverse_diagonal(A: Any, dt: np.dtype, *, call: str) -> Any:
     """1 / diag(A) for Jacobi; a zero diagonal entry is an error the user can fix."""
     d = A.diagonal().astype(dt, copy=False)
-    xp = _backend.array_module(d)
-    zero = int(xp.count_nonzero(d == 0))  # sync: one read at set-up
-    if zero:
-        first = int(xp.flatnonzero(d == 0)[0])  # sync: the error's row, once
-        raise ValueError(f"M='jacobi' needs a non-zero diagonal, but A has {zero} zero diagonal "
-                         f"entries (the first in row {first}), and Jacobi divides by them; use "
-                         f"M=None (jacobi=False) or reorder the system ({call})")
+    refuse_zero_diagonal(d, f"use M=None (jacobi=False) or reorder the system ({call})")
     return (1.0 / d).astype(dt, copy=False)
 
 
