@@ -9,7 +9,14 @@ import scipy.sparse.linalg as sla
 from managed_solve import DeviceManager, Status, solve, solve_many
 from managed_solve.solvers.engine import BREAKDOWN
 from managed_solve.solvers.minres import minres
-from tests._problems import BACKENDS, assert_solves, helmholtz2d, on, one_large_eigenvalue
+from tests._problems import (
+    BACKENDS,
+    assert_solves,
+    helmholtz2d,
+    on,
+    one_large_eigenvalue,
+    poisson2d,
+)
 
 
 @pytest.fixture(params=BACKENDS)
@@ -97,3 +104,19 @@ def test_solve_does_not_call_a_badly_scaled_matrix_singular():
     A = one_large_eigenvalue(10, -1e10)
     assert [r.status for r in solve_many([(A, b), (A, b)], manager=dm)] == [Status.CONVERGED] * 2
 
+
+
+@pytest.mark.parametrize("scale", [600.0, 1.0 / 600.0])
+def test_a_preconditioned_minres_stops_on_the_true_residual(scale):
+    """With M, the recurrence tracks sqrt(r.M r): Jacobi on a diagonal of 2400 reads ||r|| / 49.
+    Stopping on that left the true residual short of a tolerance float64 meets easily (and the
+    verify rule's restarts stopped as early). The true residual now decides."""
+    A = (scale * poisson2d(12)).tocsr()
+    b = np.random.default_rng(1).standard_normal(A.shape[0])
+    res = solve(A, b, method="minres", M="jacobi", rtol=1e-6, device="cpu")
+    assert res.status is Status.CONVERGED, res.message
+    true = np.linalg.norm(b - A @ res.x)
+    assert true <= 1e-6 * np.linalg.norm(b)
+    assert res.residual_norm == pytest.approx(true, rel=1e-8)
+    plain = solve(A, b, method="minres", rtol=1e-6, device="cpu")
+    assert res.iterations <= 2 * plain.iterations  # the same work as without M, give or take
