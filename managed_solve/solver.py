@@ -70,13 +70,6 @@ def prepare(system: LinearSystem, method: str, device: Device, *, symmetric: boo
     return KrylovEngine().prepare(system.A, options, device, kind=system.kind)
 
 
-def fallback_method(system: LinearSystem, method: str, out: Outcome,
-                    symmetric: bool | None) -> str | None:
-    """The method "auto" tries next after ``out``, or None (:mod:`managed_solve.solvers.verify`)."""
-    return fall_back(system, method, out.code, symmetric)
-
-
-
 class Solver:
     """A matrix set up once on one device; solve it for any number of right-hand sides.
 
@@ -523,6 +516,10 @@ class Solver:
         else:
             b_norms = [stable_norm(xp, b) for b in bs]  # sync: once, for the result
         tols = [stop_threshold(system.rtol, system.atol, bn) for bn in b_norms]
+        if x0s is not None and 0.0 in b_norms:  # b = 0: x = 0 exactly, whatever x0 (see solve)
+            x0s = [xp.zeros_like(b) if bn == 0.0 else x0 for b, x0, bn in zip(bs, x0s, b_norms,
+                                                                              strict=True)]
+            block = block if block is None else (block[0], xp.stack(x0s, axis=1))
         # A singular A with a known null space: solve for b's part in A's range
         # (the rest is what no x can reach), return x orthogonal to the null space.
         N = system.nullspace
@@ -643,7 +640,7 @@ class Solver:
             out = refine(A, b, prepared, out, tol, transpose)
         tried = [method]
         while True:
-            fallback = fallback_method(self.system, method, out, self.symmetric)
+            fallback = fall_back(self.system, method, out.code, self.symmetric)
             if fallback is None and self.system.method == "auto" and out.code == MAXITER \
                     and method in FALLBACK and out.x is not None and stagnated(A, b, x0, out):
                 # The iteration limit with the residual where it started: the

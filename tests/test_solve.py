@@ -376,3 +376,32 @@ def test_a_manager_argument_that_is_not_a_manager_is_named():
         with pytest.raises(TypeError, match=rf"^{name.strip()}\(manager='cpu'\): expected a "
                                             r"DeviceManager or None.*device='cpu'"):
             call()
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim:0"])
+def test_a_zero_b_gives_x_zero_whatever_x0(device):
+    """b = 0: x = 0 is the exact answer and the only one a tolerance of 0 (atol=0) takes; from
+    x0, GMRES and MINRES stopped short of it (MAXITER, or LEAST_SQUARES with Jacobi)."""
+    from managed_solve import Solver, solve_many
+
+    dm = DeviceManager([device], simulate="1x1GiB") if device != "cpu" else DeviceManager(["cpu"])
+    A = poisson2d(12)
+    n = A.shape[0]
+    x0 = np.random.default_rng(0).standard_normal(n)
+    b = np.zeros(n)
+    for method in ("cg", "bicgstab", "gmres", "minres", "direct"):
+        for M in (None, "jacobi"):
+            if method == "direct" and M is not None:
+                continue
+            r = solve(A, b, x0=x0, method=method, M=M, device=device, manager=dm)
+            assert r.status is Status.CONVERGED, (method, M, r.message)
+            assert not host(r.x).any()
+    B = np.stack([b, np.ones(n)], axis=1)
+    X0 = np.stack([x0, x0], axis=1)
+    with Solver(A, method="gmres", device=device, manager=dm) as s:
+        r = s.solve(B, X0)
+    x = host(r.x)
+    assert not x[:, 0].any() and np.linalg.norm(A @ x[:, 1] - 1.0) <= 1e-8 * np.sqrt(n)
+    many = solve_many([LinearSystem(A, b, x0=x0, method=m) for m in ("cg", "gmres", "minres")],
+                      manager=dm)
+    assert all(r.status is Status.CONVERGED and not host(r.x).any() for r in many)

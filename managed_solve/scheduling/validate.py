@@ -138,6 +138,8 @@ def as_system(item: Any, i: int, *, method: str, M: Any, rtol: float | None,
         The input is not a system, or not a valid one (the message names it).
     """
     if isinstance(item, LinearSystem):
+        if item.x0 is not None and not bool(_backend.array_module(item.b).any(item.b)):
+            item = with_x0(item, None)  # b = 0: x = 0 exactly, whatever x0 (as solve does)
         if method == "auto" and M is None and rtol is None:
             return item
         s = object.__new__(LinearSystem)
