@@ -378,13 +378,14 @@ def test_a_manager_argument_that_is_not_a_manager_is_named():
             call()
 
 
-@pytest.mark.parametrize("device", ["cpu", "sim:0"])
+@pytest.mark.parametrize("device", ["cpu", "sim:0", pytest.param("cuda:0", marks=pytest.mark.gpu)])
 def test_a_zero_b_gives_x_zero_whatever_x0(device):
     """b = 0: x = 0 is the exact answer and the only one a tolerance of 0 (atol=0) takes; from
     x0, GMRES and MINRES stopped short of it (MAXITER, or LEAST_SQUARES with Jacobi)."""
     from managed_solve import Solver, solve_many
 
-    dm = DeviceManager([device], simulate="1x1GiB") if device != "cpu" else DeviceManager(["cpu"])
+    dm = DeviceManager([device], simulate="1x1GiB") if device.startswith("sim") \
+        else DeviceManager([device])
     A = poisson2d(12)
     n = A.shape[0]
     x0 = np.random.default_rng(0).standard_normal(n)

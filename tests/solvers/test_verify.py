@@ -105,6 +105,11 @@ def test_a_float32_answer_is_judged_by_its_float64_residual(device):
         easy = ms.solve(A, b, method=method, rtol=1e-5, device=device, manager=dm)
         assert easy.status is ms.Status.CONVERGED, (method, easy)
         assert _residual64(A, b, easy.x) <= 1e-5 * bn
+    # Transposed, the matrix is A^T (a CSC view of the CSR): widened by column blocks.
+    with ms.Solver(A, method="gmres", rtol=1e-12, device=device, manager=dm) as solver:
+        back = solver.solve_transpose(b)
+    true = _residual64(A.T.tocsr(), b, back.x)
+    assert back.status is ms.Status.MAXITER and back.residual_norm == pytest.approx(true, rel=1e-6)
     systems = [ms.LinearSystem(*_float32_system(7 + k, k), rtol=1e-12, method=m)
                for k, m in enumerate(("bicgstab", "gmres", "direct", "cg"))]
     for s, r in zip(systems, ms.solve_many(systems, manager=dm), strict=True):
