@@ -502,22 +502,28 @@ def test_update_names_the_accepted_forms_for_a_dense_matrix_on_a_sparse_solver()
                                    sla.spsolve(A.tocsc(), np.ones(8)), rtol=1e-7)
 
 
-def test_updated_torch_values_that_require_grad_get_their_gradient():
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_updated_torch_values_that_require_grad_get_their_gradient(where):
+    """New values given as torch tensors (on the CPU, or on a GPU for a solver there) are
+    solved with and get the gradient; the values they replaced get none."""
     torch = pytest.importorskip("torch")
     A = convection_diffusion(5)
-    crow, col = torch.tensor(A.indptr), torch.tensor(A.indices)
-    first = torch.tensor(A.data, requires_grad=True)
-    b = torch.linspace(1.0, 2.0, A.shape[0], dtype=torch.float64)
+    crow, col = torch.tensor(A.indptr, device=where), torch.tensor(A.indices, device=where)
+    first = torch.tensor(A.data, requires_grad=True, device=where)
+    b = torch.linspace(1.0, 2.0, A.shape[0], dtype=torch.float64, device=where)
     with Solver((crow, col, first), method="gmres", rtol=1e-12) as solver:
-        values = torch.tensor(2.0 * A.data, requires_grad=True)
+        values = torch.tensor(2.0 * A.data, requires_grad=True, device=where)
         solver.update(values)
-        solver.solve(b).to_torch().sum().backward()
-    dense = torch.sparse_csr_tensor(crow, col, values.detach(), size=A.shape).to_dense()
+        out = solver.solve(b).to_torch()
+        assert out.device == b.device
+        out.sum().backward()
+    dense = torch.sparse_csr_tensor(crow.cpu(), col.cpu(), values.detach().cpu(), size=A.shape).to_dense()
     dense.requires_grad_(True)
-    torch.linalg.solve(dense, b).sum().backward()
+    torch.linalg.solve(dense, b.cpu()).sum().backward()
     rows = np.repeat(np.arange(A.shape[0]), np.diff(A.indptr))
     expected = dense.grad.numpy()[rows, A.indices]
-    np.testing.assert_allclose(values.grad.numpy(), expected, rtol=1e-8, atol=1e-12)
+    assert values.grad.device == values.device
+    np.testing.assert_allclose(values.grad.cpu().numpy(), expected, rtol=1e-8, atol=1e-12)
     assert first.grad is None
 
 

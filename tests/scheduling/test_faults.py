@@ -119,12 +119,12 @@ def _zero_on_diagonal(n: int, row: int):
 
 def _manager(device: str) -> DeviceManager:
     """A manager solving on ``device`` alone: the CPU, or one simulated GPU."""
-    if device == "cpu":
-        return DeviceManager(["cpu"])
+    if device in ("cpu", "cuda:0"):
+        return DeviceManager([device])
     return DeviceManager([device], simulate="1x1GiB")
 
 
-@pytest.mark.parametrize("device", ["cpu", "sim:0"])
+@pytest.mark.parametrize("device", ["cpu", "sim:0", pytest.param("cuda:0", marks=pytest.mark.gpu)])
 def test_an_input_error_found_inside_a_batch_sinks_only_its_system(device):
     """A zero diagonal under M="jacobi" is found when the batch is packed: that system alone is refused."""
     rng = np.random.default_rng(5)
@@ -143,7 +143,7 @@ def test_an_input_error_found_inside_a_batch_sinks_only_its_system(device):
             assert np.linalg.norm(np.asarray(r.x) - x) <= 1e-6 * np.linalg.norm(x)
 
 
-@pytest.mark.parametrize("device", ["cpu", "sim:0"])
+@pytest.mark.parametrize("device", ["cpu", "sim:0", pytest.param("cuda:0", marks=pytest.mark.gpu)])
 def test_what_solve_raises_for_one_system_is_that_systems_invalid_input(device):
     """solve() raises for M="amg" on a dense A: solve_many gives that system INVALID_INPUT with
     the same message, not DEVICE_ERROR. An indefinite preconditioner under MINRES is a
