@@ -140,7 +140,7 @@ def test_an_input_error_found_inside_a_batch_sinks_only_its_system(device):
         else:
             assert r.status is Status.CONVERGED
             x = sla.spsolve(A.tocsc(), b)
-            assert np.linalg.norm(np.asarray(r.x) - x) <= 1e-6 * np.linalg.norm(x)
+            assert np.linalg.norm(r.to_numpy() - x) <= 1e-6 * np.linalg.norm(x)
 
 
 @pytest.mark.parametrize("device", ["cpu", "sim:0", pytest.param("cuda:0", marks=pytest.mark.gpu)])
@@ -164,4 +164,4 @@ def test_what_solve_raises_for_one_system_is_that_systems_invalid_input(device):
     assert alone.status is res[1].status is Status.BREAKDOWN
     assert "positive definite" in res[1].message and res[1].message == alone.message
     assert res[2].status is Status.CONVERGED
-    assert np.allclose(np.asarray(res[2].x), b / negative.diagonal())
+    assert np.allclose(res[2].to_numpy(), b / negative.diagonal())
