@@ -41,6 +41,16 @@ and calls into the lowest layer (``config``, ``_backend``, ``devices``,
 ``result``, ``kernels``, ...: settings, array modules, device names),
 which a reader steps over.
 
+A third grain counts the step crossings between the *units of the layer
+contract*: the package's top-level modules and sub-packages (``scheduling``,
+``system``, ``solvers``, ``manager``, ...), the names its ``layers``
+contract orders. A call from ``scheduling.runner`` to
+``scheduling.routes`` stays inside one unit; one from ``scheduling.routes``
+to ``solvers.batched.engine`` crosses from one unit to another. It is the
+grain at which the layers are stated, and the one at which a reader changes
+subject (from scheduling to a solver, to the system's policy, to the
+manager's ledger).
+
 Frames that are not real calls a reader follows are transparent: generator
 expressions and comprehensions (their frames run inside the function that
 made them), and code outside the package (NumPy, SciPy, Numba's dispatch,
@@ -349,6 +359,7 @@ def figures(w: Walk, layers: Layers) -> dict:
         return out
 
     steps = [r for r in sites if r["kind"] == "step"]
+    between_units = [r for r in steps if unit(r["from"]) != unit(r["to"])]
     edges: dict[tuple[str, str], dict] = {}
     for r in sites:
         e = edges.setdefault((r["from"], r["to"]), {"caller": r["from"], "callee": r["to"],
@@ -363,6 +374,8 @@ def figures(w: Walk, layers: Layers) -> dict:
         "package_calls": w.calls,
         "all": tally(sites),
         "steps": tally(steps),
+        "unit_steps": tally(between_units),
+        "unit_step_list": [f"{short(r['caller'])} -> {short(r['callee'])}" for r in between_units],
         "crossings": tally(sites)["events"],  # the issue's figure: see the module docstring
         "module_list": modules,
         "thread_list": sorted(w.threads),
@@ -370,6 +383,11 @@ def figures(w: Walk, layers: Layers) -> dict:
         "call_sites": sites,
         "module_edges": sorted(edges.values(), key=lambda e: (e["caller"], e["callee"])),
     }
+
+
+def unit(module: str) -> str:
+    """The unit of the layer contract ``module`` belongs to: the package's top-level module or package."""
+    return ".".join(module.split(".")[:2])
 
 
 def short(module: str) -> str:
@@ -402,6 +420,12 @@ def report(fig: dict, where: str, res: Any) -> None:
             t = fig[scope][key]
             print(f"  {scope:6s} {label:25s} {t['total']:5d} {t['down']:5d} {t['level']:5d} "
                   f"{t['up']:3d}")
+    u = fig["unit_steps"]["events"]
+    print(f"  steps  between units of the contract {u['total']:4d} {u['down']:5d} {u['level']:5d} "
+          f"{u['up']:3d}")
+    print("\nstep crossings between units of the layer contract (packages and top-level modules):")
+    for k, line in enumerate(fig["unit_step_list"], 1):
+        print(f"  {k:3d}  {line}")
     t, e = fig["crossings"], fig["all"]["edges"]
     print(f"\ncrossings (call events between modules, as the issue counted): {t['total']} "
           f"({t['down']} down, {t['level']} level, {t['up']} up); distinct module edges: "
