@@ -96,7 +96,10 @@ def _launch(kernel: Any, nthreads: int, args: tuple, t: Target) -> None:
         # arrays) cannot be written back into, so pass writable copies.
         args = tuple(np.array(a) if isinstance(a, np.ndarray) and not a.flags.writeable else a
                      for a in args)
-        kernel[blocks, tpb](*args)
+        # The simulator stores through NumPy, which warns where a GPU stores an
+        # inf silently; the caller checks the values' range either way.
+        with np.errstate(over="ignore"):
+            kernel[blocks, tpb](*args)
         return
     cp = _backend.cupy()
     ptr = cp.cuda.get_current_stream().ptr
@@ -125,6 +128,55 @@ def _check_index_dtype(index_dtype: Any, call: str) -> np.dtype | None:
     if dt not in (np.dtype(np.int32), np.dtype(np.int64)):
         raise TypeError(f"{call}(index_dtype={index_dtype!r}): expected np.int32, np.int64 or None")
     return dt
+
+
+def _entry_bounds(mesh: Mesh) -> tuple[float, float]:
+    """``(S, W)``: no entry of ``a*L + b*M + c*D`` exceeds ``|a|*S + (|b|/6 + |c|/3)*W`` in magnitude.
+
+    ``W`` is the largest total measure of the elements around a vertex (it
+    bounds every mass entry of that row); ``S`` sums over the same elements a
+    bound of each one's stiffness entries, from its shape ``s``: a triangle's
+    cotangents are at most ``1/(2s)`` (its smallest sine is at least ``2s``),
+    a tetrahedron's entries ``|g_l . g_j| / (36 vol)`` at most ``h/(36s)``
+    (each gradient numerator is twice a face area, at most ``h**2``). Host
+    arithmetic on the mesh's own facts, cached on it: assembly decides from
+    it, without reading the result back from a GPU, whether the values can
+    leave the value type's range at all.
+    """
+    hit = mesh.cache.get("entry_bounds")
+    if hit is None:
+        measure, shape, faces = mesh.element_measures(), mesh.element_shapes(), mesh.faces
+        k = faces.shape[1]
+        with np.errstate(over="ignore"):  # a bound past float64 is inf: the exact test decides
+            per = 0.5 / shape if k == 3 else np.cbrt(measure / shape) / (36.0 * shape)
+            S = float(np.bincount(faces.ravel(), weights=np.repeat(per, k)).max())
+            W = float(np.bincount(faces.ravel(), weights=np.repeat(measure, k)).max())
+        hit = mesh.cache["entry_bounds"] = (S, W)
+    return hit
+
+
+def _check_range(values: Any, bound: float, dt: np.dtype, mesh: Mesh, call: str, what: str) -> None:
+    """Refuse assembled values that overflowed ``dt``: the mesh is valid, the scale is not representable.
+
+    ``bound`` (from :func:`_entry_bounds`) decides on the host; only where it
+    comes within a factor 2 of the type's largest value are the values read.
+    """
+    with np.errstate(over="ignore"):
+        safe = 2.0 * bound <= float(np.finfo(dt).max)
+    if safe:
+        return
+    from .system.inputs import all_finite
+
+    if all_finite(values):  # sync: only where the bound leaves the value type's range
+        return
+    top = float(np.abs(mesh.vertices).max())
+    kind = "area" if mesh.kind == "triangle" else "volume"
+    wider = ", or use dtype=np.float64" if dt == np.float32 else ""
+    raise ValueError(f"{call}(mesh=...): {what} has entries beyond {dt.name}'s range at this mesh's scale "
+                     f"(largest |coordinate| {top:.3g}, largest element {kind} "
+                     f"{float(mesh.element_measures().max()):.3g}); the mesh is valid, but these "
+                     f"values cannot be stored. Rescale the mesh, e.g. "
+                     f"Mesh(mesh.vertices / {top:.3g}, mesh.faces), or the coefficients{wider}.")
 
 
 def _check_dtype(dtype: Any, call: str) -> np.dtype:
@@ -268,7 +320,7 @@ def _csr(data: Any, indices: Any, indptr: Any, n: int, t: Target) -> Any:
 
 def assemble(mesh: Mesh, *, stiffness: float = 1.0, mass: float = 0.0, lumped_mass: float = 0.0,
              device: Any = "cpu", dtype: Any = np.float64, index_dtype: Any = None,
-             backend: str | None = None) -> Any:
+             backend: str | None = None, call: str = "assemble") -> Any:
     """``stiffness*L + mass*M + lumped_mass*D`` as a CSR matrix, in one kernel pass.
 
     ``L`` is the cotangent Laplacian of a triangle surface (the P1 stiffness of
@@ -289,10 +341,22 @@ def assemble(mesh: Mesh, *, stiffness: float = 1.0, mass: float = 0.0, lumped_ma
         See :func:`symbolic`.
     backend : {None, "cpu", "cuda", "cudasim"}
         See the module docstring.
+    call : str
+        The name errors give the call (the builders of
+        :mod:`managed_solve.pde` pass their own).
 
     Returns
     -------
     scipy.sparse.csr_matrix or cupyx.scipy.sparse.csr_matrix
+
+    Raises
+    ------
+    ValueError
+        Values that ``dtype`` cannot hold at this mesh's scale (e.g. areas
+        near 1e160 in float32, or with huge coefficients); the message names
+        the scale and the fix (rescale the vertices). The geometry itself is
+        computed scale-free, so any mesh :class:`Mesh` accepts assembles
+        whenever its values are representable.
 
     Examples
     --------
@@ -307,7 +371,6 @@ def assemble(mesh: Mesh, *, stiffness: float = 1.0, mass: float = 0.0, lumped_ma
     >>> bool(np.isclose(D.sum(), m.area()))
     True
     """
-    call = "assemble"
     if not isinstance(mesh, Mesh):
         raise TypeError(f"{call}(mesh=...): expected a managed_solve.mesh.Mesh, got {type(mesh).__name__}")
     dt = _check_dtype(dtype, call)
@@ -325,6 +388,11 @@ def assemble(mesh: Mesh, *, stiffness: float = 1.0, mass: float = 0.0, lumped_ma
             kern.assemble_cpu(*args)
         else:
             _launch(kern.assemble_cuda, p.n, args, t)
+        S, W = _entry_bounds(mesh)
+        with np.errstate(over="ignore"):
+            bound = abs(stiffness) * S + (abs(mass) / 6.0 + abs(lumped_mass) / 3.0) * W
+        _check_range(data, bound, dt, mesh, call,
+                     f"the matrix {stiffness:g}*L + {mass:g}*M + {lumped_mass:g}*D")
         return _csr(data, p.indices, p.indptr, p.n, t)
 
 
@@ -359,8 +427,11 @@ def assemble_mass(mesh: Mesh, lumped: bool = True, **kwargs: Any) -> Any:
 
 
 def lumped_mass(mesh: Mesh, *, device: Any = "cpu", dtype: Any = np.float64,
-                backend: str | None = None) -> Any:
+                backend: str | None = None, call: str = "lumped_mass") -> Any:
     """The lumped mass of each vertex (a third of the surrounding area, a quarter of the volume).
+
+    A ValueError names the scale and the fix (rescale the vertices) where
+    ``dtype`` cannot hold these masses; ``call`` names the caller in it.
 
     Examples
     --------
@@ -369,7 +440,7 @@ def lumped_mass(mesh: Mesh, *, device: Any = "cpu", dtype: Any = np.float64,
     >>> round(float(lumped_mass(grid(4, 4)).sum()), 12)
     1.0
     """
-    dt = _check_dtype(dtype, "lumped_mass")
+    dt = _check_dtype(dtype, call)
     p = symbolic(mesh, device=device, backend=backend)
     t = p.target
     kern = _kernels_for(mesh)
@@ -380,6 +451,7 @@ def lumped_mass(mesh: Mesh, *, device: Any = "cpu", dtype: Any = np.float64,
             kern.lumped_mass_cpu(*args)
         else:
             _launch(kern.lumped_mass_cuda, p.n, args, t)
+        _check_range(out, _entry_bounds(mesh)[1] / 3.0, dt, mesh, call, "the lumped mass")
         return out
 
 

@@ -132,7 +132,8 @@ class Mesh:
         v.setflags(write=False)
         f.setflags(write=False)
         measure.setflags(write=False)
-        self._measure = measure
+        shape.setflags(write=False)
+        self._measure, self._shape = measure, shape
         self._cache: dict = {}
 
     # ------------------------------------------------------------------ facts
@@ -174,6 +175,15 @@ class Mesh:
     def element_measures(self) -> np.ndarray:
         """Area of each triangle or volume of each tetrahedron (read-only)."""
         return self._measure
+
+    def element_shapes(self) -> np.ndarray:
+        """Each element's area (volume) over its longest edge squared (cubed), read-only.
+
+        Scale-free; above 1e-12 for every element (smaller is refused as
+        degenerate). It bounds the angles: a triangle's smallest sine is at
+        least twice it, so no cotangent exceeds its inverse.
+        """
+        return self._shape
 
     def area(self) -> float:
         """Total surface area (triangles) or boundary area (tetrahedra)."""

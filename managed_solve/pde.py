@@ -178,10 +178,12 @@ def _index_values(idx: np.ndarray, values: Any, where: str) -> tuple[np.ndarray,
     return idx, v
 
 
-def _mass_times(mesh: Mesh, u: Any, lumped: bool, t: Target, dtype: np.dtype, backend: Any) -> Any:
+def _mass_times(mesh: Mesh, u: Any, lumped: bool, t: Target, dtype: np.dtype, backend: Any,
+                call: str) -> Any:
     if lumped:
-        return lumped_mass(mesh, device=t.device, dtype=dtype, backend=backend) * u
-    M = assemble(mesh, stiffness=0.0, mass=1.0, device=t.device, dtype=dtype, backend=backend)
+        return lumped_mass(mesh, device=t.device, dtype=dtype, backend=backend, call=call) * u
+    M = assemble(mesh, stiffness=0.0, mass=1.0, device=t.device, dtype=dtype, backend=backend,
+                 call=call)
     return M @ u
 
 
@@ -319,7 +321,8 @@ def laplacian(mesh: Mesh, *, device: Any = None, dtype: Any = np.float64, manage
     _check_mesh(mesh, call)
     dt = np.dtype(dtype)
     t = _target(device, manager, estimate_nbytes(mesh, dt), backend, call)
-    A = assemble(mesh, device=t.device, dtype=dt, index_dtype=index_dtype, backend=t.backend)
+    A = assemble(mesh, device=t.device, dtype=dt, index_dtype=index_dtype, backend=t.backend,
+                 call=call)
     rhs = t.xp.zeros(mesh.n_vertices, dtype=dt) if b is None else _vertex_values(b, mesh, t, dt, call, "b")
     return _system(A, rhs, dt, "laplacian", nullspace=laplacian_nullspace(mesh))
 
@@ -342,7 +345,7 @@ def mass(mesh: Mesh, lumped: bool = True, *, device: Any = None, dtype: Any = np
     dt = np.dtype(dtype)
     t = _target(device, manager, estimate_nbytes(mesh, dt), backend, call)
     A = assemble(mesh, stiffness=0.0, mass=0.0 if lumped else 1.0, lumped_mass=1.0 if lumped else 0.0,
-                 device=t.device, dtype=dt, index_dtype=index_dtype, backend=t.backend)
+                 device=t.device, dtype=dt, index_dtype=index_dtype, backend=t.backend, call=call)
     rhs = t.xp.zeros(mesh.n_vertices, dtype=dt) if b is None else _vertex_values(b, mesh, t, dt, call, "b")
     return _system(A, rhs, dt, "mass" if lumped else "mass(consistent)")
 
@@ -404,16 +407,17 @@ def poisson(mesh: Mesh, f: Any, *, dirichlet: Any = None, lumped: bool = True, d
     dt = np.dtype(dtype)
     t = _target(device, manager, estimate_nbytes(mesh, dt), backend, call)
     with _ctx(t):
-        A = assemble(mesh, device=t.device, dtype=dt, index_dtype=index_dtype, backend=t.backend)
+        A = assemble(mesh, device=t.device, dtype=dt, index_dtype=index_dtype, backend=t.backend,
+                     call=call)
         fv = _vertex_values(f, mesh, t, dt, call, "f")
-        b = _mass_times(mesh, fv, lumped, t, dt, t.backend)
+        b = _mass_times(mesh, fv, lumped, t, dt, t.backend, call)
         index = None
         if dirichlet is not None:
             index, values = _dirichlet(dirichlet, mesh.n_vertices, call)
             A, b = apply_dirichlet(A, b, index, values)
         nullspace = laplacian_nullspace(mesh, fixed=index)
         if nullspace is not None:
-            w = lumped_mass(mesh, device=t.device, dtype=dt, backend=t.backend)
+            w = lumped_mass(mesh, device=t.device, dtype=dt, backend=t.backend, call=call)
             b = _compatible(b, w, nullspace, t.xp)
         return _system(A, b, dt, "poisson", rtol=rtol, nullspace=nullspace)
 
@@ -445,9 +449,9 @@ def screened_poisson(mesh: Mesh, f: Any, alpha: float, *, lumped: bool = True, d
     with _ctx(t):
         A = assemble(mesh, stiffness=1.0, mass=0.0 if lumped else alpha,
                      lumped_mass=alpha if lumped else 0.0, device=t.device, dtype=dt,
-                     index_dtype=index_dtype, backend=t.backend)
+                     index_dtype=index_dtype, backend=t.backend, call=call)
         fv = _vertex_values(f, mesh, t, dt, call, "f")
-        b = _mass_times(mesh, fv, lumped, t, dt, t.backend)
+        b = _mass_times(mesh, fv, lumped, t, dt, t.backend, call)
         return _system(A, b, dt, f"screened_poisson(alpha={alpha:g})", rtol=rtol)
 
 
@@ -475,14 +479,17 @@ def heat_step(mesh: Mesh, u: Any, dt: float, kappa: float = 1.0, *, lumped: bool
     _check_mesh(mesh, call)
     dt = _positive(dt, call, "dt", "time step > 0")
     kappa = _positive(kappa, call, "kappa", "diffusivity > 0")
+    if not np.isfinite(dt * kappa):
+        raise ValueError(f"{call}(dt={dt!r}, kappa={kappa!r}): dt * kappa overflows float64; "
+                         "rescale time (a smaller dt) or the diffusivity")
     vt = np.dtype(dtype)
     t = _target(device, manager, estimate_nbytes(mesh, vt), backend, call)
     with _ctx(t):
         A = assemble(mesh, stiffness=dt * kappa, mass=0.0 if lumped else 1.0,
                      lumped_mass=1.0 if lumped else 0.0, device=t.device, dtype=vt,
-                     index_dtype=index_dtype, backend=t.backend)
+                     index_dtype=index_dtype, backend=t.backend, call=call)
         uv = _vertex_values(u, mesh, t, vt, call, "u")
-        b = _mass_times(mesh, uv, lumped, t, vt, t.backend)
+        b = _mass_times(mesh, uv, lumped, t, vt, t.backend, call)
         return _system(A, b, vt, f"heat_step(dt={dt:g})", x0=uv, rtol=rtol)
 
 

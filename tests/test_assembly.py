@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from managed_solve import assembly
-from managed_solve.mesh import icosphere
+from managed_solve.mesh import Mesh, icosphere
 
 
 def test_symbolic_phase_is_cached_and_shared_by_numeric_sweeps():
@@ -94,3 +94,52 @@ def test_grid_shape_and_lengths_errors_name_the_argument():
     with pytest.raises(TypeError, match=r"assemble_grid\(coefficient=...\): expected None, a real number.*complex"):
         assembly.assemble_grid((3, 3), coefficient=1 + 1j)
     assert assembly.grid_spacing((3, 1), (2.0, 4.0)) == (0.5, 2.0)
+
+
+def hexagon_fan(radius: float):
+    """Six triangles around vertex 0: each vertex's lumped mass sums up to six areas."""
+    t = np.arange(6) * np.pi / 3
+    V = np.vstack([[0.0, 0.0, 0.0], np.column_stack([np.cos(t), np.sin(t), np.zeros(6)])]) * radius
+    return Mesh(V, [[0, 1 + j, 1 + (j + 1) % 6] for j in range(6)])
+
+
+BACKENDS = [
+    "cpu",
+    pytest.param("cudasim", marks=pytest.mark.cudasim),
+    pytest.param("cuda", marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_values_beyond_the_value_type_are_refused_naming_the_scale_and_the_fix(backend):
+    device = "cuda:0" if backend == "cuda" else "cpu"
+    # Areas near 1e40 are finite float64 but past float32's 3.4e38; the Laplacian
+    # (scale-free) still assembles in float32.
+    m = icosphere(1)
+    big = Mesh(m.vertices * 1e20, m.faces)
+    L = assembly.assemble(big, dtype=np.float32, device=device, backend=backend)
+    assert L.dtype == np.float32 and bool(np.isfinite(L.data).all())
+    match = (r"assemble\(mesh=...\): the matrix 0\*L \+ 0\*M \+ 1\*D has entries beyond float32's "
+             r"range at this mesh's scale \(largest \|coordinate\| 1e\+20.*Rescale the mesh, e.g. "
+             r"Mesh\(mesh.vertices / 1e\+20, mesh.faces\).*or use dtype=np.float64")
+    with pytest.raises(ValueError, match=match):
+        assembly.assemble(big, stiffness=0.0, lumped_mass=1.0, dtype=np.float32, device=device,
+                          backend=backend)
+    with pytest.raises(ValueError, match=r"lumped_mass\(mesh=...\): the lumped mass has entries beyond "
+                                         r"float32's range"):
+        assembly.lumped_mass(big, dtype=np.float32, device=device, backend=backend)
+    # Each triangle's area (about 1e308) is a float64, the six around vertex 0 are not.
+    fan = hexagon_fan(1.52e154)
+    assert np.isfinite(fan.element_measures()).all()
+    with pytest.raises(ValueError, match=r"beyond float64's range.*Rescale the mesh"):
+        assembly.assemble(fan, stiffness=0.0, lumped_mass=1.0, device=device, backend=backend)
+    with pytest.raises(ValueError, match=r"the lumped mass has entries beyond float64's range"):
+        assembly.lumped_mass(fan, device=device, backend=backend)
+    L = assembly.assemble(fan, device=device, backend=backend)  # cotangents: as on the unit fan
+    L = L.get() if backend == "cuda" else L
+    ref = assembly.assemble(hexagon_fan(1.0))
+    assert abs(L - ref).max() <= 1e-14 * abs(ref).max()
+    # Within range nothing is refused: the same fan at half the radius.
+    w = assembly.lumped_mass(hexagon_fan(0.76e154), device=device, backend=backend)
+    w = w.get() if backend == "cuda" else w
+    np.testing.assert_allclose(w, assembly.lumped_mass(hexagon_fan(1.0)) * 0.76e154**2, rtol=1e-13)

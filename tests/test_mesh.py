@@ -351,3 +351,13 @@ def test_degeneracy_test_is_scale_invariant_and_never_overflows():
     for scale in (1e-170, 1.0, 1e160, 4e307):
         with pytest.raises(ValueError, match=r"face 0 = \[0, 1, 2\] has zero area.*collinear"):
             Mesh(line * scale, [[0, 1, 2]])
+
+
+def test_element_shapes_are_scale_free():
+    tri = np.array([[0, 0, 0], [1, 0, 0], [0.5, np.sqrt(3) / 2, 0]])  # equilateral: area / edge**2
+    tet = np.array([[0, 0, 0], [1, 0, 0], [0, 1, 0], [0, 0, 1]], float)  # (1/6) / sqrt(2)**3
+    for scale in (2.0**-300, 1.0, 2.0**300):
+        np.testing.assert_allclose(Mesh(tri * scale, [[0, 1, 2]]).element_shapes(), [np.sqrt(3) / 4],
+                                   rtol=1e-15)
+        np.testing.assert_allclose(Mesh(tet * scale, [[0, 1, 2, 3]]).element_shapes(),
+                                   [1 / (6 * 2**1.5)], rtol=1e-15)

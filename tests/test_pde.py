@@ -323,3 +323,35 @@ def test_scalar_arguments_of_the_wrong_type_name_the_argument():
         pde.poisson(m, None, device="cpu")
     with pytest.raises(TypeError, match=r"poisson\(f=1j\): expected a real number.*got dtype complex128"):
         pde.poisson(m, 1j, device="cpu")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scale", [1e80, 1e-80])
+def test_builders_at_extreme_coordinate_scales_solve_the_scaled_problem(device, scale):
+    # Coordinates near 1e80 are a valid mesh (areas near 1e160 are float64s); its
+    # systems were refused with "A has NaN or Inf entries". -Laplace(u) = 2z on a
+    # sphere of radius R has u = R^2 z; a heat step with dt scaled by R^2 is the unit one.
+    m = icosphere(2)
+    big = Mesh(m.vertices * scale, m.faces)
+    z = m.vertices[:, 2]
+    unit = ms.solve(pde.poisson(m, 2 * z, device="cpu")).x  # the one orthogonal to the constants
+    s = pde.poisson(big, 2 * z, device=device)
+    np.testing.assert_allclose(host(s.A).toarray(), pde.poisson(m, 2 * z, device="cpu").A.toarray(),
+                               rtol=1e-12, atol=1e-12)
+    r = ms.solve(s)
+    assert r.status == Status.CONVERGED
+    np.testing.assert_allclose(host(r.x) / scale**2, unit, rtol=1e-6, atol=1e-8)
+    h = pde.heat_step(big, z, dt=0.1 * scale**2, device=device)
+    np.testing.assert_allclose(solve(h), solve(pde.heat_step(m, z, dt=0.1, device="cpu")), rtol=1e-10,
+                               atol=1e-12)
+
+
+def test_values_a_value_type_cannot_hold_name_the_builder_and_the_fix():
+    big = Mesh(icosphere(1).vertices * 1e20, icosphere(1).faces)  # areas near 1e40
+    with pytest.raises(ValueError, match=r"heat_step\(mesh=...\).*beyond float32's range.*Rescale the "
+                                         r"mesh.*dtype=np.float64"):
+        pde.heat_step(big, 1.0, dt=1.0, dtype=np.float32, device="cpu")
+    with pytest.raises(ValueError, match=r"poisson\(mesh=...\): the lumped mass has entries beyond float32"):
+        pde.poisson(big, 1.0, dtype=np.float32, device="cpu")
+    with pytest.raises(ValueError, match=r"heat_step\(dt=1e\+200, kappa=1e\+200\): dt \* kappa overflows"):
+        pde.heat_step(icosphere(1), 1.0, dt=1e200, kappa=1e200, device="cpu")

@@ -37,6 +37,13 @@ def triangle_row(x0, y0, z0, x1, y1, z1, x2, y2, z2):
     ``-w01`` (column p1), ``-w02`` (column p2) and ``w01 + w02`` (diagonal).
     A ``@numba.njit`` function called from both the CPU twin and the CUDA
     kernel (Numba compiles it for the calling target).
+
+    The edges are first divided by the power of two nearest their largest
+    component (exact), so the cross and dot products neither overflow nor
+    underflow at any coordinate scale (coordinates near 1e80 would square
+    past float64's range); the cotangents are scale-free and the area is
+    scaled back last, so the results equal the unscaled formulas bit for bit
+    wherever those stay in range.
     """
     ax = x1 - x0
     ay = y1 - y0
@@ -44,17 +51,25 @@ def triangle_row(x0, y0, z0, x1, y1, z1, x2, y2, z2):
     bx = x2 - x0
     by = y2 - y0
     bz = z2 - z0
-    cx = x2 - x1
-    cy = y2 - y1
-    cz = z2 - z1
+    big = max(abs(ax), abs(ay), abs(az), abs(bx), abs(by), abs(bz))
+    q = math.frexp(big)[1]
+    ax = math.ldexp(ax, -q)
+    ay = math.ldexp(ay, -q)
+    az = math.ldexp(az, -q)
+    bx = math.ldexp(bx, -q)
+    by = math.ldexp(by, -q)
+    bz = math.ldexp(bz, -q)
+    cx = math.ldexp(x2 - x1, -q)
+    cy = math.ldexp(y2 - y1, -q)
+    cz = math.ldexp(z2 - z1, -q)
     nx = ay * bz - az * by
     ny = az * bx - ax * bz
     nz = ax * by - ay * bx
-    dbl = math.sqrt(nx * nx + ny * ny + nz * nz)  # twice the area
+    dbl = math.sqrt(nx * nx + ny * ny + nz * nz)  # twice the (scaled) area
     # cot of the angle between u and v is (u . v) / |u x v|; |u x v| = dbl for any two edges.
     w01 = 0.5 * (bx * cx + by * cy + bz * cz) / dbl
     w02 = -0.5 * (ax * cx + ay * cy + az * cz) / dbl
-    return w01, w02, 0.5 * dbl
+    return w01, w02, math.ldexp(0.5 * dbl, 2 * q)
 
 
 def _assemble_row(i, vertices, faces, inc_ptr, inc_elem, inc_local, inc_slot, indptr,

@@ -12,6 +12,8 @@ from __future__ import annotations  # noqa: I001  (the shim must run before numb
 
 from . import _compat  # noqa: F401  (must precede numba.cuda)
 
+import math  # noqa: E402
+
 import numba  # noqa: E402
 from numba import cuda, prange  # noqa: E402
 
@@ -24,6 +26,12 @@ def tetra_row(l, x0, y0, z0, x1, y1, z1, x2, y2, z2, x3, y3, z3):
     Gradients: with ``e_j = p_j - p0`` and ``det = e1 . (e2 x e3)``,
     ``grad(phi_1) = (e2 x e3)/det`` (cyclically) and ``grad(phi_0) = -sum``.
     A ``@numba.njit`` function called from both the CPU twin and the CUDA kernel.
+
+    The edges are first divided by the power of two nearest their largest
+    component (exact), so the products (fourth powers of the edge length in
+    ``g_l . g_j``) neither overflow nor underflow at any coordinate scale;
+    ``kj`` (which scales as a length) and ``vol`` are scaled back last, so the
+    results equal the unscaled formulas bit for bit wherever those stay in range.
     """
     e1x = x1 - x0
     e1y = y1 - y0
@@ -34,6 +42,18 @@ def tetra_row(l, x0, y0, z0, x1, y1, z1, x2, y2, z2, x3, y3, z3):
     e3x = x3 - x0
     e3y = y3 - y0
     e3z = z3 - z0
+    big = max(abs(e1x), abs(e1y), abs(e1z), abs(e2x), abs(e2y), abs(e2z),
+              abs(e3x), abs(e3y), abs(e3z))
+    q = math.frexp(big)[1]
+    e1x = math.ldexp(e1x, -q)
+    e1y = math.ldexp(e1y, -q)
+    e1z = math.ldexp(e1z, -q)
+    e2x = math.ldexp(e2x, -q)
+    e2y = math.ldexp(e2y, -q)
+    e2z = math.ldexp(e2z, -q)
+    e3x = math.ldexp(e3x, -q)
+    e3y = math.ldexp(e3y, -q)
+    e3z = math.ldexp(e3z, -q)
     g1x = e2y * e3z - e2z * e3y
     g1y = e2z * e3x - e2x * e3z
     g1z = e2x * e3y - e2y * e3x
@@ -55,13 +75,13 @@ def tetra_row(l, x0, y0, z0, x1, y1, z1, x2, y2, z2, x3, y3, z3):
         gx, gy, gz = g2x, g2y, g2z
     else:
         gx, gy, gz = g3x, g3y, g3z
-    vol = abs(det) / 6.0
+    vol = math.ldexp(abs(det) / 6.0, 3 * q)
     # vol * (g_l / det) . (g_j / det) = (g_l . g_j) / (6 |det|)
     s = 1.0 / (6.0 * abs(det))
-    k0 = s * (gx * g0x + gy * g0y + gz * g0z)
-    k1 = s * (gx * g1x + gy * g1y + gz * g1z)
-    k2 = s * (gx * g2x + gy * g2y + gz * g2z)
-    k3 = s * (gx * g3x + gy * g3y + gz * g3z)
+    k0 = math.ldexp(s * (gx * g0x + gy * g0y + gz * g0z), q)
+    k1 = math.ldexp(s * (gx * g1x + gy * g1y + gz * g1z), q)
+    k2 = math.ldexp(s * (gx * g2x + gy * g2y + gz * g2z), q)
+    k3 = math.ldexp(s * (gx * g3x + gy * g3y + gz * g3z), q)
     return k0, k1, k2, k3, vol
 
 

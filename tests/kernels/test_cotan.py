@@ -119,3 +119,25 @@ def test_laplacian_of_linear_function_on_flat_grid_vanishes_inside():
     x = m.vertices[:, 0] + 2 * m.vertices[:, 1]
     inner = np.setdiff1d(np.arange(m.n_vertices), m.boundary_vertices())
     assert np.abs((L @ x)[inner]).max() < 1e-12
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scale", [2.0**266, 2.0**-266], ids=["1e80", "1e-80"])
+def test_extreme_coordinate_scales_give_the_unit_values_scaled(backend, scale):
+    # |e1 x e2| of edges near 1e80 squares past float64 (the Laplacian came out NaN,
+    # "NaN or Inf entries" for a finite mesh), near 1e-80 into subnormals. A power
+    # of two scales exactly: L is scale-free, the masses scale with the area.
+    m = perturbed_icosphere(1, 6)
+    big = Mesh(m.vertices * scale, m.faces)
+    L = run(backend, big)
+    np.testing.assert_array_equal(L.data, run(backend, m).data)
+    R = reference_cotan(m.vertices, m.faces)
+    assert abs(L - R).max() <= 1e-12 * abs(R).max()
+    M = run(backend, big, stiffness=0.0, mass=1.0, lumped_mass=0.5)
+    np.testing.assert_array_equal(M.data, run(backend, m, stiffness=0.0, mass=1.0, lumped_mass=0.5).data
+                                  * scale**2)
+    device = "cuda:0" if backend == "cuda" else "cpu"
+    w = assembly.lumped_mass(big, device=device, backend=backend)
+    w = w.get() if backend == "cuda" else w
+    np.testing.assert_allclose(w, np.asarray(reference_mass(m.vertices, m.faces).sum(axis=1)).ravel()
+                               * scale**2, rtol=1e-14)

@@ -74,3 +74,20 @@ def test_larger_random_mesh_and_unit_cube_volume():
     x = cube.vertices @ np.array([1.0, -2.0, 0.5])
     inner = np.setdiff1d(np.arange(cube.n_vertices), cube.boundary_vertices())
     assert np.abs((assembly.assemble(cube) @ x)[inner]).max() < 1e-12
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scale", [2.0**266, 2.0**-300], ids=["1e80", "1e-90"])
+def test_extreme_coordinate_scales_give_the_unit_values_scaled(backend, scale):
+    # g_l . g_j holds fourth powers of the edges (past float64 near 1e80, subnormal
+    # near 1e-80). A power of two scales exactly: K scales as a length, M as a volume.
+    m = random_tets(30, seed=2)
+    big = Mesh(m.vertices * scale, m.faces)
+    K, M = reference_p1(m.vertices, m.faces)
+    A = run(backend, big)
+    np.testing.assert_array_equal(A.data, run(backend, m).data * scale)
+    assert abs(A / scale - K).max() <= 1e-11 * abs(K).max()
+    B = run(backend, big, stiffness=0.0, mass=1.0, lumped_mass=0.5)
+    np.testing.assert_array_equal(B.data, run(backend, m, stiffness=0.0, mass=1.0, lumped_mass=0.5).data
+                                  * scale**3)
+    assert abs(B / scale**3 - (M + 0.5 * sp.diags(np.asarray(M.sum(axis=1)).ravel()))).max() <= 1e-14
