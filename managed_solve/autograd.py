@@ -199,15 +199,22 @@ def _function() -> Any:
             link = link_ref()
             ctx.link_ref = link_ref
             ctx.set_materialize_grads(False)
+            xs = tuple(as_torch(x) for x in link.xs)
             # The empty tensor ties the link to the saved state; the inputs that
             # require grad are kept for a second differentiation's trap (:func:`_trap`).
             ctx.save_for_backward(torch.empty(0), *[t for t in flat if torch.is_tensor(t)
                                                     and t.requires_grad])
-            return tuple(as_torch(x) for x in link.xs)
+            # The gradient of A's values reads x, which the outputs share. The
+            # saved-tensor hooks that tie the link's lifetime skip torch's own
+            # version check, so it is made here (weakly: a reference would tie
+            # each output to its own node in a cycle).
+            ctx.outputs = [(weakref.ref(x), x._version) for x in xs]
+            return xs
 
         @staticmethod
         def backward(ctx: Any, *grads: Any) -> tuple:
             _, *inputs = ctx.saved_tensors  # torch's own error once a backward freed the graph
+            _refuse_changed_outputs(ctx.outputs, ctx.needs_input_grad[1::2])
             link = ctx.link_ref()
             rhs = [(j, _array(g)) for j, g in enumerate(grads) if g is not None]
             out: list[Any] = [None] * (2 * len(link.xs))
@@ -234,6 +241,26 @@ def _function() -> Any:
             return (None, *out)
 
     return Solve
+
+
+def _refuse_changed_outputs(outputs: list, reads: Sequence[bool]) -> None:
+    """torch's error for a saved tensor changed in place, for the outputs a backward reads.
+
+    An in-place change of x (``x.mul_(2)``, ``x[0] = 0``) between the solve
+    and backward would give a silently wrong gradient of A's values, which
+    is formed from x; ``torch.linalg.solve`` raises here too. ``reads[k]``:
+    whether output k is read (its A needs a gradient); b's gradient is the
+    adjoint alone, whatever became of x.
+    """
+    for k, ((ref, version), read) in enumerate(zip(outputs, reads, strict=True)):
+        x = ref() if read else None
+        if x is not None and x._version != version:
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: output {k} of a managed_solve solve (x from to_torch(), "
+                f"shape {tuple(x.shape)}) is at version {x._version}; expected version "
+                f"{version} instead. The gradient of A reads x: change a copy "
+                f"(x = x.clone()) or use out-of-place operations (x = 2 * x).")
 
 
 @functools.cache

@@ -532,3 +532,54 @@ def test_the_adjoint_of_an_operator_with_rmatvec_alone_is_its_transpose():
     AT = transposed(ms.LinearSystem(Op(), np.ones(A.shape[0])))
     v = np.random.default_rng(2).standard_normal(A.shape[0])
     np.testing.assert_allclose(AT.matvec(v), A.T @ v, rtol=1e-14)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("change", ["mul_", "setitem"])
+def test_changing_x_in_place_before_backward_is_torchs_error_not_a_wrong_gradient(change, device):
+    """The gradient of A's values is formed from x: an in-place change of x before backward
+    raises torch's "modified by an inplace operation" error, as torch.linalg.solve does."""
+    A = convection_diffusion(5)
+    values, At, _ = csr_tensor(A, device)
+    b = torch.linspace(1.0, 2.0, A.shape[0], dtype=torch.float64, device=device)
+    x = ms.solve(At, b, rtol=1e-12, device=device).to_torch()
+    if change == "mul_":
+        x.mul_(2.0)
+    else:
+        x[0] = 0.0
+    with pytest.raises(RuntimeError, match="modified by an inplace operation.*x.clone"):
+        x.sum().backward()
+    D = torch.tensor(A.toarray(), requires_grad=True)
+    xd = torch.linalg.solve(D, b.cpu())
+    xd.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        xd.sum().backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_x_changed_in_place_still_gives_b_its_gradient(device):
+    """b's gradient is the adjoint alone: an in-place change of x does not touch it."""
+    A = convection_diffusion(5)
+    n = A.shape[0]
+    b = torch.linspace(1.0, 2.0, n, dtype=torch.float64, device=device, requires_grad=True)
+    x = ms.solve(A, b, rtol=1e-12, device=device).to_torch()
+    x.mul_(2.0)
+    x.sum().backward()
+    _, want = dense_reference(*triplets(A, grad=False), b, n, 2.0 * torch.ones(n, dtype=torch.float64))
+    close(b.grad, want, rtol=1e-8)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_copy_of_x_changed_in_place_keeps_the_gradient_right(device):
+    A = convection_diffusion(5)
+    n = A.shape[0]
+    values, At, (crow, col) = csr_tensor(A, device)
+    b = torch.linspace(1.0, 2.0, n, dtype=torch.float64, device=device)
+    x = ms.solve(At, b, rtol=1e-12, device=device).to_torch().clone()
+    x.mul_(2.0)
+    x.sum().backward()
+    D = torch.sparse_csr_tensor(crow.cpu(), col.cpu(), values.detach().cpu(), A.shape).to_dense()
+    D.requires_grad_(True)
+    (2.0 * torch.linalg.solve(D, b.cpu())).sum().backward()
+    rows = np.repeat(np.arange(n), np.diff(crow.cpu().numpy()))
+    close(values.grad, D.grad[rows, col.cpu().numpy()], rtol=1e-8)
