@@ -9,6 +9,7 @@ where "auto" guessed wrong, and learn the time for the next placement.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -68,6 +69,34 @@ def prepare(system: LinearSystem, method: str, device: Device, *, symmetric: boo
                              "method='gmres' or pass A as a sparse matrix.")
         return DirectEngine().prepare(system.A, options, device)
     return KrylovEngine().prepare(system.A, options, device, kind=system.kind)
+
+
+class _Generation:
+    """Which solver the backward of a graph made by a solve uses: its solver, or a frozen copy.
+
+    :meth:`Solver.update` while graphs live moves them to a frozen copy
+    holding the set-up they were computed with.
+    """
+
+    __slots__ = ("solver",)
+
+    def __init__(self, solver: Solver):
+        self.solver = solver
+
+    def graph_freed(self) -> None:
+        self.solver.graph_freed()
+
+
+def _frozen_copy(solver: Solver) -> Solver:
+    """A copy of ``solver`` as it is now, for the graphs alive: it closes when they are freed.
+
+    It shares the engines (the solver takes new ones) and the lock; the
+    manager's reservation stays with the solver.
+    """
+    frozen = copy.copy(solver)
+    frozen._reservation = None
+    frozen._closing = True
+    return frozen
 
 
 class Solver:
@@ -190,6 +219,7 @@ class Solver:
             self.grad = replace(source, b=None) if source is not None and source.A is not None \
                 else None
             self._graphs, self._closing, self._symmetric_adjoint = 0, False, None
+            self._generation = _Generation(self)
         except BaseException:
             self.close()
             raise
@@ -274,9 +304,12 @@ class Solver:
         if source is None or result.x is None:
             return result
         self._graphs += 1
+        # Through the generation: an update while this graph lives hands the
+        # set-up it was computed with to a frozen copy, which its backward uses.
+        gen = self._generation
         return autograd.attach(result, source,
-                               lambda g: self.adjoint(g, transpose=transpose),
-                               release=self._graph_freed, transpose=transpose)
+                               lambda g: gen.solver.adjoint(g, transpose=transpose),
+                               release=gen.graph_freed, transpose=transpose)
 
     def adjoint(self, g: Any, *, transpose: bool = False) -> SolveResult:
         """Solve the adjoint of a gradient: ``A^T y = g`` (``A y = g`` when the forward was transposed).
@@ -294,7 +327,8 @@ class Solver:
         else:
             self.close()
 
-    def _graph_freed(self) -> None:
+    def graph_freed(self) -> None:
+        """One graph that needed this solver was freed (closing it if :meth:`release` asked)."""
         self._graphs -= 1
         if self._closing and not self._graphs:
             self.close()
@@ -326,20 +360,31 @@ class Solver:
         of another form, pattern, shape or dtype are refused before anything
         changes; where the new set-up raises (Jacobi on a zero diagonal) the
         solver keeps its previous matrix and set-up.
+
+        Results of earlier solves still attached to autograd keep the matrix
+        and set-up they were solved with: their backward solves the adjoint
+        of *that* matrix (as a Newton or time-stepping loss over several
+        steps needs). The solver then sets up afresh for the new values
+        instead of updating in place, and the earlier set-up is released
+        when the last of those graphs is freed.
         """
         with self._lock:
             self._check_open()
             new = new_matrix(self.system, A, call="Solver.update(A)")
             grad = update_grad(self.system, A, call="Solver.update(A)")
             kept = (self.system, self._engine_system, self.a_scale, self.symmetric)
+            frozen = _frozen_copy(self) if self._graphs else None
             touched: list[str] = []
             try:
                 self.system = self.system.replaced(A=new)
                 if self.system.method == "auto" or self.system.method == "direct":
                     self.symmetric = matrix_symmetry(self.system)
                 self._scale_matrix()
+                if frozen is not None:  # the live graphs keep the engines; new ones here
+                    self._engines = {}
+                    self._set_up_now()
                 engine_A = self._engine_system.A
-                for method, prepared in list(self._engines.items()):
+                for method, prepared in list(self._engines.items() if frozen is None else ()):
                     if not isinstance(prepared, Prepared):  # a failed set-up: tried again on use
                         del self._engines[method]
                         continue
@@ -356,12 +401,22 @@ class Solver:
                 # Back to the previous matrix: the engines that took (or half took) the
                 # new values are made again from it, the method's own one now.
                 self.system, self._engine_system, self.a_scale, self.symmetric = kept
+                if frozen is not None:  # the previous engines were never touched
+                    for prepared in self._engines.values():
+                        if isinstance(prepared, Prepared):
+                            prepared.close()
+                    self._engines = frozen._engines
+                    raise
                 for method in touched:
                     prepared = self._engines.pop(method, None)
                     if isinstance(prepared, Prepared):
                         prepared.close()
                 self._set_up_now()
                 raise
+            if frozen is not None:
+                self._generation.solver = frozen
+                self._generation = _Generation(self)
+                self._graphs = 0
             self.grad = grad
             self._symmetric_adjoint = None
 

@@ -583,3 +583,78 @@ def test_a_copy_of_x_changed_in_place_keeps_the_gradient_right(device):
     (2.0 * torch.linalg.solve(D, b.cpu())).sum().backward()
     rows = np.repeat(np.arange(n), np.diff(crow.cpu().numpy()))
     close(values.grad, D.grad[rows, col.cpu().numpy()], rtol=1e-8)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("method", ["direct", "cg", "gmres"])
+def test_a_loss_over_solves_before_and_after_an_update_gets_both_gradients(method, device):
+    """solve, update, solve, one loss, backward: each solve's adjoint is of its own matrix."""
+    A = poisson2d(5) if method == "cg" else convection_diffusion(5)
+    n = A.shape[0]
+    v1, A1, (crow, col) = csr_tensor(A, device)
+    diagonal = A.indices == np.repeat(np.arange(n), np.diff(A.indptr))
+    v2 = torch.tensor(3.0 * A.data + 0.5 * diagonal, device=device, requires_grad=True)
+    b = torch.linspace(1.0, 2.0, n, dtype=torch.float64, device=device, requires_grad=True)
+    with ms.Solver(A1, method=method, rtol=1e-12, device=device) as solver:
+        x1 = solver.solve(b).to_torch()
+        solver.update((crow, col, v2))
+        x2 = solver.solve(b).to_torch()
+        ((x1 ** 2).sum() + (x1 * x2).sum()).backward()
+    d1, d2 = (torch.sparse_csr_tensor(crow.cpu(), col.cpu(), v.detach().cpu(), A.shape)
+              .to_dense().requires_grad_(True) for v in (v1, v2))
+    bd = b.detach().cpu().requires_grad_(True)
+    y1, y2 = torch.linalg.solve(d1, bd), torch.linalg.solve(d2, bd)
+    ((y1 ** 2).sum() + (y1 * y2).sum()).backward()
+    rows = np.repeat(np.arange(n), np.diff(crow.cpu().numpy()))
+    cols = col.cpu().numpy()
+    close(v1.grad, d1.grad[rows, cols], rtol=1e-8)
+    close(v2.grad, d2.grad[rows, cols], rtol=1e-8)
+    close(b.grad, bd.grad, rtol=1e-8)
+
+
+def test_an_update_with_graphs_alive_hands_them_the_old_set_up_and_releases_it_after(monkeypatch):
+    """The graphs' set-up is closed when the last of them is freed; the solver's own on close."""
+    closed = []
+    original = DirectEngine.prepare
+
+    def recording(self, *a, **kw):
+        prepared = original(self, *a, **kw)
+        close_ = prepared.close
+        prepared.close = lambda: (closed.append(prepared), close_())[1]
+        return prepared
+
+    monkeypatch.setattr(DirectEngine, "prepare", recording)
+    A = convection_diffusion(5)
+    values, At, (crow, col) = csr_tensor(A)
+    b = torch.ones(A.shape[0], dtype=torch.float64)
+    solver = ms.Solver(At, method="direct")
+    x = solver.solve(b).to_torch()
+    solver.update((crow, col, values.detach() * 2.0))
+    assert closed == []  # the graph still needs the first factorisation
+    x.sum().backward()
+    del x
+    gc.collect()
+    assert len(closed) == 1  # freed with the graph
+    solver.close()
+    assert len(closed) == 2
+
+
+def test_a_refused_update_with_graphs_alive_changes_nothing():
+    A = poisson2d(5)
+    n = A.shape[0]
+    values, At, (crow, col) = csr_tensor(A)
+    b = torch.linspace(1.0, 2.0, n, dtype=torch.float64)
+    zero_diagonal = values.detach().clone()
+    zero_diagonal[torch.as_tensor(A.indices == np.repeat(np.arange(n), np.diff(A.indptr)))] = 0
+    with ms.Solver(At, method="cg", M="jacobi", rtol=1e-12) as solver:
+        x = solver.solve(b).to_torch()
+        with pytest.raises(ValueError, match="zero diagonal"):
+            solver.update((crow, col, zero_diagonal))
+        again = solver.solve(b.detach())
+        x.sum().backward()
+    want = torch.linalg.solve(torch.tensor(A.toarray()), b)
+    close(again.to_torch(), want, rtol=1e-9)
+    D = torch.tensor(A.toarray(), requires_grad=True)
+    torch.linalg.solve(D, b).sum().backward()
+    rows = np.repeat(np.arange(n), np.diff(crow.numpy()))
+    close(values.grad, D.grad[rows, col.numpy()], rtol=1e-8)
