@@ -137,6 +137,8 @@ def solve(A_or_system: Any, b: Any = None, *, x0: Any = None, rtol: float = 1e-8
                     nullspace=nullspace))
             raise ValueError("solve(A, B, devices=...): a sharded solve takes one right-hand side; "
                              "solve the columns one by one, or on one device.")
+        if dtype is None and not _is_float32(b):
+            dtype = np.float64  # float32 only when A and b both are, as for a vector b
         solver = Solver(A_or_system, method=method, M=M, rtol=rtol, atol=atol, maxiter=maxiter,
                         callback=callback, device=device, dtype=dtype, manager=manager,
                         nullspace=nullspace, rhs=int(np.shape(b)[1]))
@@ -166,6 +168,12 @@ def solve(A_or_system: Any, b: Any = None, *, x0: Any = None, rtol: float = 1e-8
 
 def _names_several(device: Any) -> bool:
     return (isinstance(device, str) and device == "all") or isinstance(device, (list, tuple))
+
+
+def _is_float32(b: Any) -> bool:
+    """Whether ``b`` (NumPy, CuPy or torch) holds float32 values."""
+    dt = getattr(b, "dtype", None)
+    return dt is not None and str(dt).rsplit(".", 1)[-1] == "float32"
 
 
 def _is_block(b: Any) -> bool:

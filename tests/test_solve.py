@@ -406,3 +406,17 @@ def test_a_zero_b_gives_x_zero_whatever_x0(device):
     many = solve_many([LinearSystem(A, b, x0=x0, method=m) for m in ("cg", "gmres", "minres")],
                       manager=dm)
     assert all(r.status is Status.CONVERGED and not host(r.x).any() for r in many)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_float32_matrix_with_a_float64_block_is_solved_in_float64_as_a_vector_is(k, backend):
+    """float32 only when A and b both are, whether b is (n,) or (n, k)."""
+    A = poisson2d(12).astype(np.float32)
+    B = np.random.default_rng(3).standard_normal((A.shape[0], k))
+    A_, B_ = on(backend, A, B)
+    wide = solve(A_, B_, rtol=1e-10, method="cg")
+    assert wide.x.dtype == np.float64 and wide.converged
+    want = sla.spsolve(A.astype(np.float64).tocsc(), B).reshape(B.shape)
+    assert np.linalg.norm(host(wide.x) - want) <= 1e-8 * np.linalg.norm(want)
+    narrow = solve(A_, B_.astype(np.float32), rtol=1e-5, method="cg")
+    assert narrow.x.dtype == np.float32 and narrow.converged
