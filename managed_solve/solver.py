@@ -583,8 +583,17 @@ class Solver:
             cut = [N @ (N.T @ b) for b in bs]
             outside = [stable_norm(xp, c) for c in cut]  # sync: once a column
             bs = [b - c for b, c in zip(bs, cut, strict=True)]
+            # A b (all but rounding) in the null space: x = 0 meets the projected system
+            # to the caller's tolerance. The engine would chase the rounding-level rest
+            # relative to itself (BREAKDOWN, or MAXITER after 10 n iterations).
+            lost = [stable_norm(xp, b) <= tol for b, tol in zip(bs, tols, strict=True)]
+            if any(lost):  # sync: once a column, as for the cut
+                bs = [xp.zeros_like(b) if gone else b for b, gone in zip(bs, lost, strict=True)]
+                if x0s is not None:
+                    x0s = [xp.zeros_like(x0) if gone else x0
+                           for x0, gone in zip(x0s, lost, strict=True)]
             if block is not None:
-                block = (xp.stack(bs, axis=1), block[1])
+                block = (xp.stack(bs, axis=1), block[1] if x0s is None else xp.stack(x0s, axis=1))
         # Extreme magnitudes are solved scaled (exactly, by powers of two): the
         # engine sees A / a_scale and b / b_scale, its x is scaled back.
         b_scales = [power_of_two_scale(bn) for bn in b_norms]

@@ -560,3 +560,26 @@ def test_the_gradient_of_an_operator_solve_takes_the_adjoint_through_rmatvec():
     solve(_RmatvecOnly(A), b, method="gmres", rtol=1e-12).to_torch().sum().backward()
     expected = sla.spsolve(A.T.tocsc(), np.ones(A.shape[0]))
     np.testing.assert_allclose(b.grad.numpy(), expected, rtol=1e-8)
+
+
+@pytest.mark.parametrize("method,M", [("cg", None), ("cg", "jacobi"), ("gmres", None),
+                                      ("bicgstab", None), ("minres", None), ("direct", None)])
+def test_a_b_in_the_null_space_gives_x_zero_and_least_squares(method, M, backend):
+    """A uniform source on a pure Neumann problem: b is all in the null space, so no part of it
+    can be reached; the least-squares x orthogonal to the null space is 0, found at once."""
+    A = neumann2d(12)
+    n = A.shape[0]
+    b = np.ones(n)
+    B = np.stack([b, np.linspace(-1.0, 1.0, n) - np.linspace(-1.0, 1.0, n).mean() + b], axis=1)
+    Ad, bd, Bd = on(backend, A, b, B)
+    res = solve(Ad, bd, method=method, M=M, nullspace="constant")
+    assert res.status is Status.LEAST_SQUARES and res.iterations <= 1, res.message
+    assert float(np.abs(host(res.x)).max()) == 0.0
+    with Solver(Ad, method=method, M=M, nullspace="constant", rtol=1e-10) as solver:
+        block = solver.solve(Bd)  # one column all in the null space, one with a reachable part
+    assert list(block.column_status) == [Status.LEAST_SQUARES, Status.LEAST_SQUARES]
+    X = host(block.x)
+    assert np.abs(X[:, 0]).max() == 0.0
+    want = np.linalg.lstsq(A.toarray(), B[:, 1], rcond=None)[0]
+    want -= want.mean()
+    assert np.linalg.norm(X[:, 1] - want) <= 1e-7 * np.linalg.norm(want)
