@@ -466,7 +466,12 @@ class Solver:
                 v = xp.asarray(v)
         v = v.astype(system.dtype, copy=False)
         if not checked_finite(v, None):
-            raise ValueError(f"Solver.solve: {what} has NaN or Inf entries")
+            where = ""
+            if v.ndim == 2:  # name the columns: the others may be solved alone
+                bad = _backend.to_host(xp.flatnonzero(~xp.isfinite(v).all(axis=0))).tolist()
+                where = f" in column{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad[:10]))}" \
+                    + (" and more" if len(bad) > 10 else "")
+            raise ValueError(f"Solver.solve: {what} has NaN or Inf entries{where}")
         return v
 
     def _solve(self, b: Any, x0: Any, *, transpose: bool) -> SolveResult:
@@ -545,6 +550,8 @@ class Solver:
         methods = {c.method for c in cols}
         info = {"columns": k, "host_syncs": sum(c.info.get("host_syncs", 0) for c in cols),
                 "path": cols[0].info.get("path"), "passes": len(parts)}
+        if "preconditioner" in cols[0].info:  # what "auto" chose, as a vector's result says
+            info["preconditioner"] = cols[0].info["preconditioner"]
         if X is None:
             info["column_x"] = [c.x for c in cols]
         return SolveResult(X, status, np.array([c.iterations for c in cols]),

@@ -583,3 +583,16 @@ def test_a_b_in_the_null_space_gives_x_zero_and_least_squares(method, M, backend
     want = np.linalg.lstsq(A.toarray(), B[:, 1], rcond=None)[0]
     want -= want.mean()
     assert np.linalg.norm(X[:, 1] - want) <= 1e-7 * np.linalg.norm(want)
+
+
+def test_a_block_with_bad_columns_names_them_and_reports_its_preconditioner(backend):
+    A = poisson2d(6)
+    n = A.shape[0]
+    B = np.ones((n, 4))
+    B[3, 1], B[7, 3] = np.nan, np.inf
+    Ad, Bd = on(backend, A, B)
+    with Solver(Ad, method="cg", M="jacobi") as solver:
+        with pytest.raises(ValueError, match=r"b has NaN or Inf entries in columns 1, 3$"):
+            solver.solve(Bd)
+        good = solver.solve(Bd[:, [0, 2]])
+    assert good.converged and good.info["preconditioner"] == "jacobi"
