@@ -273,6 +273,58 @@ def wide_residual(A: Any, b: Any, x: Any, xp: Any) -> Any:
     return r
 
 
+#: ``Outcome.info`` key of a solve that left its initial guess for x = 0
+#: (:func:`hopeless_start`); the value is the guess's residual norm.
+DROPPED_START = "dropped_start"
+#: ``Outcome.info`` key of a failed solve whose initial guess was hopeless but
+#: whose iteration limit left no room to start again from x = 0.
+HOPELESS_START = "hopeless_start"
+
+
+def hopeless_start(r0: float, b_norm: float, tol: float, dtype: Any) -> bool:
+    """Whether a guess whose residual ``||b - A x0||`` is ``r0`` is worse than none and out of reach.
+
+    Two facts together: ``r0 > ||b||``, so x = 0 (whose residual is ``b``)
+    starts closer; and ``eps * r0 > tol``, so a Krylov recurrence from the
+    guess cannot resolve the tolerance (its residual carries the rounding of
+    the first one, about ``eps * r0``, and drifts from the true residual by
+    that much, while ``x0 + d`` loses the solution's digits to cancellation).
+    A residual that is not finite (``A x0`` overflows) is hopeless too: no
+    iteration can start from it. Only such a guess, one that could not
+    have led to the tolerance, is replaced by x = 0.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> hopeless_start(1e301, 8.0, 8e-8, np.float64), hopeless_start(float("inf"), 8.0, 8e-8, np.float64)
+    (True, True)
+    >>> hopeless_start(4.0, 8.0, 8e-8, np.float64), hopeless_start(1e3, 8.0, 8e-8, np.float64)
+    (False, False)
+    """
+    return not (r0 <= b_norm or float(np.finfo(dtype).eps) * r0 <= tol)
+
+
+def start_residual_norm(A: Any, b: Any, x0: Any) -> float:
+    """``||b - A x0||`` on the host, inf where the product overflows (a hopeless start, not an error)."""
+    xp = _backend.array_module(b)
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is the answer here
+        return stable_norm(xp, b - as_matvec(A)(x0))  # sync: one read, after a failed solve only
+
+
+def overflow_message(method: str) -> str:
+    """The breakdown message of a residual that became NaN or Inf: an overflow, not a property of A.
+
+    With finite A, b and x0 (what ``solve`` accepts), a residual stops being
+    finite only where a product or an inner product leaves the float range;
+    that says nothing about definiteness or singularity, so the message names
+    the overflow and its usual cause instead of a curvature.
+    """
+    return (f"{method} overflowed: its residual became NaN or Inf, which with finite A, b and x0 "
+            "means a value beyond the float range (not a sign that A is indefinite or "
+            "singular). The usual cause is an x0 or b many orders of magnitude from the "
+            "solution's scale: drop x0 (x0=None), or scale x0 and b toward the solution's size.")
+
+
 def initial_iterate(xp: Any, matvec: Callable[[Any], Any], b: Any, x0: Any) -> tuple[Any, Any]:
     """``(x, r)``: a copy of ``x0`` in b's dtype (zeros if None) and its residual ``b - A x``."""
     if x0 is None:
@@ -335,10 +387,16 @@ def first_below(history: Any, tol: float) -> int | None:
     return int(hits[0]) if hits.size else None
 
 
-def outcome_from_batch(out: Any, breakdown_message: str) -> Outcome:
-    """An :class:`Outcome` from the batched core's ``BatchOutcome`` of one system."""
+def outcome_from_batch(out: Any, breakdown_message: str, method: str) -> Outcome:
+    """An :class:`Outcome` from the batched core's ``BatchOutcome`` of one system.
+
+    A breakdown with a residual that is not finite is an overflow
+    (:func:`overflow_message`), whatever ``breakdown_message`` says of the
+    method's own breakdowns.
+    """
     code = int(out.status[0])
-    msg = breakdown_message if code == BREAKDOWN else ""
+    msg = "" if code != BREAKDOWN else breakdown_message if is_finite(
+        float(out.residual_norms[0])) else overflow_message(method)
     return Outcome(out.x, code, int(out.iterations[0]), float(out.residual_norms[0]), msg,
                    host_syncs=int(out.host_syncs),
                    info={"path": "batched", "checkpoints": int(out.checkpoints),

@@ -23,6 +23,7 @@ from ._common import (
     krylov_setup,
     norm,
     outcome_from_batch,
+    overflow_message,
     read_checkpoint,
     safe_div,
 )
@@ -134,7 +135,10 @@ def bicgstab(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float 
             if k is not None:
                 return Outcome(x, CONVERGED, it, float(h[k]), host_syncs=syncs,
                                info={"converged_at": start + k})
-            if broke or not is_finite(h[-1]):
+            if not is_finite(h[-1]):
+                return Outcome(x, BREAKDOWN, it, float(h[-1]), overflow_message("BiCGStab"),
+                               host_syncs=syncs)
+            if broke:
                 return Outcome(x, BREAKDOWN, it, float(h[-1]), _BREAKDOWN, host_syncs=syncs)
             start = it + 1
     return Outcome(x, MAXITER, maxiter, float(_backend.to_host(rnorm)), host_syncs=syncs)
@@ -148,4 +152,5 @@ def bicgstab_fused(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: 
     from .batched import PackedBatch, bicgstab_batched
 
     batch = PackedBatch.from_csr(A, b, x0=x0, rtol=rtol, atol=atol, maxiter=maxiter, jacobi=jacobi)
-    return outcome_from_batch(bicgstab_batched(batch, check_every=check_every, first_check=first_check), _BREAKDOWN)
+    return outcome_from_batch(bicgstab_batched(batch, check_every=check_every, first_check=first_check), _BREAKDOWN,
+                              "BiCGStab")

@@ -24,6 +24,7 @@ from ._common import (
     krylov_setup,
     norm,
     outcome_from_batch,
+    overflow_message,
     read_checkpoint,
     safe_div,
 )
@@ -98,8 +99,10 @@ def cg(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 0.0,
         q = matvec(p)
         pq = xp.dot(p, q)
         # Flag negative curvature only while unconverged: past convergence r
-        # (and so p) may be exactly 0, which is not a breakdown.
-        bad = bad | ((pq <= 0) & (rnorm > tol))
+        # (and so p) may be exactly 0, which is not a breakdown. An overflowed
+        # curvature (-inf) is no evidence either: the residual then stops being
+        # finite, and the overflow is reported as such.
+        bad = bad | ((pq <= 0) & (rnorm > tol) & xp.isfinite(pq))
         alpha = safe_div(xp, rz, pq)
         x += alpha * p
         r -= alpha * q
@@ -121,9 +124,7 @@ def cg(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 0.0,
                 return Outcome(x, BREAKDOWN, it, float(h[-1]), _INDEFINITE, host_syncs=syncs)
             if k is not None or not is_finite(h[-1]):
                 if k is None:
-                    return Outcome(x, BREAKDOWN, it, float(h[-1]),
-                                   "CG produced a non-finite residual; A may be singular or "
-                                   "not positive definite (try method='minres' or 'gmres').",
+                    return Outcome(x, BREAKDOWN, it, float(h[-1]), overflow_message("CG"),
                                    host_syncs=syncs)
                 return Outcome(x, CONVERGED, it, float(h[k]), host_syncs=syncs,
                                info={"converged_at": start + k})
@@ -145,5 +146,5 @@ def cg_fused(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float 
 
     batch = PackedBatch.from_csr(A, b, x0=x0, rtol=rtol, atol=atol, maxiter=maxiter, jacobi=jacobi)
     out = cg_batched(batch, check_every=check_every, first_check=first_check)
-    return outcome_from_batch(out, _INDEFINITE)
+    return outcome_from_batch(out, _INDEFINITE, "CG")
 

@@ -26,6 +26,7 @@ from ._common import (
     krylov_setup,
     norm,
     outcome_from_batch,
+    overflow_message,
     safe_div,
 )
 
@@ -130,7 +131,7 @@ def gmres(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 0
         if beta <= tol:
             return Outcome(x, CONVERGED, total, beta, host_syncs=syncs)
         if not np.isfinite(beta):
-            return Outcome(x, BREAKDOWN, total, beta, _NOT_FINITE, host_syncs=syncs)
+            return Outcome(x, BREAKDOWN, total, beta, overflow_message("GMRES"), host_syncs=syncs)
         if total >= maxiter:
             return Outcome(x, MAXITER, total, beta, host_syncs=syncs)
         V[0] = r / beta
@@ -187,4 +188,4 @@ def gmres_fused(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: flo
     from .batched import PackedBatch, gmres_batched  # see cg_fused
 
     batch = PackedBatch.from_csr(A, b, x0=x0, rtol=rtol, atol=atol, maxiter=maxiter, jacobi=jacobi)
-    return outcome_from_batch(gmres_batched(batch, restart=restart), _NOT_FINITE)
+    return outcome_from_batch(gmres_batched(batch, restart=restart), _NOT_FINITE, "GMRES")

@@ -26,7 +26,16 @@ import numpy as np
 from .. import _backend
 from ..system.inputs import check_dtype
 from ..system.linear_system import default_maxiter
-from ._common import transposed_operator
+from ._common import (
+    CONVERGED,
+    DROPPED_START,
+    HOPELESS_START,
+    hopeless_start,
+    stable_norm,
+    start_residual_norm,
+    stop_threshold,
+    transposed_operator,
+)
 from .amg.pcg import BoundCG, amg_of, bind, takes_bound_loop
 from .batched import BatchedEngine, BatchedPrepared
 from .bicgstab import bicgstab, bicgstab_fused
@@ -143,10 +152,32 @@ class PreparedKrylov(Prepared):
         if getattr(rhs, "ndim", 1) == 2:
             self._check_open()
             if self.block_loop:
-                return self._solve_block(rhs, x0)
+                return self._columns_from_zero(rhs, x0, self._solve_block(rhs, x0))
             if self.fused:
-                return self._batched().solve(rhs, x0)
+                return self._columns_from_zero(rhs, x0, self._batched().solve(rhs, x0))
         return super().solve(rhs, x0)
+
+    def _columns_from_zero(self, B: Any, X0: Any, outs: list[Outcome]) -> list[Outcome]:
+        """The block's columns that failed from a hopeless start, solved again from x = 0.
+
+        As :meth:`_solve_vector` does for one right-hand side; a new answer
+        is written into the block's ``x`` too, which the caller may hand on whole.
+        """
+        if X0 is None or all(out.code == CONVERGED for out in outs):
+            return outs
+        xp = _backend.array_module(B)
+        for j, out in enumerate(outs):
+            b = xp.ascontiguousarray(B[:, j])
+            again = self._from_zero_if_hopeless(b, xp.ascontiguousarray(X0[:, j]), out,
+                                                self.maxiter, None)
+            if again is out:
+                continue
+            block = getattr(outs, "x", None)
+            if block is not None:
+                block[:, j] = again.x
+                again.x = block[:, j]
+            outs[j] = again
+        return outs
 
     def solve_transpose(self, rhs: Any, x0: Any = None) -> Outcome | list[Outcome]:
         """``A^T x = rhs``; a block on the transpose prepared once, solved together."""
@@ -186,8 +217,43 @@ class PreparedKrylov(Prepared):
 
     def _solve_vector(self, b: Any, x0: Any, *, maxiter: int | None = None,
                       first_check: int | None = None) -> Outcome:
-        o = self.options
+        """One right-hand side; a failure from a hopeless ``x0`` is solved again from x = 0.
+
+        An initial guess whose residual overflows, or lies beyond ``||b||``
+        and past what float rounding resolves toward the tolerance
+        (:func:`~managed_solve.solvers._common.hopeless_start`), breaks every
+        method down in ways that read as properties of A (non-positive
+        curvature, a vanishing inner product, b outside the range). The
+        guess is judged only after a failure, so a solve that converges pays
+        nothing for the test; the retry starts from x = 0 with the iterations
+        left, and its outcome records the dropped guess's residual (or, with
+        none left, the failed outcome records the hopeless one).
+        """
         limit = self.maxiter if maxiter is None else maxiter
+        return self._from_zero_if_hopeless(b, x0, self._run(b, x0, limit, first_check), limit,
+                                           first_check)
+
+    def _from_zero_if_hopeless(self, b: Any, x0: Any, out: Outcome, limit: int,
+                               first_check: int | None) -> Outcome:
+        """``out``, or where it failed from a hopeless ``x0``, the solve again from x = 0."""
+        if x0 is None or out.code == CONVERGED:
+            return out
+        o = self.options
+        r0 = start_residual_norm(self.A, b, x0)
+        bn = stable_norm(_backend.array_module(b), b)  # sync: after a failure from an x0 only
+        if not hopeless_start(r0, bn, stop_threshold(o.rtol, o.atol, bn), b.dtype):
+            return out
+        if out.iterations >= limit:  # no iterations left to try x = 0: the status says why
+            out.info[HOPELESS_START] = r0
+            return out
+        again = self._run(b, None, limit - out.iterations, first_check)
+        again.iterations += out.iterations
+        again.host_syncs += out.host_syncs + 2
+        again.info[DROPPED_START] = r0
+        return again
+
+    def _run(self, b: Any, x0: Any, limit: int, first_check: int | None) -> Outcome:
+        o = self.options
         if self.fused:
             kw = {"first_check": first_check if first_check is not None else o.first_check} \
                 if o.method != "gmres" else {}

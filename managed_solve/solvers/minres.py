@@ -25,6 +25,7 @@ from ._common import (
     initial_iterate,
     krylov_setup,
     norm,
+    overflow_message,
     read_checkpoint,
     safe_div,
 )
@@ -198,8 +199,7 @@ def minres(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 
                 watch = (it, float(norm(xp, b - matvec(x))), x.copy())
                 syncs += 1
             if not (h[-1] == h[-1]):
-                return Outcome(x, BREAKDOWN, it, float(h[-1]),
-                               "MINRES produced a non-finite residual; check A for NaN/Inf.",
+                return Outcome(x, BREAKDOWN, it, float(h[-1]), overflow_message("MINRES"),
                                host_syncs=syncs)
             start = it + 1
     return Outcome(x, MAXITER, maxiter, float(_backend.to_host(xp.abs(phibar))), host_syncs=syncs)

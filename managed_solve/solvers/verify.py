@@ -25,7 +25,7 @@ from .. import _backend
 from ..result import Status
 from ..system import FALLBACK, LinearSystem
 from ..system.method import krylov_method
-from ._common import stable_norm, true_residual_norm
+from ._common import DROPPED_START, HOPELESS_START, hopeless_start, stable_norm, true_residual_norm
 from .engine import BREAKDOWN, CONVERGED, LEAST_SQUARES, MAXITER, Outcome
 
 ACCEPT, RESTART, FALL_BACK = "accept", "restart", "fall back"
@@ -123,8 +123,26 @@ def status_of(out: Outcome, method: str, residual: float, tol: float, system: An
     ``system``: the :class:`LinearSystem` solved, or anything with its
     ``rtol`` and ``dtype`` (the messages name them). ``restarts``: the
     restarts made after the recurrence converged (:func:`refine`), for the
-    message of a true residual that still misses the tolerance.
+    message of a true residual that still misses the tolerance. A solve
+    that dropped a hopeless start for x = 0 (``out.info``'s
+    :data:`~managed_solve.solvers._common.DROPPED_START`) says so, and a
+    failure from a hopeless x0 (:data:`~managed_solve.solvers._common.HOPELESS_START`)
+    names it and the fix.
     """
+    status, message = _judged(out, method, residual, tol, system, restarts)
+    far = f"above ||b|| and too far for {np.dtype(system.dtype).name} rounding to reach the tolerance from"
+    dropped, hopeless = out.info.get(DROPPED_START), out.info.get(HOPELESS_START)
+    if dropped is not None:
+        message += (f" (it started from x = 0: a start with ||b - A x|| = {dropped:.3g}, {far}, "
+                    "was dropped)")
+    elif hopeless is not None and status is not Status.CONVERGED:
+        message += (f" The initial guess x0 has ||b - A x0|| = {hopeless:.3g}, {far}: solve "
+                    "without x0 (x = 0 starts closer), or with a closer guess.")
+    return status, message
+
+
+def _judged(out: Outcome, method: str, residual: float, tol: float, system: Any,
+            restarts: int) -> tuple[Status, str]:
     if out.code == BREAKDOWN:
         return Status.BREAKDOWN, out.message or Status.BREAKDOWN.message
     if residual == math.inf and out.code in (CONVERGED, LEAST_SQUARES):
@@ -185,19 +203,32 @@ def status_outside_range(out: Outcome, method: str, residual: float, projected: 
 
 
 def refine(A: Any, b: Any, prepared: Any, out: Outcome, tol: float, transpose: bool) -> Outcome:
-    """Restart from x while the recurrence converged but the true residual did not."""
+    """Restart from x while the recurrence converged but the true residual did not.
+
+    An x as far off as a hopeless guess (its residual above ``||b||`` and
+    beyond what rounding resolves toward ``tol``: :func:`hopeless_start`),
+    left by a recurrence that ran from such a guess, is no start for a
+    restart: x = 0 is.
+    """
     total, syncs = out.iterations, out.host_syncs
     maxiter = prepared.maxiter
+    b_norm = None
     for _ in range(REFINEMENTS):
         if out.code != CONVERGED or out.x is None:
             break
         known = out.checked_residual(out.x)
-        if (known if known is not None else true_residual_norm(A, b, out.x)) <= tol:
+        residual = known if known is not None else true_residual_norm(A, b, out.x)
+        if residual <= tol:
             break
         left = maxiter - total
         if left <= 0:
             break
-        nxt = prepared.solve_limited(b, out.x, left, transpose=transpose)
+        if b_norm is None:
+            b_norm = stable_norm(_backend.array_module(b), b)  # sync: once, on drift only
+        start = None if hopeless_start(residual, b_norm, tol, b.dtype) else out.x
+        nxt = prepared.solve_limited(b, start, left, transpose=transpose)
+        if start is None:
+            nxt.info[DROPPED_START] = residual
         total += nxt.iterations
         syncs += nxt.host_syncs
         out = nxt
@@ -224,11 +255,11 @@ def no_worse_than_the_start(A: Any, b: Any, x0: Any, out: Outcome, tol: float) -
     xp = _backend.array_module(b)
     end = out.checked_residual(out.x)
     end = true_residual_norm(A, b, out.x) if end is None else end
-    if not end > tol:
+    if end <= tol:
         return out
     start_x = xp.zeros_like(b) if x0 is None else x0
     start = true_residual_norm(A, b, start_x) if x0 is not None else stable_norm(xp, b)
-    if end > start:
+    if not end <= start:  # a NaN end (an overflowed iterate) is worse than any start
         out.x = start_x.copy()
         out.info["returned"] = "initial guess (the last iterate was worse)"
     return out

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from managed_solve import LinearSystem
-from managed_solve.solvers.engine import BREAKDOWN, CONVERGED, MAXITER
-from managed_solve.solvers.verify import ACCEPT, accepted, verdict
-from tests._problems import host, laplacian1d
+from managed_solve.solvers.engine import BREAKDOWN, CONVERGED, MAXITER, Outcome
+from managed_solve.solvers.verify import ACCEPT, accepted, no_worse_than_the_start, verdict
+from tests._problems import host, laplacian1d, poisson2d
 
 
 @pytest.mark.filterwarnings("error")
@@ -49,7 +49,7 @@ def test_a_b_whose_norm_overflows_is_never_reported_converged(device):
         # The verify rule's message, or the engine's own where it stopped on the
         # non-finite norm itself (GMRES on a GPU).
         assert r.status is ms.Status.BREAKDOWN, (method, r)
-        assert "overflows float64" in r.message or "non-finite residual" in r.message, r.message
+        assert "overflows float64" in r.message or "GMRES overflowed" in r.message, r.message
     direct = ms.solve(A, b, method="direct", device=device, manager=dm)
     if device == "cuda:0" and direct.status is ms.Status.BREAKDOWN:
         assert direct.x is None  # cuSOLVER's QR overflows on its own: no answer, honestly
@@ -132,3 +132,29 @@ def test_a_float32_block_is_judged_column_by_column_in_float64():
     assert all(s is ms.Status.CONVERGED for s in r.column_status)
     for j in range(3):
         assert _residual64(A, B[:, j], np.asarray(r.x)[:, j]) <= 1e-5 * np.linalg.norm(B[:, j])
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim:0", pytest.param("cuda:0", marks=pytest.mark.gpu)])
+def test_a_restart_after_drift_from_a_hopeless_start_begins_at_zero(device):
+    # CG from x0 = 1e150 (the products stay finite): its recurrence meets the
+    # tolerance while x keeps rounding of about 1e134, and restarts from that x
+    # drifted again: MAXITER, "float64 may not resolve rtol=1e-08". A drifted x
+    # whose residual exceeds ||b|| by more than rounding resolves is no start.
+    import managed_solve as ms
+
+    A = poisson2d(8)
+    b = np.random.default_rng(0).standard_normal(A.shape[0])
+    r = ms.solve(A, b, method="cg", x0=np.full(b.size, 1e150), device=device, manager=_manager(device))
+    assert r.status is ms.Status.CONVERGED, r.message
+    x = host(r.x)
+    assert np.linalg.norm(b - A @ x) <= 1e-8 * np.linalg.norm(b)
+    assert r.info["dropped_start"] > 1e30 and "was dropped" in r.message
+
+
+def test_an_overflowed_iterate_hands_back_the_start():
+    # A NaN end residual compared false against everything, so the NaN iterate was kept.
+    A = laplacian1d(5)
+    b, x0 = np.ones(5), np.full(5, 2.0)
+    out = no_worse_than_the_start(A, b, x0, Outcome(np.full(5, np.nan), BREAKDOWN, 1, np.nan), 1e-8)
+    np.testing.assert_array_equal(out.x, x0)
+    assert out.x is not x0 and "initial guess" in out.info["returned"]
