@@ -127,6 +127,17 @@ def placement_of(t: Any) -> str:
     return str(dev)
 
 
+def _placement_arg(device: Any) -> Any:
+    """A device argument with a tensor read as where that tensor is placed (:func:`placement_of`).
+
+    A simulated GPU's tensor lives on the CPU, so its torch ``.device`` says
+    ``cpu``; every method of :class:`ManagedTensor` that takes a device
+    reads a tensor given for one through this, so ``sim:1`` stays ``sim:1``.
+    Anything else is returned as it is.
+    """
+    return placement_of(device) if isinstance(device, torch.Tensor) else device
+
+
 def _collect(args: Any, kwargs: dict, out: list) -> None:
     # One level into lists and tuples covers torch.stack/cat and foreach ops;
     # deeper nesting never carries tensors in torch's API.
@@ -453,16 +464,18 @@ class ManagedTensor(torch.Tensor):
         except ValueError:  # pinned by attribute to a device the manager does not know
             return None
 
-    def pin(self, device: Device | str | None = None) -> ManagedTensor:
+    def pin(self, device: Device | str | torch.Tensor | None = None) -> ManagedTensor:
         """Pin to ``device`` (default: where it is): operations with it run there.
 
-        Returns this tensor when it is already on ``device``, else a pinned
-        copy there (moves are out-of-place, as for ``.to()``).
+        ``device`` may be a tensor: where it is placed (``"sim:1"`` for a
+        tensor on a simulated GPU, though torch holds it on the CPU). Returns
+        this tensor when it is already on ``device``, else a pinned copy there
+        (moves are out-of-place, as for ``.to()``).
         """
         if device is None:
             key = self.placement
         else:
-            key = str(device.device if isinstance(device, ManagedTensor) else device)
+            key = str(_placement_arg(device))
             if key == "cuda":
                 key = "cuda:0"
             if is_simulated_key(key.strip().lower()):
@@ -483,7 +496,17 @@ class ManagedTensor(torch.Tensor):
         return self
 
     def to(self, *args, **kwargs) -> ManagedTensor:
-        """``torch.Tensor.to``, also accepting managed devices (``"sim:1"``, a :class:`Device`)."""
+        """``torch.Tensor.to``, also accepting managed devices (``"sim:1"``, a :class:`Device`).
+
+        A tensor ``other`` goes where it is placed: ``to(other)`` takes its
+        placement and dtype (torch's rule, with a simulated GPU's tensor's
+        placement rather than the CPU torch holds it on), ``to(device=other)``
+        its placement alone, as :meth:`pin` and :meth:`cuda` read one.
+        """
+        if args and isinstance(args[0], torch.Tensor):
+            args = (_placement_arg(args[0]), args[0].dtype, *args[1:])
+        if isinstance(kwargs.get("device"), torch.Tensor):
+            kwargs = {**kwargs, "device": _placement_arg(kwargs["device"])}
         dev = kwargs.get("device", args[0] if args else None)
         if _is_managed_device_arg(dev):
             key = str(dev)
@@ -533,9 +556,9 @@ class ManagedTensor(torch.Tensor):
 
         Parameters
         ----------
-        device : int, str, torch.device or Device, optional
-            Where to go. Default: the pinned device, else
-            ``manager.find_device(bytes, disperse=disperse)``.
+        device : int, str, torch.device, Device or tensor, optional
+            Where to go (a tensor: where it is placed). Default: the pinned
+            device, else ``manager.find_device(bytes, disperse=disperse)``.
         disperse : bool
             Spread tensors over GPUs (earliest predicted finish) instead of
             packing them.
@@ -551,7 +574,7 @@ class ManagedTensor(torch.Tensor):
         if device is not None:
             if isinstance(device, int):
                 device = f"cuda:{device}"
-            return self.to(device, **kw)
+            return self.to(_placement_arg(device), **kw)
         mgr = self._manager()
         pinned = self._ms_pin
         if pinned is not None:

@@ -308,3 +308,24 @@ def test_simulated_device_names_are_read_as_the_manager_reads_them():
 def test_managed_refuses_a_manager_argument_that_is_no_manager():
     with pytest.raises(TypeError, match=r"managed\(manager='cpu'\): expected a DeviceManager or None"):
         managed(torch.ones(2), manager="cpu")
+
+
+def test_a_tensor_given_as_the_device_means_where_it_is_placed(env):
+    # pin(device=other) read other.device, which is the CPU for a tensor on a
+    # simulated GPU: the pin went to "cpu", not to other's sim:1. to(other) and
+    # cuda(other) lost the simulated placement the same way.
+    dm, A, B, make = env
+    a = make(np.arange(3.0), A)
+    other = make(np.zeros(2), B).to(torch.float32)
+    for p in (a.pin(other), a.pin(device=other)):
+        assert p.placement == B and str(p.pinned) == B and p.dtype == torch.float64
+        assert dm.plan([p])[0].device == B
+    assert a.pin(make(np.zeros(1), A)) is a and a.placement == A  # already there: pinned in place
+    a.unpin()
+    moved = a.to(other)  # torch's rule: other's device (here its placement) and dtype
+    assert moved.placement == B and moved.dtype == torch.float32
+    assert a.to(device=other).placement == B and a.to(device=other).dtype == torch.float64
+    assert a.cuda(other).placement == B and a.cuda(device=other).dtype == torch.float64
+    np.testing.assert_array_equal(_np(moved), [0.0, 1.0, 2.0])
+    plain = torch.zeros(1)  # a plain tensor: its device is its placement
+    assert a.pin(plain).placement == "cpu" and a.to(device=plain).placement == "cpu"
