@@ -67,7 +67,7 @@ def prepare(system: LinearSystem, method: str, device: Device, *, symmetric: boo
         if system.kind == "operator":
             raise ValueError("solve(method='direct'): A is an operator without entries; use "
                              "method='gmres' or pass A as a sparse matrix.")
-        return DirectEngine().prepare(system.A, options, device)
+        return DirectEngine().prepare(system.A, options, device, nullspace=system.nullspace)
     return KrylovEngine().prepare(system.A, options, device, kind=system.kind)
 
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import scipy.sparse as sp
 import scipy.sparse.linalg as sla
 
 from managed_solve import DeviceManager, LinearSystem, Solver, Status, solve, solve_many
 from managed_solve.solvers.minres import minres
-from tests._problems import laplacian1d, neumann2d
+from tests._problems import BACKENDS, array_modules, host, laplacian1d, neumann2d, on
 
 RNG = np.random.default_rng(11)
 
@@ -155,3 +156,146 @@ def test_nullspace_on_a_gpu(method):
     np.testing.assert_allclose(ok.to_numpy(), x_true, rtol=1e-6, atol=1e-8)
     assert off.column_status == (Status.LEAST_SQUARES, Status.CONVERGED)
     np.testing.assert_allclose(off.to_numpy()[:, 0], x_true, rtol=1e-6, atol=1e-8)
+
+
+# -- method="direct" with nullspace=: the factors of A with null-space unknowns pinned
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+def pinv_solution(A, b):
+    """The minimum-norm least-squares solution (the pseudo-inverse's), column by column.
+
+    The cut-off is explicit: the default (1e-15 relative) keeps a rounded zero
+    singular value on some LAPACK builds, and the answer then has a huge null part.
+    """
+    return np.linalg.pinv(A.toarray() if sp.issparse(A) else A, rcond=1e-10) @ b
+
+
+def test_direct_with_nullspace_matches_the_pseudo_inverse_and_the_krylov_methods(backend):
+    """A 1D pure Neumann matrix has an exactly zero LU pivot: direct used to give BREAKDOWN."""
+    n = 50
+    A = laplacian1d(n, neumann=True)
+    b = np.random.default_rng(0).standard_normal(n)
+    b -= b.mean()  # consistent
+    for rhs, status in ((b, Status.CONVERGED), (b + 0.3, Status.LEAST_SQUARES)):
+        ref = pinv_solution(A, rhs)
+        Ad, bd = on(backend, A, rhs)
+        res = solve(Ad, bd, method="direct", nullspace=np.ones(n))
+        assert res.status is status and res.method == "direct", res.message
+        x = host(res.x)
+        np.testing.assert_allclose(x, ref, rtol=1e-9, atol=1e-9 * np.abs(ref).max())
+        assert abs(x.sum()) <= 1e-10 * np.abs(x).sum()
+        # The Krylov methods' contract: the same x, status and residual.
+        cg = solve(A, rhs, method="cg", nullspace=np.ones(n), device="cpu", rtol=1e-12)
+        assert cg.status is status
+        np.testing.assert_allclose(x, cg.x, rtol=1e-8, atol=1e-8 * np.abs(ref).max())
+        np.testing.assert_allclose(res.residual_norm, cg.residual_norm, rtol=1e-6, atol=1e-12)
+    assert np.linalg.norm(b - A @ x) <= 1e-8 * np.linalg.norm(b + 0.3)
+
+
+def test_direct_solver_with_nullspace_blocks_transposes_and_updates(backend):
+    n = 40
+    A = laplacian1d(n, neumann=True)
+    rng = np.random.default_rng(5)
+    b = A @ rng.standard_normal(n)
+    B = np.stack([b, b + 1.0, -2.0 * b], axis=1)
+    xp, _sparse = array_modules(backend)
+    with Solver(on(backend, A), method="direct", nullspace="constant", rtol=1e-10) as solver:
+        res = solver.solve(xp.asarray(B))
+        assert res.column_status == (Status.CONVERGED, Status.LEAST_SQUARES, Status.CONVERGED)
+        np.testing.assert_allclose(host(res.x), pinv_solution(A, B), rtol=1e-9, atol=1e-10)
+        t = solver.solve_transpose(xp.asarray(b + 1.0))
+        assert t.status is Status.LEAST_SQUARES
+        np.testing.assert_allclose(host(t.x), pinv_solution(A, b + 1.0), rtol=1e-9, atol=1e-10)
+        # New values, the same pattern and null space: a variable coefficient (D^T W D).
+        D = sp.diags([-np.ones(n - 1), np.ones(n - 1)], [0, 1], shape=(n - 1, n))
+        A2 = (D.T @ sp.diags(np.linspace(1.0, 3.0, n - 1)) @ D).tocsr()
+        A2.sort_indices()
+        assert np.array_equal(A2.indptr, A.indptr) and np.array_equal(A2.indices, A.indices)
+        solver.update(on(backend, A2))
+        b2 = A2 @ rng.standard_normal(n)
+        res2 = solver.solve(xp.asarray(b2))
+        assert res2.converged, res2.message
+        np.testing.assert_allclose(host(res2.x), pinv_solution(A2, b2), rtol=1e-9, atol=1e-10)
+
+
+def test_direct_with_nullspace_keeps_the_cholesky_factor_on_the_host():
+    """A semi-definite A pinned is definite: Cholesky, not SuperLU on a matrix that is singular."""
+    A = neumann2d(10)
+    b = A @ np.random.default_rng(2).standard_normal(A.shape[0])
+    res = solve(A, b, method="direct", nullspace="constant", device="cpu", rtol=1e-12)
+    assert res.converged and res.info["factorisation"].startswith("Cholesky")
+    np.testing.assert_allclose(res.x, pinv_solution(A, b), rtol=1e-10, atol=1e-12)
+
+
+def test_direct_with_nullspace_of_two_components_and_a_dense_matrix():
+    L = laplacian1d(15, neumann=True)
+    A = sp.block_diag([L, 2.0 * L], format="csr")  # two components: one constant each
+    N = np.zeros((30, 2))
+    N[:15, 0] = N[15:, 1] = 1.0
+    b = A @ np.random.default_rng(4).standard_normal(30) + N @ [1.0, -2.0]  # inconsistent
+    for matrix in (A, A.toarray()):
+        res = solve(matrix, b, method="direct", nullspace=N, device="cpu")
+        assert res.status is Status.LEAST_SQUARES, res.message
+        np.testing.assert_allclose(res.x, pinv_solution(A, b), rtol=1e-9, atol=1e-12)
+    # One constant for both components leaves A singular: said so, naming nullspace=.
+    short = solve(A, b, method="direct", nullspace="constant", device="cpu")
+    assert short.status is Status.BREAKDOWN and short.x is None
+    assert "nullspace=" in short.message and "all of A's null space" in short.message
+
+
+def test_direct_with_nullspace_of_a_non_symmetric_matrix():
+    """Convection makes A non-symmetric: A 1 = 0, but 1^T A != 0 (A^T has another null space).
+
+    A b in A's range and orthogonal to the constants is solved, x orthogonal
+    to them; so is every transposed solve (A^T's range is orthogonal to the
+    constants), as GMRES solves it. A b whose projection leaves A's range
+    has no answer: direct says so, where GMRES runs out of iterations.
+    """
+    n = 30
+    upwind = sp.diags([-np.ones(n - 1), np.r_[0.0, np.ones(n - 1)]], [-1, 0], format="csr")
+    A = (laplacian1d(n, neumann=True) + 0.4 * upwind).tocsr()
+    assert np.abs(A @ np.ones(n)).max() < 1e-14 and np.abs(np.ones(n) @ A).max() > 0.1
+    rng = np.random.default_rng(8)
+    y = A @ rng.standard_normal(n)
+    v = A @ np.eye(n)[0]
+    b = y - (y.sum() / v.sum()) * v  # A (x - t e_0): in the range, and it sums to zero
+    x = rng.standard_normal(n)
+    x -= x.mean()
+    with Solver(A, method="direct", nullspace="constant", device="cpu", rtol=1e-10) as solver:
+        res = solver.solve(b)
+        tr = solver.solve_transpose(np.stack([A.T @ x, A.T @ (2.0 * x)], axis=1))
+    assert res.converged, res.message
+    np.testing.assert_allclose(res.x, pinv_solution(A, b), rtol=1e-9, atol=1e-12)
+    assert tr.column_status == (Status.CONVERGED, Status.CONVERGED), tr.message
+    np.testing.assert_allclose(tr.x, np.stack([x, 2.0 * x], axis=1), rtol=1e-9, atol=1e-12)
+    with Solver(A, method="gmres", nullspace="constant", device="cpu", rtol=1e-10) as solver:
+        gm = solver.solve_transpose(A.T @ x)
+    assert gm.converged
+    np.testing.assert_allclose(tr.x[:, 0], gm.x, rtol=1e-7, atol=1e-9)
+    bad = solve(A, y, method="direct", nullspace="constant", device="cpu")
+    assert bad.status is Status.BREAKDOWN and bad.x is None
+    assert "A^T" in bad.message and "nullspace=" in bad.message
+    gm = solve(A, y, method="gmres", nullspace="constant", device="cpu", maxiter=300)
+    assert gm.status is not Status.CONVERGED
+
+
+def test_auto_and_solve_many_with_nullspace_on_the_cpu():
+    A = laplacian1d(40, neumann=True)
+    b = consistent(A)
+    with Solver(A, nullspace="constant", device="cpu") as solver:  # kept: "auto" factorises
+        assert solver.method == "direct"
+        res = solver.solve(np.stack([b, b + 1.0], axis=1))
+    assert res.column_status == (Status.CONVERGED, Status.LEAST_SQUARES)
+    np.testing.assert_allclose(res.x, pinv_solution(A, np.stack([b, b + 1.0], axis=1)),
+                               rtol=1e-9, atol=1e-10)
+    systems = [LinearSystem(A, b, method="direct", nullspace="constant"),
+               LinearSystem(A, b + 1.0, method="direct", nullspace=np.ones(40))]
+    out = solve_many(systems, manager=DeviceManager(simulate="1x64MiB"))
+    assert [o.status for o in out] == [Status.CONVERGED, Status.LEAST_SQUARES]
+    assert all(o.method == "direct" for o in out)
+    np.testing.assert_allclose(out[1].x, pinv_solution(A, b + 1.0), rtol=1e-9, atol=1e-10)

@@ -33,6 +33,7 @@ from ._common import (
 )
 from .cholesky import Cholesky, NotPositiveDefinite, eligible
 from .engine import BlockOutcomes, Options, Prepared
+from .nullspace import INCOMPLETE, NOT_SOLVED, Grounding
 
 log = logging.getLogger("managed_solve")
 
@@ -112,12 +113,17 @@ class Singular(Exception):
 
 
 class DirectEngine:
-    """``prepare(A, options, device)``: factorise once; solve, transpose-solve and refactor after."""
+    """``prepare(A, options, device)``: factorise once; solve, transpose-solve and refactor after.
+
+    ``nullspace``: an orthonormal (n, k) basis of A's null space, on A's device
+    (:mod:`managed_solve.solvers.nullspace`): x is then the solution orthogonal to it.
+    """
 
     name = "direct"
 
-    def prepare(self, A: Any, options: Options, device: Any) -> PreparedDirect:
-        return PreparedDirect(A, options, device)
+    def prepare(self, A: Any, options: Options, device: Any, *,
+                nullspace: Any = None) -> PreparedDirect:
+        return PreparedDirect(A, options, device, nullspace=nullspace)
 
 
 class PreparedDirect(Prepared):
@@ -130,13 +136,25 @@ class PreparedDirect(Prepared):
 
     engine = "direct"
 
-    def __init__(self, A: Any, options: Options, device: Any):
+    def __init__(self, A: Any, options: Options, device: Any, *, nullspace: Any = None):
         super().__init__(device, options, A.shape[0])
+        self.grounding = Grounding(A, nullspace) if nullspace is not None else None
         self._factor(A)
 
     def _factor(self, A: Any, cholesky: bool = True) -> None:
+        """Factors of A, or of A grounded (the matrix factorised, ``self.factored``) for a null space."""
+        try:
+            self._factor_matrix(A, cholesky)
+        except Singular as exc:
+            if self.grounding is None:
+                raise
+            raise Singular(f"{exc}; {INCOMPLETE}") from exc
+
+    def _factor_matrix(self, A: Any, cholesky: bool) -> None:
         self._release_held()
-        self.A = A
+        self.A = A  # residuals are A's; the factors are of A grounded where a null space is given
+        self.factored = A if self.grounding is None else self.grounding.matrix(A)
+        A = self.factored
         xp = _backend.array_module(A.data if _is_sparse(A) else A)
         self.xp = xp
         self.how = ""
@@ -214,7 +232,7 @@ class PreparedDirect(Prepared):
                 self._held[shape] = False
                 return None
             try:
-                held = cudss.hold(self.A.tocsr(), b, self.options.symmetric)
+                held = cudss.hold(self.factored.tocsr(), b, self.options.symmetric)
             except Exception as exc:  # an unsupported type or version: the per-solve path
                 log.info("managed_solve: cuDSS through nvmath failed (%s); solving per call", exc)
                 self._held[shape] = False
@@ -234,8 +252,13 @@ class PreparedDirect(Prepared):
         return x
 
     def _apply(self, b: Any, trans: bool = False) -> Any:
-        """``A^-1 b`` (``A^-T b`` with ``trans``) from the factors."""
-        A, xp = self.A, self.xp
+        """``A^-1 b`` (``A^-T b`` with ``trans``); with a null space, the solution orthogonal to it."""
+        if self.grounding is None:
+            return self._apply_factors(b, trans)
+        return self.grounding.solve(self._apply_factors, b, trans, self.A, self.options.symmetric)
+
+    def _apply_factors(self, b: Any, trans: bool) -> Any:
+        A, xp = self.factored, self.xp
         if xp is np:
             if _is_sparse(A):
                 return self._lu.solve(b, trans="T" if trans else "N")
@@ -379,7 +402,8 @@ class PreparedDirect(Prepared):
         # large backward error (a factorisation that went wrong).
         if not np.isfinite(rn) or rn > np.sqrt(eps) * b_norm \
                 or not _backward_stable(A, x, b, rn, xp):
-            return Outcome(None, BREAKDOWN, 1, rn, SINGULAR, info=info)
+            return Outcome(None, BREAKDOWN, 1, rn, SINGULAR if self.grounding is None
+                           else NOT_SOLVED, info=info)
         # Backward stable and close, yet the residual misses the tolerance:
         # the matrix is too ill-conditioned (or the dtype too short) for it.
         # The answer is kept and the status says so.
@@ -403,10 +427,11 @@ class PreparedDirect(Prepared):
         if _is_sparse(self.A):
             new = same_pattern(self.A, values, "csr", call="update")
             if isinstance(self._lu, Cholesky):
+                grounded = new if self.grounding is None else self.grounding.matrix(new)
                 try:
-                    if self.options.symmetric and eligible(new) is None:
-                        self._lu.refactor(new.data)
-                        self.A = new
+                    if self.options.symmetric and eligible(grounded) is None:
+                        self._lu.refactor(grounded.data)
+                        self.A, self.factored = new, grounded
                         return
                 except NotPositiveDefinite as exc:
                     log.info("managed_solve: new values not positive definite (%s); using SuperLU",

@@ -8,10 +8,12 @@ import scipy.sparse as sp
 import scipy.sparse.linalg as sla
 
 from managed_solve import solve
-from managed_solve.solvers.direct import direct
+from managed_solve.solvers.direct import CHOLESKY, DirectEngine, Singular, direct
+from managed_solve.solvers.engine import Options
 from tests._problems import (
     BACKENDS,
     host,
+    laplacian1d,
     neumann2d,
     on,
     poisson2d,
@@ -148,6 +150,32 @@ def test_singular_matrix_gives_breakdown_with_fix(backend, kind):
     assert "singular" in res.message and "boundary" in res.message
     with pytest.raises(Exception, match="singular"):
         res.raise_for_status()
+
+
+def test_direct_engine_with_a_null_space_solves_and_refactors_on_the_kept_analysis():
+    """A 1D pure Neumann matrix meets an exactly zero pivot; pinned, it is SPD: Cholesky."""
+    A = laplacian1d(40, neumann=True)
+    with pytest.raises(Singular):
+        DirectEngine().prepare(A, Options("direct", symmetric=True), None)
+    N = np.ones((40, 1)) / np.sqrt(40.0)
+    engine = DirectEngine().prepare(A, Options("direct", rtol=1e-12, symmetric=True), None,
+                                    nullspace=N)
+    # New values: a variable coefficient, the same pattern and null space (rows sum to zero).
+    D = sp.diags([-np.ones(39), np.ones(39)], [0, 1], shape=(39, 40))
+    A2 = (D.T @ sp.diags(np.linspace(1.0, 3.0, 39)) @ D).tocsr()
+    A2.sort_indices()
+    assert np.array_equal(A2.indptr, A.indptr) and np.array_equal(A2.indices, A.indices)
+    rng = np.random.default_rng(6)
+    for M in (A, A2):
+        if M is A2:
+            engine.update(A2.data)
+        B = M @ rng.standard_normal((40, 2))
+        outs = engine.solve(B)
+        ref = np.linalg.pinv(M.toarray(), rcond=1e-10) @ B  # the zero singular value dropped
+        for j, out in enumerate(outs):
+            assert out.code == 0 and out.info["factorisation"] == CHOLESKY
+            np.testing.assert_allclose(out.x, ref[:, j], rtol=1e-10, atol=1e-12)
+    engine.close()
 
 
 class _FakeNvmath:
