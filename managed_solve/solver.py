@@ -10,7 +10,6 @@ where "auto" guessed wrong, and learn the time for the next placement.
 from __future__ import annotations
 
 import copy
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -27,18 +26,18 @@ from .result import SolveResult, Status
 from .solvers import batched, verify
 from .solvers._common import (
     column_norms,
+    oriented,
     power_of_two_scale,
     stable_norm,
     stop_threshold,
-    transposed_operator,
     true_residual_norm,
 )
 from .solvers.direct import SINGULAR, DirectEngine, Singular
-from .solvers.engine import BREAKDOWN, MAXITER, BlockOutcomes, Options, Outcome, Prepared
+from .solvers.engine import BREAKDOWN, BlockOutcomes, Options, Outcome, Prepared
 from .solvers.krylov import KrylovEngine
 from .solvers.new_values import new_matrix, update_grad
-from .solvers.verify import fall_back, no_worse_than_the_start, refine, stagnated, status_of
-from .system import FALLBACK, LinearSystem
+from .solvers.verify import check_representable, failed_setup, run_rule, status_of
+from .system import LinearSystem
 from .system.inputs import (
     GradSource,
     as_operator,
@@ -48,8 +47,6 @@ from .system.inputs import (
     torch_to_array,
 )
 from .system.method import choose_method, choose_preconditioner, matrix_symmetry
-
-log = logging.getLogger("managed_solve")
 
 
 def prepare(system: LinearSystem, method: str, device: Device, *, symmetric: bool | None = None,
@@ -571,7 +568,7 @@ class Solver:
         """
         system, dev, mgr = self.system, self.device, self.manager
         method = self.method
-        A = _oriented(system, system.A, transpose)
+        A = oriented(system.kind, system.A, transpose)
         xp = _backend.array_module(bs[0])
         if block is not None and xp is np:  # one pass over the block for every column
             b_norms = column_norms(xp, block[0]).tolist()
@@ -607,7 +604,7 @@ class Solver:
         scaled = self.a_scale != 1.0 or any(s != 1.0 for s in b_scales)
         user_bs = [b + c for b, c in zip(bs, cut, strict=True)] if N is not None else bs
         if scaled:
-            A = _oriented(system, self._engine_system.A, transpose)
+            A = oriented(system.kind, self._engine_system.A, transpose)
             bs = [b / sb for b, sb in zip(bs, b_scales, strict=True)]
             if x0s is not None:
                 x0s = [x0 * (self.a_scale / sb) for x0, sb in zip(x0s, b_scales, strict=True)]
@@ -627,7 +624,7 @@ class Solver:
             with dev.context():
                 prepared = self._engine(method, first_check)
                 if isinstance(prepared, Outcome):  # the set-up failed (a singular factorisation)
-                    outs = [_failed(prepared) for _ in bs]
+                    outs = [failed_setup(prepared) for _ in bs]
                 elif block is not None:
                     B, X0 = block
                     outs = prepared.solve_transpose(B, X0) if transpose else prepared.solve(B, X0)
@@ -640,8 +637,9 @@ class Solver:
                 finished = []
                 for j, (b, out) in enumerate(zip(bs, outs, strict=True)):
                     x0 = None if x0s is None else x0s[j]
-                    finished.append(self._verify(method, prepared, b, x0, out, tols[j], transpose,
-                                                 A))
+                    finished.append(run_rule(self.system, method, prepared, b, x0, out, tols[j],
+                                             transpose, A, symmetric=self.symmetric,
+                                             engine=self._engine, callback=self.callback))
                 dev.synchronize()
         except MemoryError as exc:  # SimulatedOutOfMemory, cupy's OutOfMemoryError
             seconds = time.perf_counter() - t0
@@ -651,14 +649,14 @@ class Solver:
                     for bn in b_norms], None
         seconds = (time.perf_counter() - t0) / len(bs)
         if scaled:
-            A = _oriented(system, system.A, transpose)
+            A = oriented(system.kind, system.A, transpose)
             tols = [stop_threshold(system.rtol, system.atol, bn) for bn in b_norms]
             for (_used, out), sb in zip(finished, b_scales, strict=True):
                 if out.x is not None:
                     xs = out.x
                     with np.errstate(over="ignore", under="ignore"):  # judged just below
                         out.x = xs * (sb / self.a_scale)
-                    _check_representable(out, xs)
+                    check_representable(out, xs)
                 out.residual_norm *= sb
         peaks: dict[str, int] = {}  # bytes a solve by each method holds (the same every column)
         for (used, out), b, bn, tol, off, c in zip(finished, user_bs, b_norms, tols, outside,
@@ -700,69 +698,3 @@ class Solver:
         whole = kept is not None and all(
             r.x is x for r, x in zip(results, kept, strict=True)) and outs.x is not None
         return results, outs.x if whole else None
-
-    def _verify(self, method: str, prepared: Any, b: Any, x0: Any, out: Outcome, tol: float,
-                transpose: bool, A: Any) -> tuple[str, Outcome]:
-        """Restart after drift, fall back after a breakdown ("auto"): the verify rule, one column."""
-        if method == "direct":
-            if self.callback is not None and out.x is not None:
-                self.callback(out.x)
-        elif isinstance(prepared, Prepared):
-            out = refine(A, b, prepared, out, tol, transpose)
-        tried = [method]
-        while True:
-            fallback = fall_back(self.system, method, out.code, self.symmetric)
-            if fallback is None and self.system.method == "auto" and out.code == MAXITER \
-                    and method in FALLBACK and out.x is not None and stagnated(A, b, x0, out):
-                # The iteration limit with the residual where it started: the
-                # method does not suit this matrix (singular, indefinite), not
-                # merely slow; the robust method may.
-                fallback = FALLBACK[method]
-            if fallback is None or fallback in tried:
-                return method, no_worse_than_the_start(A, b, x0, out, tol)
-            # "auto" guessed from cheap tests (a positive diagonal does not make a
-            # symmetric matrix definite; a factorisation may meet a singular
-            # matrix): retry with the robust method (a chain: LU, CG, MINRES).
-            log.info("managed_solve: %s did not solve (%s); auto falls back to %s",
-                     method, out.message, fallback)
-            spent = out.iterations
-            # The engines read a right-hand side as one stretch of memory.
-            xp = _backend.array_module(b)
-            b = xp.ascontiguousarray(b)
-            x0 = None if x0 is None else xp.ascontiguousarray(x0)
-            then = self._engine(fallback)
-            if isinstance(then, Outcome):
-                again = _failed(then)
-            else:
-                again = then.solve_transpose(b, x0) if transpose else then.solve(b, x0)
-                if fallback != "direct":
-                    again = refine(A, b, then, again, tol, transpose)
-            again.iterations += spent
-            again.info["fallback_from"] = method
-            method, out = fallback, again
-            tried.append(method)
-
-
-def _oriented(system: LinearSystem, A: Any, transpose: bool) -> Any:
-    """A, or A^T for a transposed solve (an operator's from rmatvec; without, the engine refuses)."""
-    if transpose and system.kind != "operator":
-        return A.T
-    return transposed_operator(A) if transpose and hasattr(A, "rmatvec") else A
-
-
-def _check_representable(out: Outcome, scaled_x: Any) -> None:
-    """A solution scaled back past float's range is reported, not returned as inf or 0."""
-    xp = _backend.array_module(out.x)
-    if not bool(xp.isfinite(out.x).all()):  # sync: once, extreme scales only
-        out.x, out.code = None, BREAKDOWN
-        out.message = ("the solution overflows the float range (|x| would exceed "
-                       f"{np.finfo(scaled_x.dtype).max:.3g}): solve for scaled unknowns x / s.")
-    elif bool((out.x == 0).all()) and bool((scaled_x != 0).any()):  # sync: as above
-        out.code = BREAKDOWN
-        out.message = ("the solution underflows the float range (its entries are below "
-                       f"{np.finfo(scaled_x.dtype).tiny:.3g}): solve for scaled unknowns x * s.")
-
-
-def _failed(setup: Outcome) -> Outcome:
-    """The outcome of a solve whose engine could not be set up (a copy per column)."""
-    return Outcome(None, setup.code, 0, setup.residual_norm, setup.message)

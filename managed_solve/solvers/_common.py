@@ -169,6 +169,17 @@ class TransposedOperator:
     H = T
 
 
+def oriented(kind: str, A: Any, transpose: bool) -> Any:
+    """A, or A^T for a transposed solve of a system of ``kind`` (an operator's from rmatvec).
+
+    An operator without rmatvec is returned as it is: its engine refuses
+    the transposed solve with the message that names the fix.
+    """
+    if transpose and kind != "operator":
+        return A.T
+    return transposed_operator(A) if transpose and hasattr(A, "rmatvec") else A
+
+
 def transposed_operator(A: Any) -> Any:
     """``A^T`` of an operator: its own ``.T`` (a LinearOperator's), else one made of ``rmatvec``.
 

@@ -15,8 +15,9 @@ and decides, by one rule for every route (:func:`verdict`):
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,9 +27,11 @@ from ..result import Status
 from ..system import FALLBACK, LinearSystem
 from ..system.method import krylov_method
 from ._common import DROPPED_START, HOPELESS_START, hopeless_start, stable_norm, true_residual_norm
-from .engine import BREAKDOWN, CONVERGED, LEAST_SQUARES, MAXITER, Outcome
+from .engine import BREAKDOWN, CONVERGED, LEAST_SQUARES, MAXITER, Outcome, Prepared
 
 ACCEPT, RESTART, FALL_BACK = "accept", "restart", "fall back"
+
+log = logging.getLogger("managed_solve")
 
 #: The result status of each engine status code.
 STATUS = {CONVERGED: Status.CONVERGED, MAXITER: Status.MAXITER, BREAKDOWN: Status.BREAKDOWN,
@@ -263,3 +266,72 @@ def no_worse_than_the_start(A: Any, b: Any, x0: Any, out: Outcome, tol: float) -
         out.x = start_x.copy()
         out.info["returned"] = "initial guess (the last iterate was worse)"
     return out
+
+
+def run_rule(system: LinearSystem, method: str, prepared: Any, b: Any, x0: Any, out: Outcome,
+             tol: float, transpose: bool, A: Any, *, symmetric: bool | None,
+             engine: Callable[[str], Any], callback: Callable[[Any], None] | None = None
+             ) -> tuple[str, Outcome]:
+    """The verify rule for one column of one system: restart after drift, fall back ("auto").
+
+    ``prepared`` is ``method``'s prepared engine (or the Outcome of its failed
+    set-up), ``out`` its answer for ``b`` from ``x0``, ``A`` the matrix
+    solved (transposed for a transposed solve); ``engine(method)`` gives the
+    prepared engine of a fall-back method. Returns the method that answered
+    and its outcome, its iterations counting every method tried.
+    """
+    if method == "direct":
+        if callback is not None and out.x is not None:
+            callback(out.x)
+    elif isinstance(prepared, Prepared):
+        out = refine(A, b, prepared, out, tol, transpose)
+    tried = [method]
+    while True:
+        fallback = fall_back(system, method, out.code, symmetric)
+        if fallback is None and system.method == "auto" and out.code == MAXITER \
+                and method in FALLBACK and out.x is not None and stagnated(A, b, x0, out):
+            # The iteration limit with the residual where it started: the
+            # method does not suit this matrix (singular, indefinite), not
+            # merely slow; the robust method may.
+            fallback = FALLBACK[method]
+        if fallback is None or fallback in tried:
+            return method, no_worse_than_the_start(A, b, x0, out, tol)
+        # "auto" guessed from cheap tests (a positive diagonal does not make a
+        # symmetric matrix definite; a factorisation may meet a singular
+        # matrix): retry with the robust method (a chain: LU, CG, MINRES).
+        log.info("managed_solve: %s did not solve (%s); auto falls back to %s",
+                 method, out.message, fallback)
+        spent = out.iterations
+        # The engines read a right-hand side as one stretch of memory.
+        xp = _backend.array_module(b)
+        b = xp.ascontiguousarray(b)
+        x0 = None if x0 is None else xp.ascontiguousarray(x0)
+        then = engine(fallback)
+        if isinstance(then, Outcome):
+            again = failed_setup(then)
+        else:
+            again = then.solve_transpose(b, x0) if transpose else then.solve(b, x0)
+            if fallback != "direct":
+                again = refine(A, b, then, again, tol, transpose)
+        again.iterations += spent
+        again.info["fallback_from"] = method
+        method, out = fallback, again
+        tried.append(method)
+
+
+def check_representable(out: Outcome, scaled_x: Any) -> None:
+    """A solution scaled back past float's range is reported, not returned as inf or 0."""
+    xp = _backend.array_module(out.x)
+    if not bool(xp.isfinite(out.x).all()):  # sync: once, extreme scales only
+        out.x, out.code = None, BREAKDOWN
+        out.message = ("the solution overflows the float range (|x| would exceed "
+                       f"{np.finfo(scaled_x.dtype).max:.3g}): solve for scaled unknowns x / s.")
+    elif bool((out.x == 0).all()) and bool((scaled_x != 0).any()):  # sync: as above
+        out.code = BREAKDOWN
+        out.message = ("the solution underflows the float range (its entries are below "
+                       f"{np.finfo(scaled_x.dtype).tiny:.3g}): solve for scaled unknowns x * s.")
+
+
+def failed_setup(setup: Outcome) -> Outcome:
+    """The outcome of a solve whose engine could not be set up (a copy per column)."""
+    return Outcome(None, setup.code, 0, setup.residual_norm, setup.message)
