@@ -6,10 +6,18 @@ import itertools
 
 import numpy as np
 import pytest
+import scipy.sparse as sp
 
-from managed_solve import LinearSystem
+from managed_solve import LinearSystem, Status, solve
 from managed_solve.solvers.engine import BREAKDOWN, CONVERGED, MAXITER, Outcome
-from managed_solve.solvers.verify import ACCEPT, accepted, no_worse_than_the_start, verdict
+from managed_solve.solvers.verify import (
+    ACCEPT,
+    STATUS,
+    accepted,
+    no_worse_than_the_start,
+    status_of,
+    verdict,
+)
 from tests._problems import host, laplacian1d, poisson2d
 
 
@@ -158,3 +166,39 @@ def test_an_overflowed_iterate_hands_back_the_start():
     out = no_worse_than_the_start(A, b, x0, Outcome(np.full(5, np.nan), BREAKDOWN, 1, np.nan), 1e-8)
     np.testing.assert_array_equal(out.x, x0)
     assert out.x is not x0 and "initial guess" in out.info["returned"]
+
+
+@pytest.mark.parametrize("code", [BREAKDOWN, MAXITER])
+def test_a_true_residual_within_the_tolerance_is_converged_whatever_the_method_said(code):
+    s = LinearSystem(sp.identity(4, format="csr"), np.ones(4), rtol=1e-8)
+    out = Outcome(np.ones(4), code, 7, 1e-3, "cg: p.Ap <= 0: A is not positive definite")
+    status, message = status_of(out, "cg", 1e-9, 2e-8, s)
+    assert status is Status.CONVERGED and "by the true residual" in message
+    assert "not positive definite" in message  # what the method said is kept
+    status, _ = status_of(out, "cg", 1e-7, 2e-8, s)
+    assert status is STATUS[code]
+    status, _ = status_of(Outcome(None, code, 7, float("nan"), "no x"), "cg", float("nan"), 2e-8, s)
+    assert status is STATUS[code]
+
+
+def test_cg_that_breaks_down_after_meeting_the_tolerance_is_converged():
+    """A symmetric indefinite A (one negative diagonal entry) under AMG-preconditioned CG: the
+    curvature test fails one step after the iterate met the tolerance."""
+    A = poisson2d(30).tolil()
+    A[7, 7] = -4.0
+    A = A.tocsr()
+    b = np.random.default_rng(0).standard_normal(A.shape[0])
+    res = solve(A, b, method="cg", M="amg", device="cpu")
+    assert np.linalg.norm(b - A @ res.x) <= 1e-8 * np.linalg.norm(b)
+    assert res.status is Status.CONVERGED, res.message
+
+
+def test_a_float64_true_residual_short_of_its_tolerance_does_not_advise_float64():
+    s = LinearSystem(sp.identity(4, format="csr"), np.ones(4), rtol=1e-15)
+    out = Outcome(np.ones(4), CONVERGED, 4, 1e-16)
+    _, message = status_of(out, "cg", 1e-12, 1e-15, s)
+    assert "dtype='float64'" not in message and "loosen rtol" in message
+    s32 = LinearSystem(sp.identity(4, format="csr", dtype=np.float32), np.ones(4, np.float32),
+                       rtol=1e-7)
+    _, message = status_of(out, "cg", 1e-5, 1e-7, s32)
+    assert "dtype='float64'" in message
