@@ -26,6 +26,7 @@ import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,8 @@ from . import hints as hints_file
 from .device_args import device_list, resolve_device
 from .devices import Device, discover, format_bytes, warn_spill
 from .hints import Hint
+from .sizes import raw_size_of
+from .sizes import tensor_bytes as tensor_bytes  # re-exported: manager.tensor_bytes
 
 log = logging.getLogger("managed_solve")
 
@@ -51,70 +54,6 @@ def _package_setting(name: str, default: Any) -> Any:
     # name through sys.modules, not an import, so no cycle).
     pkg = sys.modules.get("managed_solve")
     return getattr(pkg, name, default) if pkg is not None else default
-
-
-def raw_size_of(obj: Any) -> int:
-    """Bytes an object occupies: stored bytes for sparse data, never dense shape.
-
-    Accepts ints (taken as bytes), NumPy/CuPy arrays, SciPy/cupyx sparse
-    matrices, torch tensors (dense, sparse COO/CSR, meta), torch modules
-    (parameters, buffers and as many bytes again for gradients), objects with
-    ``nbytes`` (``LinearSystem``), and sequences of these.
-    """
-    if isinstance(obj, bool):
-        raise TypeError("size_of(obj=True): expected bytes, an array, a tensor or a module")
-    if isinstance(obj, int):
-        if obj < 0:
-            raise ValueError(f"size_of(obj={obj}): a byte count cannot be negative")
-        return obj
-    if isinstance(obj, float) and obj >= 0 and math.isfinite(obj):
-        return int(obj)
-    torch = sys.modules.get("torch")  # only sized as torch when torch is already in use
-    if torch is not None and isinstance(obj, (torch.Tensor, torch.nn.Module)):
-        return _torch_size(obj)  # subclasses (ManagedTensor) included
-    if hasattr(obj, "parameters") and hasattr(obj, "buffers"):
-        return _torch_size(obj)
-    if hasattr(obj, "indptr") and hasattr(obj, "indices") and hasattr(obj, "data"):
-        return int(obj.data.nbytes + obj.indices.nbytes + obj.indptr.nbytes)
-    if hasattr(obj, "row") and hasattr(obj, "col") and hasattr(obj, "data"):
-        return int(obj.data.nbytes + obj.row.nbytes + obj.col.nbytes)
-    nb = getattr(obj, "nbytes", None)
-    if nb is not None:
-        return int(nb)
-    if isinstance(obj, (list, tuple)):
-        return sum(raw_size_of(o) for o in obj)
-    raise TypeError(
-        f"size_of(obj=...): cannot size a {type(obj).__name__}; pass a byte count, an array, "
-        "a sparse matrix, a tensor, a module or a LinearSystem."
-    )
-
-
-def tensor_bytes(t: Any) -> int:
-    """Bytes a torch tensor stores: values and indices for sparse layouts, elements for dense."""
-    layout = str(getattr(t, "layout", "torch.strided"))
-    if layout == "torch.sparse_coo":
-        t = t.coalesce() if not t.is_coalesced() else t
-        return int(t._values().numel() * t.element_size() + t._indices().numel() * 8)
-    if layout in ("torch.sparse_csr", "torch.sparse_csc", "torch.sparse_bsr", "torch.sparse_bsc"):
-        comp = t.crow_indices() if layout in ("torch.sparse_csr", "torch.sparse_bsr") else t.ccol_indices()
-        plain = t.col_indices() if layout in ("torch.sparse_csr", "torch.sparse_bsr") else t.row_indices()
-        return int(
-            t.values().numel() * t.element_size()
-            + comp.numel() * comp.element_size()
-            + plain.numel() * plain.element_size()
-        )
-    return int(t.numel() * t.element_size())
-
-
-
-
-
-def _torch_size(obj: Any) -> int:
-    if hasattr(obj, "parameters") and hasattr(obj, "buffers"):
-        params = sum(tensor_bytes(p) for p in obj.parameters())
-        grads = sum(tensor_bytes(p) for p in obj.parameters() if p.requires_grad)
-        return params + grads + sum(tensor_bytes(b) for b in obj.buffers())
-    return tensor_bytes(obj)
 
 
 @dataclass
@@ -152,16 +91,21 @@ class Reservation:
     """Bytes (and predicted seconds) held on a device until released.
 
     Use as a context manager; release happens on exit, also on exceptions.
+    ``drawn`` of its bytes came from ``lender`` (:meth:`DeviceManager.lend`),
+    ``own`` from the ledger; ``lent`` of them are drawn by reservations still
+    held; ``refused`` counts the requests its ``lend`` block had refused.
     """
 
     def __init__(self, manager: DeviceManager, device: Device, nbytes: int, seconds: float,
-                 signature: Any = None):
+                 signature: Any = None, lender: Reservation | None = None, drawn: int = 0):
         self.manager = manager
         self.device = device
         self.nbytes = int(nbytes)
         self.seconds = float(seconds)
         self.signature = signature
         self.released = False
+        self.lender, self.drawn, self.lent, self.refused = lender, int(drawn), 0, 0
+        self.own = self.nbytes - self.drawn
         self._t0 = time.perf_counter()
 
     def __enter__(self) -> Reservation:
@@ -245,6 +189,7 @@ class DeviceManager:
         self._speed: dict[str, float] = {str(d): d.bandwidth for d in [*inv, self._cpu]}
         self._hints: OrderedDict[str, Hint] = OrderedDict()
         self._pins: dict[int, tuple[Device, Any]] = {}
+        self._lending = threading.local()  # per thread: the reservations it lends (lend)
         if hints_path:
             try:
                 self.load_hints(hints_path)
@@ -549,12 +494,14 @@ class DeviceManager:
         n = args.work_args("reserve", n, seconds, cost)
         wait = self.wait_timeout if timeout is None else args.timeout_arg("reserve", timeout)
         target = self.get_device(device) if device is not None else (self.pinned(obj) if obj is not None else None)
+        lender = self.lender(target) if target is not None else None
         deadline = time.monotonic() + wait
         with self._cond:
+            # What a reservation this thread lends (lend) has left covers the request first.
+            drawn = min(n, lender.nbytes - lender.lent) if lender and not lender.released else 0
             while True:
                 if target is not None:
-                    cands = [target]
-                    dev = self._choose(n, seconds, cost, True, (), candidates=cands)
+                    dev = self._choose(n - drawn, seconds, cost, True, (), candidates=[target])
                 else:
                     dev = self._choose(n, seconds, cost, disperse, exclude)
                 if dev is not None:
@@ -566,9 +513,11 @@ class DeviceManager:
             if dev is None:
                 if target is not None:
                     why = "pinned to" if device is None else "asked for"
+                    if lender is not None:
+                        lender.refused += 1
                     raise MemoryError(
                         f"reserve(nbytes={format_bytes(n)}): {why} {target}, which can give only "
-                        f"{format_bytes(self.available_bytes(target))} now. Free memory there, "
+                        f"{format_bytes(self.available_bytes(target) + drawn)} now. Free memory there, "
                         "unpin the object, or let the manager choose (device=None)."
                     )
                 room = min(self.capacity(self._cpu) - self._ledger[self._cpu].reserved_bytes,
@@ -582,24 +531,75 @@ class DeviceManager:
                 self._warn_spill(n, "spilling to")
                 dev = self._cpu
             t = seconds if seconds is not None else (cost if cost is not None else n) / self._speed[str(dev)]
+            t = 0.0 if drawn else t  # a draw is part of the lender's work, timed there
             led = self._ledger[dev]
-            led.reserved_bytes += n
+            led.reserved_bytes += n - drawn
             led.busy_seconds += t
             led.active += 1
             led.placed += 1
             led.predicted_total += t
-            return Reservation(self, dev, n, t, signature)
+            if drawn:
+                lender.lent += drawn
+            return Reservation(self, dev, n, t, signature, lender if drawn else None, drawn)
+
+    @contextmanager
+    def lend(self, reservation: Reservation) -> Iterator[Reservation]:
+        """A block in which this thread's reservations on its device draw on ``reservation``.
+
+        Bytes held for a solve that reserves its own (``solve_many`` holds a
+        system's, then ``solve()`` asks there) count once: a request in the
+        block naming that device takes what ``reservation`` has not lent, the
+        rest from the ledger (refused as usual, counted in ``refused``). A
+        draw's bytes go back to it when released (on, once it is released).
+        """
+        held = self._lending.__dict__.setdefault("held", [])
+        held.append(reservation)
+        try:
+            yield reservation
+        finally:
+            held.pop()
+
+    def lender(self, device: Device | str) -> Reservation | None:
+        """The innermost reservation this thread lends (:meth:`lend`) on ``device``, if any."""
+        for r in reversed(getattr(self._lending, "held", ())):
+            if r.device == device and not r.released:
+                return r
+        return None
+
+    def grow(self, reservation: Reservation, nbytes: int) -> None:
+        """Add ``nbytes`` from the ledger to a held reservation, at once or ``MemoryError``."""
+        n = args.work_args("grow", nbytes, None, None)
+        dev = reservation.device
+        with self._cond:
+            if reservation.released or self._choose(n, None, None, True, (), [dev]) is None:
+                raise MemoryError(f"grow(nbytes={format_bytes(n)}): {dev} can give only "
+                                  f"{format_bytes(self.available_bytes(dev))} now, to a "
+                                  f"{'released' if reservation.released else 'held'} reservation.")
+            self._ledger[dev].reserved_bytes += n
+            reservation.nbytes += n
+            reservation.own += n
 
     def _release(self, r: Reservation) -> None:
         with self._cond:
             if r.released:
                 return
             r.released = True
+            self._give_back(r, r.own + r.drawn - r.lent)  # what it lent stays with the draws
             led = self._ledger[r.device]
-            led.reserved_bytes -= r.nbytes
             led.busy_seconds = max(0.0, led.busy_seconds - r.seconds)
             led.active -= 1
             self._cond.notify_all()
+
+    def _give_back(self, r: Reservation, k: int) -> None:
+        """``k`` bytes ``r`` holds go back: its own to the ledger first, then those it drew."""
+        own = min(k, r.own)
+        r.own -= own
+        self._ledger[r.device].reserved_bytes -= own
+        if k > own:
+            r.drawn -= k - own
+            r.lender.lent -= k - own
+            if r.lender.released:  # it kept them for r's draw alone: they go on back
+                self._give_back(r.lender, k - own)
 
     def reserved_bytes(self, device: Device | str) -> int:
         with self._cond:

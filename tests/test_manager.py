@@ -152,6 +152,66 @@ def test_release_is_idempotent(dm):
     assert dm.reserved_bytes("sim:0") == 0
 
 
+def test_a_lent_reservation_counts_the_bytes_drawn_on_it_once():
+    """solve_many holds a system's bytes and lends them to the solve, which reserves its own."""
+    dm = DeviceManager(simulate="2x1GiB", reserved=0.0)
+    held = dm.reserve(800 * MiB, device="sim:0")
+    with dm.lend(held):
+        inner = dm.reserve(600 * MiB, device="sim:0")  # alone it would not fit beside held
+        assert dm.reserved_bytes("sim:0") == 800 * MiB and inner.drawn == 600 * MiB
+        part = dm.reserve(300 * MiB, device="sim:0")  # 200 lent, 100 from the ledger
+        assert dm.reserved_bytes("sim:0") == 900 * MiB and part.drawn == 200 * MiB
+        other = dm.reserve(MiB, device="sim:1")  # another device: not drawn on held
+        assert other.drawn == 0 and dm.reserved_bytes("sim:1") == MiB
+        with pytest.raises(MemoryError):  # 124 MiB left there: refused, and counted
+            dm.reserve(200 * MiB, device="sim:0")
+        assert held.refused == 1
+        elsewhere = []  # another thread's request does not draw on this thread's loan
+        t = threading.Thread(target=lambda: elsewhere.append(dm.reserve(100 * MiB, "sim:0")))
+        t.start()
+        t.join()
+        assert elsewhere[0].drawn == 0 and dm.reserved_bytes("sim:0") == 1000 * MiB
+    assert dm.lender("sim:0") is None  # the loan ends with the block
+    inner.release()  # back to held, not to the ledger
+    assert dm.reserved_bytes("sim:0") == 1000 * MiB and held.lent == 200 * MiB
+    held.release()  # what part drew stays until part is released (and the other thread's)
+    assert dm.reserved_bytes("sim:0") == 400 * MiB
+    part.release()
+    assert dm.reserved_bytes("sim:0") == 100 * MiB
+    for r in (other, *elsewhere):
+        r.release()
+    assert dm.reserved_bytes("sim:0") == dm.reserved_bytes("sim:1") == 0
+
+
+def test_a_chain_of_loans_released_out_of_order_returns_every_byte():
+    dm = DeviceManager(simulate="1x1GiB", reserved=0.0)
+    outer = dm.reserve(500 * MiB, device="sim:0")
+    with dm.lend(outer):
+        middle = dm.reserve(300 * MiB, device="sim:0")
+        with dm.lend(middle):
+            inner = dm.reserve(200 * MiB, device="sim:0")  # drawn on the innermost loan
+    assert inner.lender is middle and middle.lender is outer
+    assert dm.reserved_bytes("sim:0") == 500 * MiB
+    middle.release()
+    outer.release()
+    assert dm.reserved_bytes("sim:0") == 200 * MiB  # inner still holds its bytes
+    inner.release()
+    assert dm.reserved_bytes("sim:0") == 0 and dm.available_bytes(dm.accelerators[0]) == GiB
+
+
+def test_grow_adds_bytes_to_a_held_reservation_only_where_they_fit():
+    dm = DeviceManager(simulate="1x1GiB", reserved=0.0)
+    r = dm.reserve(600 * MiB, device="sim:0")
+    dm.grow(r, 300 * MiB)
+    assert r.nbytes == dm.reserved_bytes("sim:0") == 900 * MiB
+    with pytest.raises(MemoryError, match="sim:0 can give only 124.0 MiB"):
+        dm.grow(r, 200 * MiB)
+    r.release()
+    assert dm.reserved_bytes("sim:0") == 0
+    with pytest.raises(MemoryError, match="released"):
+        dm.grow(r, MiB)
+
+
 def test_32_threads_never_overcommit():
     dm = DeviceManager(simulate="2x256MiB", reserved=0.0, wait_timeout=2.0)
     over = []

@@ -40,7 +40,7 @@ from ..devices import Device
 from ..manager import DeviceManager
 from ..system import LinearSystem, is_symmetric
 from ..system.cost import bytes_per_iteration, krylov_cost, predict_iterations, solve_bytes
-from ..system.method import amg_min_n, choose_method
+from ..system.method import amg_min_n, choose_method, choose_preconditioner, matrix_symmetry
 from . import validate as validation
 from .plan import ALONE_ROWS, BATCH, DEFERRED, DIRECT, SINGLE, Estimate, Work, target_rows
 from .validate import Checked, invalid_result
@@ -284,6 +284,32 @@ def estimate_system(s: LinearSystem, i: int, *, device_kind: str,
     return e
 
 
+def single_bytes(s: LinearSystem, device_kind: str, cache: dict | None = None,
+                 rhs: int | None = None) -> int:
+    """Bytes ``solve()`` reserves for ``s`` alone on a device of ``device_kind`` (before the heuristic).
+
+    A ``Solver`` opened there reserves the system's arrays and the workspace
+    of the method and preconditioner the auto policy chooses there (an AMG
+    hierarchy counted; on the CPU "auto" may choose an LU and its fill), for
+    ``rhs`` right-hand sides (None: unknown, as ``solve_many`` opens it).
+    ``solve_many`` holds these bytes for a system it solves alone, and the
+    solver draws on them (:meth:`managed_solve.manager.DeviceManager.lend`).
+    ``cache``: the call's matrix tests.
+
+    Examples
+    --------
+    >>> import numpy as np, scipy.sparse as sp
+    >>> from managed_solve import LinearSystem
+    >>> s = LinearSystem(sp.identity(100, format="csr"), np.ones(100), method="minres")
+    >>> single_bytes(s, "cuda") == s.nbytes + s.workspace_bytes("minres")
+    True
+    """
+    symmetric = matrix_symmetry(s, cache) if s.method == "auto" else None
+    method = choose_method(s, device_kind, symmetric=symmetric, cache=cache, rhs=rhs)
+    M = choose_preconditioner(s, device_kind, method, symmetric=symmetric)
+    return s.nbytes + s.workspace_bytes(method, M)
+
+
 def shares_matrices(systems: Sequence[LinearSystem | None]) -> bool:
     """Whether two of the systems (None: invalid inputs, left out) hold one matrix object."""
     held = [id(s.A) for s in systems if s is not None]
@@ -330,11 +356,10 @@ def _estimate(s: LinearSystem, i: int, device_kind: str, manager: DeviceManager 
         fill = s.workspace_bytes("direct")
         # An LU streams its factors a few times; the fill bound stands in for that.
         return Estimate(i, n, nnz, s.nbytes + fill, float(fill), DIRECT, group, where)
-    method = s.method if s.method != "auto" else "gmres"
     its = predict_iterations(n, rtol=s.rtol, method="bicgstab", maxiter=s.maxiter)
     cost = bytes_per_iteration(n, max(nnz, n), itemsize=w, index_itemsize=iw,
                                method="bicgstab") * its
-    nbytes = s.nbytes + s.workspace_bytes(method)
+    nbytes = single_bytes(s, device_kind, cache)
     if manager is not None:
         ref = reference or (manager.accelerators or [manager.cpu])[0]
         p = manager.predict(s.signature, nbytes=nbytes, cost=cost, device=ref)
@@ -499,7 +524,7 @@ def estimate_call(checked: Checked, manager: DeviceManager, devs: Sequence[Devic
     rows = [None if s is None else (s.n if s.kind == "csr" else 0) for s in valid]
     head, rest, rows_bound = head_start(rows, devs, host_only)
     if not head:
-        return Work(valid, results, devs, estimates(rest), method_of)
+        return Work(valid, results, devs, estimates(rest), method_of, cache=cache)
 
     def later() -> list[Estimate]:
         # Python beside the workers' first copies and graph captures, which take
@@ -508,7 +533,8 @@ def estimate_call(checked: Checked, manager: DeviceManager, devs: Sequence[Devic
         with _backend.SWITCH_INTERVAL.held(beside, active=beside is not None):
             return estimates(rest)
 
-    return Work(valid, results, devs, estimates(head, defer=True), method_of, later, rows_bound)
+    return Work(valid, results, devs, estimates(head, defer=True), method_of, later, rows_bound,
+                cache)
 
 
 def head_start(ns: Sequence[int | None], devices: Sequence[Device],

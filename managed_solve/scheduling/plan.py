@@ -87,6 +87,7 @@ class Work:
     # large ones compute), and a bound on the rows the batches will hold.
     rest: Callable[[], list[Estimate]] | None = None
     packed_rows: int = 0
+    cache: dict | None = None  # the call's matrix tests (symmetry), by matrix object
 
 
 @dataclass(slots=True)

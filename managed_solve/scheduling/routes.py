@@ -18,8 +18,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -28,14 +28,16 @@ from .. import _backend, _solve
 from ..devices import Device
 from ..manager import DeviceManager
 from ..result import SlicedResult, SolveResult, Status
+from ..sharded import predict_shard_bytes
 from ..solver import Solver
 from ..solvers._common import SAFE_NORM_RANGE, column_norms, stable_norm
 from ..solvers.direct import SINGULAR, DirectEngine, Singular, direct
 from ..solvers.engine import BREAKDOWN, CONVERGED, Options, Outcome
 from ..solvers.verify import FALL_BACK, RESTART, STATUS, accepted, fallback_for, verdict
 from ..system import FALLBACK, LinearSystem
+from ..system.method import choose_method
 from .errors import is_device_error
-from .estimate import BATCHED_METHODS
+from .estimate import BATCHED_METHODS, is_jacobi, single_bytes
 from .validate import with_x0
 
 log = logging.getLogger("managed_solve")
@@ -221,15 +223,63 @@ def packed_results(systems: list[LinearSystem], prepared: Any, method: str, devi
 
 def solve_alone(s: LinearSystem, x0: Any, method: str, device: Device,
                 manager: DeviceManager) -> SolveResult:
-    """``s`` through ``solve()`` with ``method``, from ``x0`` (None: its own); ``info["polished"]``.
+    """``s`` as ``solve()`` solves it, with ``method``, from ``x0`` (None: its own); ``info["polished"]``.
 
+    Inside the bytes the caller holds on ``device`` (:func:`held_solve`).
     Never attached to autograd here: ``solve_many`` attaches its results itself.
     """
     t = with_x0(s, x0 if x0 is not None else s.x0)
     t.method = method
     t.grad = None
-    res = _solve.solve(t, device=device, manager=manager)
+    res = held_solve(t, device, manager, rhs=1)
     res.info["polished"] = True
+    return res
+
+
+def held_solve(s: LinearSystem, device: Device, manager: DeviceManager | None, *,
+               rhs: int | None = None, keep: Callable[[Solver], None] | None = None,
+               tests: dict | None = None) -> SolveResult:
+    """``s`` through a :class:`~managed_solve.solver.Solver` on ``device``, within the caller's bytes.
+
+    The runner lends the reservation it holds for the work there
+    (:meth:`~managed_solve.manager.DeviceManager.lend`), and the solver's own
+    reservation draws on it. What it lacks of the bytes the solver will
+    reserve (:func:`.estimate.single_bytes`: a fallback's method needs more
+    than its batch's) is added to it from the ledger first; where the ledger
+    cannot give that, the solver is not opened (``solve()`` on a device it
+    is given would run beyond the ledger) and the result is ``DEVICE_ERROR``,
+    which the runner retries on another device, finally the CPU. ``keep``
+    receives the open solver of a solved system (the caller then closes
+    it); ``rhs``: as ``Solver`` takes it; ``tests``: the call's matrix tests.
+    """
+    lender = manager.lender(device) if manager is not None else None
+    if lender is not None:
+        free = lender.nbytes - lender.lent
+        short = manager.size_of(single_bytes(s, device.kind, tests, rhs)) - free
+        try:
+            if short > 0:
+                manager.grow(lender, short)
+        except MemoryError as exc:
+            return SolveResult(None, Status.DEVICE_ERROR, device=str(device), name=s.name,
+                               message=f"out of memory on {device}: {exc} Retried on another "
+                                       "device, finally the CPU.")
+    refused = lender.refused if lender is not None else 0
+    solver = Solver.from_system(s, device=device, manager=manager, rhs=rhs)
+    try:
+        if lender is not None and lender.refused > refused:  # it reserved more than foreseen
+            solver.close()
+            return SolveResult(None, Status.DEVICE_ERROR, device=str(device), name=s.name,
+                               message=f"out of memory on {device}: the solver's bytes exceed "
+                                       "those held for it; retried on another device, finally "
+                                       "the CPU.")
+        res = solver.solve_one(solver.system.b, solver.system.x0)
+    except BaseException:
+        solver.close()
+        raise
+    if keep is not None and res.x is not None:
+        keep(solver)
+    else:
+        solver.close()
     return res
 
 
@@ -386,43 +436,57 @@ def lu_result(out: Outcome, name: str | None, b_norm: float, seconds: float) -> 
 
 
 # --------------------------------------------------------------------------- SINGLE
+def single_held_bytes(systems: Sequence[LinearSystem], dev: Device, manager: DeviceManager,
+                      planned: int, tests: dict | None = None) -> int:
+    """Bytes a batch of systems solved alone (route ``SINGLE``) holds on ``dev`` while it runs.
+
+    Each system opens a ``Solver``, which reserves its bytes on the manager
+    and draws them on what the batch holds (:func:`held_solve`): the batch
+    holds what the largest of them reserves on a device of this kind
+    (:func:`.estimate.single_bytes`), or the plan's figure ``planned`` when
+    larger (a measured peak, another kind of device). So such systems are
+    admitted like any batch (waiting for room, or sent elsewhere) rather
+    than run beyond the ledger where it is full. ``tests``: the call's
+    matrix tests.
+    """
+    need = max(single_bytes(s, dev.kind, tests) for s in systems)
+    return max(int(planned), manager.size_of(need))
+
+
 def run_single(s: LinearSystem, dev: Device, manager: DeviceManager,
-               keep: Callable[[Solver], None] | None = None) -> SolveResult:
+               keep: Callable[[Solver], None] | None = None,
+               tests: dict | None = None) -> SolveResult:
     """One system on ``dev`` as ``solve()`` solves it (its method chosen there, by the same policy).
 
     ``keep`` receives the open :class:`~managed_solve.solver.Solver` (for the
     adjoint of a gradient: the caller releases it); without it the solver
-    closes here. Never attached to autograd here: ``solve_many`` attaches its
-    results itself.
+    closes here. Its bytes are those the runner holds for the system there
+    (:func:`held_solve`). Never attached to autograd here: ``solve_many``
+    attaches its results itself.
     """
     with host_kernels(dev):
-        solver = Solver.from_system(s, device=dev, manager=manager)
-        try:
-            res = solver.solve_one(solver.system.b, solver.system.x0)
-        except BaseException:
-            solver.close()
-            raise
-        if keep is not None and res.x is not None:
-            keep(solver)
-        else:
-            solver.close()
-        return res
+        return held_solve(s, dev, manager, keep=keep, tests=tests)
 
 
-def run_sharded(s: LinearSystem, devs: Sequence[Device], mgr: DeviceManager) -> SolveResult:
+def run_sharded(s: LinearSystem, devs: Sequence[Device], mgr: DeviceManager,
+                tests: dict | None = None) -> SolveResult:
     """One system over every accelerator; a device failure falls back to the CPU.
 
-    Any other failure becomes this system's DEVICE_ERROR result (as for a
-    batch), so it never sinks the other systems' results.
+    Each accelerator's shard holds its bytes in the ledger while it runs
+    (:func:`held_shards`); one that cannot give them is a device failure
+    too, so the system never runs beyond the ledger. Any other failure
+    becomes this system's DEVICE_ERROR result (as for a batch), so it never
+    sinks the other systems' results. ``tests``: the call's matrix tests.
     """
-    gpus = [str(d) for d in devs if d.kind != "cpu"]
-    where = ", ".join(gpus)
+    gpus = [d for d in devs if d.kind != "cpu"]
+    where = ", ".join(str(d) for d in gpus)
     if s.grad is not None:  # solve_many attaches the result; its adjoint is solved like this one
         s = with_x0(s, s.x0)
         s.grad = None
     try:
         try:
-            res = _solve.solve(s, devices=gpus, manager=mgr)
+            with held_shards(s, gpus, mgr, tests):
+                res = _solve.solve(s, devices=[str(d) for d in gpus], manager=mgr)
         except Exception as exc:
             if not is_device_error(exc):
                 raise
@@ -438,3 +502,24 @@ def run_sharded(s: LinearSystem, devs: Sequence[Device], mgr: DeviceManager) -> 
                                    f"{type(exc).__name__}: {exc} (not a device error, so not retried)")
     res.name = s.name
     return res
+
+
+@contextmanager
+def held_shards(s: LinearSystem, gpus: Sequence[Device], mgr: DeviceManager,
+                tests: dict | None = None) -> Iterator[None]:
+    """Each device's shard of ``s`` reserved in the ledger (and its fault hook asked) for the block.
+
+    The bytes are the sharded solver's own model of its largest shard
+    (:func:`~managed_solve.sharded.predict_shard_bytes`) for the method it
+    runs: CG where "auto" chooses it, else BiCGStab. ``MemoryError`` where a
+    device cannot give them, every reservation taken released.
+    """
+    method = choose_method(s, gpus[0].kind, cache=tests)
+    method = method if method == "cg" else "bicgstab"
+    per = mgr.size_of(predict_shard_bytes(s.n, s.nnz, len(gpus), itemsize=s.dtype.itemsize,
+                                          method=method, jacobi=is_jacobi(s.M)))
+    with ExitStack() as held:
+        for d in gpus:
+            held.enter_context(mgr.reserve(per, d, signature=("solve_many", "sharded", method)))
+            d.check_fault(per)
+        yield

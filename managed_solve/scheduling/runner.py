@@ -63,7 +63,8 @@ def run_call(plan: Plan, work: Work, manager: DeviceManager, *, progress: bool =
         bar.update(sum(r is not None for r in results))
     try:
         runner = Runner(work.systems, plan, work.devices, manager, results, bar=bar,
-                        more=plan.more is not None, method_of=work.method_of, kept=kept)
+                        more=plan.more is not None, method_of=work.method_of, kept=kept,
+                        tests=work.cache)
         runner.start()
         if plan.more is not None:
             try:
@@ -76,7 +77,7 @@ def run_call(plan: Plan, work: Work, manager: DeviceManager, *, progress: bool =
         runner.join()
         # Sharded systems use every accelerator at once: after the batches.
         for i in plan.sharded:
-            results[i] = routes.run_sharded(work.systems[i], work.devices, manager)
+            results[i] = routes.run_sharded(work.systems[i], work.devices, manager, work.cache)
             if bar is not None:
                 bar.update(1)
     finally:
@@ -207,7 +208,7 @@ class Runner(Adjustments):
 
     def __init__(self, systems: list[LinearSystem | None], plan: Plan, devices: Sequence[Device],
                  manager: DeviceManager, results: list[SolveResult | None], *, bar: Any = None,
-                 batch_bytes: Callable | None = None, more: bool = False,
+                 batch_bytes: Callable | None = None, more: bool = False, tests: dict | None = None,
                  method_of: Callable[[LinearSystem], str] | None = None, kept: Any = None):
         self.systems = systems
         self.plan = plan
@@ -228,6 +229,7 @@ class Runner(Adjustments):
         self.outstanding = sum(len(q) for q in self.queues.values()) + int(more)
         self.more = more
         self.method_of = method_of  # resolves DEFERRED methods (see _batch_method)
+        self.tests = tests if tests is not None else {}  # the call's matrix tests (single_bytes)
         # What the routes prepared for systems whose inputs require grad
         # (scheduling.adjoint.Kept): their adjoints reuse it.
         self.kept = kept
@@ -536,13 +538,12 @@ class Runner(Adjustments):
         """
         res = None
         try:
-            # solve() reserves its own bytes on this manager for a SINGLE system;
-            # the batch then holds only its predicted time here (no double count).
-            nbytes = 0 if b.route == SINGLE else b.nbytes
+            nbytes = b.nbytes if b.route != SINGLE else routes.single_held_bytes(
+                [self.systems[i] for i in b.indices], dev, self.manager, b.nbytes, self.tests)
             res = self._reserve(b, dev, nbytes, wait=wait)
             if res is None:
                 return _LATER
-            dev.check_fault(b.nbytes)
+            dev.check_fault(nbytes)
             fut = None
             if b.route == BATCH:
                 systems = [self.systems[i] for i in b.indices]
@@ -578,7 +579,7 @@ class Runner(Adjustments):
         kept = self.kept
         try:
             t0 = time.perf_counter()
-            with self.held(st.reservation), dev.context():
+            with self.held(st.reservation), self.manager.lend(st.reservation), dev.context():
                 if b.route == BATCH:
                     prepared = st.packed.result()
                     method = self._batch_method(b)
@@ -592,7 +593,7 @@ class Runner(Adjustments):
                                           [self._keeper(i, kept and kept.add_factors)
                                            for i in b.indices])
                 else:
-                    out = [routes.run_single(self.systems[i], dev, self.manager,
+                    out = [routes.run_single(self.systems[i], dev, self.manager, tests=self.tests,
                                              keep=self._keeper(i, kept and kept.add_solver))
                            for i in b.indices]
             seconds = time.perf_counter() - t0
@@ -643,7 +644,7 @@ class Runner(Adjustments):
             systems = [self.systems[i] for i in b.indices]
             # On the host, restarts and polishes hold the host-kernel lock (not the
             # building of results, so the worker's next batch computes meanwhile).
-            with self.held(st.reservation), dev.context():
+            with self.held(st.reservation), self.manager.lend(st.reservation), dev.context():
                 out = routes.batch_results(systems, prepared, method, dev, self.manager, solved,
                                            batch_info)
             seconds = time.perf_counter() - t0

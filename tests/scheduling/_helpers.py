@@ -67,6 +67,44 @@ class LedgerWatch(DeviceManager):
         return r
 
 
+class HoldingWatch(LedgerWatch):
+    """A LedgerWatch that also keeps every reservation made, with the thread that made it."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.made: list = []  # (thread ident, Reservation), released ones too
+
+    def reserve(self, nbytes, device=None, **kw):
+        r = super().reserve(nbytes, device, **kw)
+        self.made.append((threading.get_ident(), r))
+        return r
+
+    def held_by_this_thread(self, device) -> int:
+        """The largest reservation the calling thread holds on ``device`` now (0: none)."""
+        me = threading.get_ident()
+        return max((r.nbytes for t, r in list(self.made)
+                    if t == me and not r.released and r.device == device), default=0)
+
+
+def watch_solves_alone(dm: HoldingWatch, dev, needs: dict) -> list:
+    """Records each solve alone on ``dev`` of a system in ``needs`` (its bytes -> (name, need)).
+
+    ``solve()`` asks the device's fault hook with its system's bytes before it
+    computes there. Each record: the name, ``need`` (the bytes its solver
+    reserves), the largest reservation the solving thread holds on ``dev``, and
+    the ledger there, at that moment.
+    """
+    seen: list = []
+
+    def hook(d, nbytes):
+        if nbytes in needs:
+            name, need = needs[nbytes]
+            seen.append((name, need, dm.held_by_this_thread(d), dm.reserved_bytes(d)))
+
+    dev.fault = hook
+    return seen
+
+
 def fail_every_second(counter):
     def fault(dev, nbytes):
         counter[0] += 1

@@ -137,6 +137,50 @@ def test_a_failing_sharded_solve_loses_nothing_else(mix, monkeypatch):
         solve_many(mix, manager=dm, rtol=1e-10, on_error="raise")
 
 
+def test_a_sharded_system_holds_its_shards_bytes_in_the_ledger_while_it_runs(mix, monkeypatch):
+    from managed_solve.sharded import ShardedSystem, predict_shard_bytes
+
+    dm = DeviceManager(simulate="2x1MiB", reserved=0.0)
+    held = []  # the ledger on each device as the sharded system is built there
+    real = ShardedSystem.__init__
+
+    def spying(self, *args, **kwargs):
+        held.append([dm.reserved_bytes(d) for d in dm.accelerators])
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ShardedSystem, "__init__", spying)
+    res = solve_many(mix, manager=dm, rtol=1e-10)
+    assert res[1].converged and res[1].info.get("shards") == 2
+    big = mix[1]
+    shard = dm.size_of(predict_shard_bytes(big.n, big.nnz, 2))  # CG's, the method it runs
+    assert len(held) == 1 and all(shard <= b <= dm.capacity(d)
+                                  for b, d in zip(held[0], dm.accelerators, strict=True))
+    assert all(dm.reserved_bytes(d) == 0 for d in dm.inventory)
+
+
+def test_a_sharded_system_whose_devices_filled_up_after_the_plan_runs_on_the_cpu(mix):
+    """Other work takes the devices' room as the call's first batch starts: the shards
+    cannot hold their bytes there any more, so the system is solved on the CPU."""
+    dm = DeviceManager(simulate="2x1MiB", reserved=0.0)
+    taken = []
+
+    def fill(dev, nbytes):
+        if not taken:
+            taken.extend(dm.reserve(dm.available_bytes(d), device=d) for d in dm.accelerators)
+
+    for d in dm.accelerators:
+        d.fault = fill
+    res = solve_many(mix, manager=dm, rtol=1e-10)
+    assert res[1].device == "cpu" and "MemoryError" in res[1].info["sharded_failure"]
+    for s, r in zip(mix, res, strict=True):
+        assert r.converged and r.name == s.name
+        np.testing.assert_allclose(r.to_numpy(), spla.spsolve(s.A.tocsc(), s.b), rtol=1e-6, atol=1e-8)
+    assert [dm.reserved_bytes(d) for d in dm.accelerators] == [r.nbytes for r in taken]
+    for r in taken:
+        r.release()
+    assert all(dm.reserved_bytes(d) == 0 for d in dm.inventory)
+
+
 def test_an_oversized_gmres_system_goes_to_the_cpu_not_to_the_sharded_solver(mix):
     """The sharded solver runs CG and BiCGStab only: a GMRES system too large for one device runs on the CPU."""
     # GMRES's 33 vectors a row: the big system (about 3.4 MB) fits no device, but

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
 import time
 
@@ -14,14 +15,16 @@ from managed_solve.devices import SimulatedOutOfMemory
 from managed_solve.manager import DeviceManager
 from managed_solve.scheduling import routes, solve_many
 from managed_solve.scheduling.runner import Runner, ShareClock
-from tests._problems import poisson2d
+from tests._problems import helmholtz2d, poisson2d
 from tests.scheduling._helpers import (
+    HoldingWatch,
     LedgerWatch,
     assert_solves,
     fail_every_second,
     hold_first_compute,
     mixed_systems,
     runners_started,
+    watch_solves_alone,
 )
 
 
@@ -322,3 +325,132 @@ def test_a_lane_count_below_one_or_not_an_integer_is_refused_naming_the_setting(
     with pytest.raises(ValueError, match=r"lanes_per_device=.*expected an integer >= 1"):
         with config.override(lanes_per_device=lanes):
             pass
+
+
+# ----------------------------------------------------------------------------- systems solved alone
+def alone_system(how, rng):
+    """A system of route SINGLE, with the method and preconditioner its solver takes."""
+    if how == "minres":  # symmetric indefinite: MINRES
+        A, method, M = helmholtz2d(12, shift=1.0), "minres", None
+    elif how == "direct":
+        A, method, M = poisson2d(12), "direct", None
+    else:
+        A, method, M = poisson2d(12), "cg", "amg"
+    s = LinearSystem(A, rng.standard_normal(A.shape[0]), method=method, M=M, name="alone")
+    return s, method, M
+
+
+def assert_ledger_kept(dm, caplog):
+    """(b) never over capacity, (c) every reservation released, the ledger empty everywhere."""
+    for d in dm.accelerators:
+        assert dm.high.get(str(d), 0) <= dm.capacity(d)
+    assert all(r.released for _, r in dm.made)
+    assert all(dm.reserved_bytes(d) == 0 for d in dm.inventory)
+    assert "beyond the ledger" not in caplog.text
+
+
+def alone_manager(where, nbytes):
+    """A HoldingWatch over one simulated GPU of ``nbytes``, or over cuda:0 (whatever its size)."""
+    if where == "sim":
+        return HoldingWatch(simulate=f"1x{nbytes}B", reserved=0.0)
+    return HoldingWatch(["cuda:0"], reserved=0.0)
+
+
+@pytest.mark.parametrize("where", ["sim", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("how", ["minres", "direct", "amg"])
+def test_a_system_solved_alone_waits_for_its_bytes_in_the_ledger_never_runs_beyond_it(
+        how, where, settings, caplog):
+    """The simulated device holds the system alone or the small systems' batch alone, not both.
+
+    The system alone comes first in the plan, the batch is staged behind it:
+    its solver's bytes are held (by the thread that solves it) before it
+    computes, so the batch waits for them instead of taking the room. A GPU
+    has room for both: the solver's bytes are held there all the same.
+    """
+    settings(lanes_per_device=1, work_stealing=False)  # one worker: the plan's order
+    rng = np.random.default_rng(4)
+    alone, method, M = alone_system(how, rng)
+    small = [LinearSystem(poisson2d(4), rng.standard_normal(16), name=f"small{k}")
+             for k in range(2)]
+    need = DeviceManager(["cpu"]).size_of(alone.nbytes + alone.workspace_bytes(method, M))
+    dm = alone_manager(where, need + 6000)  # the batch takes more than the 6000
+    dev = dm.accelerators[0]
+    seen = watch_solves_alone(dm, dev, {alone.nbytes: ("alone", need)})
+    systems = [*small, alone]
+    try:
+        with caplog.at_level(logging.WARNING, logger="managed_solve"):
+            results = solve_many(systems, manager=dm)
+    finally:
+        dev.fault = None
+    assert_solves(systems, results)
+    assert results[2].device == str(dev) and results[2].method == method
+    ((_, _, held, ledger),) = seen  # solved once, on the simulated device
+    assert held >= need and ledger >= need
+    assert_ledger_kept(dm, caplog)
+
+
+@pytest.mark.parametrize("where", ["sim", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_fallback_solved_alone_draws_on_the_bytes_of_its_batch(where, caplog):
+    """"auto" takes CG for a symmetric matrix with a positive diagonal; an indefinite one
+    breaks it and MINRES solves it alone, while its batch still holds its bytes: the simulated
+    device holds the batch or the solve alone, not both, and the solve draws on the batch's."""
+    rng = np.random.default_rng(5)
+    s = LinearSystem(helmholtz2d(12, shift=1.0), rng.standard_normal(144), name="indefinite")
+    dm = alone_manager(where, 40_000)
+    dev = dm.accelerators[0]
+    need = dm.size_of(s.nbytes + s.workspace_bytes("minres"))
+    seen = watch_solves_alone(dm, dev, {s.nbytes: ("indefinite", need)})
+    try:
+        with caplog.at_level(logging.WARNING, logger="managed_solve"):
+            (r,) = solve_many([s], manager=dm)
+    finally:
+        dev.fault = None
+    assert_solves([s], [r])
+    assert r.method == "minres" and r.info["fallback_from"] == "cg" and r.device == str(dev)
+    ((_, _, held, ledger),) = seen
+    assert held >= need and ledger >= need
+    assert_ledger_kept(dm, caplog)
+
+
+def test_a_fallback_too_large_for_the_room_left_is_retried_on_the_cpu(caplog):
+    """MINRES alone needs more than the device holds: never solved there, retried on the CPU."""
+    rng = np.random.default_rng(6)
+    s = LinearSystem(helmholtz2d(30, shift=1.0), rng.standard_normal(900), name="indefinite")
+    need = DeviceManager(["cpu"]).size_of(s.nbytes + s.workspace_bytes("minres"))
+    dm = HoldingWatch(simulate=f"1x{need - 2000}B", reserved=0.0)  # its CG batch fits
+    sim = dm.accelerators[0]
+    seen = watch_solves_alone(dm, sim, {s.nbytes: ("indefinite", need)})
+    with caplog.at_level(logging.WARNING, logger="managed_solve"):
+        (r,) = solve_many([s], manager=dm)
+    assert any(str(res.device) == "sim:0" for _, res in dm.made)  # its batch ran there first
+    assert seen == []  # no solve alone on the simulated device
+    assert_solves([s], [r])
+    assert r.method == "minres" and r.info["fallback_from"] == "cg" and r.device == "cpu"
+    assert_ledger_kept(dm, caplog)
+
+
+@pytest.mark.parametrize("how", ["minres", "direct", "amg"])
+@pytest.mark.parametrize("where", ["admission", "solve"])
+def test_a_system_solved_alone_that_runs_out_of_memory_is_retried_on_the_cpu(how, where, caplog):
+    """Out of memory as its batch is admitted, or inside its solve: every byte released,
+    the system solved on the CPU, once."""
+    rng = np.random.default_rng(7)
+    alone, method, _M = alone_system(how, rng)
+    small = LinearSystem(poisson2d(6), rng.standard_normal(36), name="small")
+    dm = HoldingWatch(simulate="1x4MiB", reserved=0.0)
+    failed = []
+
+    def fault(dev, nbytes):
+        if where == "admission" or nbytes == alone.nbytes:
+            failed.append(nbytes)
+            raise SimulatedOutOfMemory(f"{dev}: out of memory for {nbytes} bytes")
+
+    dm.accelerators[0].fault = fault
+    systems = [small, alone]
+    with caplog.at_level(logging.WARNING, logger="managed_solve"):
+        results = solve_many(systems, manager=dm)
+    assert failed
+    assert_solves(systems, results)
+    assert results[1].device == "cpu" and results[1].method == method
+    assert results[0].device == ("cpu" if where == "admission" else "sim:0")
+    assert_ledger_kept(dm, caplog)

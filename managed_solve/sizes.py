@@ -1,0 +1,72 @@
+"""Bytes an object occupies: arrays, sparse matrices, torch tensors and modules, sequences of these.
+
+What :meth:`managed_solve.manager.DeviceManager.size_of` sizes before its
+heuristic; torch is only asked about objects when it is already imported.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+
+def raw_size_of(obj: Any) -> int:
+    """Bytes an object occupies: stored bytes for sparse data, never dense shape.
+
+    Accepts ints (taken as bytes), NumPy/CuPy arrays, SciPy/cupyx sparse
+    matrices, torch tensors (dense, sparse COO/CSR, meta), torch modules
+    (parameters, buffers and as many bytes again for gradients), objects with
+    ``nbytes`` (``LinearSystem``), and sequences of these.
+    """
+    if isinstance(obj, bool):
+        raise TypeError("size_of(obj=True): expected bytes, an array, a tensor or a module")
+    if isinstance(obj, int):
+        if obj < 0:
+            raise ValueError(f"size_of(obj={obj}): a byte count cannot be negative")
+        return obj
+    if isinstance(obj, float) and obj >= 0 and math.isfinite(obj):
+        return int(obj)
+    torch = sys.modules.get("torch")  # only sized as torch when torch is already in use
+    if torch is not None and isinstance(obj, (torch.Tensor, torch.nn.Module)):
+        return _torch_size(obj)  # subclasses (ManagedTensor) included
+    if hasattr(obj, "parameters") and hasattr(obj, "buffers"):
+        return _torch_size(obj)
+    if hasattr(obj, "indptr") and hasattr(obj, "indices") and hasattr(obj, "data"):
+        return int(obj.data.nbytes + obj.indices.nbytes + obj.indptr.nbytes)
+    if hasattr(obj, "row") and hasattr(obj, "col") and hasattr(obj, "data"):
+        return int(obj.data.nbytes + obj.row.nbytes + obj.col.nbytes)
+    nb = getattr(obj, "nbytes", None)
+    if nb is not None:
+        return int(nb)
+    if isinstance(obj, (list, tuple)):
+        return sum(raw_size_of(o) for o in obj)
+    raise TypeError(
+        f"size_of(obj=...): cannot size a {type(obj).__name__}; pass a byte count, an array, "
+        "a sparse matrix, a tensor, a module or a LinearSystem."
+    )
+
+
+def tensor_bytes(t: Any) -> int:
+    """Bytes a torch tensor stores: values and indices for sparse layouts, elements for dense."""
+    layout = str(getattr(t, "layout", "torch.strided"))
+    if layout == "torch.sparse_coo":
+        t = t.coalesce() if not t.is_coalesced() else t
+        return int(t._values().numel() * t.element_size() + t._indices().numel() * 8)
+    if layout in ("torch.sparse_csr", "torch.sparse_csc", "torch.sparse_bsr", "torch.sparse_bsc"):
+        comp = t.crow_indices() if layout in ("torch.sparse_csr", "torch.sparse_bsr") else t.ccol_indices()
+        plain = t.col_indices() if layout in ("torch.sparse_csr", "torch.sparse_bsr") else t.row_indices()
+        return int(
+            t.values().numel() * t.element_size()
+            + comp.numel() * comp.element_size()
+            + plain.numel() * plain.element_size()
+        )
+    return int(t.numel() * t.element_size())
+
+
+def _torch_size(obj: Any) -> int:
+    if hasattr(obj, "parameters") and hasattr(obj, "buffers"):
+        params = sum(tensor_bytes(p) for p in obj.parameters())
+        grads = sum(tensor_bytes(p) for p in obj.parameters() if p.requires_grad)
+        return params + grads + sum(tensor_bytes(b) for b in obj.buffers())
+    return tensor_bytes(obj)
