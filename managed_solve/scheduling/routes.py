@@ -168,15 +168,16 @@ def packed_results(systems: list[LinearSystem], prepared: Any, method: str, devi
     common = {"host_syncs": int(out.host_syncs), "checkpoints": int(out.checkpoints),
               "compactions": int(out.compactions), "gpu_seconds": out.gpu_seconds,
               **(info or {})}
-    converged_msg = Status.CONVERGED.message
+    converged, converged_msg = Status.CONVERGED, Status.CONVERGED.message
     codes, its_of = out.status.tolist(), out.iterations.tolist()
     rns, bns = np.asarray(rn).tolist(), np.asarray(bn).tolist()
     ok = accepted(systems, out.status, rn, bn)  # the common verdict, for all at once
+    oks = ok.tolist()
     # x is sliced from the batch's solution when first read.
     results = SlicedResult.cut_many(
-        out.x, offsets, [STATUS[c] for c in codes], its_of, rns, bns, str(device), seconds,
-        method, [converged_msg if a else "" for a in ok.tolist()], [s.name for s in systems],
-        common)
+        out.x, offsets, [converged if a else STATUS[c] for c, a in zip(codes, oks, strict=True)],
+        its_of, rns, bns, str(device), seconds,
+        method, [converged_msg if a else "" for a in oks], [s.name for s in systems], common)
     for k in np.flatnonzero(~ok).tolist():
         s, res, code, its, r, bnorm = systems[k], results[k], codes[k], its_of[k], rns[k], bns[k]
         action = verdict(s, method, code, r, bnorm)

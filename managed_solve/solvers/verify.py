@@ -55,11 +55,17 @@ def verdict(s: LinearSystem, method: str, code: int, residual: float, b_norm: fl
     ('accept', 'restart')
     >>> verdict(s, "bicgstab", BREAKDOWN, 1.0, 1.0), verdict(s, "gmres", BREAKDOWN, 1.0, 1.0)
     ('fall back', 'accept')
+    >>> verdict(s, "bicgstab", BREAKDOWN, 1e-12, 1.0)  # x met the tolerance all the same
+    'accept'
     """
+    # The true residual decides first, whatever the method's own test said.
+    # Written so that a NaN residual is not converged (drift, for a converged
+    # code); an infinite one (a b whose norm overflows, against an infinite
+    # bound) never is.
+    if residual <= tolerance(s, b_norm) and residual < math.inf:
+        return ACCEPT
     if code == CONVERGED:
-        # Written so that a NaN residual is drift too; an infinite one (a b whose
-        # norm overflows, against an infinite bound) is never converged.
-        return ACCEPT if residual <= tolerance(s, b_norm) and residual < math.inf else RESTART
+        return RESTART
     if code == BREAKDOWN and s.method == "auto" and (
             method in FALLBACK or (method == "direct" and s.kind != "operator")):
         return FALL_BACK
@@ -71,15 +77,15 @@ def accepted(systems: Sequence[LinearSystem], codes: np.ndarray, residuals: np.n
     """Which systems :func:`verdict` accepts as converged, for a batch at once (a boolean array).
 
     The first rule of :func:`verdict` over arrays by system (engine codes,
-    true residual norms, norms of b): converged, with the residual within
-    :func:`tolerance`. The others are left to :func:`verdict`, one by one.
+    true residual norms, norms of b): the residual within :func:`tolerance`,
+    whatever the code. The others are left to :func:`verdict`, one by one.
 
     Examples
     --------
     >>> import numpy as np, scipy.sparse as sp
     >>> from managed_solve import LinearSystem
     >>> s = LinearSystem(sp.identity(3, format="csr"), np.ones(3), rtol=1e-8)
-    >>> accepted([s, s, s], np.array([CONVERGED, CONVERGED, MAXITER]), np.array([1e-12, 1e-3, 0.0]),
+    >>> accepted([s, s, s], np.array([CONVERGED, CONVERGED, MAXITER]), np.array([1e-12, 1e-3, 1.0]),
     ...          np.ones(3)).tolist()
     [True, False, False]
     """
@@ -89,8 +95,8 @@ def accepted(systems: Sequence[LinearSystem], codes: np.ndarray, residuals: np.n
     # rtol of 0 times an infinite ||b|| is such a NaN, not a warning for the caller.
     residuals = np.asarray(residuals)
     with np.errstate(invalid="ignore"):
-        return (np.asarray(codes) == CONVERGED) & (residuals <= np.maximum(
-            rtol * np.asarray(b_norms, dtype=np.float64), atol)) & (residuals < np.inf)
+        return (residuals <= np.maximum(rtol * np.asarray(b_norms, dtype=np.float64), atol)) \
+            & (residuals < np.inf)
 
 
 def fallback_for(s: LinearSystem, method: str, symmetric: bool | None = None,
