@@ -33,7 +33,16 @@ from ..solver import Solver
 from ..solvers._common import SAFE_NORM_RANGE, column_norms, stable_norm
 from ..solvers.direct import SINGULAR, DirectEngine, Singular, direct
 from ..solvers.engine import BREAKDOWN, CONVERGED, Options, Outcome
-from ..solvers.verify import FALL_BACK, RESTART, STATUS, accepted, fallback_for, verdict
+from ..solvers.verify import (
+    FALL_BACK,
+    RESTART,
+    STATUS,
+    accepted,
+    fallback_for,
+    status_of,
+    tolerance,
+    verdict,
+)
 from ..system import FALLBACK, LinearSystem
 from ..system.method import choose_method
 from .errors import is_device_error
@@ -195,6 +204,16 @@ def packed_results(systems: list[LinearSystem], prepared: Any, method: str, devi
             res.info["fallback_from"] = method
         elif code == 0:
             res.message = converged_msg
+        elif s.x0 is not None and (code == BREAKDOWN or not r <= bnorm):
+            # A failure from the caller's start that left x worse than x = 0 (or
+            # none: an overflow): solve() judges the start, dropping one that
+            # could not have led to the tolerance, and says so.
+            with guard:
+                res = solve_alone(s, None, method, device, manager)
+            res.iterations += its
+        else:  # the batched core's codes carry no message: the one solve() gives
+            res.message = status_of(Outcome(None, code, its, r), method, r,
+                                    tolerance(s, bnorm), s)[1]
         results[k] = res
 
     def again(ks: list[int], subset: list[LinearSystem], how: str, restart: bool, note: tuple) -> None:

@@ -11,7 +11,7 @@ from managed_solve import DeviceManager, LinearSystem, Status
 from managed_solve.scheduling import estimate as estimation
 from managed_solve.scheduling import routes, runner, solve_many
 from managed_solve.solvers.direct import direct
-from tests._problems import poisson2d
+from tests._problems import convection_diffusion, poisson2d
 from tests.scheduling._helpers import assert_solves
 
 
@@ -328,3 +328,27 @@ def test_gradients_through_a_block_of_systems_sharing_a_matrix(monkeypatch):
     for k, b in enumerate(bs):
         np.testing.assert_allclose(b.grad.numpy(), At.solve(w.numpy() * (k + 1)), rtol=1e-9,
                                    atol=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
+                            "ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("device", ["cpu", "sim:0", pytest.param("cuda:0", marks=pytest.mark.gpu)])
+def test_a_batched_system_that_fails_says_why_and_a_hopeless_start_is_dropped(device):
+    """A batch's failures carry solve()'s message; a start far beyond the solution (its residual
+    overflows) is judged as solve() judges it: dropped for x = 0, and the system solved."""
+    A, C = poisson2d(8), convection_diffusion(8)
+    n = A.shape[0]
+    b = np.ones(n)
+    systems = [LinearSystem(A, b, method="cg", x0=np.full(n, 1e300)),
+               LinearSystem(A, b, method="cg", maxiter=2),
+               LinearSystem(C, b, method="bicgstab", x0=np.full(n, 1e300)),
+               LinearSystem(A, b, method="cg")]
+    dm = DeviceManager([device]) if device != "sim:0" else DeviceManager([device], simulate="1x1GiB")
+    res = solve_many(systems, manager=dm)
+    for k in (0, 2, 3):
+        M = C if k == 2 else A
+        assert res[k].status is Status.CONVERGED, res[k].message
+        x = spla.spsolve(M.tocsc(), b)
+        assert np.linalg.norm(res[k].to_numpy() - x) <= 1e-6 * np.linalg.norm(x)
+    assert "started from x = 0" in res[0].message and "started from x = 0" in res[2].message
+    assert res[1].status is Status.MAXITER and "raise maxiter" in res[1].message
