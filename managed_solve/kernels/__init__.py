@@ -19,6 +19,8 @@ is not free, so nothing is imported here):
   ``blas`` calling SciPy's BLAS/LAPACK from jitted code (CPU only);
 - ``checks``: the finite-entry check and the symmetry test over many host
   arrays in one GIL-free call, by address (CPU only);
+- ``compressed``: the check of a host compressed pattern (row pointers, and
+  indices within their bound) before any kernel indexes with it (CPU only);
 - ``_compat``: the NumPy 2.5 / numba-cuda ``np.row_stack`` shim, imported
   before ``numba.cuda`` everywhere.
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from .. import _backend
 from ..devices import warn_mps
+from ..kernels.compressed import BAD_INDEX, BAD_POINTERS, CANONICAL, compressed_pattern
 
 #: The dtypes a solve runs in.
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -152,15 +153,19 @@ def _checked_gpu_csr(val: Any, col: Any, crow: Any, n: int, *, call: str) -> Any
     return A
 
 
-def _gpu_pattern_flags(indptr: Any, indices: Any, n: int, *, call: str) -> int:
-    """:func:`device_checks.csr_structure`'s flags; raises on a pattern that is not CSR."""
+def _gpu_pattern_flags(indptr: Any, indices: Any, n: int, *, call: str,
+                       what: str = "column") -> int:
+    """:func:`device_checks.csr_structure`'s flags; raises on a pattern that is not CSR.
+
+    ``what``: the indices' axis, named in the error (a CSC pattern's are rows).
+    """
     from . import device_checks
 
     flags = device_checks.csr_structure(indptr, indices, n)
     if flags & device_checks.FLAG_BAD_INDPTR:
         raise _bad_indptr(call, int(indices.shape[0]))
     if flags & device_checks.FLAG_BAD_INDEX:
-        raise _bad_index(call, n)
+        raise _bad_index(call, n, what, "indices" if what != "column" else "col_indices / indices")
     return flags
 
 
@@ -170,9 +175,61 @@ def _bad_indptr(call: str, nnz: int) -> ValueError:
                       f"entries ({nnz}); rebuild A from valid arrays")
 
 
-def _bad_index(call: str, n: int) -> ValueError:
-    return ValueError(f"{call}: A has column indices outside [0, {n}); fix the matrix's "
-                      "col_indices / indices")
+def _bad_index(call: str, n: int, what: str = "column",
+               fix: str = "col_indices / indices") -> ValueError:
+    return ValueError(f"{call}: A has {what} indices outside [0, {n}); fix the matrix's {fix}")
+
+
+#: :func:`host_csr_pattern`'s codes beyond the kernel's: index arrays that are
+#: not integers, and ``data`` of another length than ``indices``.
+BAD_DTYPE, BAD_DATA = -3, -4
+
+
+def host_csr_pattern(A: Any) -> int:
+    """Check a SciPy CSR matrix's pattern; the code of :mod:`managed_solve.kernels.compressed`.
+
+    Negative codes are errors (:func:`pattern_error` builds them). Where
+    SciPy does not know yet whether A is canonical, the same pass finds it,
+    and a canonical A is marked so (SciPy's ``has_canonical_format``): A's
+    ``sum_duplicates`` after this then makes no pass of its own. One that is
+    not is left unmarked: ``sum_duplicates`` sorts it, and its own test costs
+    little beside that. A flag SciPy already holds is kept but does not
+    stand for this check: SciPy's canonical test reads no bounds.
+
+    Examples
+    --------
+    >>> import scipy.sparse as sp
+    >>> bad = sp.csr_matrix((np.ones(2), np.array([0, 3]), np.array([0, 1, 2])), shape=(2, 2))
+    >>> good = sp.csr_matrix((np.ones(2), np.array([1, 0]), np.array([0, 1, 2])), shape=(2, 2))
+    >>> host_csr_pattern(bad) < 0, host_csr_pattern(good), good.has_canonical_format
+    (True, 1, True)
+    """
+    indptr, indices = A.indptr, A.indices
+    if indices.dtype.kind not in "iu" or indptr.dtype.kind not in "iu":
+        return BAD_DTYPE
+    if indices.shape[0] != A.data.shape[0]:
+        return BAD_DATA
+    rows, cols = A.shape
+    if indptr.shape[0] != rows + 1:
+        return BAD_POINTERS
+    known = getattr(A, "_has_canonical_format", None)
+    code = int(compressed_pattern(indptr, indices, cols, known is None))
+    if code == CANONICAL and known is None:
+        A.has_canonical_format = True
+    return code
+
+
+def pattern_error(code: int, call: str, A: Any) -> Exception:
+    """The error of a negative :func:`host_csr_pattern` code for CSR matrix ``A`` (naming ``call``)."""
+    if code == BAD_DTYPE:
+        return TypeError(f"{call}: A's index arrays must be integers, got {A.indptr.dtype} and "
+                         f"{A.indices.dtype}")
+    if code == BAD_DATA:
+        return ValueError(f"{call}: A.data holds {A.data.shape[0]} entries but A.indices "
+                          f"{A.indices.shape[0]}; rebuild A from arrays of one length")
+    if code == BAD_INDEX:
+        return _bad_index(call, A.shape[1])
+    return _bad_indptr(call, int(A.indices.shape[0]))
 
 
 def _checked_host_csr(val: np.ndarray, col: np.ndarray, crow: np.ndarray, shape: tuple[int, int],
@@ -186,12 +243,93 @@ def _checked_host_csr(val: np.ndarray, col: np.ndarray, crow: np.ndarray, shape:
     if col.dtype.kind not in "iu" or crow.dtype.kind not in "iu":
         raise TypeError(f"{call}: A's index arrays must be integers, got {crow.dtype} and {col.dtype}")
     nnz = int(col.shape[0])
-    if crow.shape[0] != shape[0] + 1 or int(crow[0]) != 0 or int(crow[-1]) != nnz \
-            or (crow.shape[0] > 2 and int(np.diff(crow).min()) < 0):
+    code = BAD_POINTERS if crow.shape[0] != shape[0] + 1 else \
+        int(compressed_pattern(crow, col, shape[1], False))
+    if code == BAD_POINTERS:
         raise _bad_indptr(call, nnz)
-    if nnz and (int(col.min()) < 0 or int(col.max()) >= shape[1]):
+    if code == BAD_INDEX:
         raise _bad_index(call, shape[1])
     return _backend.sparse_module(np).csr_matrix((val, col, crow), shape=shape)
+
+
+def _checked_compressed(A: Any, major: int, bound: int, *, call: str, what: str) -> None:
+    """Check a SciPy CSC or BSR matrix's pattern before its conversion to CSR scatters by it."""
+    if A.indices.dtype.kind not in "iu" or A.indptr.dtype.kind not in "iu":
+        raise TypeError(f"{call}: A's index arrays must be integers, got {A.indptr.dtype} and "
+                        f"{A.indices.dtype}")
+    nnz = int(A.indices.shape[0])
+    if A.data.shape[0] != nnz:
+        raise ValueError(f"{call}: A.data holds {A.data.shape[0]} entries but A.indices {nnz}; "
+                         "rebuild A from arrays of one length")
+    code = BAD_POINTERS if A.indptr.shape[0] != major + 1 else \
+        int(compressed_pattern(A.indptr, A.indices, bound, False))
+    if code == BAD_POINTERS:
+        raise ValueError(f"{call}: A's {A.format.upper()} index pointers (indptr) must start at "
+                         f"0, never decrease and end at the number of stored entries ({nnz}); "
+                         "rebuild A from valid arrays")
+    if code == BAD_INDEX:
+        raise _bad_index(call, bound, what, "indices")
+
+
+def _checked_coo(A: Any, *, call: str) -> None:
+    """Check a SciPy COO matrix's coordinates (checked at its construction, not after a change)."""
+    row, col = A.row, A.col
+    if row.shape != col.shape or row.shape[0] != A.data.shape[0]:
+        raise ValueError(f"{call}: A.row, A.col and A.data hold {row.shape[0]}, {col.shape[0]} "
+                         f"and {A.data.shape[0]} entries; rebuild A from arrays of one length")
+    for what, idx, bound in (("row", row, A.shape[0]), ("column", col, A.shape[1])):
+        if idx.dtype.kind not in "iu":
+            raise TypeError(f"{call}: A's {what} indices must be integers, got {idx.dtype}")
+        if idx.shape[0] and (int(idx.min()) < 0 or int(idx.max()) >= bound):
+            raise _bad_index(call, bound, what, "coordinates (row, col)")
+
+
+def _scipy_csr(A: Any, *, call: str) -> Any:
+    """A SciPy sparse matrix as a CSR matrix whose pattern was checked.
+
+    SciPy checks indices only where a matrix is built from coordinates; the
+    compressed formats' constructors and every later change of their arrays
+    go unchecked, and a conversion to CSR scatters entries by those indices
+    (an out-of-range one writes out of bounds). So the compressed and COO
+    forms are checked before their conversion, and the CSR matrix after it
+    (the CSR form in the same pass finds whether it is canonical).
+    """
+    fmt = A.format
+    if fmt == "csc":
+        _checked_compressed(A, A.shape[1], A.shape[0], call=call, what="row")
+    elif fmt == "bsr":
+        rows, cols = A.blocksize
+        _checked_compressed(A, A.shape[0] // rows, A.shape[1] // cols, call=call,
+                            what="block column")
+    elif fmt == "coo":
+        _checked_coo(A, call=call)
+    A = A.tocsr()
+    code = host_csr_pattern(A)
+    if code < 0:
+        raise pattern_error(code, call, A)
+    return A
+
+
+def _cupy_csr(A: Any, *, call: str) -> Any:
+    """A cupyx sparse matrix as a CSR matrix whose pattern was checked on its GPU (a square one).
+
+    One pass checks the pattern and finds whether it is canonical, where
+    CuPy's own test would read back one property at a time; a flag CuPy
+    already holds does not stand for it (its canonical test reads no
+    bounds). A CSC matrix is checked before its conversion, which scatters
+    entries by its row indices. A matrix that is not square is refused by
+    the caller.
+    """
+    from .device_checks import FLAG_NOT_CANONICAL
+
+    square = A.shape[0] == A.shape[1]
+    if square and A.format == "csc":
+        _gpu_pattern_flags(A.indptr, A.indices, A.shape[0], call=call, what="row")
+    A = A.tocsr()
+    if square:
+        flags = _gpu_pattern_flags(A.indptr, A.indices, A.shape[0], call=call)
+        A.has_canonical_format = not flags & FLAG_NOT_CANONICAL
+    return A
 
 
 def as_operator(A: Any, *, call: str = "solve") -> tuple[Any, str]:
@@ -211,16 +349,7 @@ def as_operator(A: Any, *, call: str = "solve") -> tuple[Any, str]:
     if _backend.is_scipy_sparse(A) or _backend.is_cupy_sparse(A):
         if A.ndim != 2:
             raise ValueError(f"{call}: A must be 2-D, got {A.ndim}-D")
-        A = A.tocsr()
-        if _backend.is_cupy_sparse(A) and A.shape[0] == A.shape[1] \
-                and getattr(A, "_has_canonical_format", None) is not True:
-            # One pass checks the pattern (and finds whether it is canonical)
-            # where CuPy's own test would read back one property at a time;
-            # a matrix CuPy already knows to be canonical is taken as it is.
-            from .device_checks import FLAG_NOT_CANONICAL
-
-            flags = _gpu_pattern_flags(A.indptr, A.indices, A.shape[0], call=call)
-            A.has_canonical_format = not flags & FLAG_NOT_CANONICAL
+        A = _scipy_csr(A, call=call) if _backend.is_scipy_sparse(A) else _cupy_csr(A, call=call)
         A.sum_duplicates()
         return A, "csr"
     if isinstance(A, np.ndarray) or _backend.is_cupy_array(A):

@@ -21,7 +21,9 @@ from .inputs import (
     check_dtype,
     first_nonfinite,
     grad_source,
+    host_csr_pattern,
     host_nonfinite,
+    pattern_error,
     result_dtype,
 )
 from .method import METHODS, PRECONDITIONERS, check_preconditioner, settle_auto
@@ -102,8 +104,9 @@ class LinearSystem:
                  nullspace: Any = None, _call: str | None = None,
                  _finite_memo: dict | None = None):
         # _call: the public call to name in errors (solve() passes "solve(A, b)").
-        # _finite_memo: arrays already found finite, by object, for a caller that
-        # validates many systems sharing matrices within one call (solve_many).
+        # _finite_memo: arrays already found finite (and matrices whose pattern was
+        # found valid), by object, for a caller that validates many systems sharing
+        # matrices within one call (solve_many).
         if x0 is None and dtype is None and nullspace is None and type(b) is np.ndarray \
                 and self._host_csr(A, b, rtol, atol, maxiter, method, M, name, check_finite,
                                    _finite_memo, _call):
@@ -194,9 +197,13 @@ class LinearSystem:
         the fields ``__init__`` would set, through a few attribute reads (with
         one matrix per system, ``solve_many`` validates hundreds of these).
         Anything else, any check that fails, returns False before a field is
-        set, and ``__init__`` then raises its own error; a NaN or an Inf
-        raises ``__init__``'s error here (its other checks all passed), so
-        the array is not read twice.
+        set, and ``__init__`` then raises its own error; a NaN or an Inf, or
+        a pattern that is not a CSR pattern of A's shape
+        (:func:`~managed_solve.system.inputs.host_csr_pattern`), raises
+        ``__init__``'s error here (its other checks all passed), so the
+        arrays are not read twice. ``memo`` also holds the matrices whose
+        pattern was found valid (by object), so a matrix shared by many
+        systems of a call is checked once.
         Nothing of such an input can require grad (no torch tensor, no
         ``matvec``), so its ``grad`` is None. ``options_passed``: the caller
         found the options pass (:func:`quick_options`) already.
@@ -219,6 +226,15 @@ class LinearSystem:
             return False
         if not options_passed and not quick_options(rtol, atol, maxiter, method, M):
             return False
+        if memo is None or memo.get(id(A)) is not A:
+            # SciPy's constructor reads no index: one out of range would be read out of
+            # bounds by every kernel after this (solve_many: once per matrix of the call).
+            code = host_csr_pattern(A)
+            if code < 0:
+                call = call or (f"LinearSystem({name!r})" if name else "LinearSystem(A, b)")
+                raise pattern_error(code, call, A)
+            if memo is not None:
+                memo[id(A)] = A
         A.sum_duplicates()  # canonical form, in place, as as_operator leaves it
         if check_finite and not (memo is not None and memo.get(id(b)) is b
                                  and (memo.get(id(A.data)) is A.data or not A.indptr[-1])):

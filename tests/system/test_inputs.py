@@ -167,6 +167,201 @@ def test_a_csr_pattern_out_of_range_is_refused_before_any_kernel_reads_it(how):
             ms.solve(t, torch.ones(8, dtype=torch.float64))
 
 
+def _spoiled_scipy(A, how):
+    """A SciPy matrix equal to A but for one index out of range or broken row pointers.
+
+    Built as a user builds one (SciPy's constructor checks neither) or changed
+    after it was built (SciPy checks nothing then); its error's words.
+    """
+    n, nnz = A.shape[0], A.nnz
+    crow, col, val = A.indptr.copy(), A.indices.copy(), A.data.copy()
+    if how == "csr_col_high":
+        col[-1] = n + 91
+    elif how == "csr_col_negative":
+        col[4] = -1
+    elif how == "csr_col_int64":
+        crow, col = crow.astype(np.int64), col.astype(np.int64)
+        col[0] = 2**40
+    elif how == "csr_crow_decreasing":
+        crow[2], crow[3] = crow[3], crow[2]
+    if how in ("csr_col_high", "csr_col_negative", "csr_col_int64", "csr_crow_decreasing"):
+        B = sp.csr_matrix((val, col, crow), shape=A.shape)
+        return B, "column indices outside" if "_col_" in how else "row pointers"
+    if how == "csr_array_changed":  # indptr[-1] below len(indices), after construction
+        B = sp.csr_array(A, copy=True)
+        B.indptr[-1] = nnz - 1
+        return B, "row pointers"
+    if how == "csr_crow_negative_known_canonical":  # a flag SciPy holds is not a bounds check
+        B = A.copy()
+        assert B.has_canonical_format
+        B.indptr[1] = -3
+        return B, "row pointers"
+    if how == "csr_col_known_canonical":
+        B = sp.csr_matrix((val, col, crow), shape=A.shape)
+        B.indices[-1] = n  # still sorted in its row: SciPy's own check finds it canonical
+        assert B.has_canonical_format
+        return B, "column indices outside"
+    if how == "csc_row_high":
+        C = A.tocsc()
+        return sp.csc_matrix((C.data, np.where(C.indices == n - 1, n, C.indices), C.indptr),
+                             shape=A.shape), "row indices outside"
+    if how == "coo_changed":
+        C = A.tocoo(copy=True)
+        C.col[3] = n
+        return C, "column indices outside"
+    if how == "bsr_block_col_high":
+        return sp.bsr_matrix((np.ones((2, 2, 2)), np.array([0, n // 2]), np.array([0, 1, 2, 2, 2])),
+                             shape=A.shape), "block column indices outside"
+    if how == "lil_changed":  # a LIL matrix converts without a check
+        L = A.tolil()
+        L.rows[2], L.data[2] = [1, n + 1], [-1.0, 2.0]
+        return L, "column indices outside"
+    raise AssertionError(how)
+
+
+SCIPY_SPOILED = ["csr_col_high", "csr_col_negative", "csr_col_int64", "csr_crow_decreasing",
+                 "csr_array_changed", "csr_crow_negative_known_canonical",
+                 "csr_col_known_canonical", "csc_row_high", "coo_changed", "bsr_block_col_high",
+                 "lil_changed"]
+
+
+@pytest.mark.parametrize("how", SCIPY_SPOILED)
+def test_a_scipy_matrix_out_of_range_is_refused_by_every_entry(how):
+    """SciPy builds compressed matrices without reading their indices: each entry point checks them."""
+    import managed_solve as ms
+
+    A, b = laplacian1d(8), np.arange(1.0, 9.0)
+    B, words = _spoiled_scipy(A, how)
+    with pytest.raises(ValueError, match=rf"solve\(A, b\): A.*{words}"):
+        ms.solve(B, b, device="cpu")
+    with pytest.raises(ValueError, match=words):
+        ms.solve(B, b, x0=np.zeros(8), device="cpu")  # the general path, not the quick one
+    with pytest.raises(ValueError, match=rf"Solver\(A\): A.*{words}"):
+        ms.Solver(B, device="cpu")
+    x_ref = sla.spsolve(A.tocsc(), b)
+    for method in ("auto", "cg"):
+        res = ms.solve_many([(A, b), (B, b), (A, 2 * b)], devices=["cpu"], method=method)
+        assert [r.status for r in res] == [ms.Status.CONVERGED, ms.Status.INVALID_INPUT,
+                                           ms.Status.CONVERGED]
+        assert words in res[1].message and res[1].x is None
+        np.testing.assert_allclose(np.asarray(res[0].x), x_ref, rtol=1e-7)
+        np.testing.assert_allclose(np.asarray(res[2].x), 2 * x_ref, rtol=1e-7)
+    solver = ms.Solver(A, device="cpu")
+    with pytest.raises(ValueError, match=rf"Solver.update\(A\): A.*{words}"):
+        solver.update(B)
+    np.testing.assert_allclose(np.asarray(solver.solve(b).x), x_ref, rtol=1e-7)  # unchanged
+
+
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_unsorted_and_duplicate_columns_are_legal_csr_and_solved(where):
+    """Only the bounds are required: rows out of order, or with duplicates (summed), solve as SciPy reads them."""
+    import managed_solve as ms
+    from tests._problems import on
+
+    A, b = laplacian1d(8), np.arange(1.0, 9.0)
+    crow, col, val = A.indptr, A.indices.copy(), A.data.copy()
+    row1 = slice(crow[1], crow[2])
+    col[row1], val[row1] = col[row1][::-1].copy(), val[row1][::-1].copy()  # row 1 reversed
+    unsorted = sp.csr_matrix((val, col, crow), shape=A.shape)
+    # Row 0's diagonal split into two stored entries of the same column.
+    dup = sp.csr_matrix((np.concatenate([A.data[:1] / 2, A.data[:1] / 2, A.data[1:]]),
+                         np.concatenate([[0, 0], A.indices[1:]]),
+                         np.concatenate([[0], A.indptr[1:] + 1])), shape=A.shape)
+    assert not unsorted.has_canonical_format and not dup.has_canonical_format
+    x_ref = sla.spsolve(A.tocsc(), b)
+    for M in (unsorted, dup):
+        x = ms.solve(on(where, M.copy()), on(where, b), device=where).x
+        np.testing.assert_allclose(x.get() if hasattr(x, "get") else np.asarray(x), x_ref,
+                                   rtol=1e-7)
+        res = ms.solve_many([(on(where, M.copy()), on(where, b))] * 2, devices=[where])
+        assert all(r.status is ms.Status.CONVERGED for r in res)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["csr_col_high", "csr_col_negative", "csr_crow_decreasing",
+                                 "csr_col_known_canonical", "csc_row_high"])
+def test_a_cupyx_matrix_out_of_range_is_refused_on_the_gpu(how):
+    """The GPU path checks a cupyx matrix's pattern in one pass (its own message, the same words).
+
+    Also where CuPy found the matrix canonical already (its test reads no
+    bounds), and a CSC matrix before its conversion scatters by its rows.
+    """
+    import cupy as cp
+    import cupyx.scipy.sparse as csp
+
+    import managed_solve as ms
+    from tests._problems import on
+
+    A, b = laplacian1d(8), np.arange(1.0, 9.0)
+    B, words = _spoiled_scipy(A, how)
+    form = csp.csc_matrix if B.format == "csc" else csp.csr_matrix
+    B = form((cp.asarray(B.data), cp.asarray(B.indices), cp.asarray(B.indptr)), shape=B.shape)
+    if how == "csr_col_known_canonical":
+        assert B.has_canonical_format  # CuPy's own test, as a user's sum_duplicates runs it
+    Ag, bg = on("cuda", A, b)
+    with pytest.raises(ValueError, match=rf"solve\(A, b\): A.*{words}"):
+        ms.solve(B, bg, device="cuda")
+    res = ms.solve_many([(Ag, bg), (B, bg), (Ag, 2 * bg)], devices=["cuda"])
+    assert [r.status for r in res] == [ms.Status.CONVERGED, ms.Status.INVALID_INPUT,
+                                       ms.Status.CONVERGED]
+    assert words in res[1].message
+
+
+def _many_patterns():
+    """SciPy CSR matrices of both index widths: valid ones (canonical or not), each kind of bad one."""
+    out = []
+    for k in range(30):
+        A = laplacian1d(5 + k % 7)
+        crow, col = A.indptr.copy(), A.indices.copy()
+        if k % 5 == 1:
+            col[crow[1]:crow[2]] = col[crow[1]:crow[2]][::-1].copy()  # unsorted: valid
+        elif k % 5 == 2:
+            col[k % A.nnz] = A.shape[1] + k if k % 2 else -k
+        elif k % 5 == 3:
+            crow[2], crow[3] = crow[3], crow[2]
+        if k % 3 == 0:
+            crow, col = crow.astype(np.int64), col.astype(np.int64)
+        if k % 11 == 4:  # indices as a strided view
+            col = np.repeat(col, 2)[::2]
+        out.append(sp.csr_matrix((A.data.copy(), col, crow), shape=A.shape))
+    return out
+
+
+def test_solve_many_refuses_each_bad_pattern_among_many():
+    import managed_solve as ms
+
+    mats = _many_patterns()
+    pairs = [(A, np.arange(1.0, A.shape[0] + 1)) for A in mats]
+    res = ms.solve_many(pairs, devices=["cpu"])
+    for k, (r, (A, b)) in enumerate(zip(res, pairs, strict=True)):
+        if k % 5 in (2, 3):
+            assert r.status is ms.Status.INVALID_INPUT and f"systems[{k}]" in r.message
+            assert ("column indices outside" if k % 5 == 2 else "row pointers") in r.message
+        else:
+            assert r.status is ms.Status.CONVERGED
+            np.testing.assert_allclose(r.x, sla.spsolve(A.tocsc(), b), rtol=1e-7)
+
+
+def test_host_csr_pattern_marks_a_canonical_matrix_for_scipy_only_where_unknown():
+    from managed_solve.system.inputs import host_csr_pattern
+
+    A = laplacian1d(6)
+    fresh = sp.csr_matrix((A.data, A.indices, A.indptr), shape=A.shape)
+    assert "_has_canonical_format" not in vars(fresh)
+    assert host_csr_pattern(fresh) == 1 and fresh._has_canonical_format is True
+    col = A.indices.copy()
+    col[A.indptr[1]:A.indptr[2]] = col[A.indptr[1]:A.indptr[2]][::-1].copy()  # row 1 reversed
+    unsorted = sp.csr_matrix((A.data, col, A.indptr), shape=A.shape)
+    assert host_csr_pattern(unsorted) == 0 and "_has_canonical_format" not in vars(unsorted)
+    assert not unsorted.has_canonical_format  # left to SciPy, which sorts it
+    known = A.copy()
+    assert known.has_canonical_format
+    assert host_csr_pattern(known) == 0  # bounds read; SciPy's flag kept
+    col[1] = 6
+    bad = sp.csr_matrix((A.data, col, A.indptr), shape=A.shape)
+    assert host_csr_pattern(bad) < 0 and "_has_canonical_format" not in vars(bad)
+
+
 def test_grad_source_records_what_requires_grad_and_refuses_what_cannot_have_one():
     torch = pytest.importorskip("torch")
     from managed_solve.system.inputs import grad_source

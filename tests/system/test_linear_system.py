@@ -142,6 +142,33 @@ def test_host_csr_systems_leaves_options_that_fail_to_the_constructor():
     assert host_csr_systems(items, rtol=1e-8, method="auto", M="auto", memo=None)[0] is not None
 
 
+def _out_of_range(A):
+    """A with its last column index one past the matrix (SciPy's constructor takes it)."""
+    col = A.indices.copy()
+    col[-1] = A.shape[1]
+    return sp.csr_matrix((A.data, col, A.indptr), shape=A.shape)
+
+
+def _falling_pointers(A):
+    ptr = A.indptr.copy()
+    ptr[2], ptr[3] = ptr[3], ptr[2]
+    return sp.csr_matrix((A.data, A.indices, ptr), shape=A.shape)
+
+
+def test_host_csr_systems_refuses_a_bad_pattern_and_remembers_the_good_ones():
+    """The quick path checks each matrix's pattern once a call: the memo keeps the valid ones."""
+    A, b = laplacian1d(6), np.ones(6)
+    bad = _out_of_range(A)
+    memo: dict = {}
+    out = host_csr_systems([(A, b), (bad, b), (A, 2 * b)], rtol=1e-8, method="auto", M="auto",
+                           memo=memo, label="s")
+    assert isinstance(out[0], LinearSystem) and isinstance(out[2], LinearSystem)
+    assert isinstance(out[1], ValueError)
+    assert str(out[1]) == ("LinearSystem('s[1]'): A has column indices outside [0, 6); fix the "
+                           "matrix's col_indices / indices")
+    assert memo[id(A)] is A and id(bad) not in memo
+
+
 @pytest.mark.parametrize(
     "A,b,options,words",
     [
@@ -154,6 +181,8 @@ def test_host_csr_systems_leaves_options_that_fail_to_the_constructor():
         (laplacian1d(6), np.ones(6), {"method": "lu"}, "method='lu' is not known"),
         (laplacian1d(6), np.ones(6), {"M": "ilu"}, "M='ilu' is not a known preconditioner"),
         (laplacian1d(6), np.ones(7), {}, "b must have shape (6,)"),
+        (_out_of_range(laplacian1d(6)), np.ones(6), {}, "A has column indices outside [0, 6)"),
+        (_falling_pointers(laplacian1d(6)), np.ones(6), {}, "A's row pointers"),
     ],
 )
 def test_a_host_csr_with_a_bad_option_or_entry_gets_the_full_checks_error(A, b, options, words):
