@@ -406,6 +406,24 @@ class SymmetryPass:
         return [d for _group, _args, _codes, _bounds, finite, whole in self.groups
                 for d, ok in zip(whole, finite.tolist(), strict=True) if ok and d is not None]
 
+    def valid_patterns(self) -> list:
+        """The matrices whose walk checked their whole pattern (after :func:`run_all`).
+
+        The walk refuses row pointers that do not start at 0, fall back or
+        run past the entries, and columns not below n; a square matrix it
+        found canonical, whose ``indptr``, ``indices`` and ``data`` have the
+        lengths of its rows and stored entries (the last row pointer among
+        them), is a valid CSR pattern, and
+        LinearSystem need not read it again (its memo of matrices).
+        """
+        from ..kernels.symmetry import NOT_CANONICAL
+
+        return [A for group, _args, codes, _bounds, _finite, whole in self.groups
+                for A, code, d in zip(group, codes.tolist(), whole, strict=True)
+                if code != NOT_CANONICAL and d is not None and A.shape[0] == A.shape[1]
+                and A.indices.shape[0] == d.shape[0] and A.indptr.shape[0] == A.shape[0] + 1
+                and int(A.indptr[-1]) == d.shape[0]]
+
     def run(self, cache: dict) -> None:
         """Run the kernels over every range, then store the answers in ``cache``."""
         run_all([self])
@@ -458,6 +476,7 @@ def check_inputs(items: Sequence[Any], method: str, cache: dict,
     tests.store(cache)
     memo = {id(a): a for a in finite.finite()}
     memo.update((id(a), a) for a in tests.finite_data())
+    memo.update((id(A), A) for A in tests.valid_patterns())
     return memo
 
 
