@@ -69,11 +69,8 @@ def prepare(system: LinearSystem, method: str, device: Device, *, symmetric: boo
 
 
 class _Generation:
-    """Which solver the backward of a graph made by a solve uses: its solver, or a frozen copy.
-
-    :meth:`Solver.update` while graphs live moves them to a frozen copy
-    holding the set-up they were computed with.
-    """
+    """Which solver the backward of a graph made by a solve uses: its solver, or a frozen copy
+    holding the set-up it was computed with (:meth:`Solver.update` while graphs live)."""
 
     __slots__ = ("solver",)
 
@@ -664,8 +661,9 @@ class Solver:
             x = out.x
             if x is not None and N is not None:
                 x = out.x = x - N @ (N.T @ x)
-            if x is not None and used == "direct" and N is None and "refinements" in out.info:
-                residual = out.residual_norm  # the factorisation's check read the true residual
+            if x is not None and used == "direct" and N is None and not scaled \
+                    and "refinements" in out.info:  # the factorisation read the true residual
+                residual = out.residual_norm
             elif x is not None:  # the engine's own true residual of this x, where it made one
                 known = None if scaled or N is not None else out.checked_residual(x)
                 residual = known if known is not None else true_residual_norm(A, b, x)

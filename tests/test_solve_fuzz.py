@@ -166,3 +166,15 @@ def test_solve_many_rechecks_extreme_batch_norms_on_a_gpu():
     for s, r in zip(systems, results, strict=True):
         assert r.status is Status.CONVERGED, (r.name, r.message)
         assert true_relative_residual(s.A, s.b, r.to_numpy()) <= 1e-8
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_solution_scaled_back_into_subnormals_is_judged_by_its_own_residual(method):
+    """x = 9.5e-317 is subnormal: it holds about 8 digits, and the residual read from it misses
+    rtol = 1e-8. The factorisation's check of the scaled problem said it met it (CONVERGED)."""
+    A, b = sp.csr_matrix([[3650696546691480.5]]), np.array([3.4558419206478602e-301])
+    res = solve(A, b, method=method, device="cpu")
+    assert res.status is Status.BREAKDOWN and "subnormal" in res.message, res.message
+    assert true_relative_residual(A, b, res.to_numpy()) > 1e-8
+    exact = solve(sp.csr_matrix([[1.0]]), np.array([1e-310]), method=method, device="cpu")
+    assert exact.status is Status.CONVERGED and exact.x[0] == 1e-310  # subnormal and exact

@@ -31,6 +31,9 @@ from .engine import BREAKDOWN, CONVERGED, LEAST_SQUARES, MAXITER, Outcome, Prepa
 
 ACCEPT, RESTART, FALL_BACK = "accept", "restart", "fall back"
 
+#: ``Outcome.info`` key of an x scaled back into subnormal numbers (the float's ``tiny``).
+SUBNORMAL = "subnormal_below"
+
 log = logging.getLogger("managed_solve")
 
 #: The result status of each engine status code.
@@ -181,6 +184,11 @@ def _judged(out: Outcome, method: str, residual: float, tol: float, system: Any,
                                 f"tolerance (||b - A x|| = {residual:.3g} > {tol:.3g}); raise "
                                 "maxiter, loosen rtol, or add a preconditioner (M='jacobi').")
     if not residual <= tol * (1 + 1e-6):
+        if SUBNORMAL in out.info:
+            return Status.BREAKDOWN, (
+                f"{method}: ||b - A x|| = {residual:.3g} exceeds {tol:.3g} because x has entries "
+                f"below {out.info[SUBNORMAL]:.3g} (subnormal numbers, with fewer digits): solve "
+                "for scaled unknowns x * s.")
         if method == "direct":
             return Status.MAXITER, (
                 f"direct: the true residual ||b - A x|| = {residual:.3g} exceeds {tol:.3g}; "
@@ -346,6 +354,12 @@ def check_representable(out: Outcome, scaled_x: Any) -> None:
         out.code = BREAKDOWN
         out.message = ("the solution underflows the float range (its entries are below "
                        f"{np.finfo(scaled_x.dtype).tiny:.3g}): solve for scaled unknowns x * s.")
+    else:
+        tiny = float(np.finfo(scaled_x.dtype).tiny)
+        if bool(((out.x != 0) & (xp.abs(out.x) < tiny)).any()):  # sync: as above
+            # Subnormal entries hold fewer digits: the true residual, read from
+            # this x, says whether the tolerance is still met (SUBNORMAL's message).
+            out.info[SUBNORMAL] = tiny
 
 
 def failed_setup(setup: Outcome) -> Outcome:
