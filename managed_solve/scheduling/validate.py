@@ -317,7 +317,10 @@ def symmetry_candidate(A: Any, least: int | None = None) -> bool:
     if nnz is None:
         return False
     data = A.data
+    # The walk reads indptr[0..n], and indices and data up to its last entry: arrays
+    # of other lengths (a matrix changed after SciPy built it) go to the full check.
     return (nnz > 0 and (least is None or nnz < least) and data.dtype in _FLOATS
+            and A.indptr.shape[0] == A.shape[0] + 1 and data.shape[0] == A.indices.shape[0]
             and getattr(A, "_has_canonical_format", True) is not False
             and getattr(A, "_has_sorted_indices", True) is not False
             and data.flags.c_contiguous and A.indices.flags.c_contiguous

@@ -327,3 +327,19 @@ def spla_spsolve(A, b):
     import scipy.sparse.linalg as spla
 
     return spla.spsolve(A.tocsc(), b)
+
+
+@pytest.mark.parametrize("change", ["short data", "short indptr"])
+def test_a_matrix_whose_arrays_were_changed_is_refused_not_walked(change):
+    """The symmetry pass walks indptr, indices and data without bounds checks: a SciPy CSR whose
+    arrays no longer agree in length goes to the full check, which refuses it."""
+    good = poisson2d(40).tocsr()
+    bad = good.copy()
+    if change == "short data":
+        bad.data = bad.data[:-50]
+    else:
+        bad.indptr = bad.indptr[:-1]
+    assert validate.symmetry_candidate(good) and not validate.symmetry_candidate(bad)
+    res = solve_many([(good, np.ones(1600)), (bad, np.ones(1600))], manager=DeviceManager(["cpu"]))
+    assert res[0].status is Status.CONVERGED
+    assert res[1].status is Status.INVALID_INPUT and "rebuild A" in res[1].message
