@@ -420,3 +420,10 @@ def test_a_float32_matrix_with_a_float64_block_is_solved_in_float64_as_a_vector_
     assert np.linalg.norm(host(wide.x) - want) <= 1e-8 * np.linalg.norm(want)
     narrow = solve(A_, B_.astype(np.float32), rtol=1e-5, method="cg")
     assert narrow.x.dtype == np.float32 and narrow.converged
+
+
+def test_a_b_of_the_wrong_shape_names_the_block_form_solve_takes():
+    A = poisson2d(4)
+    with pytest.raises(ValueError, match=r"shape \(16, 2, 1\).*columns of a \(16, k\) array to "
+                                         r"solve\(\) or a Solver.*solve_many"):
+        solve(A, np.ones((16, 2, 1)), device="cpu")

@@ -448,8 +448,9 @@ def as_vector(v: Any, n: int, *, call: str, arg: str, xp: Any = None) -> Any:
     if v.ndim != 1 or v.shape[0] != n:
         raise ValueError(
             f"{call}: {arg} must have shape ({n},) to match A of shape ({n}, {n}), got shape "
-            f"{tuple(v.shape)}. For several right-hand sides, solve them as separate systems "
-            "with solve_many."
+            f"{tuple(v.shape)}. For several right-hand sides with one A, pass them as the "
+            f"columns of a ({n}, k) array to solve() or a Solver; for systems with their own "
+            "A, use solve_many."
         )
     check_dtype(v.dtype, call=call, arg=arg)
     return v
