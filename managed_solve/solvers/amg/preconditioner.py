@@ -22,7 +22,7 @@ from ...system.cost import amg_bytes
 from . import hierarchy
 from .cycle import VCycle
 from .fused import FusedCycle
-from .pyamg_setup import aggregates_of, levels_of, pyamg_solver
+from .pyamg_setup import aggregation_operators, improve_candidates, levels_of, pyamg_solver
 from .smoothers import NAMES as SMOOTHERS
 from .smoothers import make_smoother
 
@@ -147,7 +147,6 @@ class AMGPreconditioner:
         #: so every iteration (no iterations past convergence); None: the loop's own.
         self.check_every = None if on_host else 1
         self._ml: Any = None
-        self._aggregates: list | None = None
         self._build(A)
 
     def _check_nullspace(self, B: Any, n: int) -> Any:
@@ -163,24 +162,31 @@ class AMGPreconditioner:
         return B
 
     # -- set-up ----------------------------------------------------------------
-    def _build(self, A: Any) -> None:
+    def _build(self, A: Any, kept: list | None = None) -> None:
+        """The set-up; ``kept``: the levels whose aggregates PyAMG is handed (its own cycle's
+        numeric re-setup)."""
         B = self.nullspace
         if B is None:
             B = self.xp.ones((A.shape[0], 1), dtype=self.xp.float64)
         if self.setup == "pyamg":
             ml = pyamg_solver(A, B, theta=self.theta, max_coarse=self.max_coarse,
-                              max_levels=self.max_levels, aggregates=self._aggregates)
+                              max_levels=self.max_levels,
+                              aggregates=None if kept is None else aggregation_operators(kept))
             self._ml = ml
-            if self._aggregates is None:
-                self._aggregates = aggregates_of(ml)
-            self.levels = levels_of(ml, self.xp)
+            levels = levels_of(ml, self.xp)
+            # What the aggregates were made from, compared on update (PyAMG's
+            # strength measure is ours, on the scalar entries it was given).
+            levels[0].strong = kept[0].strong if kept is not None else hierarchy.strength_bits(
+                levels[0].A, self.theta, levels[0].blocksize, self.xp, self.sparse)
         else:
-            self.levels = hierarchy.build(
+            levels = hierarchy.build(
                 A, B, self.xp, self.sparse, theta=self.theta,
                 blocksize=self.blocksize, max_coarse=self.max_coarse,
                 max_levels=self.max_levels, seed=self.seed)
-        if self.nullspace is None:
-            self.levels[0].B = None  # the constants: refitting T makes them again
+        # The candidates as given (None: the constants): a re-setup relaxes and
+        # refits from them, as the set-up did.
+        levels[0].B = self.nullspace
+        self.levels = levels
         self._make_cycle()
 
     def _cast(self, M: Any) -> Any:
@@ -224,7 +230,16 @@ class AMGPreconditioner:
     def update(self, values: Any) -> None:
         """New values of A on the same pattern: keep the aggregates, recompute the rest.
 
-        ``values``: A's ``data`` array in CSR order, or a matrix of the same pattern.
+        ``values``: A's ``data`` array in CSR order, or a matrix of the same
+        pattern. Everything numeric is set up again on the new values (the
+        relaxed near-null space, the tentative and smoothed prolongators and
+        their damping, the Galerkin levels, the smoothers, the coarse
+        inverse); the aggregates, which follow the strength of A's couplings,
+        are kept unless the new values weaken a coupling inside one of them
+        (:func:`~.hierarchy.weakened_inside`), where the whole set-up is
+        redone. A preconditioner passed as ``M=`` to a
+        :class:`~managed_solve.Solver` is the caller's: ``Solver.update``
+        leaves it as it is, and this method refreshes it.
         """
         A0 = self.levels[0].A
         if hasattr(values, "tocsr"):
@@ -239,10 +254,14 @@ class AMGPreconditioner:
                 raise ValueError(f"AMGPreconditioner.update(values): expected {A0.nnz} values, "
                                  f"got shape {tuple(data.shape)}.")
         A = self.sparse.csr_matrix((data.astype(A0.dtype), A0.indices, A0.indptr), shape=A0.shape)
-        if self.cycle == "pyamg":  # PyAMG's own cycle needs PyAMG's own levels
-            self._build(A)
+        xp, sparse = self.xp, self.sparse
+        if hierarchy.weakened_inside(self.levels[0], A, self.theta, xp, sparse):
+            self._build(A)  # the kept aggregates no longer follow A's strong couplings
+        elif self.cycle == "pyamg":  # PyAMG's own cycle needs PyAMG's own levels
+            self._build(A, kept=self.levels)
         else:
-            hierarchy.refresh(self.levels, A, self.xp, self.sparse)
+            hierarchy.refresh(self.levels, A, xp, sparse, improve=improve_candidates
+                              if self.setup == "pyamg" else hierarchy.relax_candidates)
             self._make_cycle(checked=getattr(self._cycle, "graph", None) is not None)
 
     # -- application -------------------------------------------------------------

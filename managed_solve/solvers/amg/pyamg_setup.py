@@ -1,21 +1,33 @@
 """The CPU set-up through PyAMG: ``smoothed_aggregation_solver`` builds the levels.
 
 PyAMG is the well-kept smoothed-aggregation library on the host; its
-hierarchy is copied into our :class:`~.hierarchy.Level` objects, its
-tentative prolongators included (fitted by PyAMG to near-null-space vectors
-it first improves by relaxation, so not refitted from the aggregates), so
-the same V-cycle and Krylov loops apply it and the numeric re-setup is ours
-(:func:`~.hierarchy.refresh`: PyAMG's aggregates and ``T`` kept). Where PyAMG's own cycle applies the hierarchy,
-the re-setup hands PyAMG the first set-up's aggregates instead
-(``aggregate=('predefined', ...)``).
+hierarchy is copied into our :class:`~.hierarchy.Level` objects (its
+matrices, smoothed prolongators and aggregates), so the same V-cycle and
+Krylov loops apply it. The numeric re-setup is ours
+(:func:`~.hierarchy.refresh` with :func:`improve_candidates`): PyAMG fits its
+tentative prolongators to near-null-space vectors it first relaxes on the
+matrix (:data:`IMPROVE`), so new values relax the candidates again before
+the prolongators are refitted to the kept aggregates. Where PyAMG's own
+cycle applies the hierarchy, the re-setup hands PyAMG the kept aggregates
+instead (``aggregate=('predefined', ...)``, :func:`aggregation_operators`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+import scipy.sparse as sp
+
 from ... import _backend
 from .hierarchy import Level, as_csr, damping
+
+#: How the near-null-space candidates are relaxed on ``A x = 0`` before the
+#: finest level's tentative prolongator is fitted to them (PyAMG's default,
+#: named here so that the re-setup relaxes them alike): a badly scaled
+#: matrix's near-null space is far from the constants (``D^-1 1`` for
+#: ``D A D``), and relaxation finds it.
+IMPROVE = ("block_gauss_seidel", {"sweep": "symmetric", "iterations": 4})
 
 
 def pyamg_solver(A: Any, B: Any, *, theta: float, max_coarse: int, max_levels: int,
@@ -28,22 +40,47 @@ def pyamg_solver(A: Any, B: Any, *, theta: float, max_coarse: int, max_levels: i
         max_levels = len(aggregates) + 1
     return pyamg.smoothed_aggregation_solver(
         A, B=B, strength=("symmetric", {"theta": float(theta)}), max_coarse=int(max_coarse),
-        max_levels=int(max_levels), keep=True, **kw)
+        max_levels=int(max_levels), improve_candidates=[IMPROVE, None], keep=True, **kw)
+
+
+def improve_candidates(level: Level, B: Any) -> Any:
+    """``B`` relaxed on the level's ``A x = 0`` as :func:`pyamg_solver`'s set-up relaxes it
+    (:data:`IMPROVE`)."""
+    relaxation = _backend.require("pyamg", "amg(setup='pyamg')").relaxation.utils
+    A = level.A
+    B = np.asarray(B, dtype=A.dtype)
+    zero = np.zeros((A.shape[0], 1), dtype=A.dtype)
+    return np.asarray(relaxation.relaxation_as_linear_operator(IMPROVE, sp.csr_array(A), zero) @ B)
 
 
 def levels_of(ml: Any, xp: Any) -> list[Level]:
-    """Our levels from a PyAMG multilevel solver (CSR matrices, damping estimated)."""
+    """Our levels from a PyAMG multilevel solver (CSR matrices, aggregates, damping estimated)."""
     levels = []
     for lev in ml.levels:
         level = Level(as_csr(lev.A), blocksize=lev.A.blocksize[0] if hasattr(lev.A, "blocksize")
                       else 1)
         if hasattr(lev, "P"):
-            level.P, level.T = as_csr(lev.P), as_csr(lev.T)
+            level.P = as_csr(lev.P)
+            level.agg, level.count = aggregates_from(lev.AggOp)
         damping(level, xp)
         levels.append(level)
     return levels
 
 
-def aggregates_of(ml: Any) -> list:
-    """The aggregation operators of every level but the coarsest (for the numeric re-setup)."""
-    return [lev.AggOp for lev in ml.levels[:-1]]
+def aggregates_from(AggOp: Any) -> tuple[Any, int]:
+    """``(agg, count)``: the aggregate of every node of a PyAMG aggregation operator (-1: none)."""
+    AggOp = sp.csr_matrix(AggOp)
+    agg = np.full(AggOp.shape[0], -1, dtype=np.int32)
+    rows = np.repeat(np.arange(AggOp.shape[0]), np.diff(AggOp.indptr))
+    agg[rows] = AggOp.indices
+    return agg, int(AggOp.shape[1])
+
+
+def aggregation_operators(levels: list[Level]) -> list:
+    """PyAMG's aggregation operators of every level but the coarsest, from our aggregates."""
+    ops = []
+    for lev in levels[:-1]:
+        inside = np.flatnonzero(lev.agg >= 0)
+        ops.append(sp.csr_array((np.ones(inside.shape[0], dtype=np.int8),
+                                 (inside, lev.agg[inside])), shape=(lev.agg.shape[0], lev.count)))
+    return ops

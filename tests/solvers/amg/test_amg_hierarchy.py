@@ -17,11 +17,13 @@ from tests._problems import (
     BACKENDS,
     array_modules,
     elasticity,
+    high_contrast_poisson,
     host,
     laplacian1d,
     on,
     poisson2d,
     poisson3d,
+    symmetrically_scaled,
 )
 
 
@@ -62,6 +64,18 @@ def test_a_vector_dependent_on_an_aggregate_gives_a_zero_column(backend):
     T = hostm(T).toarray()
     np.testing.assert_allclose(T[:, 1], 0.0, atol=1e-14)  # aggregate 0: B[:, 1] = 2 B[:, 0]
     np.testing.assert_allclose(T @ host(Bc), B, atol=1e-12)
+
+
+def test_an_unknown_outside_every_aggregate_gets_an_empty_row(backend):
+    # PyAMG's aggregation leaves nodes without strong couplings out (-1).
+    xp, sparse = array_modules(backend)
+    agg = np.array([0, 0, -1, 1, 1])
+    B = np.array([[1.0], [2.0], [3.0], [1.0], [1.0]])
+    T, Bc = fit_candidates(xp, sparse, on(backend, agg), 2, on(backend, B))
+    T = hostm(T).toarray()
+    assert T.shape == (5, 2) and not T[2].any()
+    np.testing.assert_allclose((T @ host(Bc))[agg >= 0], B[agg >= 0], atol=1e-12)
+    np.testing.assert_allclose(T.T @ T, np.eye(2), atol=1e-12)
 
 
 def test_spectral_radius_estimate(backend):
@@ -118,12 +132,77 @@ def test_refresh_equals_a_fresh_set_up_on_the_same_aggregates(backend):
     # theta 0: aggregates follow the pattern alone, so a fresh set-up on the
     # new values finds the same ones (a threshold measures the values).
     levels = build(backend, A, max_coarse=40, theta=0.0)
-    assert all(lev.T is None and lev.agg.dtype == np.int32 for lev in levels[:-1])
+    assert all(lev.agg.dtype == np.int32 for lev in levels[:-1])
     hierarchy.refresh(levels, on(backend, A2), xp, sparse)
     fresh = build(backend, A2, max_coarse=40, theta=0.0)
     assert len(levels) == len(fresh)
     for a, b in zip(levels, fresh, strict=True):
         np.testing.assert_allclose(hostm(a.A).toarray(), hostm(b.A).toarray(), atol=1e-12)
+
+
+def scaled(A, seed=1, decades=3):
+    """``D A D`` with d spread over ``decades``: the same strength graph, another near-null space."""
+    d = 10.0 ** np.random.default_rng(seed).uniform(0, decades, A.shape[0])
+    return symmetrically_scaled(A, d)
+
+
+def test_refresh_on_scaled_values_equals_a_fresh_set_up(backend):
+    # |a_ij| >= theta sqrt(a_ii a_jj) holds for D A D where it holds for A, so
+    # a fresh set-up finds the kept finest aggregates; everything numeric
+    # there (the relaxed candidates, T, the damping, P, the Galerkin product)
+    # must then be what the fresh set-up computes. (Coarser Galerkin levels
+    # are no diagonal scaling of the old ones: a fresh set-up may aggregate
+    # them otherwise.)
+    xp, sparse = array_modules(backend)
+    A = poisson2d(32)
+    A2 = scaled(A)
+    levels = build(backend, A, max_coarse=40)
+    kept = [lev.agg for lev in levels[:-1]]
+    hierarchy.refresh(levels, on(backend, A2), xp, sparse)
+    fresh = build(backend, A2, max_coarse=40)
+    assert all(lev.agg is agg for lev, agg in zip(levels, kept, strict=False))
+    np.testing.assert_array_equal(host(levels[0].agg), host(fresh[0].agg))
+    P, Pf = hostm(levels[0].P).toarray(), hostm(fresh[0].P).toarray()
+    np.testing.assert_allclose(P, Pf, atol=1e-10 * abs(Pf).max())
+    Ac, Af = hostm(levels[1].A).toarray(), hostm(fresh[1].A).toarray()
+    np.testing.assert_allclose(Ac, Af, atol=1e-10 * abs(Af).max())
+
+
+def test_relaxed_candidates_find_the_near_null_space_of_a_scaled_matrix(backend):
+    # D A D annihilates D^-1 1 as nearly as A annihilates the constants; the
+    # constants themselves are far from that (energy over the diagonal's).
+    xp, _ = array_modules(backend)
+    A = poisson2d(32)
+    n = A.shape[0]
+
+    def relaxed(M):
+        level = hierarchy.Level(on(backend, M))
+        hierarchy.damping(level, xp)
+        return host(hierarchy.relax_candidates(level, on(backend, np.ones((n, 1)))))[:, 0]
+
+    def energy(M, v):
+        return (v @ (M @ v)) / (v @ (M.diagonal() * v))
+
+    A2 = scaled(A)
+    ones = np.ones(n)
+    assert energy(A2, relaxed(A2)) < 0.05 * energy(A2, ones)
+    B = relaxed(A)  # a Laplacian's candidates stay near the constants
+    assert B @ ones / (np.linalg.norm(B) * np.sqrt(n)) > 0.9
+
+
+def test_weakened_inside_counts_couplings_that_split_an_aggregate(backend):
+    xp, sparse = array_modules(backend)
+    A = poisson2d(32)
+    jump = high_contrast_poisson(32)  # A's pattern, the couplings across the jump weak
+
+    def weakened(levels, M):
+        return hierarchy.weakened_inside(levels[0], on(backend, M), hierarchy.THETA, xp, sparse)
+
+    levels = build(backend, A, max_coarse=40)
+    assert weakened(levels, scaled(A, decades=6)) == 0
+    assert weakened(levels, jump) > 0
+    # Couplings that new values strengthen leave every aggregate connected.
+    assert weakened(build(backend, jump, max_coarse=40), A) == 0
 
 
 @pytest.mark.parametrize("limit", [1, 50, 10_000, 1 << 40])

@@ -18,13 +18,16 @@ from managed_solve.solvers.cg import cg
 from managed_solve.solvers.gmres import gmres
 from tests._problems import (
     BACKENDS,
+    assert_matches_spsolve,
     convection_diffusion,
     elasticity,
+    high_contrast_poisson,
     host,
     on,
     poisson2d,
     poisson3d,
     rotated_anisotropic,
+    symmetrically_scaled,
 )
 
 pyamg = pytest.importorskip("pyamg")
@@ -246,6 +249,112 @@ def test_solver_update_reuses_the_hierarchy(backend):
         solver.update(A2d)
         x = host(solver.solve(bd).x)
     assert np.linalg.norm(b - A2 @ x) <= 1.0001e-8 * np.linalg.norm(b)
+
+
+def new_values(case, m=32):
+    """``(A, A2)``, one pattern: 2D Poisson and new values of it.
+
+    ``"scaled"``: ``D A D`` with d over three decades (the strength graph
+    kept, the near-null space ``D^-1 1`` instead of the constants);
+    ``"jump"``: the coefficient jumping by 10^6 across the middle (the
+    couplings across the jump weak).
+    """
+    A = poisson2d(m)
+    if case == "scaled":
+        return A, symmetrically_scaled(A, 10.0 ** np.random.default_rng(1).uniform(0, 3, m * m))
+    return A, high_contrast_poisson(m)
+
+
+@pytest.mark.parametrize("case", ["scaled", "jump"])
+def test_solver_update_iterates_as_a_fresh_set_up(backend, case):
+    # M="amg" (PyAMG's set-up on the CPU, ours on a GPU) after Solver.update
+    # against a Solver made on the new values (PyAMG's eigenvalue estimate
+    # starts at random: its count varies by one).
+    A, A2 = new_values(case)
+    b = rhs(A.shape[0])
+    Ad, A2d, bd = on(backend, A, A2, b)
+    with ms.Solver(Ad, method="cg", M="amg", rtol=1e-8) as solver:
+        solver.solve(bd)
+        solver.update(A2d)
+        out = solver.solve(bd)
+    with ms.Solver(A2d, method="cg", M="amg", rtol=1e-8) as fresh:
+        ref = fresh.solve(bd)
+    assert out.status == ms.Status.CONVERGED
+    assert abs(out.iterations - ref.iterations) <= 2, (out.iterations, ref.iterations)
+    assert_matches_spsolve(out.x, A2, b, np.float64)
+
+
+@pytest.mark.parametrize("case", ["scaled", "jump"])
+def test_native_update_equals_a_fresh_set_up_on_new_coefficients(backend, case):
+    # Our set-up is deterministic: the refreshed hierarchy is the fresh one,
+    # and both relax the constants towards D A D's near-null space.
+    A, A2 = new_values(case)
+    b = rhs(A.shape[0])
+    Ad, A2d, bd = on(backend, A, A2, b)
+    M = amg(Ad, setup="native")
+    M.update(A2d)
+    fresh = amg(A2d, setup="native")
+    out, ref = cg(A2d, bd, rtol=1e-10, M=M), cg(A2d, bd, rtol=1e-10, M=fresh)
+    # (A GPU loop reads its residual in batches: the count it converged at.)
+    its, ref_its = (o.info.get("converged_at", o.iterations) for o in (out, ref))
+    assert out.code == 0 and its == ref_its <= 14, (its, ref_its)
+    assert_matches_spsolve(out.x, A2, b, np.float64)
+
+
+@pytest.mark.parametrize("setup", ["native", "pyamg"])
+def test_update_keeps_the_aggregates_until_new_values_split_one(backend, setup):
+    if backend != "cpu" and setup == "pyamg":
+        pytest.skip("PyAMG sets up on the host only")
+    A, A2 = new_values("scaled")
+    _, A3 = new_values("jump")
+    Ad, A2d, A3d = on(backend, A, A2, A3)
+    M = amg(Ad, setup=setup)
+    sizes = [lev.A.shape for lev in M.levels]
+    kept = [lev.agg for lev in M.levels[:-1]]
+    assert all(agg is not None for agg in kept)
+    M.update(A2d)  # D A D: the strength graph as it was, a numeric re-setup
+    assert all(lev.agg is agg for lev, agg in zip(M.levels, kept, strict=False))
+    assert [lev.A.shape for lev in M.levels] == sizes
+    M.update(A3d)  # couplings inside aggregates weakened: the set-up is redone
+    fresh = amg(A3d, setup=setup)
+    assert len(M.levels) == len(fresh.levels)
+    for lev, ref in zip(M.levels[:-1], fresh.levels, strict=False):
+        np.testing.assert_array_equal(host(lev.agg), host(ref.agg))
+    kept = [lev.agg for lev in M.levels[:-1]]
+    M.update(A2d)  # no coupling weakened now (those across the jump strengthen): kept
+    assert all(lev.agg is agg for lev, agg in zip(M.levels, kept, strict=False))
+
+
+def test_pyamg_update_with_unknowns_outside_every_aggregate():
+    # PyAMG leaves unknowns without couplings out of its aggregates; the
+    # re-setup refits T with zero rows there, as PyAMG's set-up has them.
+    A = sp.block_diag([poisson2d(24), sp.identity(6)]).tocsr()
+    A2 = symmetrically_scaled(A, 10.0 ** np.random.default_rng(2).uniform(0, 2, A.shape[0]))
+    M = amg(A, setup="pyamg", max_coarse=20)
+    assert (M.levels[0].agg < 0).sum() == 6
+    M.update(A2)
+    b = rhs(A.shape[0])
+    out, ref = cg(A2, b, rtol=1e-8, M=M), cg(A2, b, rtol=1e-8, M=amg(A2, setup="pyamg", max_coarse=20))
+    assert out.code == 0 and abs(out.iterations - ref.iterations) <= 2, (out.iterations,
+                                                                          ref.iterations)
+    assert_matches_spsolve(out.x, A2, b, np.float64)
+
+
+def test_solver_update_leaves_a_preconditioner_object_to_its_owner(backend):
+    # An AMGPreconditioner passed as M= is the caller's (it may serve other
+    # solvers on the old matrix): Solver.update leaves it, and its own
+    # update() refreshes it for every solver that holds it.
+    A, A2 = new_values("scaled")
+    b = rhs(A.shape[0])
+    Ad, A2d, bd = on(backend, A, A2, b)
+    M = amg(Ad)
+    with ms.Solver(Ad, method="cg", M=M, rtol=1e-10) as solver:
+        solver.update(A2d)
+        np.testing.assert_array_equal(host(M.levels[0].A.data), A.data)
+        M.update(A2d)
+        out = solver.solve(bd)
+    assert out.status == ms.Status.CONVERGED and out.iterations <= 14, out.iterations
+    assert_matches_spsolve(out.x, A2, b, np.float64)
 
 
 @pytest.mark.parametrize("setup", ["native", "pyamg"])
