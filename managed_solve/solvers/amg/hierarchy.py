@@ -262,6 +262,12 @@ def weakened_inside(level: Level, A: Any, theta: float, xp: Any, sparse: Any) ->
     return int((old & ~new & inside).sum())  # sync: one read an update
 
 
+#: Condition number (1-norm) of the coarsest matrix above which it is taken as
+#: singular, and inverted on its modes above ``1 / COARSE_CONDITION_LIMIT``
+#: of its largest singular value.
+COARSE_CONDITION_LIMIT = 1e12
+
+
 def coarse_inverse(A: Any, xp: Any) -> Any:
     """The dense inverse of the coarsest matrix (its pseudo-inverse if singular).
 
@@ -283,8 +289,15 @@ def coarse_inverse(A: Any, xp: Any) -> Any:
     D[idx, idx] = 1.0
     try:
         inv = xp.linalg.inv(D)
-        if not bool(xp.isfinite(inv).all()):  # sync: once a set-up
-            raise np.linalg.LinAlgError("singular coarse matrix")
+        # A numerically singular matrix (the coarsest of a singular A, such as a
+        # pure Neumann problem's) inverts through rounding-sized pivots: its inverse
+        # is huge along the null space, and every cycle's output drowns in it.
+        norm1 = float(abs(D).sum(axis=0).max()) * float(abs(inv).sum(axis=0).max())  # sync
+        regular = norm1 <= COARSE_CONDITION_LIMIT  # NaN (an inf entry) is not regular
     except np.linalg.LinAlgError:
-        inv = xp.linalg.pinv(D)
-    return inv
+        regular = False
+    if regular:
+        return inv
+    U, sv, Vt = xp.linalg.svd(D)  # the pseudo-inverse on the modes above the limit
+    keep = sv > sv[0] / COARSE_CONDITION_LIMIT
+    return (Vt[keep].T / sv[keep]) @ U[:, keep].T

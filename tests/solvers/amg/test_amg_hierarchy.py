@@ -10,6 +10,7 @@ import pytest
 import scipy.sparse as sp
 import scipy.sparse.linalg as sla
 
+import managed_solve as ms
 from managed_solve.solvers.amg import hierarchy
 from managed_solve.solvers.amg.spectral import safe_inverse, spectral_radius
 from managed_solve.solvers.amg.tentative import fit_candidates
@@ -20,6 +21,7 @@ from tests._problems import (
     high_contrast_poisson,
     host,
     laplacian1d,
+    neumann2d,
     on,
     poisson2d,
     poisson3d,
@@ -226,3 +228,32 @@ def test_coarse_inverse_handles_singular_and_empty_rows(backend):
     b = np.array([1.0, -1.0, 0.5, 0.0, -0.5, 0.0])  # consistent: orthogonal to constants
     x = inv @ b
     np.testing.assert_allclose(A @ x, b, atol=1e-10)
+
+
+def test_a_numerically_singular_coarsest_matrix_gets_its_pseudo_inverse(backend):
+    """A pure Neumann Laplacian is singular, but rounding leaves every LU pivot nonzero: its
+    plain inverse is about 1e16 along the constants. The coarse solve is the pseudo-inverse."""
+    xp, sparse = array_modules(backend)
+    A = neumann2d(8)
+    inv = hostm(hierarchy.coarse_inverse(sparse.csr_matrix(A), xp))
+    D = A.toarray()
+    U, s, Vt = np.linalg.svd(D)
+    want = (Vt[:-1].T / s[:-1]) @ U[:, :-1].T  # the one zero singular value dropped
+    assert np.abs(inv - want).max() <= 1e-8 * np.abs(want).max()
+    regular = hostm(hierarchy.coarse_inverse(sparse.csr_matrix(poisson2d(8)), xp))
+    np.testing.assert_allclose(regular @ poisson2d(8).toarray(), np.eye(64), atol=1e-12)
+
+
+@pytest.mark.parametrize("m", [6, 12, 40])
+def test_amg_cg_solves_a_pure_neumann_problem_whose_hierarchy_is_one_level_or_more(m, backend):
+    """A hierarchy of one level is the coarse solve alone: CG with it converges at once."""
+    A = neumann2d(m)
+    n = A.shape[0]
+    b = np.random.default_rng(0).standard_normal(n)
+    b -= b.mean()
+    Ad, bd = on(backend, A, b)
+    res = ms.solve(Ad, bd, method="cg", M="amg", nullspace="constant", rtol=1e-10)
+    assert res.status is ms.Status.CONVERGED and res.iterations <= 12, res.message
+    want = np.linalg.lstsq(A.toarray(), b, rcond=None)[0]
+    want -= want.mean()
+    assert np.linalg.norm(host(res.x) - want) <= 1e-7 * np.linalg.norm(want)
