@@ -562,7 +562,7 @@ def test_the_gradient_of_an_operator_solve_takes_the_adjoint_through_rmatvec():
     np.testing.assert_allclose(b.grad.numpy(), expected, rtol=1e-8)
 
 
-@pytest.mark.parametrize("method,M", [("cg", None), ("cg", "jacobi"), ("gmres", None),
+@pytest.mark.parametrize("method,M", [("cg", None), ("cg", "jacobi"), ("cg", "amg"), ("gmres", None),
                                       ("bicgstab", None), ("minres", None), ("direct", None)])
 def test_a_b_in_the_null_space_gives_x_zero_and_least_squares(method, M, backend):
     """A uniform source on a pure Neumann problem: b is all in the null space, so no part of it
