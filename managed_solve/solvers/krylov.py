@@ -18,6 +18,7 @@ passes there).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -320,6 +321,15 @@ class PreparedKrylov(Prepared):
             self.A = A
             self._block, self._block_M, self._bound = None, None, None
         else:
+            if self.options.M is not None and hasattr(self.options.M, "update"):
+                # The caller's own preconditioner object (an AMG hierarchy, say) stays
+                # theirs: others may share it. Left on the old values it may cost
+                # thousands of iterations, so say so once per update.
+                warnings.warn(
+                    f"update: M is the caller's {type(self.options.M).__name__}, built on the "
+                    "previous values and not refreshed here; call M.update(A) with the new "
+                    "matrix too, or pass M='amg' to let the solver refresh its own.",
+                    RuntimeWarning, stacklevel=3)
             self._set_operator(A)
         if block is not None:
             block.close()

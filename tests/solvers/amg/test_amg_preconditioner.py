@@ -349,7 +349,8 @@ def test_solver_update_leaves_a_preconditioner_object_to_its_owner(backend):
     Ad, A2d, bd = on(backend, A, A2, b)
     M = amg(Ad)
     with ms.Solver(Ad, method="cg", M=M, rtol=1e-10) as solver:
-        solver.update(A2d)
+        with pytest.warns(RuntimeWarning, match=r"M is the caller's AMGPreconditioner.*M\.update"):
+            solver.update(A2d)
         np.testing.assert_array_equal(host(M.levels[0].A.data), A.data)
         M.update(A2d)
         out = solver.solve(bd)
