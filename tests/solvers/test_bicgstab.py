@@ -78,16 +78,3 @@ def test_bicgstab_breakdown_is_a_status_not_a_crash():
     fused = solve(A, np.array([1.0, 0.0]), method="bicgstab")
     assert fused.status.name in ("BREAKDOWN", "MAXITER")
     assert not fused.converged
-
-
-@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
-                            "ignore:invalid value encountered:RuntimeWarning")
-def test_an_overflow_is_named_as_one_not_as_a_vanishing_inner_product(backend):
-    from managed_solve.solvers.bicgstab import bicgstab_fused
-
-    A = convection_diffusion(8)
-    Ad, b, x0 = on(backend, A, np.ones(A.shape[0]), np.full(A.shape[0], 1e300))
-    for out in (bicgstab(Ad, b, x0=x0), bicgstab_fused(Ad, b, x0=x0)):
-        assert out.code == 2
-        assert "BiCGStab overflowed" in out.message and "drop x0" in out.message
-        assert "vanishing" not in out.message

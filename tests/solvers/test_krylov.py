@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 import scipy.sparse.linalg as sla
 
 from managed_solve import Status, solve
 from managed_solve.solvers._common import DROPPED_START, HOPELESS_START
-from tests._problems import BACKENDS, host, on, poisson2d
+from tests._problems import BACKENDS, convection_diffusion, host, on, poisson2d
 
 OVERFLOWS = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
                                        "ignore:invalid value encountered:RuntimeWarning")
@@ -90,3 +92,28 @@ def test_a_block_column_with_a_hopeless_start_is_solved_from_zero(backend, metho
     r = Solver(Ad, method=method).solve(Bd, x0=X0d)
     assert r.status == Status.CONVERGED, r.message
     np.testing.assert_allclose(host(r.x), sla.spsolve(A.tocsc(), B), rtol=0, atol=1e-6)
+
+
+def _loops(name):
+    """The loops of a method that take an x0: the generic one and the fused one where it has one."""
+    module = importlib.import_module(f"managed_solve.solvers.{name}")
+    return [getattr(module, f) for f in (name, f"{name}_fused") if hasattr(module, f)]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
+                            "ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("method,wrong", [("cg", "positive definite"), ("bicgstab", "vanishing"),
+                                          ("gmres", "check A"), ("minres", "check A")])
+def test_each_loop_names_an_overflow_as_one_with_its_fix(method, wrong, backend):
+    """From x0 = 1e300 the products overflow: each loop says so and names the fix, not a
+    property of A it does not have (CG said "not positive definite", BiCGStab "a vanishing
+    inner product", MINRES "check A for NaN/Inf"). solve() drops such an x0 (above)."""
+    A = poisson2d(8) if method in ("cg", "minres") else convection_diffusion(8)
+    Ad, b, x0 = on(backend, A, np.ones(A.shape[0]), np.full(A.shape[0], 1e300))
+    outs = [loop(Ad, b, x0=x0) for loop in _loops(method)]
+    if method == "cg":
+        outs.append(_loops("cg")[0](Ad.toarray(), b, x0=x0))  # the dense operator too
+    for out in outs:
+        assert out.code == 2  # BREAKDOWN
+        assert f"{method.upper() if method != 'bicgstab' else 'BiCGStab'} overflowed" in out.message
+        assert "drop x0" in out.message and wrong not in out.message
