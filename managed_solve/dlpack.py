@@ -55,7 +55,8 @@ def as_torch(array: Any, *, stream: Any = None):
     Returns
     -------
     torch.Tensor
-        Same device, same data pointer (dense); for CSR a ``torch.sparse_csr``
+        Same device, same data pointer (dense; a read-only NumPy array is
+        copied, as torch has no read-only tensors); for CSR a ``torch.sparse_csr``
         tensor whose ``crow_indices``, ``col_indices`` and ``values`` share the
         matrix's ``indptr``, ``indices`` and ``data``.
 
@@ -90,8 +91,10 @@ def as_torch(array: Any, *, stream: Any = None):
         return torch.from_dlpack(array)
     if isinstance(array, np.ndarray):
         if not array.flags.writeable:
-            # torch.from_numpy refuses read-only memory; DLPack marks it read-only instead.
-            return torch.from_dlpack(array)
+            # torch has no read-only tensors: a tensor over this memory would let any
+            # in-place operation write into it (an immutable bytes object, a Mesh's
+            # vertices behind its cached facts). A copy keeps the array as it is.
+            return torch.from_numpy(array.copy())
         return torch.from_numpy(array)
     raise TypeError(
         f"as_torch(array=...): expected a NumPy or CuPy array, a SciPy or cupyx CSR matrix, or a "

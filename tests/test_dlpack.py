@@ -181,3 +181,20 @@ def test_as_torch_keeps_the_gpu_index():
         a = cupy.arange(4.0)
     t = as_torch(a)
     assert t.device == torch.device("cuda:1") and t.data_ptr() == a.data.ptr
+
+
+def test_a_read_only_array_is_copied_so_no_in_place_change_reaches_it():
+    """torch has no read-only tensors: a view of read-only memory would let mul_() write into
+    an immutable bytes object or a Mesh's vertices (behind its cached area)."""
+    from managed_solve import mesh
+
+    raw = bytes(16)
+    t = as_torch(np.frombuffer(raw, dtype=np.float64))
+    t[0] = 5.0
+    assert raw == bytes(16) and float(t[0]) == 5.0
+    m = mesh.icosphere(1)
+    before = m.vertices.copy()
+    as_torch(m.vertices).mul_(2.0)
+    np.testing.assert_array_equal(m.vertices, before)
+    writable = np.arange(3.0)
+    assert as_torch(writable).data_ptr() == writable.ctypes.data  # zero-copy where writable
