@@ -83,6 +83,8 @@ def load(path: str | os.PathLike, *, call: str) -> MeshData:
     ext = os.path.splitext(path)[1].lower()
     if ext == ".obj":
         return _read_obj(path, call)
+    if ext == ".off":
+        return _read_off(path, call)
     if ext == ".stl":
         _sniff_stl(path, call)
     elif ext == ".ply":
@@ -91,7 +93,7 @@ def load(path: str | os.PathLike, *, call: str) -> MeshData:
     try:
         with np.errstate(over="ignore"):  # meshio sizes an ASCII STL as binary first, in uint32
             m = meshio.read(path)
-    except Exception as exc:  # meshio raises whatever its parsers hit: make it one kind
+    except (Exception, SystemExit) as exc:  # whatever its parsers hit (some call sys.exit)
         raise ValueError(f"{call}: meshio could not read the file ({type(exc).__name__}: {exc}). "
                          "Check that it is a complete, valid mesh file of the format its "
                          "extension says, or export it again.") from exc
@@ -244,6 +246,49 @@ def _read_obj(path: str, call: str) -> MeshData:
         ids.append(members)
     return _from_cells(np.array(verts, dtype=float).reshape(-1, 3), blocks, call, ids=ids,
                        lines=np.array(lines), one_based=True)
+
+
+# ------------------------------------------------------------------ OFF
+def _read_off(path: str, call: str) -> MeshData:
+    """An OFF file: a header line (OFF, or COFF/NOFF/CNOFF with per-vertex extras), the counts,
+    the vertices, then faces ``k i0 ... ik-1`` (0-based; polygons fan-triangulated)."""
+    with open(path, "rb") as fh:
+        text = fh.read().decode("utf-8", errors="replace")
+    rows = [(k, line.split("#", 1)[0].split()) for k, line in enumerate(text.splitlines(), 1)]
+    rows = [(k, tokens) for k, tokens in rows if tokens]
+    if not rows or not rows[0][1][0].upper().endswith("OFF"):
+        raise ValueError(f"{call}: an OFF file starts with the keyword OFF; this one starts with "
+                         f"{rows[0][1][0] if rows else 'nothing'!r}. Export it again.")
+    head = rows[0][1][1:] or (rows[1][1] if len(rows) > 1 else [])
+    body = rows[1:] if rows[0][1][1:] else rows[2:]
+    try:
+        nv, nf = int(head[0]), int(head[1])
+    except (IndexError, ValueError):
+        raise ValueError(f"{call}: the OFF header must give the numbers of vertices and faces "
+                         f"('nv nf ne'), got {' '.join(head)!r}.") from None
+    if len(body) < nv + nf:
+        raise ValueError(f"{call}: the OFF header announces {nv} vertices and {nf} faces, but the "
+                         f"file holds {len(body)} lines of them; it is truncated. Export it again.")
+    try:
+        verts = np.array([[float(x) for x in tokens[:3]] for _, tokens in body[:nv]])
+        faces = [[int(i) for i in tokens[1:1 + int(tokens[0])]] for _, tokens in body[nv:nv + nf]]
+    except ValueError as exc:
+        raise ValueError(f"{call}: cannot read the OFF body ({exc}); expected 'x y z' vertex "
+                         "lines, then 'k i0 ... ik-1' face lines.") from None
+    lines = np.array([k for k, _ in body[nv:nv + nf]])
+    for k, face in enumerate(faces):
+        if len(face) < 3 or len(face) != int(body[nv + k][1][0]):
+            raise ValueError(f"{call}: line {lines[k]}: face {k} needs at least 3 vertex indices, "
+                             f"as many as it announces; got {' '.join(body[nv + k][1])!r}.")
+    if verts.shape != (nv, 3):
+        raise ValueError(f"{call}: every OFF vertex needs three coordinates.")
+    sizes = np.array([len(f) for f in faces])
+    blocks, ids = [], []
+    for size in np.unique(sizes):
+        members = np.flatnonzero(sizes == size)
+        blocks.append(("triangle" if size == 3 else "polygon", np.array([faces[k] for k in members])))
+        ids.append(members)
+    return _from_cells(verts.reshape(-1, 3), blocks, call, ids=ids, lines=lines)
 
 
 # ------------------------------------------------------------------ STL

@@ -361,3 +361,38 @@ def test_element_shapes_are_scale_free():
                                    rtol=1e-15)
         np.testing.assert_allclose(Mesh(tet * scale, [[0, 1, 2, 3]]).element_shapes(),
                                    [1 / (6 * 2**1.5)], rtol=1e-15)
+
+
+def test_an_off_file_of_polygons_is_read_and_fan_triangulated(tmp_path):
+    """OFF faces are polygons ('k i0 ... ik-1', colours may follow); comments and a header with
+    its counts on the keyword's line are OFF too."""
+    path = tmp_path / "shapes.off"
+    path.write_text("OFF 9 2 0  # a unit square and a pentagon of area 2\n"
+                    "0 0 0\n1 0 0\n1 1 0\n0 1 0\n"
+                    "3 0 0\n4 0 0\n4.5 1 0\n3.5 1.5 0\n2.5 1 0\n"
+                    "4 0 1 2 3\n5 4 5 6 7 8 255 0 0\n")
+    m = read(path)
+    assert m.faces.shape == (5, 3)
+    assert m.area() == pytest.approx(3.0, rel=1e-12)
+
+
+@pytest.mark.parametrize("text,match", [
+    ("OFX\n3 1 0\n", "starts with the keyword OFF"),
+    ("OFF\n4 2 0\n0 0 0\n1 0 0\n1 1 0\n0 1 0\n4 0 1 2 3\n", "truncated"),
+    ("OFF\n3 1 0\n0 0 0\n1 0 0\n1 1 0\n3 0 1 7\n", "refers to point 7"),
+    ("OFF\nthree 1 0\n", "numbers of vertices and faces"),
+    ("OFF\n3 1 0\n0 0 0\n1 0 0\n1 1 0\n4 0 1 2\n", "as many as it announces"),
+])
+def test_a_bad_off_file_is_a_value_error_naming_the_problem(tmp_path, text, match):
+    path = tmp_path / "bad.off"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        read(path)
+
+
+def test_a_file_meshio_exits_on_is_a_value_error_not_the_end_of_the_process(tmp_path):
+    pytest.importorskip("meshio")
+    path = tmp_path / "corrupt.vtu"
+    path.write_text("<VTKFile type='UnstructuredGrid'><garbage")
+    with pytest.raises(ValueError, match="meshio could not read the file"):
+        read(path)
