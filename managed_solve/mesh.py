@@ -436,8 +436,8 @@ def torus(major: float = 1.0, minor: float = 0.4, nu: int = 48, nv: int = 24) ->
 def read(path: str) -> Mesh:
     """Read a triangle surface or a tetrahedral mesh from a file.
 
-    Formats: OBJ (read here), and whatever meshio reads (ply, stl, off, msh,
-    vtk, vtu, ...; optional extra ``mesh``). Tetrahedra are used when the file
+    Formats: OBJ and OFF (read here), and whatever meshio reads (ply, stl,
+    msh, vtk, vtu, ...; optional extra ``mesh``). Tetrahedra are used when the file
     has any, else its surface faces: quads and larger polygons are
     fan-triangulated (keeping their orientation; a non-convex polygon is
     refused). Lines and points are ignored, and vertices used by no face are
