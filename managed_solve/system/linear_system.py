@@ -141,7 +141,7 @@ class LinearSystem:
         if kind == "operator" and method == "direct":
             raise ValueError(f"{call}: method='direct' needs the matrix entries; A is an operator. "
                              "Use method='gmres' or pass A as a sparse matrix.")
-        if kind == "operator" and M == "jacobi" and not hasattr(A, "diagonal"):
+        if kind == "operator" and isinstance(M, str) and M == "jacobi" and not hasattr(A, "diagonal"):
             raise ValueError(f"{call}: M='jacobi' needs A's diagonal; A is an operator without "
                              "diagonal(). Pass M as an operator instead.")
 

@@ -9,7 +9,7 @@ import scipy.sparse.linalg as sla
 
 from managed_solve import LinearSystem
 from managed_solve.system.linear_system import host_csr_systems
-from tests._problems import laplacian1d
+from tests._problems import laplacian1d, poisson2d
 
 
 def test_facts():
@@ -191,3 +191,24 @@ def test_a_host_csr_with_a_bad_option_or_entry_gets_the_full_checks_error(A, b, 
     with pytest.raises(ValueError) as full:
         LinearSystem(A, b, dtype=np.float64, **options)
     assert str(quick.value) == str(full.value) and words in str(quick.value)
+
+
+@pytest.mark.parametrize("form", ["sparse", "dense"])
+def test_an_operator_takes_a_matrix_preconditioner(form):
+    """M given as a matrix (an approximate inverse) with an operator A: the constructor compared
+    M with "jacobi" and raised NumPy's ambiguous-truth or isnan error."""
+    import managed_solve as ms
+
+    A = poisson2d(8)
+    n = A.shape[0]
+    Minv = sp.diags(1.0 / A.diagonal()).tocsr()
+    M = Minv if form == "sparse" else Minv.toarray()
+    b = np.linspace(1.0, 2.0, n)
+    s = LinearSystem(sla.aslinearoperator(A), b, M=M, method="cg")
+    res = ms.solve(s, device="cpu")
+    many = ms.solve_many([(sla.aslinearoperator(A), b)], M=M, method="cg",
+                         manager=ms.DeviceManager(["cpu"]))[0]
+    want = sla.spsolve(A.tocsc(), b)
+    for r in (res, many):
+        assert r.converged, r.message
+        assert np.linalg.norm(r.to_numpy() - want) <= 1e-6 * np.linalg.norm(want)

@@ -224,7 +224,7 @@ class BatchedPrepared(Prepared):
         A = _on_device(operator, device, call)
         super().__init__(_device_name(A), options, A.shape[0])
         self.A = A
-        self.jacobi = options.M == "jacobi"
+        self.jacobi = isinstance(options.M, str) and options.M == "jacobi"
         self._pack(A)
 
     # ------------------------------------------------------------------ set-up
