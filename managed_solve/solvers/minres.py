@@ -155,7 +155,11 @@ def minres(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 
         normal[it - start] = safe_div(xp, root, xp.sqrt(tnorm2))
         gamma = xp.sqrt(gbar * gbar + beta * beta)
         cs = safe_div(xp, gbar, gamma)
-        sn = safe_div(xp, beta, gamma)
+        # gamma = 0: Lanczos stopped (beta = 0) on a singular projection (A v = 0 for a
+        # zero A, say). No step reduces the residual: sn = 1 keeps phibar, the estimate,
+        # where it is (it read 0, a false convergence, with sn = 0); an exact solve's
+        # phibar is already 0 and stays so.
+        sn = xp.where(gamma == 0, one, safe_div(xp, beta, gamma))
         phi = cs * phibar
         phibar = sn * phibar
         w1, w2 = w2, w

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import scipy.sparse as sp
 import scipy.sparse.linalg as sla
 
 from managed_solve import DeviceManager, Status, solve, solve_many
-from managed_solve.solvers.engine import BREAKDOWN
+from managed_solve.solvers.engine import BREAKDOWN, LEAST_SQUARES
 from managed_solve.solvers.minres import minres
 from tests._problems import (
     BACKENDS,
@@ -122,3 +123,16 @@ def test_a_preconditioned_minres_stops_on_the_true_residual(scale, backend):
     assert res.residual_norm == pytest.approx(true, rel=1e-8)
     plain = solve(Ad, bd, method="minres", rtol=1e-6)
     assert res.iterations <= 2 * plain.iterations  # the same work as without M, give or take
+
+
+@pytest.mark.parametrize("n", [1, 50])
+def test_a_zero_matrix_is_least_squares_not_a_false_convergence(n, backend):
+    """A = 0: Lanczos stops at once on a singular projection; the residual estimate read 0 and
+    the true residual ||b|| made it MAXITER ("the recurrence met the tolerance")."""
+    A = sp.csr_matrix((n, n))
+    b = np.ones(n)
+    Ad, bd = on(backend, A, b)
+    out = minres(Ad, bd)
+    assert out.code == LEAST_SQUARES and float(np.abs(host(out.x)).max()) == 0.0
+    res = solve(Ad, bd)
+    assert res.status is Status.LEAST_SQUARES and res.method == "minres", res.message
