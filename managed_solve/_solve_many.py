@@ -12,6 +12,7 @@ from typing import Any
 from .manager import DeviceManager
 from .result import SolveResult
 from .scheduling import solve_many as solve_many_local
+from .system import LinearSystem
 
 
 def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = None,
@@ -124,6 +125,7 @@ def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = 
     >>> bool(np.allclose(2 * A @ res[1].x, 1.0))
     True
     """
+    _check_iterable(systems)
     if backend == "ray":
         if manager is not None:
             raise TypeError("solve_many(backend='ray', manager=...): a manager cannot travel to "
@@ -142,3 +144,18 @@ def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = 
     return solve_many_local(systems, disperse=disperse, devices=devices, method=method, M=M,
                             rtol=rtol, progress=progress, return_on=return_on, on_error=on_error,
                             manager=manager)
+
+
+def _check_iterable(systems: Any) -> None:
+    """``systems`` must hold systems: one system, or a number, is a TypeError naming the fix."""
+    pair = isinstance(systems, tuple) and len(systems) == 2 and not any(
+        isinstance(item, (LinearSystem, tuple, list)) for item in systems) and all(
+        len(getattr(item, "shape", ())) == k for item, k in zip(systems, (2, 1), strict=True))
+    if isinstance(systems, LinearSystem) or pair:  # (A, b) would be read as two systems
+        raise TypeError("solve_many(systems=...): expected an iterable of systems, got one "
+                        "system; wrap it in a list (solve_many([(A, b)])) or call solve(A, b).")
+    try:
+        iter(systems)
+    except TypeError:
+        raise TypeError(f"solve_many(systems=...): expected an iterable of LinearSystem or "
+                        f"(A, b) pairs, got {type(systems).__name__}.") from None

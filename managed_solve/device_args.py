@@ -224,7 +224,9 @@ def _find(item: Any, inventory: Sequence[Device], *, call: str | None, arg: str,
             if d.index == idx:
                 return d
     have = ", ".join(str(d) for d in inventory)
-    raise (RuntimeError if any_cuda else ValueError)(f"{here}: {key} is not managed here (devices: {have}); {fix}.")
+    means = f" ({name.strip()!r} means {key})" if name.strip().lower() != key else ""
+    raise (RuntimeError if any_cuda else ValueError)(
+        f"{here}: {key}{means} is not managed here (devices: {have}); {fix}.")
 
 
 # ---------------------------------------------------------------- manager arguments

@@ -514,21 +514,24 @@ def parse_device_name(name: str, *, what: str = "device") -> tuple[str, int]:
     the Mac's unified memory. ``"meta"`` is refused: nothing can run there.
     """
     s = str(name).strip().lower()
+    # "solve_many(devices=...)" already names the argument: the item follows it
+    head = f"{what}: {name!r}" if what.endswith(")") else f"{what}={name!r}"
     if s == "cpu":
         return "cpu", 0
     if s == "mps" or s.startswith("mps:"):
-        warn_mps(f"{what}={name!r}")
+        warn_mps(head)
         return "cpu", 0
     if s == "meta" or s.startswith("meta:"):
-        raise ValueError(f"{what}={name!r}: the meta device holds shapes, not values; nothing can "
+        raise ValueError(f"{head}: the meta device holds shapes, not values; nothing can "
                          "be solved there. Size and plan with meta tensors (DeviceManager.size_of), "
                          "solve on 'cpu' or 'cuda:i'.")
     if s in ("cuda", "gpu"):
         return "cuda", 0
     m = re.fullmatch(r"(cuda|sim|gpu|cpu):(\d+)", s)
     if not m:
+        alone = " ('all' stands alone: devices='all', not among other names)" if s == "all" else ""
         raise ValueError(
-            f"{what}={name!r} is not a device name; use 'cpu', 'cuda:0', 'cuda:1', ... "
+            f"{head} is not a device name{alone}; use 'cpu', 'cuda:0', 'cuda:1', ... "
             "or 'sim:0' for a simulated GPU."
         )
     kind = "cuda" if m.group(1) == "gpu" else m.group(1)

@@ -39,7 +39,7 @@ def test_one_device_errors_name_the_call_the_argument_and_the_fix(inventory):
     with pytest.raises(ValueError, match=r"^solve\(device='sim:7'\): sim:7 is not managed here "
                                          r"\(devices: sim:0, sim:1, sim:2, cpu\); name one of those.*simulate"):
         resolve_device("sim:7", inventory, call="solve")
-    with pytest.raises(ValueError, match=r"solve\(device=\.\.\.\)='cuda1' is not a device name"):
+    with pytest.raises(ValueError, match=r"solve\(device=\.\.\.\): 'cuda1' is not a device name"):
         resolve_device("cuda1", inventory, call="solve")
     with pytest.raises(TypeError, match=r"^solve\(device=3\): 3 \(int\), names no device"):
         resolve_device(3, inventory, call="solve")
@@ -95,7 +95,7 @@ def test_cuda_ordinal_says_whether_arrays_go_to_a_gpu_and_which():
     assert cuda_ordinal(torch.device("cuda", 2)) == 2
     assert cuda_ordinal("cpu") is None and cuda_ordinal("sim:1") is None
     assert cuda_ordinal(Device("cuda", 3, "", 0)) == 3 and cuda_ordinal(Device("sim", 3, "", 0)) is None
-    with pytest.raises(ValueError, match=r"^f\(device=\.\.\.\)='cuda1' is not a device name"):
+    with pytest.raises(ValueError, match=r"^f\(device=\.\.\.\): 'cuda1' is not a device name"):
         cuda_ordinal("cuda1", what="f(device=...)")
 
 
@@ -120,3 +120,12 @@ def test_every_entry_point_reads_a_device_the_same_way():
     assert {r.device for r in solve_many([LinearSystem(A, b)] * 4, devices=1, manager=dm)} == {"sim:0"}
     assert {r.device for r in solve_many([LinearSystem(A, b)] * 4, devices="all", manager=dm)} <= {"sim:0", "sim:1"}
     assert solve_sharded(A, b, devices=dm.accelerators, manager=dm).converged
+
+
+def test_a_name_that_maps_to_another_says_so_and_all_is_told_to_stand_alone():
+    dm = DeviceManager(simulate="2x1GiB")
+    with pytest.raises(ValueError, match=r"cuda:0 \('gpu' means cuda:0\) is not managed here"):
+        resolve_devices("gpu", dm.inventory, call="solve_many", arg="devices")
+    with pytest.raises(ValueError, match=r"^solve_many\(devices=\.\.\.\): 'all' is not a device "
+                                         r"name \('all' stands alone"):
+        resolve_devices("all,cpu", dm.inventory, call="solve_many", arg="devices")
