@@ -2,7 +2,9 @@
 
 Every tunable the library reads at run time lives here, so a run can be
 reproduced from one object and a test can change a setting without touching
-module globals. Environment variables are read here and nowhere else.
+module globals. Each value is checked where it is set, so a wrong one is
+refused naming the setting instead of failing inside a later solve.
+Environment variables are read here and nowhere else.
 
 Examples
 --------
@@ -19,11 +21,15 @@ True
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
+import numbers
 import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 #: Environment variables the library reads (see :func:`environment`): its own two,
 #: and two that name where other libraries keep files (CuPy's compiled-module
@@ -35,9 +41,95 @@ ENV_CUDSS_THREADING_LIB = "CUDSS_THREADING_LIB"
 _ENV = (ENV_DEVICES, ENV_SIMULATE, ENV_CUPY_CACHE_DIR, ENV_CUDSS_THREADING_LIB)
 
 
+_ACCEPTS = "managed_solve.accepts"
+
+
+class SettingTypeError(TypeError, ValueError):
+    """A setting given a value of the wrong type (a ``str`` where an integer is expected).
+
+    A ``TypeError``, and a ``ValueError`` too, so ``except ValueError``
+    around :func:`override` catches every refused value.
+    """
+
+
+@dataclass(frozen=True)
+class _Accepts:
+    """The values one setting accepts: its type, its range, whether None."""
+
+    kind: type  # bool, int (integers, not bools) or float (finite reals)
+    least: float | None = None  # smallest value accepted
+    above: float | None = None  # values must be greater than this
+    most: float | None = None  # largest value accepted
+    step: int | None = None  # values are multiples of this
+    optional: bool = False  # None accepted
+    why: str = ""  # what the bounds mean, where the docstring's words are not obvious
+
+    def describe(self) -> str:
+        """The accepted values in words, for an error message."""
+        if self.kind is bool:
+            text = "True or False"
+        else:
+            text = "an integer" if self.kind is int else "a finite number"
+            if self.step is not None:
+                text += f", a multiple of {self.step},"
+            if self.least is not None and self.most is not None:
+                text += f" from {self.least:g} to {self.most:g}"
+            elif self.least is not None:
+                text += f" >= {self.least:g}"
+            elif self.above is not None:
+                text += f" > {self.above:g}"
+        if self.optional:
+            text += " or None"
+        return text + (f" ({self.why})" if self.why else "")
+
+    def check(self, name: str, value: object) -> object:
+        """``value`` as the setting holds it (ints as int, reals as float); refused when out of bounds."""
+        if value is None and self.optional:
+            return None
+        if self.kind is bool:
+            ok = isinstance(value, bool)
+        elif self.kind is int:
+            ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        if not ok:
+            raise SettingTypeError(f"setting {name}={value!r} is a {type(value).__name__}; "
+                                   f"expected {self.describe()}")
+        if self.kind is bool:
+            return value
+        try:
+            number = self.kind(value)
+        except OverflowError:  # an integer beyond a float's range, given to a float setting
+            number = math.inf
+        if self.kind is float and not math.isfinite(number):
+            raise ValueError(f"setting {name}={value!r} is not finite; expected {self.describe()}")
+        if ((self.least is not None and number < self.least)
+                or (self.above is not None and number <= self.above)
+                or (self.most is not None and number > self.most)
+                or (self.step is not None and number % self.step)):
+            raise ValueError(f"setting {name}={value!r} is out of range; expected {self.describe()}")
+        return number
+
+
+def _setting(default: object, kind: type, **accepts) -> Any:
+    """A field of :class:`Settings` with its default and the values it accepts (``_Accepts``)."""
+    return dataclasses.field(default=default, metadata={_ACCEPTS: _Accepts(kind, **accepts)})
+
+
 @dataclass(frozen=True)
 class Settings:
     """Run-time settings of the library (read-only; see :func:`override`).
+
+    Every value is checked when it is set (``Settings(...)``,
+    :func:`override`), against the type and range its entry below gives:
+    bool settings take ``True`` or ``False`` only, int settings integers
+    (not bools, not strings), float settings finite real numbers, and None
+    only where the entry says so. Counts (threads, workers, batches, lanes,
+    rows per batch, entries per piece, iterations, columns) are at least 1;
+    thresholds (the size, work or cores from which something happens) at
+    least 0; seconds greater than 0; a fraction from 0 to 1. A wrong type
+    raises :class:`SettingTypeError`, a value out of range ``ValueError``,
+    both naming the setting, the value and the values accepted.
 
     Attributes
     ----------
@@ -182,73 +274,64 @@ class Settings:
         (:mod:`managed_solve.solvers.direct`).
     """
 
-    work_stealing: bool = True
-    pause_gc: bool = False
-    switch_interval: float | None = None
+    work_stealing: bool = _setting(True, bool)
+    pause_gc: bool = _setting(False, bool)
+    switch_interval: float | None = _setting(None, float, above=0.0, optional=True)
     # -- solve_many (scheduling/)
-    head_switch_interval: float | None = None
-    head_start_systems: int = 256
-    batches_per_device: int = 4
-    batch_rows: int | None = None
-    lanes_per_device: int = 2
-    prefetch_min_nnz: int = 1 << 20
-    prefetch_small_nnz: int = 1 << 12
-    prefetch_all_cores: int = 4
-    prefetch_workers: int | None = None
+    head_switch_interval: float | None = _setting(None, float, above=0.0, optional=True)
+    head_start_systems: int = _setting(256, int, least=0)
+    batches_per_device: int = _setting(4, int, least=1)
+    batch_rows: int | None = _setting(None, int, least=1, optional=True)
+    lanes_per_device: int = _setting(2, int, least=1,
+                                     why="1 computes one batch at a time on each accelerator")
+    prefetch_min_nnz: int = _setting(1 << 20, int, least=0)
+    prefetch_small_nnz: int = _setting(1 << 12, int, least=0)
+    prefetch_all_cores: int = _setting(4, int, least=0)
+    prefetch_workers: int | None = _setting(None, int, least=1, optional=True)
     # -- matrix properties (system/properties.py)
-    symmetry_parallel_nnz: int = 1 << 20
-    symmetry_workers: int | None = None
+    symmetry_parallel_nnz: int = _setting(1 << 20, int, least=0)
+    symmetry_workers: int | None = _setting(None, int, least=1, optional=True)
 
     # -- Ray clusters (cluster.py)
-    ray_chunk_timeout: float = 600.0
+    ray_chunk_timeout: float = _setting(600.0, float, above=0.0)
 
     # sharded solver (managed_solve.sharded)
-    sharded_check_every: int = 8
-    sharded_cache: bool = True
+    sharded_check_every: int = _setting(8, int, least=1)
+    sharded_cache: bool = _setting(True, bool)
 
     # -- batched Krylov engine (solvers/batched/)
-    pack_chunk_nnz: int = 1 << 19
-    batched_graph_max_rows: int = 1 << 20
-    batched_graph_batches: bool = True
-    batched_compact_fraction: float = 0.5
-    batched_compact_min_rows: int = 1 << 15
-    batched_vector_min_nnz_per_row: int = 32
-    batched_block_max_rows: int = 1 << 14
-    batched_block_threads: int = 1024
-    batched_block_shared_memory: bool = True
-    batched_gmres_graphs: bool = True
-    batched_gmres_vectorised_on_host: bool = False
+    pack_chunk_nnz: int = _setting(1 << 19, int, least=1)
+    batched_graph_max_rows: int = _setting(1 << 20, int, least=0)
+    batched_graph_batches: bool = _setting(True, bool)
+    batched_compact_fraction: float = _setting(0.5, float, least=0.0, most=1.0)
+    batched_compact_min_rows: int = _setting(1 << 15, int, least=0)
+    batched_vector_min_nnz_per_row: int = _setting(32, int, least=0)
+    batched_block_max_rows: int = _setting(1 << 14, int, least=0,
+                                           why="rows of a batch's largest system; 0 turns the route off")
+    batched_block_threads: int = _setting(1024, int, least=32, most=1024, step=32,
+                                          why="threads of a CUDA block")
+    batched_block_shared_memory: bool = _setting(True, bool)
+    batched_gmres_graphs: bool = _setting(True, bool)
+    batched_gmres_vectorised_on_host: bool = _setting(False, bool)
     # -- host threads: the batched kernels, solve_many's input checks, LU solves (_threads.py;
     #    host_blas_threads: _backend.py)
-    host_threads: int | None = None
-    host_parallel_min_work: float = 2e5
-    host_row_parallel_min_rows: int = 1 << 18
-    host_row_parallel_min_cores: int = 4
-    host_blas_threads: int | None = None
+    host_threads: int | None = _setting(None, int, least=1, optional=True)
+    host_parallel_min_work: float = _setting(2e5, float, least=0.0)
+    host_row_parallel_min_rows: int = _setting(1 << 18, int, least=0)
+    host_row_parallel_min_cores: int = _setting(4, int, least=0)
+    host_blas_threads: int | None = _setting(None, int, least=1, optional=True)
     # -- direct solves on the host (solvers/direct.py)
-    lu_solve_columns: int = 4
+    lu_solve_columns: int = _setting(4, int, least=1)
 
     def __post_init__(self) -> None:
-        rows = self.batched_block_max_rows
-        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
-            raise ValueError(f"override(batched_block_max_rows={rows!r}): expected an integer "
-                             ">= 0 (rows of a batch's largest system; 0 turns the route off)")
-        threads = self.batched_block_threads
-        if (isinstance(threads, bool) or not isinstance(threads, int) or threads % 32
-                or not 32 <= threads <= 1024):
-            raise ValueError(f"override(batched_block_threads={threads!r}): expected a multiple "
-                             "of 32 from 32 to 1024 (threads of a CUDA block)")
-        shared = self.batched_block_shared_memory
-        if not isinstance(shared, bool):
-            raise ValueError(f"override(batched_block_shared_memory={shared!r}): expected True or "
-                             "False (whether a block per system keeps its vectors in shared memory)")
-        lanes = self.lanes_per_device
-        if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1:
-            raise ValueError(f"override(lanes_per_device={lanes!r}): expected an integer >= 1 "
-                             "(1 computes one batch at a time on each accelerator)")
+        # Checked where a value is set, so a wrong one is refused naming the
+        # setting instead of failing later inside a solve that reads it.
+        for f in dataclasses.fields(self):
+            value = f.metadata[_ACCEPTS].check(f.name, getattr(self, f.name))
+            object.__setattr__(self, f.name, value)
 
     def replace(self, **changes) -> Settings:
-        """A copy with ``changes`` applied (names checked, see :func:`override`)."""
+        """A copy with ``changes`` applied (names and values checked, see :func:`override`)."""
         names = {f.name for f in dataclasses.fields(self)}
         unknown = sorted(set(changes) - names)
         if unknown:
@@ -259,12 +342,27 @@ class Settings:
         return dataclasses.replace(self, **changes)
 
 
+_DEFAULTS = Settings()
 _lock = threading.Lock()
-_current = Settings()
+# The changes of the override blocks now entered, by an entry number, in the
+# order entered; the settings in force are derived from them alone, so a block
+# that leaves takes out its own changes and nobody else's.
+_active: dict[int, dict[str, object]] = {}
+_entries = itertools.count()
+_current = _DEFAULTS
+
+
+def _recompute() -> None:
+    """Set the settings in force from the active blocks (the caller holds ``_lock``)."""
+    global _current
+    merged: dict[str, object] = {}
+    for changes in _active.values():
+        merged.update(changes)
+    _current = dataclasses.replace(_DEFAULTS, **merged) if merged else _DEFAULTS
 
 
 def current() -> Settings:
-    """The settings in force now (the same object for every thread)."""
+    """The settings in force now (the same object for every thread; see :func:`override`)."""
     return _current
 
 
@@ -272,24 +370,68 @@ def current() -> Settings:
 def override(**changes) -> Iterator[Settings]:
     """Change settings for the duration of a ``with`` block (process-wide).
 
-    The settings are process-wide, not thread-local: worker threads started
-    by ``solve_many`` read the same object. Blocks may nest; each restores
-    what it found.
+    The settings in force are the defaults with the changes of every block
+    now active applied in the order the blocks were entered: where two
+    active blocks set the same setting, the one entered later wins while it
+    is active. Leaving a block takes out its own changes only, whatever the
+    thread and whatever the order blocks are left in (an exception leaving
+    the block too); once every block has been left, the defaults are in
+    force again. Nested blocks on one thread therefore behave as a stack:
+    leaving the inner block brings back what the outer one set.
+
+    The settings are process-wide, not thread-local: every thread reads the
+    same object through :func:`current`, so the worker threads that
+    ``solve_many`` starts see the caller's block. So does every other thread
+    of the process: a block entered on one thread changes what a concurrent
+    call on another thread reads, for as long as the block is active. Run
+    calls that need different values of one setting in turn (or in separate
+    processes), not concurrently.
+
+    Parameters
+    ----------
+    **changes
+        Settings of :class:`Settings` and their values, each checked here
+        (type and range, as that setting's documentation says) before any
+        setting changes.
+
+    Yields
+    ------
+    Settings
+        The settings in force once the block is entered.
 
     Raises
     ------
     TypeError
-        A name that is not a setting.
+        A name that is not a setting, or a value of the wrong type
+        (:class:`SettingTypeError`, a ``ValueError`` too).
+    ValueError
+        A value out of the setting's range, or a float that is not finite.
+
+    Examples
+    --------
+    >>> import managed_solve as ms
+    >>> with ms.config.override(batches_per_device=8):
+    ...     with ms.config.override(batches_per_device=2, work_stealing=False):
+    ...         (ms.config.current().batches_per_device, ms.config.current().work_stealing)
+    ...     ms.config.current().batches_per_device
+    (2, False)
+    8
+    >>> ms.config.current().batches_per_device
+    4
     """
-    global _current
+    checked = _DEFAULTS.replace(**changes)
+    mine = {name: getattr(checked, name) for name in changes}
     with _lock:
-        previous = _current
-        _current = previous.replace(**changes)
+        entry = next(_entries)
+        _active[entry] = mine
+        _recompute()
+        entered = _current
     try:
-        yield _current
+        yield entered
     finally:
         with _lock:
-            _current = previous
+            del _active[entry]
+            _recompute()
 
 
 def environment(name: str) -> str | None:
