@@ -564,7 +564,7 @@ def discover(devices: str | Sequence[str] | None = None, simulate: str | None = 
     if simulate is None:
         simulate = environment(ENV_SIMULATE)
 
-    if simulate:
+    if simulate or (simulate == "" and var_sim == "simulate"):  # simulate="" given: refused
         accel = parse_simulate(simulate, var=var_sim)
         mode = "simulated"
     else:

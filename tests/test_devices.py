@@ -84,6 +84,18 @@ def test_env_simulate_without_unit_names_the_variable(monkeypatch):
         discover()
 
 
+def test_an_empty_simulate_argument_is_refused_and_an_empty_variable_means_unset(monkeypatch):
+    """DeviceManager(simulate="") asked for simulated GPUs and got none, silently; an empty
+    environment variable is the shell's way of leaving it unset."""
+    from managed_solve import DeviceManager
+
+    with pytest.raises(ValueError, match="simulate is empty"):
+        DeviceManager(simulate="")
+    monkeypatch.setenv(ENV_SIMULATE, "")
+    monkeypatch.delenv(ENV_DEVICES, raising=False)
+    assert not [d for d in discover() if d.kind == "sim"]
+
+
 def test_parse_simulate_explicit_bytes_and_other_units():
     assert [d.total_bytes for d in parse_simulate("2x512B")] == [512, 512]
     assert [d.total_bytes for d in parse_simulate("1x1.5KiB, 1MB, 1x2G")] == [1536, 10**6, 2 << 30]
