@@ -7,6 +7,7 @@ reads the host only at checkpoints.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -202,7 +203,7 @@ def minres(A: Any, b: Any, *, x0: Any = None, rtol: float = 1e-8, atol: float = 
                 # sync: the true residual at the hit
                 watch = (it, float(norm(xp, b - matvec(x))), x.copy())
                 syncs += 1
-            if not (h[-1] == h[-1]):
+            if not math.isfinite(float(h[-1])):  # NaN, or an overflowed estimate
                 return Outcome(x, BREAKDOWN, it, float(h[-1]), overflow_message("MINRES"),
                                host_syncs=syncs)
             start = it + 1

@@ -29,13 +29,14 @@ from ._common import as_matvec, as_preconditioner, refuse_zero_diagonal
 from .amg import amg
 
 
-def diagonal(A: Any) -> Any:
+def diagonal(A: Any, *, call: str = "solve(M='jacobi')") -> Any:
     """The main diagonal of a sparse matrix, dense array or operator with ``diagonal()``."""
     if hasattr(A, "diagonal"):
         return A.diagonal()
     raise ValueError(
-        "M='jacobi' (or a polynomial preconditioner) needs A's diagonal, but A has no "
-        "diagonal(); pass M as an operator instead."
+        f"{call}: this preconditioner is built from A's diagonal, but A "
+        f"({type(A).__name__}) has no diagonal(); pass M as an operator (an object with "
+        "matvec) instead."
     )
 
 
@@ -49,7 +50,7 @@ def inverse_diagonal(A: Any, *, call: str = "solve(M='jacobi')") -> Any:
     >>> inverse_diagonal(sp.diags([2.0, 4.0]).tocsr()).tolist()
     [0.5, 0.25]
     """
-    d = diagonal(A)
+    d = diagonal(A, call=call)
     xp = _backend.array_module(d)
     zero = d == 0
     if bool(zero.any()):  # sync: one host read when the preconditioner is built
@@ -175,6 +176,10 @@ def make_preconditioner(M: Any, A: Any) -> Callable[[Any], Any] | None:
         if M == "neumann":
             return neumann(A)
         return amg(A)
+    shape = getattr(M, "shape", None)
+    if shape is not None and tuple(shape) != tuple(A.shape):
+        raise ValueError(f"solve(M=...): M has shape {tuple(shape)}, A has {tuple(A.shape)}; "
+                         "M approximates A's inverse and must have A's shape.")
     return as_preconditioner(M)
 
 

@@ -16,7 +16,7 @@ from managed_solve.solvers.preconditioners import (
     neumann,
     spectral_radius_bound,
 )
-from tests._problems import BACKENDS, anisotropic_badly_scaled, host, on
+from tests._problems import BACKENDS, anisotropic_badly_scaled, host, on, poisson2d
 
 
 @pytest.fixture(params=BACKENDS)
@@ -125,3 +125,13 @@ def test_an_expensive_preconditioner_asks_for_a_residual_check_every_iteration()
     cycle = Cycle()
     assert check_hint(cycle) == 1 and check_hint(cycle.matvec) == 1  # as given, or through matvec
     assert check_hint(lambda r: r) is None and check_hint(None) is None
+
+
+def test_a_diagonal_preconditioner_on_an_operator_names_itself_and_a_wrong_shape_m_is_named():
+    A = poisson2d(5)
+    b = np.ones(A.shape[0])
+    with pytest.raises(ValueError, match=r"solve\(M='neumann'\): this preconditioner is built "
+                                         r"from A's diagonal.*MatrixLinearOperator"):
+        solve(sla.aslinearoperator(A), b, M="neumann", method="cg", device="cpu")
+    with pytest.raises(ValueError, match=r"M has shape \(26, 26\), A has \(25, 25\)"):
+        solve(A, b, M=sp.identity(26, format="csr"), method="cg", device="cpu")
