@@ -70,10 +70,15 @@ def raise_for_failures(results: list[SolveResult], call: str = "solve_many") -> 
     failed = [i for i, r in enumerate(results) if not r.converged]
     if not failed:
         return
-    lines = [f"systems[{i}] ({results[i].name or 'unnamed'}): {results[i].status.name}: "
+    lines = [f"systems[{i}]{_named(results[i].name, i)}: {results[i].status.name}: "
              f"{results[i].message or results[i].status.message}" for i in failed[:20]]
     more = f"\n... and {len(failed) - 20} more" if len(failed) > 20 else ""
     raise SolveManyError(
         f"{call}: {len(failed)} of {len(results)} systems did not converge:\n"
         + "\n".join(lines) + more + "\nPass on_error='return' to get them back with "
         "their status instead.", results, failed)
+
+
+def _named(name: str | None, i: int) -> str:
+    """`` (name)`` for a system the caller named; nothing where the name is its position."""
+    return "" if not name or name == f"systems[{i}]" else f" ({name})"
