@@ -37,6 +37,7 @@ from .mesh import Mesh
 
 _INT32_MAX = np.iinfo(np.int32).max
 BACKENDS = ("cpu", "cuda", "cudasim")
+_TERMS = {"stiffness": "L", "mass": "M", "lumped_mass": "D"}
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,18 @@ def _check_range(values: Any, bound: float, dt: np.dtype, mesh: Mesh, call: str,
                      f"{float(mesh.element_measures().max()):.3g}); the mesh is valid, but these "
                      f"values cannot be stored. Rescale the mesh, e.g. "
                      f"Mesh(mesh.vertices / {top:.3g}, mesh.faces), or the coefficients{wider}.")
+
+
+def check_flag(value: Any, call: str, name: str) -> bool:
+    """``value`` as a bool when it is one (Python's or NumPy's); a TypeError naming ``name`` otherwise.
+
+    A string such as ``"no"`` is truthy: reading flags by truth value would
+    turn it into the opposite of what was meant.
+    """
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{call}({name}={value!r}): expected True or False, got "
+                        f"{type(value).__name__}")
+    return bool(value)
 
 
 def _check_dtype(dtype: Any, call: str) -> np.dtype:
@@ -332,7 +345,8 @@ def assemble(mesh: Mesh, *, stiffness: float = 1.0, mass: float = 0.0, lumped_ma
     ----------
     mesh : Mesh
     stiffness, mass, lumped_mass : float
-        Coefficients of ``L``, ``M`` and ``D``.
+        Coefficients of ``L``, ``M`` and ``D``: finite real numbers (a
+        TypeError or ValueError names the one that is not).
     device : str or Device
         ``"cpu"``/``"sim:i"`` (SciPy CSR) or ``"cuda:i"`` (cupyx CSR).
     dtype : {np.float64, np.float32}
@@ -375,8 +389,15 @@ def assemble(mesh: Mesh, *, stiffness: float = 1.0, mass: float = 0.0, lumped_ma
         raise TypeError(f"{call}(mesh=...): expected a managed_solve.mesh.Mesh, got {type(mesh).__name__}")
     dt = _check_dtype(dtype, call)
     for name, val in (("stiffness", stiffness), ("mass", mass), ("lumped_mass", lumped_mass)):
-        if not np.isfinite(val):
+        a = None if val is None or isinstance(val, (str, bytes)) else np.asarray(_backend.to_host(val))
+        if a is None or a.ndim != 0 or a.dtype.kind not in "iuf":
+            found = f"dtype {a.dtype}" if a is not None and a.ndim == 0 else type(val).__name__
+            raise TypeError(f"{call}({name}={val!r}): expected a real number (the coefficient of "
+                            f"{_TERMS[name]}), got {found}; pass e.g. {name}=1.0, or 0.0 to leave "
+                            "the term out")
+        if not np.isfinite(a):
             raise ValueError(f"{call}({name}={val!r}): expected a finite number")
+    stiffness, mass, lumped_mass = (float(_backend.to_host(c)) for c in (stiffness, mass, lumped_mass))
     p = symbolic(mesh, device=device, index_dtype=index_dtype, backend=backend)
     t = p.target
     kern = _kernels_for(mesh)
@@ -420,7 +441,11 @@ def assemble_laplacian(mesh: Mesh, **kwargs: Any) -> Any:
 
 
 def assemble_mass(mesh: Mesh, lumped: bool = True, **kwargs: Any) -> Any:
-    """The lumped (diagonal, in the full pattern) or consistent mass matrix; see :func:`assemble`."""
+    """The lumped (diagonal, in the full pattern) or consistent mass matrix; see :func:`assemble`.
+
+    ``lumped`` is a bool (another value is a TypeError, not read as true or false).
+    """
+    check_flag(lumped, kwargs.get("call", "assemble_mass"), "lumped")
     if lumped:
         return assemble(mesh, stiffness=0.0, lumped_mass=1.0, **kwargs)
     return assemble(mesh, stiffness=0.0, mass=1.0, **kwargs)

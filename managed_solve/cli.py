@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 DESCRIPTION = """\
@@ -61,18 +62,38 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo.main(args)
 
 
+def _items(text: str, option: str, accepted: str) -> list[str]:
+    """The comma-separated items of an option; a ValueError (a usage error) when there are none.
+
+    An empty list would run and succeed having done nothing, which a script
+    could not tell from the work it asked for.
+    """
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    if not items:
+        raise ValueError(f"{option} {text!r}: names nothing; give one or more of {accepted}, "
+                         "comma-separated")
+    return items
+
+
 def cmd_warmup(args: argparse.Namespace) -> int:
     import json
     import time
 
     from . import _warmup
 
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods = _items(args.methods, "--methods", ", ".join(_warmup.METHODS))
+    dtypes = _items(args.dtypes, "--dtypes", "float64, float32")
+    bad = [d for d in dtypes if d not in ("float64", "float32")]
+    if bad:
+        raise ValueError(f"--dtypes {args.dtypes}: unknown {', '.join(bad)}; expected float64 "
+                         "and/or float32, comma-separated")
+    if args.device is not None:
+        _items(args.device, "--device", "cpu, cuda:N, cuda")
     stream = sys.stderr if args.json else sys.stdout
     print(f"managed-solve {_package_version()} warmup: compiling (or loading from the disk "
           "caches) the default paths' kernels", file=stream, flush=True)
     t0 = time.perf_counter()
-    steps = _warmup.warmup(args.device, methods, dtypes=args.dtypes.split(","),
+    steps = _warmup.warmup(args.device, methods, dtypes=dtypes,
                            progress=lambda s: print("  " + _warmup.describe(s), file=stream,
                                                     flush=True))
     total = time.perf_counter() - t0
@@ -138,13 +159,43 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: The exit status of a command whose reader went away: 128 + SIGPIPE, as a shell reports it.
+EXIT_PIPE_CLOSED = 141
+
+
+def _pipe_closed() -> int:
+    """Stop quietly after the reader of the output went away (``managed-solve info | head -1``).
+
+    Command-line tools end silently there. Python would also report, at
+    exit, that it could not flush what is left in ``sys.stdout``; pointing
+    standard output at the null device gives that flush somewhere to go.
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # not a file descriptor (captured output)
+        pass
+    return EXIT_PIPE_CLOSED
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit status.
+
+    0 on success, 1 when the demo's systems did not all converge, 2 for a
+    usage error (one line on stderr, no traceback), and
+    :data:`EXIT_PIPE_CLOSED` when the output's reader closed the pipe.
+    """
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
+    except BrokenPipeError:
+        return _pipe_closed()
     except (ValueError, TypeError, FileNotFoundError, ModuleNotFoundError, MemoryError) as exc:
         # A user mistake is one clear line, never a traceback.
-        print(f"managed-solve {args.command}: error: {exc}", file=sys.stderr)
+        try:
+            print(f"managed-solve {args.command}: error: {exc}", file=sys.stderr)
+        except BrokenPipeError:
+            return _pipe_closed()
         return 2
 
 

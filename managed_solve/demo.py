@@ -32,7 +32,7 @@ import numpy as np
 
 from . import _backend
 from ._warmup import compiled_since, cupy_cache_dir, jit_snapshot
-from .config import ENV_DEVICES, ENV_SIMULATE
+from .config import ENV_DEVICES, ENV_SIMULATE, environment
 from .devices import format_bytes
 
 
@@ -168,8 +168,9 @@ def speedup_text(ours: float, naive: float) -> str:
 def picture(mesh, panels, path: str, *, label: str = "u") -> bool:
     """Draw ``panels`` (a list of (vertex values, title)) side by side on ``mesh``, as a PNG.
 
-    Returns False (nothing written) without matplotlib or for a mesh that is
-    not a triangle surface. One colour scale for all panels, so they compare.
+    A tetrahedral mesh is drawn by its boundary surface (the values seen
+    from outside). Returns False (nothing written) only without matplotlib.
+    One colour scale for all panels, so they compare.
     """
     try:
         import matplotlib
@@ -178,23 +179,22 @@ def picture(mesh, panels, path: str, *, label: str = "u") -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    if mesh.faces.shape[1] != 3:
-        return False
     from mpl_toolkits.mplot3d.art3d import Poly3DCollection
 
     v = mesh.vertices
+    faces = mesh.faces if mesh.kind == "triangle" else mesh.boundary_faces()
     panels = [(np.asarray(vals), title) for vals, title in panels]
     lo_val = float(min(0.0, *(p.min() for p, _ in panels)))
     norm = matplotlib.colors.Normalize(lo_val, float(max(p.max() for p, _ in panels)))
     cmap = matplotlib.colormaps["inferno"]
     fig = plt.figure(figsize=(5 * len(panels), 5))
     lo, hi = v.min(axis=0), v.max(axis=0)
-    for i, (vals, label) in enumerate(panels):
+    for i, (vals, title) in enumerate(panels):
         ax = fig.add_subplot(1, len(panels), i + 1, projection="3d")
         # Face colours computed here (not set_array on plot_trisurf, whose depth
         # sort can reorder faces against the values).
-        face_vals = vals[mesh.faces].mean(axis=1)
-        ax.add_collection3d(Poly3DCollection(v[mesh.faces], facecolors=cmap(norm(face_vals)),
+        face_vals = vals[faces].mean(axis=1)
+        ax.add_collection3d(Poly3DCollection(v[faces], facecolors=cmap(norm(face_vals)),
                                              edgecolor="none"))
         ax.set_xlim(lo[0], hi[0])
         ax.set_ylim(lo[1], hi[1])
@@ -202,7 +202,7 @@ def picture(mesh, panels, path: str, *, label: str = "u") -> bool:
         ax.view_init(elev=20, azim=-30)
         ax.set_box_aspect((1, 1, 1))
         ax.set_axis_off()
-        ax.set_title(label)
+        ax.set_title(title)
     fig.colorbar(matplotlib.cm.ScalarMappable(norm=norm, cmap=cmap), ax=fig.axes, shrink=0.6,
                  label=label)
     fig.savefig(path, dpi=100, bbox_inches="tight")
@@ -212,20 +212,46 @@ def picture(mesh, panels, path: str, *, label: str = "u") -> bool:
 
 # ------------------------------------------------------------------ main
 def _manager(args):
+    from .devices import parse_device_name, parse_simulate
     from .manager import DeviceManager
 
+    if args.simulate is not None:
+        try:
+            parse_simulate(args.simulate, var="simulate")
+        except ValueError as exc:
+            raise ValueError(f"--simulate {args.simulate}: {exc}") from None
     devices = None
     if args.device:
-        devices = [args.device] if args.device == "cpu" else [args.device, "cpu"]
+        try:
+            kind, index = parse_device_name(args.device.strip(), what="--device")
+        except ValueError:
+            raise ValueError(f"--device {args.device}: not a device name; give cpu, cuda:0, "
+                             "cuda:1, ... (or sim:0, ... with --simulate)") from None
+        name = "cpu" if kind == "cpu" else f"{kind}:{index}"
+        # The CPU comes along as the spill target; the user named one device.
+        devices = [name] if kind == "cpu" else [name, "cpu"]
     try:
-        return DeviceManager(devices=devices, simulate=args.simulate)
+        manager = DeviceManager(devices=devices, simulate=args.simulate)
     except ValueError as exc:
         text = str(exc)
         # A value from the environment is named by the message itself; an option is named here.
-        if ENV_DEVICES in text or ENV_SIMULATE in text:
+        if ENV_DEVICES in text or ENV_SIMULATE in text or devices is None:
             raise
-        flag = f"--device {args.device}" if args.device else f"--simulate {args.simulate}"
-        raise ValueError(f"{flag}: {text}") from None
+        raise ValueError(f"--device {args.device}: {_missing(devices[0], args.simulate)}") from None
+    return manager
+
+
+def _missing(name: str, simulate: str | None) -> str:
+    """Why the device ``name`` is not here, and what is: a machine's inventory before any selection."""
+    from .devices import cpu_device, discover_cuda, inventory_mode, parse_simulate
+
+    spec = simulate if simulate is not None else environment(ENV_SIMULATE)
+    accel, why = (parse_simulate(spec), "") if spec else discover_cuda()
+    have = [*accel, cpu_device()]
+    names = ", ".join(str(d) for d in have)
+    return (f"this machine has no {name} ({inventory_mode(have)} mode: {names}"
+            + (f"; {why}" if why and not accel else "") + f"). Give one of {names}, or leave "
+            "--device out to use every device.")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -273,7 +273,35 @@ class Mesh:
         return labels
 
     def vertex_normals(self) -> np.ndarray:
-        """Unit normals of a surface at its vertices (area-weighted face normals)."""
+        """Unit normals of a surface at its vertices: area-weighted face normals, oriented consistently.
+
+        The faces are first oriented consistently across every edge two of
+        them share (:meth:`face_orientation`), so a surface stored with some
+        triangles flipped still gets normals that vary continuously over it;
+        a surface stored consistently keeps its own orientation (outwards for
+        :func:`icosphere`).
+
+        Returns
+        -------
+        numpy array (n, 3)
+            One unit vector per vertex.
+
+        Raises
+        ------
+        ValueError
+            On tetrahedra; on a non-orientable surface (no consistent
+            orientation exists, see :meth:`face_orientation`); and where the
+            face normals around a vertex cancel (two sheets of opposite
+            orientation meeting only at that vertex, or a surface folded
+            flat onto itself there), which leaves no normal direction.
+
+        Examples
+        --------
+        >>> from managed_solve.mesh import Mesh
+        >>> square = Mesh([[0, 0, 0], [1, 0, 0], [0, 1, 0], [1, 1, 0]], [[0, 1, 2], [1, 2, 3]])
+        >>> square.vertex_normals().tolist()   # the second triangle is stored flipped
+        [[0.0, 0.0, 1.0], [0.0, 0.0, 1.0], [0.0, 0.0, 1.0], [0.0, 0.0, 1.0]]
+        """
         if self.kind != "triangle":
             raise ValueError("Mesh.vertex_normals(): needs a triangle surface, this mesh holds tetrahedra")
         v, f = self._vertices, self._faces
@@ -281,10 +309,60 @@ class Mesh:
         top = float(np.abs(v).max())
         v = np.ldexp(v, -int(np.frexp(top)[1])) if top > 0 else v
         fn = np.cross(v[f[:, 1]] - v[f[:, 0]], v[f[:, 2]] - v[f[:, 0]])  # length = 2 * scaled area
+        fn *= self._oriented("Mesh.vertex_normals()")[:, None]
         vn = np.zeros_like(v)
+        total = np.zeros(len(v))
+        size = np.linalg.norm(fn, axis=1)
         for j in range(3):
             np.add.at(vn, f[:, j], fn)
-        return vn / np.maximum(np.linalg.norm(vn, axis=1, keepdims=True), 1e-300)
+            np.add.at(total, f[:, j], size)
+        norm = np.linalg.norm(vn, axis=1)
+        # Below this the summed direction is rounding noise of normals that cancel.
+        flat = norm <= 64 * np.finfo(np.float64).eps * total
+        if flat.any():
+            i = int(np.flatnonzero(flat)[0])
+            raise ValueError(f"Mesh.vertex_normals(): the face normals around vertex {i} cancel "
+                             f"({int(flat.sum())} such vertices): sheets of opposite orientation "
+                             "meet there, or the surface folds flat onto itself, so no normal "
+                             "direction is defined. Separate the sheets (or repair the fold).")
+        return vn / norm[:, None]
+
+    def face_orientation(self) -> np.ndarray:
+        """+1 or -1 per triangle: the flips that orient the surface consistently, int8 (m,), read-only.
+
+        Two triangles sharing an edge are consistently oriented when they
+        run through it in opposite directions. Orientation spreads across
+        every edge shared by exactly two triangles (not across an edge of
+        three or more); each piece held together that way keeps the
+        orientation of most of its triangles (of its first triangle on a
+        tie), so a consistently stored surface gets all +1.
+
+        Raises
+        ------
+        ValueError
+            On tetrahedra, and on a non-orientable surface such as a Moebius
+            strip, where no consistent orientation exists; the message names
+            a triangle of the offending piece.
+
+        Examples
+        --------
+        >>> from managed_solve.mesh import Mesh
+        >>> square = Mesh([[0, 0, 0], [1, 0, 0], [0, 1, 0], [1, 1, 0]], [[0, 1, 2], [1, 2, 3]])
+        >>> square.face_orientation().tolist()
+        [1, -1]
+        """
+        if self.kind != "triangle":
+            raise ValueError("Mesh.face_orientation(): needs a triangle surface, this mesh holds "
+                             "tetrahedra")
+        return self._oriented("Mesh.face_orientation()")
+
+    def _oriented(self, call: str) -> np.ndarray:
+        hit = self._cache.get("face_orientation")
+        if hit is None:
+            hit = _orientation(self._faces.astype(np.int64), self.n_vertices, call)
+            hit.setflags(write=False)
+            self._cache["face_orientation"] = hit
+        return hit
 
     def __repr__(self) -> str:
         return f"Mesh({self.kind}, n_vertices={self.n_vertices}, n_faces={self.n_faces})"
@@ -320,6 +398,64 @@ def _measures(v: np.ndarray, f: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return measure, shape
 
 
+def _orientation(f: np.ndarray, n: int, call: str) -> np.ndarray:
+    """The +1/-1 flips of :meth:`Mesh.face_orientation` for triangles ``f`` over ``n`` vertices.
+
+    A two-colouring with parities: each triangle is two nodes (kept,
+    flipped), and a shared edge joins the nodes that agree across it. A
+    piece is orientable exactly when no triangle's two nodes end up in one
+    connected component; then each piece has two components, one per
+    consistent orientation.
+    """
+    import scipy.sparse as sp
+    from scipy.sparse.csgraph import connected_components
+
+    m = len(f)
+    start, end = f.ravel(), f[:, [1, 2, 0]].ravel()  # half-edges, three per triangle
+    face = np.repeat(np.arange(m), 3)
+    key = np.minimum(start, end) * n + np.maximum(start, end)
+    order = np.argsort(key, kind="stable")
+    _, first, counts = np.unique(key[order], return_index=True, return_counts=True)
+    pair = first[counts == 2]
+    h1, h2 = order[pair], order[pair + 1]
+    f1, f2 = face[h1], face[h2]
+    same = (start[h1] == start[h2]).astype(np.int64)  # same direction: one of the two must flip
+    rows = np.concatenate([f1, f1 + m])
+    cols = np.concatenate([f2 + m * same, f2 + m * (1 - same)])
+    graph = sp.csr_matrix((np.ones(rows.size, dtype=np.int8), (rows, cols)), shape=(2 * m, 2 * m))
+    _, label = connected_components(graph, directed=False)
+    kept, flipped = label[:m], label[m:]
+    bad = kept == flipped
+    if bad.any():
+        e = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"{call}: the surface is not orientable (like a Moebius strip): face {e} = "
+                         f"{f[e].tolist()} cannot be oriented consistently with its neighbours, so "
+                         "no continuous unit normal exists. Cut the surface into orientable pieces.")
+    piece = np.minimum(kept, flipped)
+    flip = kept != piece
+    _, head, inverse = np.unique(piece, return_index=True, return_inverse=True)
+    flips, sizes = np.bincount(inverse, weights=flip), np.bincount(inverse)
+    swap = (2 * flips > sizes) | ((2 * flips == sizes) & flip[head])
+    flip ^= swap[inverse]
+    return np.where(flip, -1, 1).astype(np.int8)
+
+
+def _count(value: Any, least: int, call: str, name: str) -> int:
+    """``value`` as an int >= ``least``; a TypeError or ValueError naming ``call`` and ``name`` otherwise.
+
+    An integer, or a float holding one (``3.0``); a bool is a flag, not a
+    count, so it is refused like any other non-number.
+    """
+    a = None if value is None or isinstance(value, (str, bytes)) else np.asarray(value)
+    if a is None or a.ndim != 0 or a.dtype.kind not in "iuf":
+        found = "a bool" if a is not None and a.dtype.kind == "b" else type(value).__name__
+        raise TypeError(f"{call}: {name} must be an integer >= {least}, got {value!r} ({found}); "
+                        f"pass e.g. {name}={least + 1}")
+    if not (np.isfinite(a) and float(a) == int(a) and int(a) >= least):
+        raise ValueError(f"{call}: {name} must be an integer >= {least}, got {value!r}")
+    return int(a)
+
+
 # ---------------------------------------------------------------- generators
 def icosphere(subdivisions: int = 3) -> Mesh:
     """The unit sphere: an icosahedron subdivided ``subdivisions`` times.
@@ -336,9 +472,7 @@ def icosphere(subdivisions: int = 3) -> Mesh:
     >>> m.n_vertices, m.n_faces, m.is_closed()
     (162, 320, True)
     """
-    k = int(subdivisions)
-    if k != subdivisions or k < 0:
-        raise ValueError(f"icosphere(subdivisions={subdivisions!r}): expected an integer >= 0")
+    k = _count(subdivisions, 0, f"icosphere(subdivisions={subdivisions!r})", "subdivisions")
     t = (1.0 + 5.0**0.5) / 2.0
     v = np.array([[-1, t, 0], [1, t, 0], [-1, -t, 0], [1, -t, 0], [0, -1, t], [0, 1, t],
                   [0, -1, -t], [0, 1, -t], [t, 0, -1], [t, 0, 1], [-t, 0, -1], [-t, 0, 1]], float)
@@ -380,10 +514,8 @@ def grid(nx: int, ny: int, nz: int | None = None) -> Mesh:
     1.0
     """
     dims = (nx, ny) if nz is None else (nx, ny, nz)
-    for name, d in zip(("nx", "ny", "nz")[:len(dims)], dims, strict=True):
-        if int(d) != d or d < 2:
-            raise ValueError(f"grid({', '.join(map(str, dims))}): {name} must be an integer >= 2, got {d!r}")
-    dims = tuple(int(d) for d in dims)
+    call = f"grid({', '.join(map(repr, dims))})"
+    dims = tuple(_count(d, 2, call, name) for name, d in zip(("nx", "ny", "nz"), dims, strict=False))
     axes = [np.linspace(0.0, 1.0, d) for d in dims]
     pts = np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1).reshape(-1, len(dims))
     idx = np.arange(pts.shape[0]).reshape(dims)
@@ -416,10 +548,14 @@ def torus(major: float = 1.0, minor: float = 0.4, nu: int = 48, nv: int = 24) ->
     >>> m.n_vertices - len(m.edges()) + m.n_faces   # Euler characteristic of a torus
     0
     """
-    if not (0 < minor < major):
-        raise ValueError(f"torus(major={major}, minor={minor}): expected 0 < minor < major")
-    if int(nu) != nu or int(nv) != nv or nu < 3 or nv < 3:
-        raise ValueError(f"torus(nu={nu}, nv={nv}): expected integers >= 3")
+    call = f"torus(major={major!r}, minor={minor!r}, nu={nu!r}, nv={nv!r})"
+    for name, x in (("major", major), ("minor", minor)):
+        a = None if x is None or isinstance(x, (str, bytes)) else np.asarray(x)
+        if a is None or a.ndim != 0 or a.dtype.kind not in "iuf":
+            raise TypeError(f"{call}: {name} must be a real number, got {type(x).__name__}")
+    if not (np.isfinite(major) and 0 < minor < major):
+        raise ValueError(f"{call}: expected finite radii with 0 < minor < major")
+    nu, nv = _count(nu, 3, call, "nu"), _count(nv, 3, call, "nv")
     u = 2 * np.pi * np.arange(nu) / nu
     w = 2 * np.pi * np.arange(nv) / nv
     U, W = np.meshgrid(u, w, indexing="ij")

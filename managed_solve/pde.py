@@ -32,6 +32,7 @@ from .assembly import (
     Target,
     assemble,
     assemble_grid,
+    check_flag,
     grid_shape,
     grid_spacing,
     lumped_mass,
@@ -39,7 +40,7 @@ from .assembly import (
 )
 from .mesh import Mesh
 from .system import LinearSystem
-from .system.inputs import check_torch_dtype
+from .system.inputs import all_finite, check_torch_dtype
 
 __all__ = ["laplacian", "laplacian_nullspace", "mass", "poisson", "screened_poisson", "heat_step",
            "poisson_grid"]
@@ -86,9 +87,12 @@ def _vertex_values(f: Any, mesh: Mesh, t: Target, dtype: np.dtype, call: str, ar
         f = f.detach()
         f = f.cpu().numpy() if t.backend != "cuda" else _backend.cupy().from_dlpack(f)
     if f is None or isinstance(f, (str, bytes)) or np.ndim(f) == 0:
-        return xp.full(n, _real_number(f, call, arg, f"a real number, one value per vertex (shape "
-                                                    f"({n},)) or a callable of the (n, 3) vertices"),
-                       dtype=dtype)
+        given = _real_number(f, call, arg, f"a real number, one value per vertex (shape ({n},)) "
+                                           "or a callable of the (n, 3) vertices")
+        with np.errstate(over="ignore"):  # a value beyond the value type is refused just below
+            stored = np.asarray(given).astype(dtype)
+        _check_finite(stored, given, call, arg)
+        return xp.full(n, stored, dtype=dtype)
     if t.backend != "cuda":
         f = _backend.to_host(f)
     f = xp.asarray(f)
@@ -97,7 +101,35 @@ def _vertex_values(f: Any, mesh: Mesh, t: Target, dtype: np.dtype, call: str, ar
                          f"shape {tuple(f.shape)}")
     if f.dtype.kind not in "iuf":
         raise TypeError(f"{call}({arg}=...): expected real values, got dtype {f.dtype}")
-    return f.astype(dtype, copy=False)
+    with np.errstate(over="ignore"):
+        out = f.astype(dtype, copy=False)
+    _check_finite(out, f, call, arg, where="vertex")
+    return out
+
+
+def _check_finite(values: Any, given: Any, call: str, arg: str, where: str = "entry",
+                 shape: tuple[int, ...] | None = None) -> None:
+    """Refuse NaN or Inf in ``values`` (``given`` cast to the value type), naming ``arg``.
+
+    Without it the error would come from the :class:`LinearSystem` built
+    later, naming its ``b`` rather than the argument the caller gave. The
+    message names the first bad ``where`` (its index, or its position in
+    ``shape``) and, for a value finite before the cast, the value type's range.
+    """
+    if all_finite(values):  # sync: one host read, as the LinearSystem's own check makes
+        return
+    xp = _backend.array_module(values)
+    wider = f" beyond {values.dtype.name}'s range (use dtype=np.float64)"
+    if np.ndim(given) == 0:
+        was = float(given)
+        raise ValueError(f"{call}({arg}={given!r}): expected a finite value"
+                         + (f"; {was:.3g} is{wider}" if np.isfinite(was) else ""))
+    bad = xp.flatnonzero(~xp.isfinite(values.reshape(-1)))
+    i = int(bad[0])
+    was = float(given.reshape(-1)[i])
+    at = f"{where} {i}" if shape is None else f"{where} {tuple(int(j) for j in np.unravel_index(i, shape))}"
+    raise ValueError(f"{call}({arg}=...): {at} has {was!r}" + (f",{wider}" if np.isfinite(was) else "")
+                     + f"; expected finite values ({int(bad.size)} of the {values.size} are not)")
 
 
 def _real_number(value: Any, call: str, arg: str, expected: str = "a real number") -> float:
@@ -133,6 +165,8 @@ def _vertex_index(index: Any, n: int, where: str) -> np.ndarray:
         idx = np.asarray(index)
     except Exception:  # a ragged sequence
         idx = np.asarray(None)
+    if idx.size == 0 and idx.dtype != object:
+        return np.empty(0, dtype=np.int64)  # [] reads as float64, yet selects no vertex either way
     if idx.dtype == bool:
         if idx.size != n:
             raise ValueError(f"{where}: a boolean mask must have one entry per vertex, length {n}, "
@@ -342,6 +376,7 @@ def mass(mesh: Mesh, lumped: bool = True, *, device: Any = None, dtype: Any = np
     """
     call = "mass"
     _check_mesh(mesh, call)
+    check_flag(lumped, call, "lumped")
     dt = np.dtype(dtype)
     t = _target(device, manager, estimate_nbytes(mesh, dt), backend, call)
     A = assemble(mesh, stiffness=0.0, mass=0.0 if lumped else 1.0, lumped_mass=1.0 if lumped else 0.0,
@@ -404,6 +439,7 @@ def poisson(mesh: Mesh, f: Any, *, dirichlet: Any = None, lumped: bool = True, d
     """
     call = "poisson"
     _check_mesh(mesh, call)
+    check_flag(lumped, call, "lumped")
     dt = np.dtype(dtype)
     t = _target(device, manager, estimate_nbytes(mesh, dt), backend, call)
     with _ctx(t):
@@ -443,6 +479,7 @@ def screened_poisson(mesh: Mesh, f: Any, alpha: float, *, lumped: bool = True, d
     """
     call = "screened_poisson"
     _check_mesh(mesh, call)
+    check_flag(lumped, call, "lumped")
     alpha = _positive(alpha, call, "alpha", "alpha > 0 (alpha = 0 is singular: use poisson())")
     dt = np.dtype(dtype)
     t = _target(device, manager, estimate_nbytes(mesh, dt), backend, call)
@@ -477,6 +514,7 @@ def heat_step(mesh: Mesh, u: Any, dt: float, kappa: float = 1.0, *, lumped: bool
     """
     call = "heat_step"
     _check_mesh(mesh, call)
+    check_flag(lumped, call, "lumped")
     dt = _positive(dt, call, "dt", "time step > 0")
     kappa = _positive(kappa, call, "kappa", "diffusivity > 0")
     if not np.isfinite(dt * kappa):
@@ -553,12 +591,16 @@ def poisson_grid(shape: tuple[int, ...], f: Any, coefficient: Any = None, *, len
                              f"{fv.shape}")
         fv = fv.reshape(-1).astype(float)
     vt = np.dtype(dtype)
+    with np.errstate(over="ignore"):  # a value beyond the value type is refused just below
+        fv = fv.astype(vt)
+    _check_finite(fv, f if np.ndim(f) == 0 else np.asarray(_backend.to_host(f)), call, "f",
+                 where="node", shape=shape)
     nbytes = n * (2 * len(shape) + 1) * (vt.itemsize + 4) + 3 * n * vt.itemsize
     t = _target(device, manager, nbytes, backend, call)
     with _ctx(t):
         A = assemble_grid(shape, coefficient=coefficient, lengths=lengths, device=t.device,
                           dtype=vt, index_dtype=index_dtype, backend=t.backend)
-        b = t.xp.asarray(fv.astype(vt))
+        b = t.xp.asarray(fv)
         return _system(A, b, vt, f"poisson_grid({'x'.join(map(str, shape))})", rtol=rtol)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -143,3 +145,23 @@ def test_values_beyond_the_value_type_are_refused_naming_the_scale_and_the_fix(b
     w = assembly.lumped_mass(hexagon_fan(0.76e154), device=device, backend=backend)
     w = w.get() if backend == "cuda" else w
     np.testing.assert_allclose(w, assembly.lumped_mass(hexagon_fan(1.0)) * 0.76e154**2, rtol=1e-13)
+
+
+def test_coefficients_and_flags_that_are_not_numbers_name_the_argument():
+    m = icosphere(1)
+    for kwargs, found in (({"stiffness": "1"}, "str"), ({"mass": None}, "NoneType"),
+                          ({"lumped_mass": True}, "dtype bool"), ({"stiffness": [1.0, 2.0]}, "list")):
+        (name, value), = kwargs.items()
+        said = re.escape(f"assemble({name}={value!r}): expected a real number (the coefficient of ")
+        with pytest.raises(TypeError, match=said + rf"[LMD]\), got {found}; pass e\.g\. {name}=1\.0"):
+            assembly.assemble(m, **kwargs)
+    with pytest.raises(ValueError, match=r"assemble\(mass=nan\): expected a finite number"):
+        assembly.assemble(m, mass=float("nan"))
+    # NumPy scalars are numbers: the same matrix as the Python float.
+    ref = assembly.assemble(m, stiffness=2.0, lumped_mass=0.5)
+    got = assembly.assemble(m, stiffness=np.float32(2), lumped_mass=np.asarray(0.5))
+    assert abs(got - ref).max() == 0
+    with pytest.raises(TypeError, match=r"assemble_mass\(lumped='no'\): expected True or False, got str"):
+        assembly.assemble_mass(m, lumped="no")
+    np.testing.assert_array_equal(assembly.assemble_mass(m, lumped=np.False_).toarray(),
+                                  assembly.assemble(m, stiffness=0.0, mass=1.0).toarray())

@@ -96,3 +96,59 @@ def test_demo_small_json(tmp_path, capsys):
     assert summary["verdict"].endswith(("x faster", "x slower"))
     assert summary["largest_relative_residual"] < 1e-6
     assert "first run" in captured.err and summary["verdict"] in captured.err
+
+
+def test_demo_device_missing_names_the_option_and_what_the_machine_has(capsys):
+    assert main(["demo", "--device", "cuda:0", "--simulate", "1x1GiB", "--small"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err
+    assert "--device cuda:0: this machine has no cuda:0 (simulated mode: sim:0, cpu)" in err
+    assert "Give one of sim:0, cpu" in err
+    # Not the list the demo builds from the option, nor an example naming the missing device.
+    assert "devices=" not in err and "'cpu']" not in err and "'cuda:0,cpu'" not in err
+    assert main(["demo", "--device", "foo", "--small"]) == 2
+    assert "--device foo: not a device name; give cpu, cuda:0" in capsys.readouterr().err
+
+
+class _ClosedPipe:
+    """Standard output whose reader has gone (``managed-solve info | head -1``)."""
+
+    def write(self, text):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self):
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_closed_pipe_ends_the_command_quietly(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdout", _ClosedPipe())
+    assert main(["info", "--simulate", "1x1GiB"]) == 141  # 128 + SIGPIPE, as a shell reports it
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.slow
+def test_a_closed_pipe_leaves_no_traceback_in_a_real_process():
+    import os
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before anything is written: every write fails
+    try:
+        proc = subprocess.run([sys.executable, "-m", "managed_solve", "info", "--simulate", "1x1GiB"],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 141 and proc.stderr == ""
+
+
+@pytest.mark.parametrize(("option", "value", "accepted"), [
+    ("--methods", "", "cg, bicgstab, gmres"),
+    ("--methods", " , ", "cg, bicgstab, gmres"),
+    ("--dtypes", "", "float64, float32"),
+    ("--device", ",", "cpu, cuda:N, cuda"),
+])
+def test_warmup_with_an_empty_list_is_a_usage_error(capsys, option, value, accepted):
+    args = ["warmup", "--device", "cpu", "--methods", "cg", option, value]
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert "compiling" not in captured.out + captured.err  # refused before any work
+    assert f"{option} {value!r}: names nothing; give one or more of {accepted}" in captured.err

@@ -50,3 +50,16 @@ def test_plain_install_runs_the_demo(tmp_path):
     version = subprocess.run([str(bindir / "managed-solve"), "--version"], capture_output=True, text=True,
                              timeout=120, env=env)
     assert version.returncode == 0 and version.stdout.startswith("managed-solve ")
+
+
+def test_a_tetrahedral_mesh_is_pictured_by_its_boundary(tmp_path):
+    pytest.importorskip("matplotlib")
+    import numpy as np
+
+    from managed_solve.demo import picture
+    from managed_solve.mesh import grid
+
+    cube = grid(3, 3, 3)
+    path = tmp_path / "cube.png"
+    assert picture(cube, [(cube.vertices[:, 0], "x"), (np.ones(cube.n_vertices), "one")], str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

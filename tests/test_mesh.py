@@ -396,3 +396,56 @@ def test_a_file_meshio_exits_on_is_a_value_error_not_the_end_of_the_process(tmp_
     path.write_text("<VTKFile type='UnstructuredGrid'><garbage")
     with pytest.raises(ValueError, match="meshio could not read the file"):
         read(path)
+
+
+def test_counts_name_the_call_and_the_argument_and_bools_are_not_counts():
+    with pytest.raises(TypeError, match=r"icosphere\(subdivisions=None\): subdivisions must be an "
+                                        r"integer >= 0, got None \(NoneType\)"):
+        icosphere(None)
+    # A bool is a flag, refused alike by every generator (grid(True, 3) was refused as 1 < 2).
+    for make, name in ((lambda: icosphere(True), "subdivisions"), (lambda: grid(True, 3), "nx"),
+                       (lambda: grid(3, 3, np.True_), "nz"), (lambda: torus(nu=True), "nu")):
+        with pytest.raises(TypeError, match=rf"{name} must be an integer >= \d, got (np\.)?True_? \(a bool\)"):
+            make()
+    with pytest.raises(ValueError, match=r"grid\(nan, 3\): nx must be an integer >= 2, got nan"):
+        grid(float("nan"), 3)
+    with pytest.raises(ValueError, match=r"torus\(major=inf, .*\): expected finite radii"):
+        torus(major=float("inf"))
+    with pytest.raises(TypeError, match=r"torus\(major='2'.*major must be a real number, got str"):
+        torus(major="2")
+    # Whole numbers of any numeric type still count.
+    assert grid(3.0, np.int64(3)).n_vertices == 9 and icosphere(np.uint8(1)).n_faces == 80
+
+
+def _moebius(n=12, radius=2.0, width=0.5):
+    u = 2 * np.pi * np.arange(n) / n
+    s = np.array([-width, width])
+    r = radius + s[None, :] * np.cos(u / 2)[:, None]
+    v = np.stack([r * np.cos(u)[:, None], r * np.sin(u)[:, None], s[None, :] * np.sin(u / 2)[:, None]], -1)
+    i = np.arange(n)
+    a, b = 2 * i, 2 * i + 1
+    c, d = 2 * ((i + 1) % n), 2 * ((i + 1) % n) + 1
+    c[-1], d[-1] = d[-1], c[-1]  # the half twist: the strip closes with its edges swapped
+    return Mesh(v.reshape(-1, 3), np.concatenate([np.stack([a, c, b], 1), np.stack([b, c, d], 1)]))
+
+
+def test_vertex_normals_orient_the_surface_first_and_refuse_where_no_normal_exists():
+    square = Mesh(TRI, [[0, 1, 2], [1, 2, 3]])  # the second triangle is stored flipped
+    assert square.face_orientation().tolist() == [1, -1]
+    np.testing.assert_array_equal(square.vertex_normals(), [[0, 0, 1]] * 4)
+    # An icosphere with a third of its triangles flipped: the outward normals of the stored one.
+    sphere = icosphere(2)
+    flipped = np.random.default_rng(0).random(sphere.n_faces) < 1 / 3
+    faces = np.where(flipped[:, None], sphere.faces[:, ::-1], sphere.faces)
+    scrambled = Mesh(sphere.vertices, faces)
+    assert (scrambled.face_orientation() == np.where(flipped, -1, 1)).all()
+    np.testing.assert_allclose(scrambled.vertex_normals(), sphere.vertex_normals(), atol=1e-14)
+    np.testing.assert_allclose(np.linalg.norm(scrambled.vertex_normals(), axis=1), 1.0, rtol=1e-15)
+    assert (sphere.face_orientation() == 1).all()
+    # No consistent orientation exists on a Moebius strip, so no continuous unit normal.
+    with pytest.raises(ValueError, match=r"vertex_normals\(\): the surface is not orientable"):
+        _moebius().vertex_normals()
+    # Two sheets of opposite orientation meeting at one vertex: their normals cancel there.
+    bowtie = Mesh([[0, 0, 0], [1, 0, 0], [0, 1, 0], [-1, 0, 0], [0, -1, 0]], [[0, 1, 2], [0, 4, 3]])
+    with pytest.raises(ValueError, match=r"the face normals around vertex 0 cancel"):
+        bowtie.vertex_normals()

@@ -355,3 +355,53 @@ def test_values_a_value_type_cannot_hold_name_the_builder_and_the_fix():
         pde.poisson(big, 1.0, dtype=np.float32, device="cpu")
     with pytest.raises(ValueError, match=r"heat_step\(dt=1e\+200, kappa=1e\+200\): dt \* kappa overflows"):
         pde.heat_step(icosphere(1), 1.0, dt=1e200, kappa=1e200, device="cpu")
+
+
+def test_an_empty_dirichlet_set_is_named_as_such():
+    m = grid(4, 4)
+    for index in ([], np.array([], dtype=float), np.array([], dtype=np.int64)):
+        with pytest.raises(ValueError, match=r"poisson\(dirichlet=...\): no vertices given"):
+            pde.poisson(m, 1.0, dirichlet=(index, []), device="cpu")
+    # Elsewhere an empty index selects nothing: the problem is left as it was.
+    L = pde.laplacian(m, device="cpu").A
+    A, b = pde.apply_dirichlet(L.copy(), np.ones(16), [], [])
+    assert abs(A - L).max() == 0 and (b == 1.0).all()
+    assert pde.laplacian_nullspace(m, fixed=[]) == "constant"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_finite_vertex_values_name_the_builders_argument(device):
+    m = icosphere(1)
+    u = np.ones(m.n_vertices)
+    u[[3, 7]] = [np.nan, np.inf]
+    with pytest.raises(ValueError, match=r"heat_step\(u=...\): vertex 3 has nan; expected finite "
+                                         r"values \(2 of the 42 are not\)"):
+        pde.heat_step(m, u, dt=0.1, device=device)
+    with pytest.raises(ValueError, match=r"poisson\(f=...\): vertex 0 has -inf"):
+        pde.poisson(m, lambda v: np.full(len(v), -np.inf), device=device)
+    with pytest.raises(ValueError, match=r"screened_poisson\(f=nan\): expected a finite value$"):
+        pde.screened_poisson(m, float("nan"), 1.0, device=device)
+    with pytest.raises(ValueError, match=r"laplacian\(b=...\): vertex 7 has inf"):
+        pde.laplacian(m, device=device, b=np.where(np.isnan(u), 1.0, u))
+    # Finite, but beyond the value type: the range and the fix.
+    with pytest.raises(ValueError, match=r"poisson\(f=1e\+300\): expected a finite value; 1e\+300 is "
+                                         r"beyond float32's range \(use dtype=np.float64\)"):
+        pde.poisson(m, 1e300, dtype=np.float32, device=device)
+    with pytest.raises(ValueError, match=r"poisson_grid\(f=...\): node \(1, 2\) has nan"):
+        pde.poisson_grid((3, 4), np.where(np.arange(12).reshape(3, 4) == 6, np.nan, 1.0), device=device)
+
+
+def test_lumped_is_a_flag_not_a_truth_value():
+    m = icosphere(1)
+    for build in (lambda lumped: pde.mass(m, lumped=lumped, device="cpu"),
+                  lambda lumped: pde.poisson(m, 1.0, lumped=lumped, device="cpu"),
+                  lambda lumped: pde.screened_poisson(m, 1.0, 1.0, lumped=lumped, device="cpu"),
+                  lambda lumped: pde.heat_step(m, 1.0, 0.1, lumped=lumped, device="cpu")):
+        for bad in ("no", 0, None):
+            with pytest.raises(TypeError, match=rf"\(lumped={bad!r}\): expected True or False, got "
+                                                rf"{type(bad).__name__}"):
+                build(bad)
+    consistent = pde.mass(m, lumped=np.False_, device="cpu")
+    assert consistent.name == "mass(consistent)"
+    np.testing.assert_array_equal(consistent.A.toarray(),
+                                  assembly.assemble(m, stiffness=0.0, mass=1.0).toarray())
