@@ -9,7 +9,10 @@ layer's computation to the batch's device (parameters copied, differentiably,
 gradients landing back on the module's device). ``pin()`` the module to keep
 every operation on its device. ``.cuda()`` sizes the whole module
 (parameters, buffers and gradients) and asks the manager for one device;
-the module never ends up split parameter by parameter.
+the module never ends up split parameter by parameter: tensors added after
+placement (assigned, ``register_buffer``, ``register_parameter``) join it.
+On a simulated GPU its parameters and buffers count against the device's
+free bytes while they are on it; moving the module gives them back.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from .tensor import (
     account_placement,
     hold_reservation,
     is_simulated_key,
+    managed,
     placement_of,
     raw_size_of,
     simulated_name,
@@ -135,10 +139,36 @@ class ManagedModule(nn.Module):
         module.manage()
         return module
 
+    # A new layer or tensor, however it is added, marks the module: it is
+    # converted and placed with the others at its next use (forward,
+    # parameters(), buffers(), placement) or attribute read, once for many
+    # additions (a module registering many tensors is not walked for each).
     def __setattr__(self, name: str, value: Any) -> None:
         if isinstance(value, (nn.Module, torch.Tensor)):
-            self.__dict__["_ms_managed"] = False  # a new layer or tensor: convert on next use
+            self.__dict__["_ms_managed"] = False
         super().__setattr__(name, value)
+
+    def register_buffer(self, name: str, tensor: Any, persistent: bool = True) -> None:
+        super().register_buffer(name, tensor, persistent)
+        self.__dict__["_ms_managed"] = False
+
+    def register_parameter(self, name: str, param: Any) -> None:
+        super().register_parameter(name, param)
+        self.__dict__["_ms_managed"] = False
+
+    def add_module(self, name: str, module: Any) -> None:  # register_module too
+        super().add_module(name, module)
+        self.__dict__["_ms_managed"] = False
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached for what nn.Module keeps in its dicts (layers, parameters,
+        # buffers). A missing name raises first: register_* ask hasattr about
+        # the new name, which must not convert the module once per registration.
+        value = super().__getattr__(name)
+        if self.__dict__.get("_ms_managed", True) is False:
+            self.manage()
+            value = super().__getattr__(name)
+        return value
 
     def _ensure_managed(self) -> None:
         if not self.__dict__.get("_ms_managed", False):
@@ -160,23 +190,44 @@ class ManagedModule(nn.Module):
     def manage(self) -> ManagedModule:
         """Convert every parameter and buffer (all submodules) to ManagedTensors, in place.
 
-        Called for you before the first forward, ``parameters()`` or placement
-        after layers or tensors were assigned to this module.
+        Called for you before the first forward, ``parameters()``, placement
+        or attribute read after layers or tensors were added to this module
+        (assigned, ``register_buffer``, ``register_parameter``,
+        ``add_module``). Once the module was placed (``to``, ``cuda``,
+        ``pin``), tensors added later join it there, pinned with it if it is
+        pinned, so the module stays in one piece.
         """
         self.__dict__["_ms_managed"] = True
         mgr = self.__dict__.get("manager")
+        done: dict[int, tuple] = {}  # a tensor held twice (tied weights) stays one tensor
         for sub in self.modules():
-            for name, p in list(sub._parameters.items()):
-                if p is not None and not isinstance(p, ManagedTensor):
-                    sub._parameters[name] = _as_managed_param(p)
-            for name, b in list(sub._buffers.items()):
-                if b is not None and not isinstance(b, ManagedTensor):
-                    sub._buffers[name] = b.as_subclass(ManagedTensor)
+            for slots, convert in ((sub._parameters, _as_managed_param), (sub._buffers, managed)):
+                for name, t in list(slots.items()):
+                    if t is not None and not isinstance(t, ManagedTensor):
+                        if id(t) not in done:
+                            done[id(t)] = (t, convert(t))  # t held: its id is not reused meanwhile
+                        slots[name] = done[id(t)][1]
             if mgr is not None:
                 for t in [*sub._parameters.values(), *sub._buffers.values()]:
                     if t is not None:
                         t._ms_manager = mgr
+        home = self.__dict__.get("_ms_place")
+        if home is not None:
+            self._gather(home)
         return self
+
+    def _gather(self, home: str) -> None:
+        """Bring tensors added after placement to ``home``, counted there, pinned as the module is."""
+        if any(placement_of(t) != home for t in self._own_tensors()):
+            self._move(home)  # buffers moved are new objects, as nn.Module.to makes them
+        else:
+            self._account()
+        mgr = self._manager()
+        pin = mgr.pinned(self)
+        if pin is not None:
+            for t in self._own_tensors():
+                t._ms_pin = str(pin)
+                mgr.pin(t, pin)
 
     def state_dict(self, *args: Any, **kwargs: Any):
         """``nn.Module.state_dict`` with plain tensors (same memory), so checkpoints load anywhere.
@@ -216,6 +267,15 @@ class ManagedModule(nn.Module):
     def _tensors(self) -> list:
         return [*self.parameters(), *self.buffers()]
 
+    def _own_tensors(self) -> list:
+        """The ManagedTensor parameters and buffers, each once, read without converting anything."""
+        seen: dict[int, Any] = {}
+        for sub in self.modules():
+            for t in (*sub._parameters.values(), *sub._buffers.values()):
+                if isinstance(t, ManagedTensor):
+                    seen.setdefault(id(t), t)
+        return list(seen.values())
+
     # ------------------------------------------------------------------ placement
     @property
     def placement(self) -> str:
@@ -231,25 +291,54 @@ class ManagedModule(nn.Module):
         except ValueError:
             return None
 
-    def _place(self, key: str, **kw: Any) -> ManagedModule:
+    def _place(self, key: str) -> ManagedModule:
         """Move every parameter, buffer and gradient to ``key`` (in place, as nn.Module.to)."""
         old = self.__dict__.pop("_ms_reservation", None)
         if old is not None:
             old.release()
+        self.__dict__.pop("_ms_place", None)  # manage() converts without gathering anywhere
         self.manage()
-        nn.Module.to(self, torch_device(key), **kw)
+        self._move(key)
+        return self
+
+    def _move(self, key: str) -> None:
+        self.__dict__.pop("_ms_place", None)  # not re-read from stale labels by _apply
+        nn.Module.to(self, torch_device(key))
         sim = key if is_simulated_key(key) else None
-        mgr = self._manager()
-        for t in self._tensors():
+        for t in self._own_tensors():
             # nn.Module.to swaps .data in place, so the objects keep stale labels: reset them.
-            old = t.__dict__.get("_ms_sim")
             t._ms_sim = sim
-            if sim is not None and old != sim:
-                account_placement(t, sim, mgr)
+            g = t.grad if t.is_leaf else None
+            if g is not None:
+                g._ms_sim = sim
+        self._account()
+        self.__dict__["_ms_place"] = key  # where tensors added later go (manage)
+
+    def _account(self) -> None:
+        """Count each tensor on the simulated GPU it is on now and on no other: the manager's ledger."""
+        mgr = self._manager()
+        for t in self._own_tensors():
+            account_placement(t, placement_of(t), mgr)
+
+    def _apply(self, *args: Any, **kwargs: Any) -> ManagedModule:
+        # Every conversion of nn.Module (to, half, double, to_empty, ...) runs
+        # through here: the ledger follows the bytes and the devices.
+        super()._apply(*args, **kwargs)
+        own = self._own_tensors()
+        if own and "_ms_place" in self.__dict__:  # moved by nn.Module itself (to_empty): home follows
+            self.__dict__["_ms_place"] = placement_of(own[0])
+        self._account()
         return self
 
     def to(self, *args: Any, **kwargs: Any) -> ManagedModule:
-        """``nn.Module.to``, also accepting managed devices (``"sim:1"``, a :class:`Device`)."""
+        """``nn.Module.to``, also accepting managed devices (``"sim:1"``, a :class:`Device`).
+
+        A tensor given for the device means where it is placed (``sim:1``
+        for a tensor on a simulated GPU, though torch holds it on the CPU) and
+        its dtype, as ``ManagedTensor.to`` reads one.
+        """
+        if args and isinstance(args[0], torch.Tensor):
+            args = (placement_of(args[0]), args[0].dtype, *args[1:])
         if "device" in kwargs:
             key = _device_key(kwargs.pop("device"))
             rest = args
@@ -261,7 +350,7 @@ class ManagedModule(nn.Module):
         else:
             self.manage()
         if rest or kwargs:
-            nn.Module.to(self, *rest, **kwargs)  # dtype, non_blocking, a tensor's device and dtype
+            nn.Module.to(self, *rest, **kwargs)  # dtype, non_blocking
         return self
 
     def cpu(self) -> ManagedModule:

@@ -183,12 +183,17 @@ def _key(t: Any) -> tuple[str, str | None]:
     return key, getattr(t, "_ms_pin", None)
 
 
-def _manager_of(tensors: list, cls: type) -> DeviceManager:
+def _carried_manager(tensors: list) -> DeviceManager | None:
+    """The first operand's own manager (:func:`managed` with ``manager=``), or None."""
     for t in tensors:
         m = getattr(t, "_ms_manager", None)
         if m is not None:
             return m
-    return getattr(cls, "manager", None) or default_manager()
+    return None
+
+
+def _manager_of(tensors: list, cls: type) -> DeviceManager:
+    return _carried_manager(tensors) or getattr(cls, "manager", None) or default_manager()
 
 
 def _is_inplace(func: Any, kwargs: dict) -> bool:
@@ -281,8 +286,11 @@ def _wrap(t: Any, cls: type) -> Any:
     return torch.Tensor._make_subclass(cls, t, False)
 
 
-def _label(ret: Any, sim: str | None, cls: type) -> Any:
-    """Wrap results as ``cls`` and record a simulated placement on CPU results."""
+def _label(ret: Any, sim: str | None, cls: type, mgr: DeviceManager | None = None) -> Any:
+    """Wrap results as ``cls``, label CPU results with ``sim``, give those without a manager ``mgr``.
+
+    Results keep their operands' manager: it knows the devices of their own moves (``.to("sim:1")``).
+    """
     if isinstance(ret, _Tensor):
         if not isinstance(ret, cls):
             ret = _wrap(ret, cls)
@@ -290,9 +298,11 @@ def _label(ret: Any, sim: str | None, cls: type) -> Any:
                 return ret
         if sim is not None and ret.device.type == "cpu":
             ret._ms_sim = sim
+        if mgr is not None and ret._ms_manager is None:
+            ret._ms_manager = mgr
         return ret
     if isinstance(ret, (list, tuple)):
-        items = [_label(r, sim, cls) for r in ret]
+        items = [_label(r, sim, cls, mgr) for r in ret]
         if type(ret) is tuple:
             return tuple(items)
         if type(ret) is list:
@@ -304,25 +314,42 @@ def _label(ret: Any, sim: str | None, cls: type) -> Any:
     return ret
 
 
-def account_placement(t: Any, dev_key: str, mgr: DeviceManager) -> None:
-    """Simulated GPUs count the bytes of tensors explicitly placed on them, until freed.
+def _give_back(dev: Device, n: int) -> None:
+    with dev._lock:
+        dev.sim_used_bytes = max(0, dev.sim_used_bytes - n)
 
-    Real GPUs report their own free memory; a simulated one only knows what we
-    tell it, so dispersal over ``sim:k`` devices sees earlier placements.
+
+def account_placement(t: Any, dev_key: str, mgr: DeviceManager) -> None:
+    """Count ``t``'s bytes on the simulated GPU ``dev_key``, and nowhere else, until it is freed.
+
+    Real GPUs report their own free memory; a simulated one only knows what
+    we tell it, so dispersal over ``sim:k`` devices sees earlier placements.
+    Tensors placed explicitly are counted (``to``, ``pin``, ``cuda``, a
+    ManagedModule's parameters and buffers), not results of operations. A
+    tensor holds one count: moved in place (a module's ``.to`` keeps its
+    parameter objects), it gives back what it counted where it was, and
+    only gives back for a ``dev_key`` that is no simulated GPU (``"cpu"``).
     """
     try:
         dev = mgr.get_device(dev_key)
     except ValueError:
+        dev = None
+    if dev is not None and not dev.is_simulated:
+        dev = None
+    n = raw_size_of(t) if dev is not None else 0
+    old = t.__dict__.pop("_ms_account", None)
+    held = old.peek() if old is not None else None  # None once given back
+    if held is not None:
+        counted_on, counted = held[2]
+        if counted_on is dev and counted == n:
+            t.__dict__["_ms_account"] = old
+            return
+        old()  # gives back the old count now, once
+    if dev is None:
         return
-    n = raw_size_of(t)
     with dev._lock:
         dev.sim_used_bytes += n
-
-    def free(dev=dev, n=n):
-        with dev._lock:
-            dev.sim_used_bytes = max(0, dev.sim_used_bytes - n)
-
-    weakref.finalize(t, free)
+    t.__dict__["_ms_account"] = weakref.finalize(t, _give_back, dev, n)
 
 
 class ManagedTensor(torch.Tensor):
@@ -336,7 +363,7 @@ class ManagedTensor(torch.Tensor):
     ----------
     manager : DeviceManager or None
         Class-level manager; None means ``managed_solve.device_manager``. A
-        tensor made by :func:`managed` with ``manager=`` carries its own.
+        tensor made by :func:`managed` with ``manager=`` carries its own, and so do its results.
 
     Examples
     --------
@@ -370,10 +397,11 @@ class ManagedTensor(torch.Tensor):
         if kind == _KIND_ATTR:
             with _DisableSubclass():
                 ret = func(*args, **kwargs)
-                # t.grad, t.data, t.T of a tensor on a simulated GPU stay there.
+                # t.grad, t.data, t.T of a tensor on a simulated GPU stay there, with its manager.
                 if isinstance(ret, _Tensor) and args and isinstance(args[0], _Tensor):
                     sim = getattr(args[0], "_ms_sim", None)
-                    return _label(ret, sim if ret.device.type == "cpu" else None, cls)
+                    return _label(ret, sim if ret.device.type == "cpu" else None, cls,
+                                  getattr(args[0], "_ms_manager", None))
             return ret
         tensors: list = []
         _collect(args, kwargs, tensors)
@@ -407,12 +435,17 @@ class ManagedTensor(torch.Tensor):
                     kwargs = {k: _move(v, target, tdev) for k, v in kwargs.items()}
                 sim_target = target if is_simulated_key(target) else None
             ret = func(*args, **kwargs)
+            mgr = _carried_manager(tensors)
             if type(ret) is _Tensor and sim_target is None:  # the common case, inlined
                 try:
-                    return ret.as_subclass(cls)
+                    ret = ret.as_subclass(cls)
                 except NotImplementedError:  # sparse layouts
                     pass
-            return _label(ret, sim_target, cls)
+                else:
+                    if mgr is not None:
+                        ret._ms_manager = mgr
+                    return ret
+            return _label(ret, sim_target, cls, mgr)
 
     # ------------------------------------------------------------------ copying
     def __deepcopy__(self, memo: dict) -> ManagedTensor:
@@ -427,14 +460,18 @@ class ManagedTensor(torch.Tensor):
             if name in self.__dict__:
                 setattr(new, name, self.__dict__[name])  # the manager is shared, never copied
         memo[id(self)] = new
+        counted = self.__dict__.get("_ms_account")
+        if counted is not None and counted.alive:  # the copy takes as much room on the simulated GPU
+            account_placement(new, new.placement, new._manager())
         if self._ms_pin is not None:
             new.pin(self._ms_pin)
         return new
 
     def __getstate__(self) -> dict:
         # Pickling (torch.save) keeps the placement label and pin, not the
-        # manager or a reservation: they belong to this process.
-        return {k: v for k, v in self.__dict__.items() if k not in ("_ms_manager", "_ms_reservation")}
+        # manager, a reservation or a simulated GPU's count: they belong to this process.
+        return {k: v for k, v in self.__dict__.items()
+                if k not in ("_ms_manager", "_ms_reservation", "_ms_account")}
 
     # ------------------------------------------------------------------ placement
     def _manager(self) -> DeviceManager:
@@ -518,30 +555,29 @@ class ManagedTensor(torch.Tensor):
             else:
                 args = (tdev, *args[1:])
             if is_simulated_key(key):
-                if key == self.placement:
-                    with _DisableSubclass():
-                        out = _base_to(self, *args, **kwargs)
-                    return _label(out, key, type(self))
-                kwargs = {**kwargs, "copy": True}  # a move is a copy, also sim -> sim
+                if key != self.placement:
+                    kwargs = {**kwargs, "copy": True}  # a move is a copy, also sim -> sim
                 with _DisableSubclass():
                     out = _base_to(self, *args, **kwargs)
-                out = _label(out, key, type(self))
-                out._ms_manager = self._ms_manager
-                account_placement(out, key, self._manager())
-                return out
+                return self._placed(out, key)
             # A real device named by a Device object: torch's own rules from here.
         parsed = torch._C._nn._parse_to(*args, **kwargs)
         with _DisableSubclass():
             out = _base_to(self, *args, **kwargs)
             if parsed[0] is None:  # dtype/format change only: placement kept
                 sim = self._ms_sim if out.device.type == "cpu" else None
-                return _label(out, sim, type(self))
+                return self._placed(out, sim)
             if out is self:
                 if self._ms_sim is None:
                     return self
                 out = _base_to(self, *args, **{**kwargs, "copy": True})  # sim -> real cpu: a copy
-        out = _label(out, None, type(self))
-        out._ms_manager = self._ms_manager
+        return self._placed(out, None)
+
+    def _placed(self, out: Any, sim: str | None) -> ManagedTensor:
+        """``out`` of :meth:`to` (every branch, dtype changes too): labelled, managed, counted on ``sim``."""
+        out = _label(out, sim, type(self), self._ms_manager)
+        if sim is not None and out is not self:
+            account_placement(out, sim, self._manager())
         return out
 
     def cpu(self, memory_format: Any = None) -> ManagedTensor:
@@ -615,6 +651,13 @@ def managed(tensor: Any, *, manager: DeviceManager | None = None) -> ManagedTens
     manager : DeviceManager, optional
         The manager placing operations on this tensor and its results' moves;
         default: the class's, else ``managed_solve.device_manager``.
+        Results of operations on the tensor, and its copies, carry it too.
+
+    Notes
+    -----
+    A leaf that requires grad (a weight) gives a leaf on the same memory, as
+    ``nn.Parameter(t)`` does (a Parameter stays one): backward fills its own
+    ``.grad``, optimizers take it. Any other tensor keeps its autograd history.
 
     Examples
     --------
@@ -623,10 +666,23 @@ def managed(tensor: Any, *, manager: DeviceManager | None = None) -> ManagedTens
     >>> t = managed(torch.arange(3.0))
     >>> type(t * 2).__name__
     'ManagedTensor'
+    >>> w = managed(torch.ones(3, requires_grad=True))
+    >>> (w * 2).sum().backward()
+    >>> w.is_leaf, w.grad
+    (True, ManagedTensor([2., 2., 2.]))
     """
     if not isinstance(tensor, _Tensor):
         raise TypeError(f"managed(tensor=...): expected a torch.Tensor, got {type(tensor).__name__}")
-    t = tensor if isinstance(tensor, ManagedTensor) else _wrap(tensor, ManagedTensor)
+    if isinstance(tensor, ManagedTensor):
+        t = tensor
+    elif tensor.is_leaf and tensor.requires_grad:
+        # as_subclass would record an alias of the leaf (a non-leaf whose .grad
+        # stays None and that optimizers refuse); a leaf stays a leaf, on the same memory.
+        t = _wrap(tensor.detach(), ManagedTensor).requires_grad_()
+        if isinstance(tensor, torch.nn.Parameter):
+            t._is_param = True  # as nn.Parameter marks a parameter of a tensor subclass
+    else:
+        t = _wrap(tensor, ManagedTensor)
     if not isinstance(t, ManagedTensor):
         raise TypeError(
             f"managed(tensor=...): a sparse ({tensor.layout}) tensor that requires grad cannot be "

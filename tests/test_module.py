@@ -298,3 +298,93 @@ def test_from_module_refuses_a_manager_argument_that_is_no_manager_before_changi
     with pytest.raises(TypeError, match=r"from_module\(manager='cpu'\): expected a DeviceManager"):
         ManagedModule.from_module(net, manager="cpu")
     assert type(net) is nn.Linear
+
+
+def _used(dm):
+    return [dm.get_device(f"sim:{i}").sim_used_bytes for i in range(2)]
+
+
+def _nbytes(m):
+    return sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
+
+
+def test_a_module_counts_on_the_simulated_gpu_it_is_on_and_nowhere_else():
+    # nn.Module.to keeps the parameter objects, and each move counted them
+    # again on the new device without giving back the old one: after a few
+    # moves both GPUs looked nearly full and later work spilled to the CPU.
+    import gc
+
+    dm = DeviceManager(simulate="2x1MiB", reserved=0.0)
+    m = ManagedModule.from_module(nn.BatchNorm1d(64), manager=dm)  # parameters and buffers
+    n = _nbytes(m)
+    for dev, expected in [("sim:0", [n, 0]), ("sim:1", [0, n]), ("sim:0", [n, 0]), ("sim:0", [n, 0]),
+                          ("sim:1", [0, n]), ("cpu", [0, 0]), ("sim:1", [0, n])]:
+        m.to(dev)
+        assert _used(dm) == expected, dev
+    m.double()  # the ledger follows the bytes
+    assert _nbytes(m) == 2 * n - 8 and _used(dm) == [0, 2 * n - 8]  # num_batches_tracked stays int64
+    m.to(managed(torch.ones(1), manager=dm).to("sim:0"))  # a tensor's placement and dtype
+    assert m.placement == "sim:0" and m.weight.dtype == torch.float32 and _used(dm) == [n, 0]
+    c = copy.deepcopy(m)
+    assert _used(dm) == [2 * n, 0]
+    m.cpu()
+    assert _used(dm) == [n, 0]
+    del c
+    gc.collect()
+    assert _used(dm) == [0, 0]
+    assert dm.available_bytes(dm.get_device("sim:0")) == 1 << 20
+
+
+def test_a_pinned_module_moved_and_unpinned_leaves_nothing_counted():
+    dm = DeviceManager(simulate="2x1MiB", reserved=0.0)
+    m = ManagedModule.from_module(nn.Linear(8, 8), manager=dm).pin("sim:1")
+    assert _used(dm) == [0, _nbytes(m)]
+    m.unpin()
+    m.cuda("sim:0")
+    assert _used(dm) == [_nbytes(m), 0]
+    m.cpu()
+    assert _used(dm) == [0, 0]
+
+
+@pytest.mark.parametrize("read", ["attribute", "forward", "parameters"])
+def test_tensors_registered_after_placement_join_the_module(read):
+    # register_buffer and register_parameter after wrapping left plain CPU
+    # tensors in a module placed on sim:1 (only assignment was seen).
+    dm = DeviceManager(simulate="2x1MiB", reserved=0.0)
+    m = ManagedModule.from_module(nn.Linear(2, 2).double(), manager=dm).to("sim:1").pin()
+    m.register_buffer("scale", torch.full((2,), 2.0, dtype=torch.float64))
+    m.register_parameter("shift", nn.Parameter(torch.ones(2, dtype=torch.float64)))
+    m.add_module("head", nn.Linear(2, 1).double())
+    if read == "forward":
+        m(torch.ones(1, 2, dtype=torch.float64))
+    elif read == "parameters":
+        assert len(list(m.parameters())) == 5
+    added = [m.scale, m.shift, m.head.weight, m.head.bias]
+    assert all(type(t) is ManagedTensor and t.placement == "sim:1" for t in added)
+    assert all(str(t.pinned) == "sim:1" and t.managed_device is dm.get_device("sim:1") for t in added)
+    assert isinstance(m.shift, nn.Parameter) and m.shift.is_leaf
+    assert {id(p) for p in m.parameters()} >= {id(m.shift), id(m.head.weight)}
+    assert _used(dm) == [0, _nbytes(m)]
+    assert set(m.state_dict()) == {"weight", "bias", "scale", "shift", "head.weight", "head.bias"}
+
+
+def test_tied_weights_stay_one_parameter():
+    lin = nn.Linear(3, 3, bias=False)
+    net = nn.Sequential(lin, nn.Tanh(), nn.Linear(3, 3, bias=False))
+    net[2].weight = lin.weight
+    m = ManagedModule.from_module(net)
+    assert m[0].weight is m[2].weight and len(list(m.parameters())) == 1
+
+
+def test_a_buffer_registered_after_placement_is_used_on_the_module_device(env):
+    dm, A, _B = env
+    m = ManagedModule.from_module(nn.Linear(3, 3).double(), manager=dm).to(A)
+    m.register_buffer("scale", torch.arange(3.0, dtype=torch.float64))
+    m.register_parameter("shift", nn.Parameter(torch.ones(3, dtype=torch.float64)))
+    assert m.scale.placement == A and m.shift.placement == A
+    x = torch.ones(2, 3, dtype=torch.float64)
+    out = m(x) * m.scale + m.shift
+    assert out.placement == A
+    ref = nn.Linear(3, 3).double()
+    ref.load_state_dict({k: v for k, v in m.state_dict().items() if k in ("weight", "bias")})
+    np.testing.assert_allclose(_np(out), _np(ref(x)) * np.arange(3.0) + 1.0, rtol=1e-14)

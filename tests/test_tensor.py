@@ -329,3 +329,77 @@ def test_a_tensor_given_as_the_device_means_where_it_is_placed(env):
     np.testing.assert_array_equal(_np(moved), [0.0, 1.0, 2.0])
     plain = torch.zeros(1)  # a plain tensor: its device is its placement
     assert a.pin(plain).placement == "cpu" and a.to(device=plain).placement == "cpu"
+
+
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda a: a * 2, id="arithmetic"),
+    pytest.param(lambda a: a.reshape(2, 2).T, id="view"),
+    pytest.param(lambda a: a.double(), id="double"),
+    pytest.param(lambda a: a.clone(), id="clone"),
+    pytest.param(lambda a: a.to("sim:0", torch.float64), id="to-same-device-dtype"),
+    pytest.param(lambda a: a.to(torch.float64), id="to-dtype"),
+    pytest.param(lambda a: torch.max(a.reshape(2, 2), dim=0).values, id="named-tuple"),
+])
+def test_results_keep_the_manager_of_their_tensor(make):
+    # Results lost managed(t, manager=dm)'s manager: their own .to("sim:2")
+    # asked the default manager, which has no such device, and raised.
+    dm = DeviceManager(simulate="3x1GiB")
+    a = managed(torch.arange(4.0), manager=dm).to("sim:0")  # float32: double() is a copy
+    r = make(a)
+    assert r.placement == "sim:0" and r.managed_device is dm.get_device("sim:0")
+    moved = r.to("sim:2")
+    assert moved.placement == "sim:2" and moved.managed_device is dm.get_device("sim:2")
+    assert str(r.pin("sim:2").pinned) == "sim:2"
+    np.testing.assert_array_equal(_np(moved), _np(r))
+
+
+def test_gradients_flow_across_moves_of_a_tensor_with_its_own_manager():
+    dm = DeviceManager(simulate="3x1GiB")
+    x = managed(torch.arange(3.0, dtype=torch.float64), manager=dm).requires_grad_()
+    ((x.to("sim:0") * 2).to("sim:2") ** 2).sum().backward()
+    np.testing.assert_array_equal(_np(x.grad), 8.0 * np.arange(3.0))
+
+
+def test_managed_keeps_a_leaf_a_leaf_on_the_same_memory():
+    # managed() of a leaf that requires grad returned a non-leaf alias: its
+    # .grad stayed None after backward and optimizers refused it.
+    dm = DeviceManager(simulate="2x1GiB")
+    t = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    w = managed(t, manager=dm)
+    assert w.is_leaf and w.requires_grad and w.grad_fn is None
+    (w * torch.arange(3.0, dtype=torch.float64)).sum().backward()
+    np.testing.assert_array_equal(_np(w.grad), [0.0, 1.0, 2.0])
+    torch.optim.SGD([w], lr=0.5).step()
+    np.testing.assert_array_equal(t.detach().numpy(), [1.0, 0.5, 0.0])  # the same memory
+    p = managed(torch.nn.Parameter(torch.zeros(2)), manager=dm)
+    assert isinstance(p, torch.nn.Parameter) and type(p) is ManagedTensor and p.is_leaf
+    x = torch.ones(2, requires_grad=True)
+    y = managed(x * 3)  # not a leaf: the graph to x is kept
+    y.sum().backward()
+    np.testing.assert_array_equal(x.grad.numpy(), [3.0, 3.0])
+
+
+def _used(dm):
+    return [dm.get_device(f"sim:{i}").sim_used_bytes for i in range(2)]
+
+
+def test_a_simulated_gpu_counts_each_tensor_placed_there_until_it_is_freed():
+    import copy
+    import gc
+
+    dm = DeviceManager(simulate="2x1MiB", reserved=0.0)
+    a = managed(torch.ones(1000, dtype=torch.float64), manager=dm).to("sim:0")
+    assert _used(dm) == [8000, 0]
+    assert a.to("sim:0") is a and _used(dm) == [8000, 0]  # already there: counted once
+    half = a.to("sim:0", torch.float32)  # a copy on sim:0 takes its own room
+    cast = a.to(torch.float16)
+    assert _used(dm) == [8000 + 4000 + 2000, 0]
+    assert dm.available_bytes(dm.get_device("sim:0")) == (1 << 20) - 14000
+    twin = copy.deepcopy(a)
+    assert twin.placement == "sim:0" and _used(dm) == [22000, 0]
+    del half, cast, twin
+    gc.collect()
+    assert _used(dm) == [8000, 0]
+    del a
+    gc.collect()
+    assert _used(dm) == [0, 0]
