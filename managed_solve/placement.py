@@ -54,11 +54,34 @@ def named_device(device: Any, mgr: Any) -> Device:
                           as_given=True, any_cuda=True)
 
 
+def pinned_input(mgr: Any, *objs: Any) -> Any:
+    """The first of ``objs`` pinned with ``mgr`` (:meth:`DeviceManager.pin`), else None.
+
+    A system the manager places goes where it is pinned, else where its
+    matrix is, else where its right-hand side is: ``solve`` asks
+    ``pinned_input(mgr, system, system.A, system.b)`` (:func:`reserve_for`),
+    ``solve_many`` the same of each input as given (an ``(A, b)`` pair: A,
+    then b), so that a pinned matrix is found even where validation
+    converted it.
+    """
+    for obj in objs:
+        if obj is not None and mgr.pinned(obj) is not None:
+            return obj
+    return None
+
+
 def reserve_for(mgr: Any, nbytes: int, dev: Device | None, system: LinearSystem, method: str):
-    """The manager's reservation for one solve (None for a device it does not manage)."""
+    """The manager's reservation for one solve (None for a device it does not manage).
+
+    Without ``dev`` the manager chooses, unless the system, its A or its b
+    is pinned (:func:`pinned_input`): then there, or a ``MemoryError``
+    naming the device and the fix.
+    """
     sig = (*system.signature[:3], method, system.kind)
     if dev is None:
-        return mgr.reserve(nbytes, disperse=True, signature=sig, obj=system)
+        pinned = pinned_input(mgr, system, system.A, system.b)
+        return mgr.reserve(nbytes, disperse=True, signature=sig,
+                           obj=system if pinned is None else pinned)
     try:
         return mgr.reserve(nbytes, dev, signature=sig)
     except ValueError:  # a device this manager does not manage: run unreserved

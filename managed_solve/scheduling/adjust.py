@@ -7,7 +7,8 @@ the runner's queues, plan and manager:
   :meth:`Adjustments.extend`);
 - a batch that hit an out-of-memory or device error, split and its halves
   placed on other devices, finally on the CPU (:meth:`Adjustments.recover`);
-  a system no device could take delivered with ``DEVICE_ERROR``;
+  a system no device could take delivered with ``DEVICE_ERROR``; a batch of
+  pinned systems split on its own device instead (:meth:`Adjustments.keep_pinned`);
 - a batch that failed on one system's input, split on its device until that
   system is alone (:meth:`Adjustments.isolate`);
 - a deferred batch whose systems need different methods, one batch per
@@ -24,7 +25,7 @@ from ..devices import Device
 from ..result import SolveResult, Status
 from .errors import Regroup, is_device_error
 from .estimate import BATCHED_METHODS
-from .plan import BATCH, SINGLE, Batch, Plan, choose_slot, make_slots, split
+from .plan import BATCH, SINGLE, Batch, Plan, choose_slot, make_slots, report_spill, split
 from .validate import invalid_result
 
 log = logging.getLogger("managed_solve")
@@ -95,6 +96,8 @@ class Adjustments:
             for i in b.indices:
                 self.fail(i, dev, msg)
             return []
+        if b.pin is not None:
+            return self.keep_pinned(b, dev, exc)
         log.info("solve_many: batch %d (%d systems) hit %s on %s; splitting and retrying elsewhere",
                  b.id, b.nsys, type(exc).__name__, dev)
         b.tried = b.tried | {str(dev)}
@@ -112,11 +115,36 @@ class Adjustments:
                 for i in h.indices:
                     self.fail(i, dev, msg)
                 continue
+            if target is None and isinstance(exc, MemoryError):  # a spill: said as the plan's are
+                report_spill(self.manager, self.devices, h.nbytes)
             with self.cond:
                 speed = self.manager.speed(self.by_name[name])
                 self.queued_seconds[name] = self.queued_seconds.get(name, 0.0) + h.cost / speed
             out.append((name, h))
         return out
+
+    def keep_pinned(self, b: Batch, dev: Device, exc: BaseException) -> list[tuple[str, Batch]]:
+        """A batch of pinned systems that hit a device error: split on its device, never moved.
+
+        A pinned object always goes to its device (``solve`` raises a
+        ``MemoryError`` there rather than move it), so the halves stay there
+        (smaller ones may fit) until one system is alone; that one comes back
+        ``DEVICE_ERROR``, its message naming the device and the fix.
+        """
+        if b.nsys > 1:
+            log.info("solve_many: batch %d (%d systems pinned to %s) hit %s; splitting it there",
+                     b.id, b.nsys, dev, type(exc).__name__)
+            with self.cond:
+                halves = split(b, self.plan.estimates, next_id=self.next_id,
+                               batch_bytes=self.batch_bytes)
+                self.next_id += len(halves)
+            return [(b.pin, h) for h in halves]
+        why = str(exc).rstrip(".")
+        self.fail(b.indices[0], dev, f"solve_many: {type(exc).__name__} on {dev}, where this system "
+                                     f"is pinned (DeviceManager.pin): {why}. A pinned system is not "
+                                     f"moved elsewhere: free memory on {dev}, or unpin it "
+                                     "(manager.unpin) to let solve_many place it.")
+        return []
 
     def isolate(self, b: Batch, dev: Device, exc: Exception) -> list[tuple[str, Batch]]:
         """A batch that failed on what one of its systems holds: that system alone gets the error.
@@ -170,7 +198,7 @@ class Adjustments:
                     e.route, e.group = route, group
                 sub = Batch(self.next_id, list(indices), route, group, sum(e.n for e in ests),
                             sum(e.nnz for e in ests), sum(e.nbytes for e in ests),
-                            float(sum(e.cost for e in ests)), tried=b.tried)
+                            float(sum(e.cost for e in ests)), tried=b.tried, pin=b.pin)
                 self.next_id += 1
             out.append((str(dev), sub))
         return out

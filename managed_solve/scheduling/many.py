@@ -13,7 +13,8 @@ object:
 2. :func:`.estimate.estimate_call` finds each system's route, bytes and cost
    on them: :class:`.plan.Work`;
 3. :func:`.plan.plan_call` packs batches and disperses them longest-first
-   over the devices: :class:`.plan.Plan`;
+   over the devices, systems pinned with the manager
+   (:func:`pinned_systems`, here) on their own: :class:`.plan.Plan`;
 4. :func:`.runner.run_call` runs workers per device (on an accelerator one
    per lane, setting ``lanes_per_device``), its stage thread copying the
    next batch beside the current compute, handing each batch to
@@ -32,6 +33,7 @@ autograd.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -41,7 +43,7 @@ from .. import _backend, config
 from ..device_args import resolve_devices
 from ..devices import Device
 from ..manager import DeviceManager, default_manager
-from ..placement import check_manager
+from ..placement import check_manager, pinned_input
 from ..result import SolveResult
 from ..system import LinearSystem
 from . import adjoint
@@ -94,7 +96,8 @@ def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = 
             with _backend.SWITCH_INTERVAL.held(switch, active=switch is not None and gpus >= 2), \
                     _backend.BLAS_THREADS.held(blas, active=blas is not None):
                 work = estimation.estimate_call(checked, mgr, devs, method, prefetched=started)
-                plan = planning.plan_call(work, mgr)
+                pins = pinned_systems(items, work.systems, mgr, devices) if mgr.pins else None
+                plan = planning.plan_call(work, mgr, pins)
                 out = running.run_call(plan, work, mgr, progress=progress, kept=kept)
         except BaseException:
             if kept is not None:
@@ -136,6 +139,43 @@ def select_devices(manager: DeviceManager, devices: object, disperse: bool,
             held_bytes[s.device] = held_bytes.get(s.device, 0) + s.nbytes
     best = max(devs, key=lambda d: (held_bytes.get(str(d), 0), manager.available_bytes(d)))
     return [best]
+
+
+def pinned_systems(items: Sequence[Any], systems: Sequence[LinearSystem | None],
+                   manager: DeviceManager, devices: Any) -> dict[int, Device]:
+    """The device each pinned input goes to, by position (asked only of a manager with pins).
+
+    An input is pinned as ``solve`` reads it (:func:`managed_solve.placement.pinned_input`):
+    a LinearSystem by its own pin, else its A's, else its b's; an ``(A, b)``
+    pair by A's, else b's (the objects given, whatever validation made of
+    them). Invalid inputs are left out. The call's ``devices``, when given,
+    win over a pin to a device they leave out, as ``solve(device=)`` does:
+    that system is placed on them like any other, with a warning naming it
+    and the fix.
+    """
+    named = None if devices is None else set(resolve_devices(devices, manager.inventory,
+                                                              call="solve_many", arg="devices"))
+    out: dict[int, Device] = {}
+    left_out: list[str] = []
+    for i, (item, s) in enumerate(zip(items, systems, strict=True)):
+        if s is None:
+            continue
+        objs = (item, item.A, item.b) if isinstance(item, LinearSystem) else tuple(item)
+        obj = pinned_input(manager, *objs)
+        dev = manager.pinned(obj) if obj is not None else None
+        if dev is None:
+            continue
+        if named is not None and dev not in named:
+            left_out.append(f"systems[{i}] (pinned to {dev})")
+            continue
+        out[i] = dev
+    if left_out:
+        shown = ", ".join(left_out[:5]) + (f" and {len(left_out) - 5} more" if len(left_out) > 5 else "")
+        warnings.warn(f"solve_many(devices={devices!r}): {shown} left out by devices=, so solved on "
+                      "the devices named instead. Name the pinned device in devices= (or pass "
+                      "devices=None) to solve there, or unpin the object (manager.unpin).",
+                      UserWarning, stacklevel=4)
+    return out
 
 
 def start_cuda(items: Sequence[Any], manager: DeviceManager, devices: Any, disperse: bool,

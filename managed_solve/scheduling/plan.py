@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from .. import _backend, config
-from ..devices import Device, is_cuda_kind
+from ..devices import Device, is_cuda_kind, warn_spill
 from ..manager import DeviceManager
 from ..sharded import choose_shard_count
 from ..system.cost import predict_iterations
@@ -103,6 +103,7 @@ class Batch:
     nbytes: int
     cost: float
     tried: frozenset = field(default_factory=frozenset)  # devices it failed on
+    pin: str | None = None  # the device its systems are pinned to (DeviceManager.pin): it runs there
 
     @property
     def nsys(self) -> int:
@@ -284,7 +285,7 @@ def pack_band(members: list[Estimate], rows: int, max_bytes: int,
 
 def split(batch: Batch, estimates: dict[int, Estimate], *, next_id: int,
           batch_bytes: Callable[[Sequence[Estimate]], int] | None = None) -> list[Batch]:
-    """Two halves of a batch (by rows), remembering the devices it failed on.
+    """Two halves of a batch (by rows), remembering the devices it failed on and its pin.
 
     A batch of one system is returned unchanged in a list of one.
     """
@@ -304,7 +305,7 @@ def split(batch: Batch, estimates: dict[int, Estimate], *, next_id: int,
         halves.append(Batch(next_id + j, [e.index for e in part], batch.route, batch.group,
                             sum(e.n for e in part), sum(e.nnz for e in part),
                             int(batch_bytes(part)), float(sum(e.cost for e in part)),
-                            tried=batch.tried))
+                            tried=batch.tried, pin=batch.pin))
     return halves
 
 
@@ -377,6 +378,9 @@ class Plan:
     # The rest of the call's plan, planned when called (a head start: while
     # this part computes); None when this part is the whole plan.
     more: Callable[[], Plan] | None = None
+    # The call's pinned systems (input position -> device; :func:`place_pinned`),
+    # both parts' of a head start: the runner starts workers on their devices.
+    pins: dict[int, Device] = field(default_factory=dict)
 
     def finish_times(self) -> dict[str, float]:
         return {s.name: s.busy for s in self.slots}
@@ -398,13 +402,18 @@ def make_slots(devices: Sequence[Device], manager: DeviceManager,
 def plan_work(estimates: Iterable[Estimate], devices: Sequence[Device], manager: DeviceManager, *,
               batch_bytes: Callable[[Sequence[Estimate]], int] | None = None,
               slots: list[Slot] | None = None, packed_rows: int | None = None,
-              first_id: int = 0) -> Plan:
+              first_id: int = 0, pins: dict[int, Device] | None = None) -> Plan:
     """Pack estimates into batches and disperse them over ``devices`` (nothing runs).
 
     A Krylov system too large for every device's room is sharded over the
     accelerators when two or more of them can hold it together
     (``Plan.sharded``; solved by the sharded solver once the batches are
-    done); otherwise it goes to the CPU.
+    done); otherwise it goes to the CPU: a spill, reported as the manager
+    reports its own (:func:`report_spill`).
+
+    ``pins`` (input position -> device) holds the systems pinned with the
+    manager: they are batched apart, on their own device (:func:`place_pinned`),
+    and the others dispersed around them.
 
     A call planned in parts (see :func:`.estimate.head_start`) passes the rows that all
     its batched systems hold (``packed_rows``, which sets the batch size), the
@@ -419,21 +428,27 @@ def plan_work(estimates: Iterable[Estimate], devices: Sequence[Device], manager:
     >>> p = plan_work(es, dm.accelerators, dm)
     >>> sorted(p.queues), sum(b.nsys for q in p.queues.values() for b in q)
     (['sim:0', 'sim:1'], 40)
+    >>> p = plan_work(es, dm.accelerators, dm, pins={3: dm.accelerators[1]})  # systems[3] pinned
+    >>> [(name, b.indices, b.pin) for name, q in p.queues.items() for b in q if 3 in b.indices]
+    [('sim:1', [3], 'sim:1')]
     """
     ests = {e.index: e for e in estimates}
     slots = slots if slots is not None else make_slots(devices, manager)
+    pins = pins or {}
+    free = [e for e in ests.values() if e.index not in pins] if pins else list(ests.values())
     kind = devices[0].kind if devices else "cpu"
     if packed_rows is None:
-        packed_rows = sum([e.n for e in ests.values() if e.route != SINGLE])
-    rows = target_rows(packed_rows, len(devices), kind)
-    if DIRECT in [e.route for e in ests.values()]:
-        # Host LU batches run one per core: several per core balance the tail.
-        rows = target_rows(packed_rows, _backend.cpu_count(), "cpu")
+        packed_rows = sum([e.n for e in free if e.route != SINGLE])
+    rows = batch_rows(free, packed_rows, len(devices), kind)
     max_bytes = max((s.room for s in slots), default=0)
-    batches, too_big = pack(ests.values(), rows=rows, max_bytes=max_bytes, batch_bytes=batch_bytes,
+    batches, too_big = pack(free, rows=rows, max_bytes=max_bytes, batch_bytes=batch_bytes,
                             first_id=first_id)
-    queues, unplaced = disperse(batches, slots)
     next_id = max((b.id for b in batches), default=first_id - 1) + 1
+    pinned, next_id = place_pinned([e for e in ests.values() if e.index in pins], pins, slots,
+                                   manager, batch_bytes, next_id) if pins else ({}, next_id)
+    queues, unplaced = disperse(batches, slots)
+    for name, q in pinned.items():  # beside the dispersed ones, longest first
+        queues[name] = sorted([*queues.get(name, []), *q], key=lambda b: (-b.cost, b.id))
     cpu = str(manager.cpu)
     extra: list[Batch] = []
     sharded: list[int] = []
@@ -446,8 +461,12 @@ def plan_work(estimates: Iterable[Estimate], devices: Sequence[Device], manager:
             continue
         extra.append(place_oversized(e, next_id, batch_bytes))
         next_id += 1
+    for b in unplaced:
+        log.info("managed_solve: a batch of %d systems (%d unknowns) fits on none of the call's "
+                 "devices; solving on the CPU", b.nsys, b.n)
     extra += unplaced
     if extra:
+        report_spill(manager, devices, max(b.nbytes for b in extra))
         queues.setdefault(cpu, [])
         for b in extra:
             queues[cpu].append(b)
@@ -455,7 +474,67 @@ def plan_work(estimates: Iterable[Estimate], devices: Sequence[Device], manager:
                 if s.name == cpu:
                     s.busy += b.cost / s.speed
     return Plan(queues, slots, ests, next_id, rows, [e.index for e in too_big], sharded,
-                batch_bytes)
+                batch_bytes, pins=pins)
+
+
+def batch_rows(estimates: Sequence[Estimate], packed_rows: int, ndevices: int, kind: str) -> int:
+    """Rows per batch of ``estimates`` over ``ndevices`` devices of ``kind`` (:func:`target_rows`)."""
+    if DIRECT in [e.route for e in estimates]:
+        # Host LU batches run one per core: several per core balance the tail.
+        return target_rows(packed_rows, _backend.cpu_count(), "cpu")
+    return target_rows(packed_rows, ndevices, kind)
+
+
+def place_pinned(estimates: Sequence[Estimate], pins: dict[int, Device], slots: Sequence[Slot],
+                 manager: DeviceManager, batch_bytes: Callable | None,
+                 first_id: int) -> tuple[dict[str, list[Batch]], int]:
+    """The batches of the pinned systems, each device's apart, with the next free batch id.
+
+    A pinned object always goes to its device (the manager's rule, which
+    ``solve`` obeys): its systems are packed together there, in batches that
+    fit its room now, and marked (``Batch.pin``) so that neither work stealing
+    nor recovery moves them. One larger than the device can give runs alone
+    there: its reservation fails and its result names the device and the fix
+    (:meth:`.adjust.Adjustments.keep_pinned`). A slot of the device, when
+    the call disperses over it, counts their predicted time.
+    """
+    by_device: dict[Device, list[Estimate]] = {}
+    for e in estimates:
+        by_device.setdefault(pins[e.index], []).append(e)
+    by_name = {s.name: s for s in slots}
+    queues: dict[str, list[Batch]] = {}
+    next_id = first_id
+    for dev, members in by_device.items():
+        name = str(dev)
+        slot = by_name.get(name)
+        room = slot.room if slot is not None else manager.available_bytes(dev)
+        rows = batch_rows(members, sum(e.n for e in members if e.route != SINGLE), 1, dev.kind)
+        batches, too_big = pack(members, rows=rows, max_bytes=room, batch_bytes=batch_bytes,
+                                first_id=next_id)
+        next_id += len(batches)
+        for e in too_big:
+            nbytes = int(batch_bytes([e])) if batch_bytes is not None else e.nbytes
+            batches.append(Batch(next_id, [e.index], e.route, e.group, e.n, e.nnz, nbytes, e.cost))
+            next_id += 1
+        for b in batches:
+            b.pin = name
+            if slot is not None:
+                slot.busy += b.cost / slot.speed
+        queues[name] = batches
+    return queues, next_id
+
+
+def report_spill(manager: DeviceManager, devices: Sequence[Device], nbytes: int) -> None:
+    """Work of ``nbytes`` that fits on none of the call's accelerators goes to the CPU: said once.
+
+    The manager's own spills (``reserve``, ``find_device``) warn through the
+    same once-per-process :class:`~managed_solve.devices.DeviceWarning`, so
+    a process hears of the first spill whichever call made it. A call on
+    the CPU alone spills nothing.
+    """
+    gpus = [d for d in devices if d.is_gpu]
+    if gpus:
+        warn_spill(nbytes, {str(d): manager.available_bytes(d) for d in gpus})
 
 
 def place_oversized(e: Estimate, batch_id: int, batch_bytes: Callable | None) -> Batch:
@@ -466,24 +545,25 @@ def place_oversized(e: Estimate, batch_id: int, batch_bytes: Callable | None) ->
     return Batch(batch_id, [e.index], e.route, e.group, e.n, e.nnz, nbytes, e.cost)
 
 
-def plan_call(work: Work, manager: DeviceManager) -> Plan:
+def plan_call(work: Work, manager: DeviceManager, pins: dict[int, Device] | None = None) -> Plan:
     """The plan of a call: its batches packed and dispersed over ``work.devices`` (nothing runs).
 
     With a head start (``work.rest``), the plan of the large systems, whose
     ``more`` plans the others (estimated then) against the same slots.
+    ``pins``: the pinned systems' devices, by input position (:func:`place_pinned`).
     """
     batch_bytes = packed_bytes(manager, work.systems)
     if work.rest is None:
-        return plan_work(work.estimates, work.devices, manager, batch_bytes=batch_bytes)
+        return plan_work(work.estimates, work.devices, manager, batch_bytes=batch_bytes, pins=pins)
     first = plan_work(work.estimates, work.devices, manager, batch_bytes=batch_bytes,
-                      packed_rows=work.packed_rows)
+                      packed_rows=work.packed_rows, pins=pins)
     rest = work.rest
 
     def more() -> Plan:
         ests = rest()
         packed = sum(e.n for e in work.estimates + ests if e.route != SINGLE)
         return plan_work(ests, work.devices, manager, batch_bytes=batch_bytes, slots=first.slots,
-                         packed_rows=packed, first_id=first.next_id)
+                         packed_rows=packed, first_id=first.next_id, pins=pins)
 
     first.more = more
     return first

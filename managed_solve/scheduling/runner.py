@@ -217,8 +217,7 @@ class Runner(Adjustments):
         self.bar = bar
         self.batch_bytes = batch_bytes if batch_bytes is not None else plan.batch_bytes
         self.devices = list(devices)
-        cpu = manager.cpu
-        self.all_devices = self.devices + ([cpu] if cpu not in self.devices else [])
+        self.all_devices = list(dict.fromkeys([*self.devices, *plan.pins.values(), manager.cpu]))
         self.by_name = {str(d): d for d in self.all_devices}
         self.cond = threading.Condition()
         self.queues: dict[str, deque[Batch]] = {str(d): deque(plan.queues.get(str(d), []))
@@ -279,10 +278,11 @@ class Runner(Adjustments):
         hint off, a device shared with other work), so a device whose queue
         runs dry takes the last (shortest) batch of the device with the most
         predicted work left, if it fits here and did not fail here. Batches
-        whose systems already lie on their device stay there.
+        whose systems already lie on their device, or are pinned there, stay;
+        a device only pinned systems brought into the call (``all_devices``) takes none.
         """
         dev = self.by_name[name]
-        if dev.kind == "cpu" or not config.current().work_stealing:
+        if dev.kind == "cpu" or dev not in self.devices or not config.current().work_stealing:
             return None
 
         def left(q: str) -> float:  # predicted seconds of the batches still queued there
@@ -292,7 +292,7 @@ class Runner(Adjustments):
                           and self.by_name[q].kind == dev.kind), key=lambda q: -left(q))
         for victim in victims:
             b = self.queues[victim][-1]
-            if name in b.tried or b.route == DIRECT:
+            if name in b.tried or b.route == DIRECT or b.pin is not None:
                 continue
             if any(self.plan.estimates[i].home == victim for i in b.indices
                    if i in self.plan.estimates):
@@ -695,6 +695,6 @@ class Runner(Adjustments):
             sub = Batch(self.next_id, [e.index for e in ests], b.route, b.group,
                         sum(e.n for e in ests), sum(e.nnz for e in ests),
                         sum(e.nbytes for e in ests), float(sum(e.cost for e in ests)),
-                        tried=b.tried)
+                        tried=b.tried, pin=b.pin)
             self.next_id += 1
         self._done(self.recover(sub, dev, MemoryError(out[retry[0]].message)))

@@ -8,6 +8,7 @@ real GPUs.
 from __future__ import annotations
 
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ import scipy.sparse.linalg as spla
 import managed_solve as ms
 from managed_solve import LinearSystem, Status
 from managed_solve import config as ms_config
+from managed_solve.devices import DeviceWarning, forget_warnings
 from managed_solve.manager import DeviceManager
 from managed_solve.scheduling import SolveManyError, many, solve_many
 from managed_solve.scheduling import estimate as estimation
@@ -200,6 +202,96 @@ def test_devices_argument_selects_devices():
     assert {r.device for r in results} == {"sim:2"}
     with pytest.raises(ValueError, match="sim:7"):
         solve_many(systems, devices=["sim:7"], manager=dm)
+
+
+def test_pinned_systems_are_solved_on_their_devices_beside_unpinned_ones():
+    """A pinned system, a system whose A is pinned, a pair whose A is: each on its pinned device."""
+    dm = DeviceManager(simulate="2x64MiB")
+    systems = mixed_systems(24, seed=11)
+    coo = poisson2d(9).tocoo()  # validation converts it to CSR: the pin is read off the input
+    b = np.arange(81.0)
+    dm.pin(coo, "sim:1")
+    for k in (3, 7, 8):
+        dm.pin(systems[k], "sim:1")
+    dm.pin(systems[10].A, "sim:1")
+    dm.pin(systems[12], "cpu")
+    dm.pin(systems[13].b, "sim:0")
+    results = solve_many([*systems, (coo, b)], manager=dm)
+    assert_solves(systems, results[:24])
+    assert results[24].converged
+    np.testing.assert_allclose(results[24].to_numpy(), spla.spsolve(coo.tocsc(), b), rtol=1e-6)
+    pinned = {3: "sim:1", 7: "sim:1", 8: "sim:1", 10: "sim:1", 12: "cpu", 13: "sim:0", 24: "sim:1"}
+    assert {i: results[i].device for i in pinned} == pinned
+    # Batched with the other systems pinned there, never with unpinned ones.
+    assert max(results[i].info["batch_size"] for i in (3, 7, 8, 10, 24)) > 1
+    assert all(results[i].device != "cpu" for i in range(24) if i not in pinned)
+    assert dm.reserved_bytes("sim:0") == dm.reserved_bytes("sim:1") == dm.reserved_bytes("cpu") == 0
+    # solve() places them alike (a LinearSystem pinned, or its A).
+    assert ms.solve(systems[3], manager=dm).device == "sim:1"
+    assert ms.solve(systems[10], manager=dm).device == "sim:1"
+    assert ms.solve(systems[12], manager=dm).device == "cpu"
+
+
+def test_pinned_systems_keep_their_device_without_dispersal_and_devices_named_win_with_a_warning():
+    dm = DeviceManager(simulate="3x64MiB")
+    systems = mixed_systems(12, seed=12)
+    dm.pin(systems[0], "sim:2")
+    dm.pin(systems[5].A, "sim:2")
+    results = solve_many(systems, disperse=False, manager=dm)
+    assert_solves(systems, results)
+    assert results[0].device == results[5].device == "sim:2"
+    assert len({r.device for k, r in enumerate(results) if k not in (0, 5)}) == 1  # the one device
+    # devices= naming other devices wins, as solve(device=) does over a pin: said, not silent.
+    with pytest.warns(UserWarning, match=r"systems\[0\] \(pinned to sim:2\), systems\[5\].*"
+                                         r"Name the pinned device in devices="):
+        results = solve_many(systems, devices=["sim:0", "sim:1"], manager=dm)
+    assert_solves(systems, results)
+    assert {r.device for r in results} <= {"sim:0", "sim:1"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # named there: no warning
+        results = solve_many(systems, devices=["sim:2", "sim:0"], manager=dm)
+    assert results[0].device == results[5].device == "sim:2"
+
+
+def test_a_pinned_system_its_device_cannot_hold_comes_back_device_error_naming_it():
+    """solve() raises MemoryError there; solve_many returns that system DEVICE_ERROR, the rest solved."""
+    dm = DeviceManager(simulate="2x64MiB", reserved=0.0)
+    systems = mixed_systems(8, seed=13)
+    dm.pin(systems[2], "sim:1")
+    dm.pin(systems[4], "sim:1")
+    held = dm.reserve(dm.available_bytes(dm.accelerators[1]) - 100, "sim:1")
+    try:
+        with pytest.raises(MemoryError, match="pinned to sim:1"):
+            ms.solve(systems[2], manager=dm)
+        results = solve_many(systems, manager=dm)
+    finally:
+        held.release()
+    for k in (2, 4):
+        assert results[k].status is Status.DEVICE_ERROR and results[k].device == "sim:1"
+        assert "pinned (DeviceManager.pin)" in results[k].message
+        assert "unpin it (manager.unpin)" in results[k].message
+    rest = [k for k in range(8) if k not in (2, 4)]
+    assert_solves([systems[k] for k in rest], [results[k] for k in rest])
+    assert all(results[k].device == "sim:0" for k in rest)
+    assert dm.reserved_bytes("sim:0") == dm.reserved_bytes("sim:1") == 0
+
+
+def test_systems_that_fit_on_no_gpu_spill_with_one_device_warning_a_process():
+    """Every system spills (simulated GPUs of 1 KiB): the manager's once-per-process DeviceWarning."""
+    dm = DeviceManager(simulate="2x1KiB")
+    systems = mixed_systems(4, seed=14)
+    forget_warnings()
+    try:
+        with pytest.warns(DeviceWarning, match=r"fit on no GPU \(sim:0: .* free, sim:1: .*\)"):
+            results = solve_many(systems, manager=dm)
+        assert_solves(systems, results)
+        assert {r.device for r in results} == {"cpu"}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once per process, whichever call spills
+            solve_many(systems, manager=dm)
+            dm.reserve(1 << 20).release()
+    finally:
+        forget_warnings()
 
 
 def test_on_error_raise_lists_the_failures_after_solving_the_rest(sims):

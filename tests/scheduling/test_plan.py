@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
-from managed_solve.devices import Device
+from managed_solve.devices import Device, DeviceWarning, forget_warnings
 from managed_solve.manager import DeviceManager
 from managed_solve.scheduling.plan import (
     BATCH,
@@ -282,3 +284,77 @@ def test_learned_speeds_balance_the_second_call_better():
     assert first > 0.25  # the naive plan gives both devices the same work
     assert second < 0.05 < first
     assert dm.speed(dm.accelerators[1]) == pytest.approx(true_speed["sim:1"], rel=0.01)
+
+
+def placed_on(plan) -> dict[int, str]:
+    """Each planned system's device, checking that it is planned once."""
+    where: dict[int, str] = {}
+    for name, q in plan.queues.items():
+        for b in q:
+            for i in b.indices:
+                assert i not in where, f"systems[{i}] planned twice"
+                where[i] = name
+    return where
+
+
+def test_pinned_systems_are_batched_apart_on_their_devices_and_the_rest_dispersed_around_them():
+    """A pinned system goes to its device (the CPU too), in batches of pinned systems only."""
+    dm = DeviceManager(simulate="2x1GiB")
+    sim0, sim1 = dm.accelerators
+    es = [krylov_estimate(i, 12) for i in range(40)]
+    pins = {i: sim1 for i in range(0, 40, 4)} | {1: dm.cpu, 2: sim0}
+    plan = plan_work(es, dm.accelerators, dm, pins=pins)
+    where = placed_on(plan)
+    assert sorted(where) == list(range(40))
+    assert {i: where[i] for i in pins} == {i: str(d) for i, d in pins.items()}
+    for name, q in plan.queues.items():
+        for b in q:
+            pinned = [i in pins for i in b.indices]
+            assert all(pinned) or not any(pinned)  # never mixed with unpinned systems
+            assert b.pin == (name if pinned[0] else None)
+        costs = [b.cost for b in q]
+        assert costs == sorted(costs, reverse=True)  # longest first, pinned ones among the rest
+    # The unpinned ones are dispersed over both devices (never onto the CPU), around the pinned work.
+    assert {where[i] for i in range(40) if i not in pins} == {"sim:0", "sim:1"}
+    assert plan.pins == pins
+    assert sum(b.nsys for b in plan.queues["sim:1"] if b.pin) == 10
+    without = plan_work(es, dm.accelerators, dm)  # no pins: every system dispersed
+    assert all(b.pin is None for q in without.queues.values() for b in q)
+    assert "cpu" not in without.queues
+
+
+def test_a_pinned_system_too_large_for_its_device_stays_there_and_is_neither_sharded_nor_spilled():
+    dm = DeviceManager(simulate="2x8MiB")
+    sim1 = dm.accelerators[1]
+    es = [krylov_estimate(0, 300), krylov_estimate(1, 10), krylov_estimate(2, 10)]  # 0: ~10 MB
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing spills: no DeviceWarning
+        plan = plan_work(es, dm.accelerators, dm, pins={0: sim1})
+    assert placed_on(plan)[0] == "sim:1" and plan.sharded == []
+    (big,) = [b for b in plan.queues["sim:1"] if 0 in b.indices]
+    assert big.indices == [0] and big.pin == "sim:1" and big.nbytes > dm.available_bytes(sim1)
+    unpinned = plan_work(es, dm.accelerators, dm)  # the same system unpinned is sharded
+    assert unpinned.sharded == [0]
+
+
+def test_a_system_that_fits_on_no_gpu_spills_to_the_cpu_with_one_device_warning_a_process():
+    """The plan's spills warn as the manager's do: a DeviceWarning, once per process."""
+    dm = DeviceManager(simulate="1x1MiB")
+    es = [krylov_estimate(0, 300), krylov_estimate(1, 10)]  # 0: ~10 MB, one GPU: not sharded
+    forget_warnings()
+    try:
+        with pytest.warns(DeviceWarning, match=r"fit on no GPU \(sim:0: .* free\).*Fix: "):
+            plan = plan_work(es, dm.accelerators, dm)
+        assert [b.indices for b in plan.queues["cpu"]] == [[0]]
+        assert placed_on(plan)[1] == "sim:0"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            plan_work(es, dm.accelerators, dm)  # once per process
+            dm.reserve(10 << 20).release()  # the manager's own spills share the once
+        forget_warnings()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a call on the CPU alone spills nothing
+            cpu_only = DeviceManager(devices=["cpu"])
+            plan_work(es, [cpu_only.cpu], cpu_only)
+    finally:
+        forget_warnings()

@@ -85,6 +85,83 @@ def test_a_device_that_always_fails_ends_on_the_cpu():
     assert {r.device for r in results} == {"cpu"}
 
 
+def test_a_pinned_batch_that_hits_a_device_error_is_split_on_its_device_never_moved(monkeypatch):
+    """Recovery of pinned systems: halves on the same device (smaller ones may fit), not elsewhere."""
+    dm = DeviceManager(simulate="2x64MiB")
+    sim1 = dm.accelerators[1]
+    systems = [LinearSystem(poisson2d(8), np.arange(64.0) + k, rtol=1e-8, name=f"s{k}")
+               for k in range(6)]
+    for s in systems:
+        dm.pin(s, "sim:1")
+    calls = [0]
+
+    def first_fails(dev, nbytes):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise SimulatedOutOfMemory(f"{dev}: simulated out of memory for {nbytes} bytes")
+
+    sim1.fault = first_fails
+    runners = runners_started(monkeypatch)
+    results = solve_many(systems, manager=dm)
+    assert_solves(systems, results)
+    assert {r.device for r in results} == {"sim:1"}
+    (runner,) = runners
+    assert sorted(n for dev, _b, n in runner.batches_run) == [3, 3]  # one batch of 6, split there
+    assert {dev for dev, _b, _n in runner.batches_run} == {"sim:1"}
+
+
+def test_pinned_systems_on_a_device_that_always_fails_come_back_device_error_the_rest_solved():
+    dm = DeviceManager(simulate="2x64MiB")
+
+    def fault(dev, nbytes):
+        raise SimulatedOutOfMemory(f"{dev}: simulated out of memory for {nbytes} bytes")
+
+    dm.accelerators[1].fault = fault
+    systems = mixed_systems(10, seed=15)
+    pinned = (1, 4, 6)
+    for k in pinned:
+        dm.pin(systems[k], "sim:1")
+    results = solve_many(systems, manager=dm)
+    for k in pinned:
+        r = results[k]
+        assert r.status is Status.DEVICE_ERROR and r.device == "sim:1", (k, r.status, r.device)
+        assert "simulated out of memory" in r.message and "not moved elsewhere" in r.message
+    rest = [k for k in range(10) if k not in pinned]
+    assert_solves([systems[k] for k in rest], [results[k] for k in rest])
+    assert all(results[k].device != "sim:1" for k in rest)  # moved off the failing device
+
+
+def test_work_stealing_leaves_pinned_batches_where_they_are_pinned(settings, monkeypatch):
+    """An idle device takes queued batches from a busy one, never a pinned one.
+
+    sim:0 holds its first batch a while; sim:1, with nothing of its own,
+    looks for work to take at every batch's end. Pinned batches are never
+    taken, however the threads interleave.
+    """
+    settings(batch_rows=600)  # a batch a system: twelve queued on sim:0
+    dm = DeviceManager(simulate="2x64MiB")
+    sim0 = dm.accelerators[0]
+    systems = [LinearSystem(poisson2d(24), np.ones(576), method="cg", name=f"s{k}")
+               for k in range(12)]
+    for s in systems:
+        dm.pin(s, "sim:0")
+    first = [True]
+
+    def hold_the_first(dev, nbytes):
+        if first[0]:
+            first[0] = False
+            time.sleep(0.2)
+
+    sim0.fault = hold_the_first
+    runners = runners_started(monkeypatch)
+    results = solve_many(systems, manager=dm)
+    assert_solves(systems, results)
+    assert {r.device for r in results} == {"sim:0"}
+    (runner,) = runners
+    assert len(runner.plan.queues["sim:0"]) == 12 and not runner.plan.queues.get("sim:1")
+    assert runner.stolen == []
+
+
 # The device part of a batch (the core, true residuals) and its results: on an
 # accelerator the results are built on the finisher thread; on the CPU in one piece.
 @pytest.mark.parametrize("where, beside", [("run_packed", True), ("packed_results", True),
