@@ -237,15 +237,20 @@ def _read_obj(path: str, call: str) -> MeshData:
     if not faces:
         raise ValueError(f"{call}: the file has no faces ('f' lines); it holds {n} vertices. "
                          "Export the surface with its faces.")
-    # One block per face size, each remembering its faces' numbers in the file.
+    blocks, ids = _polygon_blocks(faces)
+    return _from_cells(np.array(verts, dtype=float).reshape(-1, 3), blocks, call, ids=ids,
+                       lines=np.array(lines), one_based=True)
+
+
+def _polygon_blocks(faces: list[list[int]]) -> tuple[list, list]:
+    """One cell block per face size, each with its faces' numbers in the file (their order)."""
     sizes = np.array([len(f) for f in faces])
     blocks, ids = [], []
     for size in np.unique(sizes):
         members = np.flatnonzero(sizes == size)
         blocks.append(("triangle" if size == 3 else "polygon", np.array([faces[k] for k in members])))
         ids.append(members)
-    return _from_cells(np.array(verts, dtype=float).reshape(-1, 3), blocks, call, ids=ids,
-                       lines=np.array(lines), one_based=True)
+    return blocks, ids
 
 
 # ------------------------------------------------------------------ OFF
@@ -282,12 +287,7 @@ def _read_off(path: str, call: str) -> MeshData:
                              f"as many as it announces; got {' '.join(body[nv + k][1])!r}.")
     if verts.shape != (nv, 3):
         raise ValueError(f"{call}: every OFF vertex needs three coordinates.")
-    sizes = np.array([len(f) for f in faces])
-    blocks, ids = [], []
-    for size in np.unique(sizes):
-        members = np.flatnonzero(sizes == size)
-        blocks.append(("triangle" if size == 3 else "polygon", np.array([faces[k] for k in members])))
-        ids.append(members)
+    blocks, ids = _polygon_blocks(faces)
     return _from_cells(verts.reshape(-1, 3), blocks, call, ids=ids, lines=lines)
 
 
