@@ -489,13 +489,19 @@ def parse_simulate(spec: str, *, var: str = ENV_SIMULATE) -> list[Device]:
     ]
 
 
-def warn_spill(nbytes: int, free: dict[str, int]) -> None:
-    """Warn once that work of ``nbytes`` fit on no GPU (``free``: name -> bytes) and runs on the CPU."""
+#: How a caller of ``reserve``/``solve`` gets an error instead of a spill.
+RESERVE_FIX = "or pass spill=False (reserve) or device='cuda:i' to get an error instead"
+
+
+def warn_spill(nbytes: int, free: dict[str, int], *, fix: str = RESERVE_FIX) -> None:
+    """Warn once that work of ``nbytes`` fit on no GPU (``free``: name -> bytes) and runs on the CPU.
+
+    ``fix``: the end of the advice, the caller's own way out (``solve_many`` has no ``spill=``).
+    """
     have = ", ".join(f"{d}: {format_bytes(b)} free" for d, b in free.items())
     warn_once("spill", f"managed_solve: work of {format_bytes(nbytes)} fit on no GPU ({have}), so it "
                        "runs on the CPU, slower. Fix: free GPU memory or wait for running work, "
-                       "split large systems, or pass spill=False (reserve) or device='cuda:i' to "
-                       "get an error instead.", stacklevel=5)
+                       f"split large systems, {fix}.", stacklevel=5)
 
 
 def warn_mps(what: str) -> None:

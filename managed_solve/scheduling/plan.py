@@ -534,7 +534,8 @@ def report_spill(manager: DeviceManager, devices: Sequence[Device], nbytes: int)
     """
     gpus = [d for d in devices if d.is_gpu]
     if gpus:
-        warn_spill(nbytes, {str(d): manager.available_bytes(d) for d in gpus})
+        warn_spill(nbytes, {str(d): manager.available_bytes(d) for d in gpus},
+                   fix="or pin a system to a GPU (manager.pin) to get DEVICE_ERROR instead")
 
 
 def place_oversized(e: Estimate, batch_id: int, batch_bytes: Callable | None) -> Batch:
