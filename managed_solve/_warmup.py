@@ -122,14 +122,22 @@ def _devices(device: Any) -> list[str]:
         n, _ = _backend.cuda_probe()
         names += [f"cuda:{i}" for i in range(n)] if _backend.cuda_usable() else []
         return names
+    if isinstance(device, str) and device == "cuda":
+        n, why = _backend.cuda_probe()
+        if n == 0:  # asked for the GPUs: none is nothing warmed, not success
+            raise ValueError(f"warmup(device='cuda'): no usable CUDA GPU here ({why or 'none found'}); "
+                             "warm the CPU with device='cpu', or leave device out.")
+        return [f"cuda:{i}" for i in range(n)]
     if isinstance(device, str):
-        if device == "cuda":
-            n, _ = _backend.cuda_probe()
-            return [f"cuda:{i}" for i in range(n)]
-        return [s.strip() for s in device.split(",") if s.strip()]
-    if isinstance(device, Iterable):
-        return [str(d) for d in device]
-    return [str(device)]
+        names = [s.strip() for s in device.split(",") if s.strip()]
+    elif isinstance(device, Iterable):
+        names = [str(d) for d in device]
+    else:
+        names = [str(device)]
+    if not names:
+        raise ValueError(f"warmup(device={device!r}): names no device; give 'cpu', 'cuda', "
+                         "'cuda:i' or a list of them, or leave device out (the CPU and every GPU).")
+    return names
 
 
 def warmup(device: Any = None, methods: Iterable[str] = METHODS, *,

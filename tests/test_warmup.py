@@ -147,3 +147,16 @@ def test_cache_and_library_paths_follow_their_environment_variables(monkeypatch,
     assert _cudss.find_threading_lib() is None  # a named file that is not there is not used
     with pytest.raises(ValueError, match="CUDSS_THREADING_LIB"):
         config.environment("PATH")
+
+
+def test_warming_no_device_or_absent_gpus_is_an_error_not_success(monkeypatch):
+    """warmup(device='cuda') on a machine without a usable GPU compiled nothing and returned []
+    (the CLI exited 0); so did an empty device list."""
+    from managed_solve import _backend
+
+    monkeypatch.setattr(_backend, "cuda_probe", lambda: (0, "no driver"))
+    with pytest.raises(ValueError, match=r"warmup\(device='cuda'\): no usable CUDA GPU here \(no driver\)"):
+        ms.warmup("cuda")
+    for nothing in ("", " , ", []):
+        with pytest.raises(ValueError, match="names no device"):
+            ms.warmup(nothing)
