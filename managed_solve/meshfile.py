@@ -261,8 +261,11 @@ def _read_off(path: str, call: str) -> MeshData:
         text = fh.read().decode("utf-8", errors="replace")
     rows = [(k, line.split("#", 1)[0].split()) for k, line in enumerate(text.splitlines(), 1)]
     rows = [(k, tokens) for k, tokens in rows if tokens]
-    if not rows or not rows[0][1][0].upper().endswith("OFF"):
-        raise ValueError(f"{call}: an OFF file starts with the keyword OFF; this one starts with "
+    # OFF with per-vertex colours, normals or texture coordinates (ST, C, N prefixes);
+    # nOFF and 4OFF have other than three coordinates and are refused.
+    if not rows or re.fullmatch(r"(ST)?C?N?OFF", rows[0][1][0].upper()) is None:
+        raise ValueError(f"{call}: an OFF file starts with the keyword OFF (or COFF, NOFF, CNOFF, "
+                         f"STOFF), for 3D vertices; this one starts with "
                          f"{rows[0][1][0] if rows else 'nothing'!r}. Export it again.")
     head = rows[0][1][1:] or (rows[1][1] if len(rows) > 1 else [])
     body = rows[1:] if rows[0][1][1:] else rows[2:]

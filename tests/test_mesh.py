@@ -378,6 +378,7 @@ def test_an_off_file_of_polygons_is_read_and_fan_triangulated(tmp_path):
 
 @pytest.mark.parametrize("text,match", [
     ("OFX\n3 1 0\n", "starts with the keyword OFF"),
+    ("4OFF\n3 1 0\n0 0 0 1\n1 0 0 1\n1 1 0 1\n3 0 1 2\n", "for 3D vertices"),
     ("OFF\n4 2 0\n0 0 0\n1 0 0\n1 1 0\n0 1 0\n4 0 1 2 3\n", "truncated"),
     ("OFF\n3 1 0\n0 0 0\n1 0 0\n1 1 0\n3 0 1 7\n", "refers to point 7"),
     ("OFF\nthree 1 0\n", "numbers of vertices and faces"),

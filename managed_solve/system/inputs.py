@@ -52,6 +52,12 @@ def check_dtype(dtype: Any, *, call: str, arg: str) -> np.dtype:
     return dt
 
 
+#: The torch dtypes NumPy and CuPy have a counterpart for (by torch's name).
+_NUMPY_DTYPES = frozenset({"float16", "float32", "float64", "complex64", "complex128", "bool",
+                           "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+                           "uint64"})
+
+
 def check_torch_dtype(t: Any, *, call: str, arg: str) -> None:
     """Refuse a torch dtype NumPy and CuPy have no counterpart for (bfloat16, float8, complex32, ...).
 
@@ -59,7 +65,7 @@ def check_torch_dtype(t: Any, *, call: str, arg: str) -> None:
     torch's own error names no argument.
     """
     name = str(t.dtype).removeprefix("torch.")
-    if name in ("bfloat16", "complex32", "chalf") or name.startswith(("float8", "qint", "quint", "bits")):
+    if name not in _NUMPY_DTYPES:  # what NumPy has a type for; torch adds new ones often
         raise TypeError(f"{call}: {arg} is a torch tensor of dtype {t.dtype}, which NumPy and CuPy "
                         f"cannot represent; convert it first, e.g. {arg}.to(torch.float32) "
                         "(or torch.float64 for full precision).")

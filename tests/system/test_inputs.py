@@ -7,6 +7,7 @@ import pytest
 import scipy.sparse as sp
 import scipy.sparse.linalg as sla
 
+import managed_solve as ms
 from managed_solve import LinearSystem
 from tests._problems import laplacian1d
 
@@ -463,3 +464,15 @@ def test_torch_dtypes_without_a_numpy_counterpart_are_refused_naming_the_argumen
     # float16 has a NumPy counterpart and is solved (in float64: the system's dtype rule).
     x = ms.solve(A, torch.ones(8, dtype=torch.float16), device="cpu").x
     np.testing.assert_allclose(np.asarray(x), sla.spsolve(A.tocsc(), np.ones(8)), rtol=1e-10)
+
+
+def test_a_torch_dtype_numpy_lacks_is_refused_naming_the_argument_whatever_its_name():
+    """A list of bad names misses each new torch dtype (float4 packed, say): torch's own error
+    named no argument."""
+    torch = pytest.importorskip("torch")
+    odd = [getattr(torch, n) for n in ("bfloat16", "float4_e2m1fn_x2", "float8_e4m3fn", "bits8")
+           if hasattr(torch, n)]
+    for dt in odd:
+        with pytest.raises(TypeError, match=r"solve\(A, b\): b is a torch tensor of dtype .* "
+                                            r"NumPy and CuPy cannot represent"):
+            ms.solve(np.eye(4), torch.zeros(4, dtype=dt))
