@@ -61,7 +61,10 @@ def levels_of(ml: Any, xp: Any) -> list[Level]:
                       else 1)
         if hasattr(lev, "P"):
             level.P = as_csr(lev.P)
-            level.agg, level.count = aggregates_from(lev.AggOp)
+            agg, level.count = aggregates_from(lev.AggOp)
+            # PyAMG aggregates nodes (blocks of ``blocksize`` unknowns on coarse levels
+            # of a multi-vector near-null space); our levels keep one entry per unknown.
+            level.agg = agg[np.arange(level.A.shape[0]) // level.blocksize]
         damping(level, xp)
         levels.append(level)
     return levels
@@ -80,7 +83,8 @@ def aggregation_operators(levels: list[Level]) -> list:
     """PyAMG's aggregation operators of every level but the coarsest, from our aggregates."""
     ops = []
     for lev in levels[:-1]:
-        inside = np.flatnonzero(lev.agg >= 0)
+        agg = lev.agg[::lev.blocksize]  # one entry per node, as PyAMG aggregates
+        inside = np.flatnonzero(agg >= 0)
         ops.append(sp.csr_array((np.ones(inside.shape[0], dtype=np.int8),
-                                 (inside, lev.agg[inside])), shape=(lev.agg.shape[0], lev.count)))
+                                 (inside, agg[inside])), shape=(agg.shape[0], lev.count)))
     return ops

@@ -428,3 +428,20 @@ def test_errors_name_the_argument():
         amg(A, setup="native", cycle="pyamg")
     with pytest.raises(ValueError, match="square"):
         amg(sp.random(4, 5, density=0.5, format="csr"))
+
+
+def test_pyamg_update_with_a_multi_vector_near_null_space():
+    """PyAMG aggregates nodes of ``blocksize`` unknowns on the coarse levels of a rigid-body
+    near-null space; the re-setup fitted T per unknown and broke on the third level."""
+    pyamg = pytest.importorskip("pyamg")
+    A, B = pyamg.gallery.linear_elasticity((40, 40))
+    A = A.tocsr()
+    M = amg(A, nullspace=B, setup="pyamg", max_coarse=50)
+    assert len(M.levels) >= 3 and M.levels[1].blocksize == 3
+    A2 = (2.0 * A).tocsr()
+    M.update(A2.data)
+    b = rhs(A.shape[0])
+    out = cg(A2, b, rtol=1e-8, M=M)
+    ref = cg(A2, b, rtol=1e-8, M=amg(A2, nullspace=B, setup="pyamg", max_coarse=50))
+    assert out.code == 0 and abs(out.iterations - ref.iterations) <= 2
+    assert_matches_spsolve(out.x, A2, b, np.float64)
