@@ -78,7 +78,8 @@ class _Generation:
         self.solver = solver
 
     def graph_freed(self) -> None:
-        self.solver.graph_freed()
+        with self.solver._lock:  # noqa: SLF001 - shared with its frozen copies; update swaps solver
+            self.solver.graph_freed()
 
 
 def _frozen_copy(solver: Solver) -> Solver:
@@ -407,10 +408,10 @@ class Solver:
                         prepared.close()
                 self._set_up_now()
                 raise
-            if frozen is not None:
+            if frozen is not None:  # under the lock: a graph freed meanwhile counted here
+                frozen._graphs, self._graphs = self._graphs, 0
                 self._generation.solver = frozen
                 self._generation = _Generation(self)
-                self._graphs = 0
             self.grad = grad
             self._symmetric_adjoint = None
 
