@@ -35,7 +35,7 @@ from . import hints as hints_file
 from .device_args import device_list, resolve_device
 from .devices import Device, discover, format_bytes, warn_spill
 from .hints import Hint
-from .sizes import raw_size_of
+from .sizes import is_count, raw_size_of
 from .sizes import tensor_bytes as tensor_bytes  # re-exported: manager.tensor_bytes
 
 log = logging.getLogger("managed_solve")
@@ -443,7 +443,7 @@ class DeviceManager:
         A pinned ``obj`` goes to its pinned device. When no accelerator fits,
         the CPU is returned (the spill warned about once, see ``DeviceWarning``).
         """
-        n = nbytes if isinstance(nbytes, int) and not isinstance(nbytes, bool) else self.size_of(nbytes)
+        n = int(nbytes) if is_count(nbytes) else self.size_of(nbytes)
         n = args.work_args("find_device", n, seconds, cost)
         pinned = self.pinned(obj) if obj is not None else None
         with self._cond:
@@ -490,7 +490,7 @@ class DeviceManager:
             A given or pinned device cannot give the bytes, or nothing fits and
             ``spill`` is False.
         """
-        n = nbytes if isinstance(nbytes, int) and not isinstance(nbytes, bool) else self.size_of(nbytes)
+        n = int(nbytes) if is_count(nbytes) else self.size_of(nbytes)
         n = args.work_args("reserve", n, seconds, cost)
         wait = self.wait_timeout if timeout is None else args.timeout_arg("reserve", timeout)
         target = self.get_device(device) if device is not None else (self.pinned(obj) if obj is not None else None)

@@ -7,8 +7,16 @@ heuristic; torch is only asked about objects when it is already imported.
 from __future__ import annotations
 
 import math
+import numbers
 import sys
 from typing import Any
+
+import numpy as np
+
+
+def is_count(nbytes: Any) -> bool:
+    """Whether ``nbytes`` is a byte count as given (a Python or NumPy integer, not a bool)."""
+    return isinstance(nbytes, numbers.Integral) and not isinstance(nbytes, (bool, np.bool_))
 
 
 def raw_size_of(obj: Any) -> int:
@@ -19,13 +27,15 @@ def raw_size_of(obj: Any) -> int:
     (parameters, buffers and as many bytes again for gradients), objects with
     ``nbytes`` (``LinearSystem``), and sequences of these.
     """
-    if isinstance(obj, bool):
-        raise TypeError("size_of(obj=True): expected bytes, an array, a tensor or a module")
-    if isinstance(obj, int):
+    if isinstance(obj, (bool, np.bool_)):
+        raise TypeError(f"size_of(obj={obj}): expected bytes, an array, a tensor or a module")
+    if isinstance(obj, numbers.Integral):  # NumPy integers too: a count, not a 0-d array
         if obj < 0:
             raise ValueError(f"size_of(obj={obj}): a byte count cannot be negative")
-        return obj
-    if isinstance(obj, float) and obj >= 0 and math.isfinite(obj):
+        return int(obj)
+    if isinstance(obj, numbers.Real) and not isinstance(obj, np.ndarray):
+        if not (obj >= 0 and math.isfinite(obj)):
+            raise ValueError(f"size_of(obj={obj}): a byte count must be finite and >= 0")
         return int(obj)
     torch = sys.modules.get("torch")  # only sized as torch when torch is already in use
     if torch is not None and isinstance(obj, (torch.Tensor, torch.nn.Module)):

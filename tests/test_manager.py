@@ -744,3 +744,18 @@ def test_a_manager_argument_that_is_no_manager_is_refused_naming_it():
     dm = DeviceManager(simulate="1x1GiB")
     assert manager_or_default(dm, "solve") is dm
     assert isinstance(manager_or_default(None, "solve"), DeviceManager)
+
+
+def test_a_numpy_integer_byte_count_is_a_count_not_a_scalar_of_eight_bytes():
+    """np.int64(2**29) went through nbytes (8, a scalar's size) and reserved 12 bytes."""
+    dm = DeviceManager(simulate="1x4GiB")
+    as_int = dm.reserve(1 << 29, "sim:0")
+    as_numpy = dm.reserve(np.int64(1 << 29), "sim:0")
+    try:
+        assert as_numpy.nbytes == as_int.nbytes >= 1 << 29
+    finally:
+        as_int.release()
+        as_numpy.release()
+    assert dm.size_of(np.float32(100.0)) == dm.size_of(100)
+    with pytest.raises(ValueError, match="must be finite and >= 0"):
+        dm.size_of(np.float64(-3.0))
