@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .placement import check_manager
+from .placement import manager_or_default
 from .result import SolveResult
 from .solver import Solver
 from .system import LinearSystem
@@ -148,9 +148,7 @@ def solve(A_or_system: Any, b: Any = None, *, x0: Any = None, rtol: float = 1e-8
             solver.release()  # now, or when the autograd graph of the result is freed
     system = _as_system(A_or_system, b, x0=x0, rtol=rtol, atol=atol, maxiter=maxiter,
                         method=method, M=M, dtype=dtype, nullspace=nullspace)
-    from .manager import default_manager  # the manager sits below; default made on demand
-
-    mgr = check_manager(manager, "solve") if manager is not None else default_manager()
+    mgr = manager_or_default(manager, "solve")
     many = devices if devices is not None else (device if _names_several(device) else None)
     if many is not None:
         if system.grad is not None:

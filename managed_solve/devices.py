@@ -570,7 +570,7 @@ def discover(devices: str | Sequence[str] | None = None, simulate: str | None = 
     if simulate is None:
         simulate = environment(ENV_SIMULATE)
 
-    if simulate or (simulate == "" and var_sim == "simulate"):  # simulate="" given: refused
+    if simulate is not None:  # the variable read empty is None; simulate="" given is refused
         accel = parse_simulate(simulate, var=var_sim)
         mode = "simulated"
     else:

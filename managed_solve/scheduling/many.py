@@ -42,8 +42,8 @@ import numpy as np
 from .. import _backend, config
 from ..device_args import resolve_devices
 from ..devices import Device
-from ..manager import DeviceManager, default_manager
-from ..placement import check_manager, pinned_input
+from ..manager import DeviceManager
+from ..placement import manager_or_default, pinned_input
 from ..result import SolveResult
 from ..system import LinearSystem
 from . import adjoint
@@ -78,7 +78,7 @@ def solve_many(systems: Iterable[Any], *, disperse: bool = True, devices: Any = 
     settings = config.current()
     kept = None
     items = list(systems)
-    mgr = check_manager(manager, "solve_many") if manager is not None else default_manager()
+    mgr = manager_or_default(manager, "solve_many")
     # A GPU run's contexts and CUDA modules start first, on helper threads,
     # beside validation's host checks.
     started = start_cuda(items, mgr, devices, disperse, method)
