@@ -188,13 +188,18 @@ def warmup(device: Any = None, methods: Iterable[str] = METHODS, *,
     >>> steps[0]["seconds"] >= 0.0
     True
     """
-    methods = list(methods)
+    methods, dtypes = list(methods), list(dtypes)
     bad = [m for m in methods if m not in METHODS]
-    if bad:
-        raise ValueError(f"warmup(methods={methods!r}): unknown {bad}; expected some of {METHODS}")
-    dts = [np.dtype(d) for d in dtypes]
-    if any(d not in (np.dtype(np.float32), np.dtype(np.float64)) for d in dts):
-        raise ValueError(f"warmup(dtypes={[str(d) for d in dts]}): expected float64 and/or float32")
+    if bad or not methods:
+        raise ValueError(f"warmup(methods={methods!r}): {f'unknown {bad}' if bad else 'names nothing'}; "
+                         f"expected some of {METHODS}")
+    floats = (np.dtype(np.float32), np.dtype(np.float64))
+    try:
+        dts = [np.dtype(d) for d in dtypes]
+    except TypeError:
+        dts = []
+    if not dts or any(d not in floats for d in dts):
+        raise ValueError(f"warmup(dtypes={dtypes!r}): expected float64 and/or float32")
     steps: list[dict] = []
 
     def record(**step: Any) -> None:

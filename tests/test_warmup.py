@@ -160,3 +160,8 @@ def test_warming_no_device_or_absent_gpus_is_an_error_not_success(monkeypatch):
     for nothing in ("", " , ", []):
         with pytest.raises(ValueError, match="names no device"):
             ms.warmup(nothing)
+    with pytest.raises(ValueError, match=r"warmup\(methods=\[\]\): names nothing"):
+        ms.warmup("cpu", methods=[])
+    for dtypes in ([], ["foo"], ["int32"]):  # "foo" reached NumPy's bare "not understood"
+        with pytest.raises(ValueError, match=r"warmup\(dtypes=.*expected float64 and/or float32"):
+            ms.warmup("cpu", dtypes=dtypes)
