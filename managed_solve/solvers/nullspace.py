@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from .. import _backend
+from .amg.segments import csr_rows
 
 #: The direct engine's message when the grounded matrix is singular.
 INCOMPLETE = (
@@ -97,8 +98,7 @@ class Grounding:
         if not sparse:
             return
         indptr, indices = A.indptr, A.indices
-        rows = xp.searchsorted(indptr, xp.arange(indices.shape[0], dtype=indptr.dtype),
-                               side="right") - 1
+        rows = csr_rows(xp, indptr, indices.shape[0])
         self.cleared = self.pinned[rows] | self.pinned[indices]
         self.diagonal = self.cleared & (rows == indices)
         stored = xp.zeros(n, dtype=bool)

@@ -21,6 +21,7 @@ import scipy.sparse as sp
 
 from ... import _backend
 from .hierarchy import Level, as_csr, damping
+from .segments import csr_rows
 
 #: How the near-null-space candidates are relaxed on ``A x = 0`` before the
 #: finest level's tentative prolongator is fitted to them (PyAMG's default,
@@ -74,8 +75,7 @@ def aggregates_from(AggOp: Any) -> tuple[Any, int]:
     """``(agg, count)``: the aggregate of every node of a PyAMG aggregation operator (-1: none)."""
     AggOp = sp.csr_matrix(AggOp)
     agg = np.full(AggOp.shape[0], -1, dtype=np.int32)
-    rows = np.repeat(np.arange(AggOp.shape[0]), np.diff(AggOp.indptr))
-    agg[rows] = AggOp.indices
+    agg[csr_rows(np, AggOp.indptr, AggOp.indices.shape[0])] = AggOp.indices
     return agg, int(AggOp.shape[1])
 
 
