@@ -134,9 +134,9 @@ def test_pinned_systems_on_a_device_that_always_fails_come_back_device_error_the
 def test_work_stealing_leaves_pinned_batches_where_they_are_pinned(settings, monkeypatch):
     """An idle device takes queued batches from a busy one, never a pinned one.
 
-    sim:0 holds its first batch a while; sim:1, with nothing of its own,
-    looks for work to take at every batch's end. Pinned batches are never
-    taken, however the threads interleave.
+    sim:0 holds its first batch until sim:1, with nothing of its own, has
+    looked for work while sim:0 still had batches queued: the test does not
+    depend on how the threads interleave. Pinned batches are never taken.
     """
     settings(batch_rows=600)  # a batch a system: twelve queued on sim:0
     dm = DeviceManager(simulate="2x64MiB")
@@ -145,12 +145,21 @@ def test_work_stealing_leaves_pinned_batches_where_they_are_pinned(settings, mon
                for k in range(12)]
     for s in systems:
         dm.pin(s, "sim:0")
+    looked = threading.Event()  # sim:1 tried to steal from a non-empty sim:0 queue
+    real_steal = Runner._steal
+
+    def steal(self, name):
+        if name == "sim:1" and self.queues.get("sim:0"):
+            looked.set()
+        return real_steal(self, name)
+
+    monkeypatch.setattr(Runner, "_steal", steal)
     first = [True]
 
     def hold_the_first(dev, nbytes):
         if first[0]:
             first[0] = False
-            time.sleep(0.2)
+            assert looked.wait(60), "sim:1 never looked for work to steal"
 
     sim0.fault = hold_the_first
     runners = runners_started(monkeypatch)
@@ -159,7 +168,7 @@ def test_work_stealing_leaves_pinned_batches_where_they_are_pinned(settings, mon
     assert {r.device for r in results} == {"sim:0"}
     (runner,) = runners
     assert len(runner.plan.queues["sim:0"]) == 12 and not runner.plan.queues.get("sim:1")
-    assert runner.stolen == []
+    assert runner.stolen == [] and looked.is_set()
 
 
 # The device part of a batch (the core, true residuals) and its results: on an
