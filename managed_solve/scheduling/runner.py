@@ -264,14 +264,14 @@ class Runner(Adjustments):
                     return _AHEAD
                 if self.queues[name]:
                     return self.queues[name].popleft()
-                stolen = self._steal(name)
+                stolen = self.steal(name)
                 if stolen is not None:
                     return stolen
                 if self.outstanding <= 0:
                     return None
                 self.cond.wait()
 
-    def _steal(self, name: str) -> Batch | None:
+    def steal(self, name: str) -> Batch | None:
         """A batch queued on another device of the same kind, for an idle one (lock held).
 
         The plan balances predicted times; measured times differ (a learned
@@ -420,7 +420,7 @@ class Runner(Adjustments):
 
     def _pop_nowait(self, name: str) -> Batch | None:
         with self.cond:
-            return self.queues[name].popleft() if self.queues[name] else self._steal(name)
+            return self.queues[name].popleft() if self.queues[name] else self.steal(name)
 
     def stage_next(self, name: str) -> None:
         """Stage the device's next batch unless one is staged already (or none is queued).

@@ -146,14 +146,14 @@ def test_work_stealing_leaves_pinned_batches_where_they_are_pinned(settings, mon
     for s in systems:
         dm.pin(s, "sim:0")
     looked = threading.Event()  # sim:1 tried to steal from a non-empty sim:0 queue
-    real_steal = Runner._steal
+    real_steal = Runner.steal
 
     def steal(self, name):
         if name == "sim:1" and self.queues.get("sim:0"):
             looked.set()
         return real_steal(self, name)
 
-    monkeypatch.setattr(Runner, "_steal", steal)
+    monkeypatch.setattr(Runner, "steal", steal)
     first = [True]
 
     def hold_the_first(dev, nbytes):
