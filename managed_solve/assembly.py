@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from . import _backend
-from .mesh import Mesh
+from .mesh import Mesh, real_scalar, scalar_kind
 
 _INT32_MAX = np.iinfo(np.int32).max
 BACKENDS = ("cpu", "cuda", "cudasim")
@@ -389,9 +389,9 @@ def assemble(mesh: Mesh, *, stiffness: float = 1.0, mass: float = 0.0, lumped_ma
         raise TypeError(f"{call}(mesh=...): expected a managed_solve.mesh.Mesh, got {type(mesh).__name__}")
     dt = _check_dtype(dtype, call)
     for name, val in (("stiffness", stiffness), ("mass", mass), ("lumped_mass", lumped_mass)):
-        a = None if val is None or isinstance(val, (str, bytes)) else np.asarray(_backend.to_host(val))
-        if a is None or a.ndim != 0 or a.dtype.kind not in "iuf":
-            found = f"dtype {a.dtype}" if a is not None and a.ndim == 0 else type(val).__name__
+        a = real_scalar(val)
+        if a is None:
+            found = scalar_kind(val)
             raise TypeError(f"{call}({name}={val!r}): expected a real number (the coefficient of "
                             f"{_TERMS[name]}), got {found}; pass e.g. {name}=1.0, or 0.0 to leave "
                             "the term out")
@@ -491,9 +491,8 @@ def grid_shape(shape: Any, *, call: str = "grid_shape") -> tuple[int, ...]:
                         f"shape=({shape!r}, {shape!r}) for a square grid") from None
     ok = len(items) in (2, 3)
     for s in items if ok else ():
-        a = np.asarray(s)
-        ok = ok and a.ndim == 0 and a.dtype.kind in "iuf" and bool(np.isfinite(a)) \
-            and int(a) == a and a >= 1
+        a = real_scalar(s)
+        ok = ok and a is not None and bool(np.isfinite(a)) and int(a) == a and a >= 1
     if not ok:
         raise ValueError(f"{call}(shape={shape!r}): expected 2 or 3 positive integers (interior nodes "
                          "per axis), e.g. shape=(31, 31)")

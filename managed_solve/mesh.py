@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from . import meshfile
+from . import _backend, meshfile
 
 __all__ = ["Mesh", "icosphere", "grid", "torus", "read"]
 
@@ -440,15 +440,41 @@ def _orientation(f: np.ndarray, n: int, call: str) -> np.ndarray:
     return np.where(flip, -1, 1).astype(np.int8)
 
 
+def real_scalar(value: Any) -> np.ndarray | None:
+    """``value`` as a 0-d real NumPy array, or None when it is not one real number.
+
+    Python, NumPy, CuPy and torch scalars (a GPU's read to the host); None,
+    strings, bools (flags, not numbers), arrays of other shapes and dtypes
+    NumPy lacks are not. The callers word their own errors.
+    """
+    if value is None or isinstance(value, (str, bytes)):
+        return None
+    try:
+        a = np.asarray(_backend.to_host(value))
+    except (TypeError, RuntimeError):  # a torch dtype NumPy has no counterpart for
+        return None
+    return a if a.ndim == 0 and a.dtype.kind in "iuf" else None
+
+
+def scalar_kind(value: Any) -> str:
+    """What a value :func:`real_scalar` refused is, for a message: a scalar's dtype, else its type."""
+    try:
+        plain = value is None or isinstance(value, (str, bytes))
+        a = None if plain else np.asarray(_backend.to_host(value))
+    except (TypeError, RuntimeError):
+        a = None
+    return f"dtype {a.dtype}" if a is not None and a.ndim == 0 else type(value).__name__
+
+
 def _count(value: Any, least: int, call: str, name: str) -> int:
     """``value`` as an int >= ``least``; a TypeError or ValueError naming ``call`` and ``name`` otherwise.
 
     An integer, or a float holding one (``3.0``); a bool is a flag, not a
     count, so it is refused like any other non-number.
     """
-    a = None if value is None or isinstance(value, (str, bytes)) else np.asarray(value)
-    if a is None or a.ndim != 0 or a.dtype.kind not in "iuf":
-        found = "a bool" if a is not None and a.dtype.kind == "b" else type(value).__name__
+    a = real_scalar(value)
+    if a is None:
+        found = "a bool" if np.asarray(value).dtype.kind == "b" else type(value).__name__
         raise TypeError(f"{call}: {name} must be an integer >= {least}, got {value!r} ({found}); "
                         f"pass e.g. {name}={least + 1}")
     if not (np.isfinite(a) and float(a) == int(a) and int(a) >= least):
@@ -550,8 +576,7 @@ def torus(major: float = 1.0, minor: float = 0.4, nu: int = 48, nv: int = 24) ->
     """
     call = f"torus(major={major!r}, minor={minor!r}, nu={nu!r}, nv={nv!r})"
     for name, x in (("major", major), ("minor", minor)):
-        a = None if x is None or isinstance(x, (str, bytes)) else np.asarray(x)
-        if a is None or a.ndim != 0 or a.dtype.kind not in "iuf":
+        if real_scalar(x) is None:
             raise TypeError(f"{call}: {name} must be a real number, got {type(x).__name__}")
     if not (np.isfinite(major) and 0 < minor < major):
         raise ValueError(f"{call}: expected finite radii with 0 < minor < major")

@@ -38,7 +38,7 @@ from .assembly import (
     lumped_mass,
     resolve_target,
 )
-from .mesh import Mesh
+from .mesh import Mesh, real_scalar, scalar_kind
 from .system import LinearSystem
 from .system.inputs import all_finite, check_torch_dtype
 
@@ -136,10 +136,9 @@ def _real_number(value: Any, call: str, arg: str, expected: str = "a real number
     """``value`` as a float when it is one real number; a TypeError naming ``arg`` otherwise."""
     if _backend.is_torch_tensor(value):
         check_torch_dtype(value, call=call, arg=arg)
-        value = value.detach().cpu().numpy()
-    a = None if value is None or isinstance(value, (str, bytes)) else np.asarray(value)
-    if a is None or a.ndim != 0 or a.dtype.kind not in "iuf":
-        found = f"dtype {a.dtype}" if a is not None and a.ndim == 0 else type(value).__name__
+    a = real_scalar(value)
+    if a is None:
+        found = scalar_kind(value)
         raise TypeError(f"{call}({arg}={value!r}): expected {expected}, got {found}; pass e.g. "
                         f"{arg}=1.0")
     return float(a)
