@@ -126,7 +126,7 @@ def _check_finite(values: Any, given: Any, call: str, arg: str, where: str = "en
                          + (f"; {was:.3g} is{wider}" if np.isfinite(was) else ""))
     bad = xp.flatnonzero(~xp.isfinite(values.reshape(-1)))
     i = int(bad[0])
-    was = float(given.reshape(-1)[i])
+    was = float(np.asarray(_backend.to_host(given)).reshape(-1)[i])  # the error path only
     at = f"{where} {i}" if shape is None else f"{where} {tuple(int(j) for j in np.unravel_index(i, shape))}"
     raise ValueError(f"{call}({arg}=...): {at} has {was!r}" + (f",{wider}" if np.isfinite(was) else "")
                      + f"; expected finite values ({int(bad.size)} of the {values.size} are not)")
@@ -592,8 +592,7 @@ def poisson_grid(shape: tuple[int, ...], f: Any, coefficient: Any = None, *, len
     vt = np.dtype(dtype)
     with np.errstate(over="ignore"):  # a value beyond the value type is refused just below
         fv = fv.astype(vt)
-    _check_finite(fv, f if np.ndim(f) == 0 else np.asarray(_backend.to_host(f)), call, "f",
-                 where="node", shape=shape)
+    _check_finite(fv, f, call, "f", where="node", shape=shape)
     nbytes = n * (2 * len(shape) + 1) * (vt.itemsize + 4) + 3 * n * vt.itemsize
     t = _target(device, manager, nbytes, backend, call)
     with _ctx(t):
