@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -58,6 +59,17 @@ class DeviceWarning(UserWarning):
 
 _WARNED: set[str] = set()  # keys already warned about in this process
 _WARNED_LOCK = threading.Lock()
+
+
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` of ``warnings.warn`` called from here that names the first frame
+    outside this package: the user's line, whatever depth the library reached it from (a
+    worker thread has none: its outermost frame is named)."""
+    package = __name__.rsplit(".", 1)[0] + "."
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def warn_once(key: str, message: str, *, stacklevel: int = 3) -> bool:
@@ -501,7 +513,7 @@ def warn_spill(nbytes: int, free: dict[str, int], *, fix: str = RESERVE_FIX) -> 
     have = ", ".join(f"{d}: {format_bytes(b)} free" for d, b in free.items())
     warn_once("spill", f"managed_solve: work of {format_bytes(nbytes)} fit on no GPU ({have}), so it "
                        "runs on the CPU, slower. Fix: free GPU memory or wait for running work, "
-                       f"split large systems, {fix}.", stacklevel=5)
+                       f"split large systems, {fix}.", stacklevel=caller_stacklevel() + 1)
 
 
 def warn_mps(what: str) -> None:

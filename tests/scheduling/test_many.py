@@ -285,6 +285,7 @@ def test_systems_that_fit_on_no_gpu_spill_with_one_device_warning_a_process():
         with pytest.warns(DeviceWarning, match=r"fit on no GPU \(sim:0: .* free, sim:1: .*\)") as said:
             results = solve_many(systems, manager=dm)
         advice = str(said[0].message)
+        assert said[0].filename == __file__  # the caller's line, not the planner's
         assert "manager.pin" in advice and "spill=False" not in advice  # solve_many has no spill=
         assert_solves(systems, results)
         assert {r.device for r in results} == {"cpu"}
