@@ -250,12 +250,15 @@ def _checked_host_csr(val: np.ndarray, col: np.ndarray, crow: np.ndarray, shape:
         raise TypeError(f"{call}: A's index arrays must be integers, got {crow.dtype} and {col.dtype}")
     nnz = int(col.shape[0])
     code = BAD_POINTERS if crow.shape[0] != shape[0] + 1 else \
-        int(compressed_pattern(crow, col, shape[1], False))
+        int(compressed_pattern(crow, col, shape[1], True))
     if code == BAD_POINTERS:
         raise _bad_indptr(call, nnz)
     if code == BAD_INDEX:
         raise _bad_index(call, shape[1])
-    return _backend.sparse_module(np).csr_matrix((val, col, crow), shape=shape)
+    A = _backend.sparse_module(np).csr_matrix((val, col, crow), shape=shape)
+    if code == CANONICAL:  # found by the same pass: sum_duplicates makes none of its own
+        A.has_canonical_format = True
+    return A
 
 
 def _checked_compressed(A: Any, major: int, bound: int, *, call: str, what: str) -> None:
@@ -348,6 +351,9 @@ def as_operator(A: Any, *, call: str = "solve") -> tuple[Any, str]:
         raise TypeError(f"{call}: A is None; expected a sparse matrix, a dense array or an operator")
     if isinstance(A, tuple) and len(A) == 3:
         A = _csr_triple(A, call=call)
+        if _backend.is_scipy_sparse(A):  # its pattern checked, and whether canonical, already
+            A.sum_duplicates()
+            return A, "csr"
     if _backend.is_torch_tensor(A):
         if A.layout != __import__("torch").strided:
             return _torch_sparse(A, call=call), "csr"
