@@ -303,7 +303,11 @@ class ManagedModule(nn.Module):
 
     def _move(self, key: str) -> None:
         self.__dict__.pop("_ms_place", None)  # not re-read from stale labels by _apply
-        nn.Module.to(self, torch_device(key))
+        self.__dict__["_ms_moving"] = True  # _apply's count would read the stale labels
+        try:
+            nn.Module.to(self, torch_device(key))
+        finally:
+            self.__dict__.pop("_ms_moving", None)
         sim = key if is_simulated_key(key) else None
         for t in self._own_tensors():
             # nn.Module.to swaps .data in place, so the objects keep stale labels: reset them.
@@ -327,7 +331,8 @@ class ManagedModule(nn.Module):
         own = self._own_tensors()
         if own and "_ms_place" in self.__dict__:  # moved by nn.Module itself (to_empty): home follows
             self.__dict__["_ms_place"] = placement_of(own[0])
-        self._account()
+        if not self.__dict__.get("_ms_moving"):  # a move counts once, after its labels are set
+            self._account()
         return self
 
     def to(self, *args: Any, **kwargs: Any) -> ManagedModule:
