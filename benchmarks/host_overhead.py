@@ -97,7 +97,7 @@ def main() -> None:
     gpus = [Device("cuda", k, "H200 (planning only)", 141 << 30, bandwidth=4.0e12) for k in (0, 1)]
     slots = [Slot(str(d), int(0.9 * d.total_bytes), d.bandwidth, 0.0, "cuda") for d in gpus]
     t0 = time.perf_counter()
-    plan = plan_work(ests, gpus, dm, batch_bytes=packed_bytes(dm, systems), slots=slots)
+    plan = plan_work(ests, gpus, dm, batch_bytes=packed_bytes(systems), slots=slots)
     t = time.perf_counter() - t0
     large = {len(systems) - k for k in range(1, 5)}
     finish = plan.finish_times()

@@ -68,7 +68,7 @@ def steps(items: list, manager: DeviceManager) -> dict[str, float]:
                                        reference=devs[0], cache=cache, memo=memo)
             for i, s in enumerate(valid)]
     t7 = clock()
-    plan_work(ests, devs, manager, batch_bytes=packed_bytes(manager, valid))
+    plan_work(ests, devs, manager, batch_bytes=packed_bytes(valid))
     t8 = clock()
     for lo in range(0, len(valid), 100):
         pack_host(valid[lo:lo + 100])

@@ -13,10 +13,10 @@ from ._warmup import warmup as warmup
 from .devices import Device as Device
 from .devices import discover as discover
 from .manager import DeviceManager as DeviceManager
-from .manager import default_heuristic as _default_heuristic
 from .result import SolveError as SolveError
 from .result import SolveResult as SolveResult
 from .result import Status as Status
+from .sizes import default_heuristic as _default_heuristic
 from .solver import Solver as Solver
 from .system import LinearSystem as LinearSystem
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .placement import manager_or_default
+from .manager import manager_or_default
 from .result import SolveResult
 from .solver import Solver
 from .system import LinearSystem

@@ -1,7 +1,7 @@
 """DeviceManager: a thread-safe ledger of reserved memory, placement, pinning, spill, hints.
 
 The manager knows devices and predicted costs, never solvers. Placement is
-deterministic (no random choice, unlike the bridgesign/managed prototype):
+deterministic (no random choice):
 
 * ``disperse=True``: the device with the earliest predicted finish (work
   already reserved there plus this work, over the device's learned speed)
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 import threading
 import time
 import warnings
@@ -35,25 +34,12 @@ from . import hints as hints_file
 from .device_args import device_list, resolve_device
 from .devices import Device, discover, format_bytes, warn_spill
 from .hints import Hint
-from .sizes import is_count, raw_size_of
+from .sizes import is_count, reserve_size
 from .sizes import tensor_bytes as tensor_bytes  # re-exported: manager.tensor_bytes
 
 log = logging.getLogger("managed_solve")
 
 _EMA = 0.5  # weight of the newest measurement in learned hints
-
-
-def default_heuristic(size: int) -> int:
-    """The prototype's sizing rule: bytes plus a margin growing like sqrt(bytes)."""
-    return size + int(1.5 * size**0.5)
-
-
-def _package_setting(name: str, default: Any) -> Any:
-    # Users set `managed_solve.USE_HEURISTIC = False` on the package itself, so the
-    # value is read from the package module at call time (an upward lookup by
-    # name through sys.modules, not an import, so no cycle).
-    pkg = sys.modules.get("managed_solve")
-    return getattr(pkg, name, default) if pkg is not None else default
 
 
 @dataclass
@@ -98,12 +84,8 @@ class Reservation:
 
     def __init__(self, manager: DeviceManager, device: Device, nbytes: int, seconds: float,
                  signature: Any = None, lender: Reservation | None = None, drawn: int = 0):
-        self.manager = manager
-        self.device = device
-        self.nbytes = int(nbytes)
-        self.seconds = float(seconds)
-        self.signature = signature
-        self.released = False
+        self.manager, self.device, self.signature, self.released = manager, device, signature, False
+        self.nbytes, self.seconds = int(nbytes), float(seconds)
         self.lender, self.drawn, self.lent, self.refused = lender, int(drawn), 0, 0
         self.own = self.nbytes - self.drawn
         self._t0 = time.perf_counter()
@@ -223,13 +205,9 @@ class DeviceManager:
         """Bytes to reserve for ``obj``: its stored size, through the heuristic if enabled.
 
         ``managed_solve.USE_HEURISTIC`` and ``managed_solve.HEURISTIC_FUNCTION``
-        are read at every call, so setting them takes effect at once.
+        are read at every call (:func:`managed_solve.sizes.reserve_size`).
         """
-        size = raw_size_of(obj)
-        if _package_setting("USE_HEURISTIC", True):
-            fn = _package_setting("HEURISTIC_FUNCTION", default_heuristic)
-            size = int(fn(size))
-        return size
+        return reserve_size(obj)
 
     # ------------------------------------------------------------------ capacity
     def capacity(self, device: Device) -> int:
@@ -686,6 +664,26 @@ def default_manager() -> DeviceManager:
         if _default is None:
             _default = DeviceManager()
         return _default
+
+
+def check_manager(manager: Any, call: str) -> DeviceManager | None:
+    """``manager=`` of a public call: a DeviceManager, or None (the default manager); returned as is.
+
+    Anything else is refused here, naming the call and the argument, not later
+    on a missing method (``manager="cpu"`` usually meant ``device="cpu"``).
+    """
+    if manager is not None and not isinstance(manager, DeviceManager):
+        raise TypeError(
+            f"{call}(manager={manager!r}): expected a DeviceManager or None (the default manager), "
+            f"got {type(manager).__name__}. To choose a device pass device='cpu' or 'cuda:0'; "
+            "to manage other devices pass manager=DeviceManager(devices=[...])."
+        )
+    return manager
+
+
+def manager_or_default(manager: Any, call: str) -> DeviceManager:
+    """The manager a call with ``manager=`` uses: the one given (checked), else :func:`default_manager`."""
+    return check_manager(manager, call) or default_manager()
 
 
 def set_default_manager(manager: DeviceManager | None) -> DeviceManager | None:

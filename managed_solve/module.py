@@ -23,8 +23,7 @@ from typing import Any
 
 from . import _backend
 from .devices import Device
-from .manager import DeviceManager, default_manager
-from .placement import check_manager
+from .manager import DeviceManager, check_manager, default_manager
 from .tensor import (
     ManagedTensor,
     account_placement,

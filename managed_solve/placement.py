@@ -1,8 +1,7 @@
 """Placement of one system: the device a name means, the reservation, the move there.
 
-A call's ``manager=`` is checked here (:func:`manager_or_default`). A single
-solve (``solve(device=...)``, ``Solver(device=...)``) reads its device as
-every call does (:mod:`managed_solve.device_args`), obeying the caller's
+A single solve (``solve(device=...)``, ``Solver(device=...)``) reads its
+device as every call does (:mod:`managed_solve.device_args`), obeying the caller's
 explicit choice where this process can: a name the manager knows, else a
 CUDA GPU this process can use.
 """
@@ -14,32 +13,9 @@ from typing import Any
 
 from .device_args import NOT_MANAGED_FIX, resolve_device
 from .devices import Device
-from .manager import DeviceManager, default_manager
 from .system import LinearSystem
 
 log = logging.getLogger("managed_solve")
-
-
-def check_manager(manager: Any, call: str) -> DeviceManager | None:
-    """``manager=`` of a public call: a DeviceManager, or None (the default manager); returned as is.
-
-    Anything else is refused here, with the call and argument named, rather
-    than failing later on a missing method (``'str' object has no attribute
-    'size_of'`` for ``manager="cpu"``, which meant ``device="cpu"``).
-    """
-    if manager is not None and not isinstance(manager, DeviceManager):
-        raise TypeError(
-            f"{call}(manager={manager!r}): expected a DeviceManager or None (the default manager), "
-            f"got {type(manager).__name__}. To choose a device pass device='cpu' or 'cuda:0'; "
-            "to manage other devices pass manager=DeviceManager(devices=[...])."
-        )
-    return manager
-
-
-def manager_or_default(manager: Any, call: str) -> DeviceManager:
-    """The manager a call with ``manager=`` uses: the one given (checked), else :func:`default_manager`."""
-    checked = check_manager(manager, call)
-    return checked if checked is not None else default_manager()
 
 
 def named_device(device: Any, mgr: Any) -> Device:

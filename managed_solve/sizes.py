@@ -1,7 +1,9 @@
-"""Bytes an object occupies: arrays, sparse matrices, torch tensors and modules, sequences of these.
+"""Bytes an object occupies, and the bytes a placement reserves for it.
 
-What :meth:`managed_solve.manager.DeviceManager.size_of` sizes before its
-heuristic; torch is only asked about objects when it is already imported.
+:func:`raw_size_of` sizes arrays, sparse matrices, torch tensors and
+modules, sequences of these; torch is only asked about objects when it is
+already imported. :func:`reserve_size` passes that through the package's
+size heuristic (:meth:`managed_solve.manager.DeviceManager.size_of`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,31 @@ import numpy as np
 def is_count(nbytes: Any) -> bool:
     """Whether ``nbytes`` is a byte count as given (a Python or NumPy integer, not a bool)."""
     return isinstance(nbytes, numbers.Integral) and not isinstance(nbytes, (bool, np.bool_))
+
+
+def default_heuristic(size: int) -> int:
+    """The default sizing rule: bytes plus a margin growing like sqrt(bytes)."""
+    return size + int(1.5 * size**0.5)
+
+
+def _package_setting(name: str, default: Any) -> Any:
+    # Users set `managed_solve.USE_HEURISTIC = False` on the package itself, so the
+    # value is read from the package module at call time (an upward lookup by
+    # name through sys.modules, not an import, so no cycle).
+    pkg = sys.modules.get("managed_solve")
+    return getattr(pkg, name, default) if pkg is not None else default
+
+
+def reserve_size(obj: Any) -> int:
+    """Bytes to reserve for ``obj``: :func:`raw_size_of`, through the heuristic if enabled.
+
+    ``managed_solve.USE_HEURISTIC`` and ``managed_solve.HEURISTIC_FUNCTION``
+    are read at every call, so setting them takes effect at once.
+    """
+    size = raw_size_of(obj)
+    if _package_setting("USE_HEURISTIC", True):
+        size = int(_package_setting("HEURISTIC_FUNCTION", default_heuristic)(size))
+    return size
 
 
 def raw_size_of(obj: Any) -> int:

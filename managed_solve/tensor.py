@@ -32,12 +32,11 @@ from typing import Any
 from . import _backend
 from .device_args import resolve_device
 from .devices import Device, warn_once
-from .manager import DeviceManager, default_manager
+from .manager import DeviceManager, check_manager, default_manager
 
 # Stored bytes of one tensor (sparse: values + indices). raw_size_of dispatches on the
 # type's module name, which misses tensor subclasses, so the tensor sizer is used directly.
 from .manager import tensor_bytes as raw_size_of
-from .placement import check_manager
 
 torch = _backend.torch_module()
 

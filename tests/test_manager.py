@@ -18,7 +18,8 @@ import scipy.sparse as sp
 
 import managed_solve
 from managed_solve.devices import parse_simulate
-from managed_solve.manager import DeviceManager, default_heuristic, raw_size_of
+from managed_solve.manager import DeviceManager
+from managed_solve.sizes import default_heuristic, raw_size_of
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -736,7 +737,7 @@ def test_plan_takes_one_time_per_item():
 
 
 def test_a_manager_argument_that_is_no_manager_is_refused_naming_it():
-    from managed_solve.placement import manager_or_default
+    from managed_solve.manager import manager_or_default
 
     with pytest.raises(TypeError, match=r"solve\(manager='cpu'\): expected a DeviceManager or None.*"
                                         r"device='cpu'"):

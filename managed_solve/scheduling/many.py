@@ -42,8 +42,8 @@ import numpy as np
 from .. import _backend, config
 from ..device_args import resolve_devices
 from ..devices import Device
-from ..manager import DeviceManager
-from ..placement import manager_or_default, pinned_input
+from ..manager import DeviceManager, manager_or_default
+from ..placement import pinned_input
 from ..result import SolveResult
 from ..system import LinearSystem
 from . import adjoint

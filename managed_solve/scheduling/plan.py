@@ -24,6 +24,7 @@ from .. import _backend, config
 from ..devices import Device, is_cuda_kind, warn_spill
 from ..manager import DeviceManager
 from ..sharded import choose_shard_count
+from ..sizes import reserve_size
 from ..system.cost import predict_iterations
 from ..system.linear_system import LinearSystem
 
@@ -553,7 +554,7 @@ def plan_call(work: Work, manager: DeviceManager, pins: dict[int, Device] | None
     ``more`` plans the others (estimated then) against the same slots.
     ``pins``: the pinned systems' devices, by input position (:func:`place_pinned`).
     """
-    batch_bytes = packed_bytes(manager, work.systems)
+    batch_bytes = packed_bytes(work.systems)
     if work.rest is None:
         return plan_work(work.estimates, work.devices, manager, batch_bytes=batch_bytes, pins=pins)
     first = plan_work(work.estimates, work.devices, manager, batch_bytes=batch_bytes,
@@ -570,9 +571,10 @@ def plan_call(work: Work, manager: DeviceManager, pins: dict[int, Device] | None
     return first
 
 
-def packed_bytes(manager: DeviceManager, systems: Sequence[LinearSystem | None]
-                 ) -> Callable[[Sequence[Estimate]], int]:
+def packed_bytes(systems: Sequence[LinearSystem | None]) -> Callable[[Sequence[Estimate]], int]:
     """Bytes to reserve for a batch: the batched engine's own prediction, through the heuristic.
+
+    The heuristic is the ledger's (:func:`managed_solve.sizes.reserve_size`).
 
     Returns the function the planner calls with a batch's estimates
     (``plan_work(..., batch_bytes=...)``); routes other than ``BATCH`` sum
@@ -587,7 +589,7 @@ def packed_bytes(manager: DeviceManager, systems: Sequence[LinearSystem | None]
     def nbytes(members: Sequence[Estimate]) -> int:
         e0 = members[0]
         if e0.route != BATCH:
-            return manager.size_of(int(sum(e.nbytes for e in members)))
+            return reserve_size(int(sum(e.nbytes for e in members)))
         method, dt, jacobi = e0.group
         method = "bicgstab" if method == DEFERRED else method  # the larger workspace of the two
         n = sum([e.n for e in members])
@@ -600,6 +602,6 @@ def packed_bytes(manager: DeviceManager, systems: Sequence[LinearSystem | None]
                                 residual_check=True)
         else:
             raw = sum(e.nbytes for e in members)
-        return manager.size_of(int(raw))
+        return reserve_size(int(raw))
 
     return nbytes

@@ -15,8 +15,7 @@ import scipy.sparse as sp
 from .. import _backend
 from ..device_args import resolve_devices as resolve_devices_of
 from ..devices import Device
-from ..manager import default_manager
-from ..placement import check_manager
+from ..manager import check_manager, default_manager
 
 __all__ = ["as_vector", "device_of", "gather_target", "host_csr", "resolve_devices"]
 

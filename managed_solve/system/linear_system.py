@@ -264,6 +264,11 @@ class LinearSystem:
         return (self.n, self.n)
 
     @property
+    def iteration_limit(self) -> int:
+        """``maxiter``, or :func:`default_maxiter` of ``n`` where none was given."""
+        return default_maxiter(self.n) if self.maxiter is None else self.maxiter
+
+    @property
     def nnz(self) -> int:
         if self.kind == "csr":
             return int(self.A.nnz)

@@ -286,8 +286,7 @@ class PackedBatch:
         """The batch over packed arrays, with the systems' tolerances, limits and names."""
         rtol = np.array([s.rtol for s in systems], dtype=np.float64)
         atol = np.array([s.atol for s in systems], dtype=np.float64)
-        maxiter = np.array([s.maxiter if s.maxiter is not None else default_maxiter(s.n)
-                            for s in systems], dtype=np.int64)
+        maxiter = np.array([s.iteration_limit for s in systems], dtype=np.int64)
         return cls(indptr=indptr, indices=indices, data=data, b=b, x0=x0, offsets=offsets,
                    row_sys=row_sys, rtol=rtol, atol=atol, maxiter=maxiter, dinv=dinv,
                    device=device, names=[getattr(s, "name", None) for s in systems])
@@ -553,8 +552,7 @@ def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cp
         indptr=indptr, indices=indices, data=data, b=b, x0=x0, offsets=offsets, row_sys=row_sys,
         rtol=np.array([s.rtol for s in systems], dtype=np.float64),
         atol=np.array([s.atol for s in systems], dtype=np.float64),
-        maxiter=np.array([s.maxiter if s.maxiter is not None else default_maxiter(m)
-                          for s, m in zip(systems, sizes.tolist(), strict=True)], dtype=np.int64),
+        maxiter=np.array([s.iteration_limit for s in systems], dtype=np.int64),
         dinv=dinv, device=device, names=[s.name for s in systems])
 
 
