@@ -138,8 +138,10 @@ def as_system(item: Any, i: int, *, method: str, M: Any, rtol: float | None,
         The input is not a system, or not a valid one (the message names it).
     """
     if isinstance(item, LinearSystem):
-        if item.x0 is not None and not bool(_backend.array_module(item.b).any(item.b)):
-            item = with_x0(item, None)  # b = 0: x = 0 exactly, whatever x0 (as solve does)
+        # b = 0: x = 0 exactly, whatever x0 (as solve does). A GPU b is read
+        # with the call's others, in one wait (validate_all).
+        if item.x0 is not None and isinstance(item.b, np.ndarray) and not item.b.any():
+            item = with_x0(item, None)
         if method == "auto" and M is None and rtol is None:
             return item
         s = object.__new__(LinearSystem)
@@ -212,7 +214,27 @@ def validate_all(items: list, *, method: str, M: Any, rtol: float | None,
                                                           memo=memo)
         except (TypeError, ValueError) as exc:
             results[i] = invalid_result(exc, i, item)
+    drop_x0_of_zero_b(valid)
     return results, valid
+
+
+def drop_x0_of_zero_b(valid: dict[int, LinearSystem]) -> None:
+    """The systems of ``valid`` with an x0 and a GPU b of zeros, without their x0 (x = 0 exactly).
+
+    One reduction per b, read back per device in one copy: a wait for each
+    system would cost more than the check.
+    """
+    by_device: dict[int, list[int]] = {}
+    for i, s in valid.items():
+        if s.x0 is not None and _backend.is_cupy_array(s.b):
+            by_device.setdefault(s.b.device.id, []).append(i)
+    for dev, idx in by_device.items():
+        cp = _backend.cupy()
+        with cp.cuda.Device(dev):
+            nonzero = cp.stack([valid[i].b.any() for i in idx]).get()  # sync: one per device
+        for i, keep in zip(idx, nonzero.tolist(), strict=True):
+            if not keep:
+                valid[i] = with_x0(valid[i], None)
 
 
 def prefill_finite(items: list, memo: dict) -> int:

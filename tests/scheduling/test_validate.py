@@ -343,3 +343,32 @@ def test_a_matrix_whose_arrays_were_changed_is_refused_not_walked(change):
     res = solve_many([(good, np.ones(1600)), (bad, np.ones(1600))], manager=DeviceManager(["cpu"]))
     assert res[0].status is Status.CONVERGED
     assert res[1].status is Status.INVALID_INPUT and "rebuild A" in res[1].message
+
+
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_zero_b_drops_x0_and_solves_to_zero_exactly(where):
+    """b = 0 with an x0: x = 0 exactly, on the host and for a GPU b (read with the others at once)."""
+    A = poisson2d(6)
+    n = A.shape[0]
+    rng = np.random.default_rng(3)
+    b = rng.standard_normal(n)
+    x0 = rng.standard_normal(n)
+    if where == "cuda":
+        import cupy as cp
+        import cupyx.scipy.sparse as csp
+
+        A, b, x0, zero = csp.csr_matrix(A), cp.asarray(b), cp.asarray(x0), cp.zeros(n)
+        dm = DeviceManager(["cuda:0"])
+    else:
+        zero = np.zeros(n)
+        dm = DeviceManager(["cpu"])
+    items = [LinearSystem(A, zero, x0=x0), LinearSystem(A, b, x0=x0), LinearSystem(A, zero, x0=x0)]
+    _, valid = validate.validate_all(items, method="auto", M=None, rtol=None)
+    assert [valid[i].x0 is None for i in range(3)] == [True, False, True]
+    assert all(s.x0 is x0 for s in items)  # the caller's systems are left as they were
+    out = solve_many(items, manager=dm, return_on="host")
+    assert [r.status for r in out] == [Status.CONVERGED] * 3
+    assert not out[0].x.any() and not out[2].x.any()
+    assert out[0].iterations == 0 == out[2].iterations
+    ref = np.linalg.solve(poisson2d(6).toarray(), np.asarray(b.get() if where == "cuda" else b))
+    np.testing.assert_allclose(out[1].x, ref, rtol=1e-6, atol=1e-8)
