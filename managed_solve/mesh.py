@@ -15,7 +15,7 @@ import numpy as np
 
 from . import _backend, meshfile
 
-__all__ = ["Mesh", "icosphere", "grid", "torus", "read"]
+__all__ = ["Mesh", "icosphere", "grid", "torus", "read", "MAX_ICOSPHERE_SUBDIVISIONS"]
 
 _KIND = {3: "triangle", 4: "tetra"}
 # A face whose area (volume) is below this fraction of its edge length squared
@@ -483,6 +483,14 @@ def _count(value: Any, least: int, call: str, name: str) -> int:
 
 
 # ---------------------------------------------------------------- generators
+#: The most subdivisions :func:`icosphere` makes. Building peaks near 650 bytes
+#: of host memory per vertex (measured at 6 to 9 subdivisions): 1.6 GiB at 9,
+#: so about 6.3 GiB at 10 and 25 GiB at 11 (42M vertices); 12 would need about
+#: 100 GiB before any system is assembled on the mesh.
+MAX_ICOSPHERE_SUBDIVISIONS = 11
+_ICOSPHERE_BYTES_PER_VERTEX = 650
+
+
 def icosphere(subdivisions: int = 3) -> Mesh:
     """The unit sphere: an icosahedron subdivided ``subdivisions`` times.
 
@@ -490,6 +498,9 @@ def icosphere(subdivisions: int = 3) -> Mesh:
     vertices onto the sphere; there are exactly ``10 * 4**k + 2`` vertices and
     ``20 * 4**k`` triangles, oriented outwards. Vectorised (edge midpoints are
     found with ``np.unique``), so 9 subdivisions (5.2M triangles) take seconds.
+    At most :data:`MAX_ICOSPHERE_SUBDIVISIONS` (11): each level quadruples the
+    memory the build needs (about 25 GiB at 11), so more is refused at once
+    with a ValueError rather than failing in NumPy after minutes of work.
 
     Examples
     --------
@@ -498,7 +509,17 @@ def icosphere(subdivisions: int = 3) -> Mesh:
     >>> m.n_vertices, m.n_faces, m.is_closed()
     (162, 320, True)
     """
-    k = _count(subdivisions, 0, f"icosphere(subdivisions={subdivisions!r})", "subdivisions")
+    call = f"icosphere(subdivisions={subdivisions!r})"
+    k = _count(subdivisions, 0, call, "subdivisions")
+    if k > MAX_ICOSPHERE_SUBDIVISIONS:
+        n, top = 10 * 4**k + 2, 10 * 4**MAX_ICOSPHERE_SUBDIVISIONS + 2
+        size = (f"{n:,} vertices and {n * 2 - 4:,} triangles (about "
+                f"{n * _ICOSPHERE_BYTES_PER_VERTEX // 2**30:,} GiB to build)" if k <= 30
+                else f"about 10**{len(str(n)) - 1} vertices")
+        raise ValueError(f"{call}: would make {size}; at most {MAX_ICOSPHERE_SUBDIVISIONS} "
+                         f"subdivisions ({top:,} vertices, about "
+                         f"{top * _ICOSPHERE_BYTES_PER_VERTEX / 2**30:.0f} GiB to build); pass subdivisions <= "
+                         f"{MAX_ICOSPHERE_SUBDIVISIONS}")
     t = (1.0 + 5.0**0.5) / 2.0
     v = np.array([[-1, t, 0], [1, t, 0], [-1, -t, 0], [1, -t, 0], [0, -1, t], [0, 1, t],
                   [0, -1, -t], [0, 1, -t], [t, 0, -1], [t, 0, 1], [-t, 0, -1], [-t, 0, 1]], float)

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from managed_solve.mesh import Mesh, grid, icosphere, read, torus
+from managed_solve.mesh import MAX_ICOSPHERE_SUBDIVISIONS, Mesh, grid, icosphere, read, torus
 
 TRI = np.array([[0, 0, 0], [1, 0, 0], [0, 1, 0], [1, 1, 0]], float)
 
@@ -450,3 +450,17 @@ def test_vertex_normals_orient_the_surface_first_and_refuse_where_no_normal_exis
     bowtie = Mesh([[0, 0, 0], [1, 0, 0], [0, 1, 0], [-1, 0, 0], [0, -1, 0]], [[0, 1, 2], [0, 4, 3]])
     with pytest.raises(ValueError, match=r"the face normals around vertex 0 cancel"):
         bowtie.vertex_normals()
+
+
+def test_icosphere_refuses_sizes_beyond_its_memory_bound():
+    # Each subdivision quadruples the mesh; a large count used to build level after level
+    # for minutes and then die in NumPy with a MemoryError (or be killed by the system).
+    k = MAX_ICOSPHERE_SUBDIVISIONS
+    with pytest.raises(ValueError, match=rf"^icosphere\(subdivisions={k + 1}\): would make "
+                                         rf"{10 * 4 ** (k + 1) + 2:,} vertices and {20 * 4 ** (k + 1):,} "
+                                         rf"triangles \(about \d+ GiB to build\); at most {k} "
+                                         rf"subdivisions \({10 * 4**k + 2:,} vertices, about \d+ GiB to build\); "
+                                         rf"pass subdivisions <= {k}$"):
+        icosphere(k + 1)
+    with pytest.raises(ValueError, match=r"^icosphere\(subdivisions=1000\): would make about 10\*\*603 vertices"):
+        icosphere(1000)
