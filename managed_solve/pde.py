@@ -19,6 +19,16 @@ process default) for a device with ``find_device(nbytes, disperse=True)``;
 vectors), ``"cpu"`` and simulated ``"sim:i"`` devices with the CPU twins
 (SciPy CSR, NumPy vectors). The symbolic phase is cached on the mesh, so a
 sweep over ``dt`` or ``alpha`` repeats only the numeric pass.
+
+``rtol`` (> 0) is 1e-8 whatever the dtype, as for ``LinearSystem`` and
+``solve``: a float32 solve that cannot resolve it ends in ``MAXITER``, saying
+so. No fixed float32 tolerance suits every mesh (the attainable residual grows
+with the condition number: on icosphere Poisson problems about 1e-5 at 600
+vertices, 1e-4 at 10,000, 1e-3 at 40,000), so pass a looser ``rtol`` with
+``dtype=np.float32``. Each term asked for (``L``, ``M``, ``M`` in ``b``, with
+its coefficient) must lie in the value type's normal range: a float32 mass of
+a mesh near 1e-20 would be subnormal numbers or zeros, so it is refused,
+naming the mesh's scale or the coefficient.
 """
 
 from __future__ import annotations
@@ -40,7 +50,7 @@ from .assembly import (
 )
 from .mesh import Mesh, real_scalar, scalar_kind
 from .system import LinearSystem
-from .system.inputs import all_finite, check_torch_dtype
+from .system.inputs import FLOAT_DTYPES, all_finite, check_torch_dtype
 
 __all__ = ["laplacian", "laplacian_nullspace", "mass", "poisson", "screened_poisson", "heat_step",
            "poisson_grid"]
@@ -150,6 +160,64 @@ def _positive(value: Any, call: str, arg: str, hint: str) -> float:
     if not (np.isfinite(x) and x > 0):
         raise ValueError(f"{call}({arg}={value!r}): expected a finite {hint}")
     return x
+
+
+def _tolerance(rtol: Any, call: str) -> float:
+    """``rtol`` as a float > 0, checked before any assembly (the builders set no ``atol``)."""
+    a = real_scalar(rtol)
+    if a is None:
+        raise TypeError(f"{call}(rtol={rtol!r}): expected a real number, got {scalar_kind(rtol)}; "
+                        "pass e.g. rtol=1e-08 (the default)")
+    if not (np.isfinite(a) and a > 0):
+        raise ValueError(f"{call}(rtol={rtol!r}): expected a finite number > 0, e.g. rtol=1e-08")
+    return float(a)
+
+
+def _entry_floors(mesh: Mesh) -> dict[str, float]:
+    """Per unit coefficient, the least an element adds to the entries of ``L``, ``M`` and ``D``.
+
+    To its vertices' diagonal of ``L`` a triangle adds at least its shape
+    ``s`` (``sin(a) / (2 sin(b) sin(c))``, its smallest sine being at least
+    ``2 s``), a tetrahedron at least ``s * h`` (a face's area over three times
+    its height, at least ``vol / h**2``); to the consistent mass its measure
+    over 12 (20), to the lumped one over 3 (4). Host arithmetic on the mesh's
+    own facts, cached on it.
+    """
+    hit = mesh.cache.get("entry_floors")
+    if hit is None:
+        measure, shape = mesh.element_measures(), mesh.element_shapes()
+        tri = mesh.kind == "triangle"
+        with np.errstate(under="ignore"):
+            stiff = shape if tri else np.cbrt(measure * shape * shape)
+        low = float(measure.min())
+        hit = mesh.cache["entry_floors"] = {"L": float(stiff.min()), "M": low / (12 if tri else 20),
+                                            "D": low / (3 if tri else 4)}
+    return hit
+
+
+def _check_floors(mesh: Mesh, vt: np.dtype, call: str, terms: list) -> None:
+    """Refuse a term whose entries fall below ``vt``'s normal range, naming the mesh or the coefficient.
+
+    ``terms``: ``(term, coefficient, its name, its arguments)``, the last two
+    None for a coefficient of 1. Stored as subnormal numbers or zeros, such
+    entries lose their digits or vanish (a float32 mass of a mesh near 1e-20 did).
+    """
+    if vt not in FLOAT_DTYPES:
+        return  # the assembly refuses the dtype, naming it
+    tiny, floors = float(np.finfo(vt).tiny), _entry_floors(mesh)
+    for term, coef, name, args in terms:
+        low, scale = coef * floors[term], floors[term] < tiny
+        if low >= tiny:
+            continue
+        label = f"{name} * {term}" if name and not scale else \
+            {"L": "the stiffness matrix L", "M": "the mass matrix M", "D": "the lumped mass D"}[term]
+        fix = f"use a larger {name}, or dtype=np.float64" if not scale else (
+            f"the smallest element {'area' if mesh.kind == 'triangle' else 'volume'} is "
+            f"{float(mesh.element_measures().min()):.3g}: scale the mesh up, e.g. Mesh(mesh.vertices "
+            f"/ {float(np.abs(mesh.vertices).max()):.3g}, mesh.faces), or use dtype=np.float64")
+        raise ValueError(f"{call}({'mesh=...' if scale else args}, dtype={vt.name}): {label} has "
+                         f"entries down to about {low:.3g}, below {vt.name}'s smallest normal number "
+                         f"{tiny:.3g}, where they would lose their digits or vanish; {fix}")
 
 
 def _vertex_index(index: Any, n: int, where: str) -> np.ndarray:
@@ -321,8 +389,9 @@ def _compatible(b: Any, w: Any, nullspace: Any, xp: Any) -> Any:
     return b - w * (N @ ((N.T @ b) / (N.T @ w)))
 
 
-def _system(A: Any, b: Any, dt: np.dtype, name: str, **kwargs: Any) -> LinearSystem:
-    return LinearSystem(A, b, dtype=dt, name=name, **kwargs)
+def _system(A: Any, b: Any, dt: np.dtype, name: str, checked: tuple = (), **kwargs: Any) -> LinearSystem:
+    """The LinearSystem; ``checked``: arrays of it found finite already, which it does not read again."""
+    return LinearSystem(A, b, dtype=dt, name=name, _finite_memo={id(a): a for a in checked}, **kwargs)
 
 
 # ---------------------------------------------------------------- builders
@@ -353,11 +422,12 @@ def laplacian(mesh: Mesh, *, device: Any = None, dtype: Any = np.float64, manage
     call = "laplacian"
     _check_mesh(mesh, call)
     dt = np.dtype(dtype)
+    _check_floors(mesh, dt, call, [("L", 1.0, None, None)])
     t = _target(device, manager, estimate_nbytes(mesh, dt), backend, call)
     A = assemble(mesh, device=t.device, dtype=dt, index_dtype=index_dtype, backend=t.backend,
                  call=call)
     rhs = t.xp.zeros(mesh.n_vertices, dtype=dt) if b is None else _vertex_values(b, mesh, t, dt, call, "b")
-    return _system(A, rhs, dt, "laplacian", nullspace=laplacian_nullspace(mesh))
+    return _system(A, rhs, dt, "laplacian", checked=(rhs,), nullspace=laplacian_nullspace(mesh))
 
 
 def mass(mesh: Mesh, lumped: bool = True, *, device: Any = None, dtype: Any = np.float64,
@@ -377,11 +447,12 @@ def mass(mesh: Mesh, lumped: bool = True, *, device: Any = None, dtype: Any = np
     _check_mesh(mesh, call)
     check_flag(lumped, call, "lumped")
     dt = np.dtype(dtype)
+    _check_floors(mesh, dt, call, [("D" if lumped else "M", 1.0, None, None)])
     t = _target(device, manager, estimate_nbytes(mesh, dt), backend, call)
     A = assemble(mesh, stiffness=0.0, mass=0.0 if lumped else 1.0, lumped_mass=1.0 if lumped else 0.0,
                  device=t.device, dtype=dt, index_dtype=index_dtype, backend=t.backend, call=call)
     rhs = t.xp.zeros(mesh.n_vertices, dtype=dt) if b is None else _vertex_values(b, mesh, t, dt, call, "b")
-    return _system(A, rhs, dt, "mass" if lumped else "mass(consistent)")
+    return _system(A, rhs, dt, "mass" if lumped else "mass(consistent)", checked=(rhs,))
 
 
 def poisson(mesh: Mesh, f: Any, *, dirichlet: Any = None, lumped: bool = True, device: Any = None,
@@ -411,7 +482,7 @@ def poisson(mesh: Mesh, f: Any, *, dirichlet: Any = None, lumped: bool = True, d
         component.
     lumped : bool
         Lumped (default) or consistent mass on the right-hand side.
-    device, manager, dtype, index_dtype, backend
+    device, manager, dtype, index_dtype, backend, rtol
         See the module docstring and :func:`managed_solve.assembly.assemble`.
 
     Returns
@@ -439,7 +510,9 @@ def poisson(mesh: Mesh, f: Any, *, dirichlet: Any = None, lumped: bool = True, d
     call = "poisson"
     _check_mesh(mesh, call)
     check_flag(lumped, call, "lumped")
+    rtol = _tolerance(rtol, call)
     dt = np.dtype(dtype)
+    _check_floors(mesh, dt, call, [("L", 1.0, None, None), ("D" if lumped else "M", 1.0, None, None)])
     t = _target(device, manager, estimate_nbytes(mesh, dt), backend, call)
     with _ctx(t):
         A = assemble(mesh, device=t.device, dtype=dt, index_dtype=index_dtype, backend=t.backend,
@@ -480,7 +553,11 @@ def screened_poisson(mesh: Mesh, f: Any, alpha: float, *, lumped: bool = True, d
     _check_mesh(mesh, call)
     check_flag(lumped, call, "lumped")
     alpha = _positive(alpha, call, "alpha", "alpha > 0 (alpha = 0 is singular: use poisson())")
+    rtol = _tolerance(rtol, call)
     dt = np.dtype(dtype)
+    term = "D" if lumped else "M"
+    _check_floors(mesh, dt, call, [("L", 1.0, None, None), (term, 1.0, None, None),
+                                   (term, alpha, "alpha", f"alpha={alpha!r}")])
     t = _target(device, manager, estimate_nbytes(mesh, dt), backend, call)
     with _ctx(t):
         A = assemble(mesh, stiffness=1.0, mass=0.0 if lumped else alpha,
@@ -519,7 +596,10 @@ def heat_step(mesh: Mesh, u: Any, dt: float, kappa: float = 1.0, *, lumped: bool
     if not np.isfinite(dt * kappa):
         raise ValueError(f"{call}(dt={dt!r}, kappa={kappa!r}): dt * kappa overflows float64; "
                          "rescale time (a smaller dt) or the diffusivity")
+    rtol = _tolerance(rtol, call)
     vt = np.dtype(dtype)
+    _check_floors(mesh, vt, call, [("D" if lumped else "M", 1.0, None, None),
+                                   ("L", dt * kappa, "dt * kappa", f"dt={dt!r}, kappa={kappa!r}")])
     t = _target(device, manager, estimate_nbytes(mesh, vt), backend, call)
     with _ctx(t):
         A = assemble(mesh, stiffness=dt * kappa, mass=0.0 if lumped else 1.0,
@@ -527,7 +607,7 @@ def heat_step(mesh: Mesh, u: Any, dt: float, kappa: float = 1.0, *, lumped: bool
                      index_dtype=index_dtype, backend=t.backend, call=call)
         uv = _vertex_values(u, mesh, t, vt, call, "u")
         b = _mass_times(mesh, uv, lumped, t, vt, t.backend, call)
-        return _system(A, b, vt, f"heat_step(dt={dt:g})", x0=uv, rtol=rtol)
+        return _system(A, b, vt, f"heat_step(dt={dt:g})", checked=(uv,), x0=uv, rtol=rtol)
 
 
 def poisson_grid(shape: tuple[int, ...], f: Any, coefficient: Any = None, *, lengths: Any = 1.0,
@@ -564,6 +644,7 @@ def poisson_grid(shape: tuple[int, ...], f: Any, coefficient: Any = None, *, len
     True
     """
     call = "poisson_grid"
+    rtol = _tolerance(rtol, call)
     shape = grid_shape(shape, call=call)
     h = grid_spacing(shape, lengths, call=call)
     n = int(np.prod(shape))
@@ -598,8 +679,8 @@ def poisson_grid(shape: tuple[int, ...], f: Any, coefficient: Any = None, *, len
     with _ctx(t):
         A = assemble_grid(shape, coefficient=coefficient, lengths=lengths, device=t.device,
                           dtype=vt, index_dtype=index_dtype, backend=t.backend)
-        b = t.xp.asarray(fv)
-        return _system(A, b, vt, f"poisson_grid({'x'.join(map(str, shape))})", rtol=rtol)
+        b = t.xp.asarray(fv)  # a copy of fv on a GPU: finite as fv was
+        return _system(A, b, vt, f"poisson_grid({'x'.join(map(str, shape))})", checked=(b,), rtol=rtol)
 
 
 def _ctx(t: Target):

@@ -405,3 +405,76 @@ def test_lumped_is_a_flag_not_a_truth_value():
     assert consistent.name == "mass(consistent)"
     np.testing.assert_array_equal(consistent.A.toarray(),
                                   assembly.assemble(m, stiffness=0.0, mass=1.0).toarray())
+
+
+def test_rtol_is_checked_by_the_builder_and_named_there():
+    # Refused only after the assembly, by the LinearSystem (naming it, not the builder's
+    # argument), or with a bare NumPy TypeError for None and strings.
+    m = icosphere(1)
+    builders = {"poisson": lambda rtol: pde.poisson(m, 1.0, device="cpu", rtol=rtol),
+                "screened_poisson": lambda rtol: pde.screened_poisson(m, 1.0, 1.0, device="cpu", rtol=rtol),
+                "heat_step": lambda rtol: pde.heat_step(m, 1.0, 0.1, device="cpu", rtol=rtol),
+                "poisson_grid": lambda rtol: pde.poisson_grid((4, 4), 1.0, device="cpu", rtol=rtol)}
+    for call, build in builders.items():
+        for bad in (None, "1e-8", True):
+            with pytest.raises(TypeError, match=rf"^{call}\(rtol={bad!r}\): expected a real number.*rtol=1e-08"):
+                build(bad)
+        for bad in (-1.0, float("nan"), float("inf"), 0.0):
+            with pytest.raises(ValueError, match=rf"^{call}\(rtol={bad!r}\): expected a finite number > 0"):
+                build(bad)
+        assert build(np.float32(1e-4)).rtol == pytest.approx(1e-4)
+
+
+def test_float32_builders_keep_the_package_tolerance_and_say_when_it_is_out_of_reach():
+    # One rule for the whole package: rtol defaults to 1e-8 whatever the dtype, and a
+    # float32 solve that cannot resolve it ends in MAXITER naming rtol and the fix. No
+    # fixed float32 default would do: the attainable residual grows with the condition
+    # number (about 1e-5 at 600 vertices, 1e-4 at 10,000, 1e-3 at 40,000).
+    m = icosphere(3)
+    z = m.vertices[:, 2]
+    s = pde.screened_poisson(m, z, 1.0, dtype=np.float32, device="cpu")
+    assert s.rtol == 1e-8
+    r = ms.solve(s, method="cg")
+    assert r.status == Status.MAXITER and "rtol=1e-08" in r.message and "float64" in r.message
+    r = ms.solve(pde.screened_poisson(m, z, 1.0, dtype=np.float32, device="cpu", rtol=1e-4), method="cg")
+    assert r.status == Status.CONVERGED
+    np.testing.assert_allclose(host(r.x), solve(pde.screened_poisson(m, z, 1.0, device="cpu")), atol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_float32_values_a_tiny_mesh_would_lose_are_refused(device):
+    # Triangles near 1e-20 have areas near 1e-40, below float32's smallest normal number
+    # (1.2e-38): the mass matrix came out as subnormal garbage or zeros (b = M f of zeros
+    # solves to x = 0) and poisson failed with "b has NaN or Inf entries".
+    unit = icosphere(2)
+    tiny = Mesh(unit.vertices * 1e-20, unit.faces)
+    z = unit.vertices[:, 2]
+    refused = r"\(mesh=..., dtype=float32\): .*below float32's smallest normal number .*Mesh\(mesh.vertices / 1e-20, mesh.faces\).*dtype=np.float64"
+    for call, build in {"mass": lambda: pde.mass(tiny, dtype=np.float32, device=device),
+                        "poisson": lambda: pde.poisson(tiny, z, dtype=np.float32, device=device),
+                        "screened_poisson": lambda: pde.screened_poisson(tiny, z, 1e40, dtype=np.float32,
+                                                                         device=device),
+                        "heat_step": lambda: pde.heat_step(tiny, z, 1e-41, dtype=np.float32, device=device)}.items():
+        with pytest.raises(ValueError, match=rf"^{call}{refused}"):
+            build()
+    # Tetrahedra scale their stiffness with the mesh too: volumes near 1e-60 lose both mass and L.
+    cube = grid(3, 3, 3)
+    with pytest.raises(ValueError, match=rf"^mass{refused.replace('1e-20', '1e-40')}"):
+        pde.mass(Mesh(cube.vertices * 1e-40, cube.faces), lumped=False, dtype=np.float32, device=device)
+    with pytest.raises(ValueError, match=rf"^laplacian{refused.replace('1e-20', '1e-40')}"):
+        pde.laplacian(Mesh(cube.vertices * 1e-40, cube.faces), dtype=np.float32, device=device)
+    # A coefficient can push a term below the range on a mesh of any scale: it is named.
+    with pytest.raises(ValueError, match=r"^heat_step\(dt=1e-45, kappa=1.0, dtype=float32\): dt \* kappa \* L "
+                                         r"has entries down to .*use a larger dt \* kappa, or dtype=np.float64"):
+        pde.heat_step(unit, z, 1e-45, dtype=np.float32, device=device)
+    with pytest.raises(ValueError, match=r"^screened_poisson\(alpha=1e-40, dtype=float32\): alpha \* M"):
+        pde.screened_poisson(unit, z, 1e-40, lumped=False, dtype=np.float32, device=device)
+    # What float32 holds is built as before, and matches float64 to float32's precision:
+    # the cotangent Laplacian is scale-free, and areas near 1e-30 are normal float32s.
+    L32 = host(pde.laplacian(tiny, dtype=np.float32, device=device).A).toarray()
+    np.testing.assert_allclose(L32, pde.laplacian(unit, device="cpu").A.toarray(), rtol=1e-6, atol=1e-6)
+    small = Mesh(unit.vertices * 1e-15, unit.faces)
+    s32 = pde.screened_poisson(small, z, 1e30, dtype=np.float32, device=device)
+    s64 = pde.screened_poisson(small, z, 1e30, device="cpu")
+    np.testing.assert_allclose(host(s32.A).toarray(), s64.A.toarray(), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(host(s32.b), s64.b, rtol=1e-6, atol=1e-6 * np.abs(s64.b).max())
