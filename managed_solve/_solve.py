@@ -139,9 +139,11 @@ def solve(A_or_system: Any, b: Any = None, *, x0: Any = None, rtol: float = 1e-8
                              "solve the columns one by one, or on one device.")
         if dtype is None and not _is_float32(b):
             dtype = np.float64  # float32 only when A and b both are, as for a vector b
+        # Every error names this call (and the argument), not the Solver doing the work.
         solver = Solver(A_or_system, method=method, M=M, rtol=rtol, atol=atol, maxiter=maxiter,
-                        callback=callback, device=device, dtype=dtype, manager=manager,
-                        nullspace=nullspace, rhs=int(np.shape(b)[1]))
+                        callback=callback, device=device, dtype=dtype,
+                        manager=manager_or_default(manager, "solve"), nullspace=nullspace,
+                        rhs=int(np.shape(b)[1]), _call="solve(A, B)")
         try:
             return solver.solve(b, x0)
         finally:

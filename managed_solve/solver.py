@@ -51,12 +51,9 @@ from .system.method import choose_method, choose_preconditioner, matrix_symmetry
 
 def prepare(system: LinearSystem, method: str, device: Device, *, symmetric: bool | None = None,
             callback: Any = None, first_check: int | None = None) -> Prepared:
-    """The engine for ``method`` prepared on ``system.A`` (already on ``device``).
-
-    ``"direct"`` factorises (:class:`~managed_solve.solvers.direct.DirectEngine`);
-    the Krylov methods build their preconditioner
-    (:class:`~managed_solve.solvers.krylov.KrylovEngine`).
-    """
+    """The engine for ``method`` prepared on ``system.A`` (already on ``device``): ``"direct"``
+    factorises (:class:`~managed_solve.solvers.direct.DirectEngine`), the Krylov methods build
+    their preconditioner (:class:`~managed_solve.solvers.krylov.KrylovEngine`)."""
     options = Options(method, M=system.M, rtol=system.rtol, atol=system.atol,
                       maxiter=system.maxiter, callback=callback, symmetric=symmetric,
                       first_check=first_check)
@@ -84,10 +81,7 @@ class _Generation:
 
 def _frozen_copy(solver: Solver) -> Solver:
     """A copy of ``solver`` as it is now, for the graphs alive: it closes when they are freed.
-
-    It shares the engines (the solver takes new ones) and the lock; the
-    manager's reservation stays with the solver.
-    """
+    It shares the engines (the solver takes new ones) and the lock, not the reservation."""
     frozen = copy.copy(solver)
     frozen._reservation = None
     frozen._closing = True
@@ -107,25 +101,23 @@ class Solver:
     name : str, optional
         Shown in results.
     rhs : int, optional
-        Right-hand sides this solver is expected to solve, for ``method="auto"``
-        on the CPU (:func:`managed_solve.system.method.choose_method`): with a
-        count, a factorisation is weighed against that many CG solves by
-        predicted time (``solve`` passes 1); without one, the solver is taken
-        to be reused, and a small 2D-like matrix is factorised unless CG's
+        Right-hand sides this solver is expected to solve, for ``method="auto"`` on the CPU
+        (:func:`managed_solve.system.method.choose_method`): with a count, a factorisation is
+        weighed against that many CG solves by predicted time (``solve`` passes 1); without one,
+        the solver is taken to be reused, and a small 2D-like matrix is factorised unless CG's
         Gershgorin bound says it is easy.
 
     Notes
     -----
-    Set-up (a factorisation, a preconditioner, the method choice, the
-    transfer of A to its device) happens here, once. ``solve`` then costs
-    only the solve; ``update`` replaces A's values on the same pattern and
-    redoes only the numeric set-up; ``solve_transpose`` solves ``A^T x = b``
-    on the same set-up. The manager's reservation and the device memory are
-    held until :meth:`close` (or the end of a ``with`` block).
+    Set-up (a factorisation, a preconditioner, the method choice, the transfer of A to its
+    device) happens here, once. ``solve`` then costs only the solve; ``update`` replaces A's
+    values on the same pattern and redoes only the numeric set-up; ``solve_transpose`` solves
+    ``A^T x = b`` on the same set-up. The manager's reservation and the device memory are held
+    until :meth:`close` (or the end of a ``with`` block).
 
-    When A's values or b are torch tensors that require grad, a result's
-    ``to_torch()`` is attached to autograd; its backward is one adjoint solve
-    on this solver (:meth:`adjoint`), which must then still be open.
+    When A's values or b are torch tensors that require grad, a result's ``to_torch()`` is
+    attached to autograd; its backward is one adjoint solve on this solver (:meth:`adjoint`),
+    which must then still be open.
 
     Examples
     --------
@@ -143,18 +135,21 @@ class Solver:
                  atol: float = 0.0, maxiter: int | None = None,
                  callback: Callable[[Any], None] | None = None, device: Any = None,
                  dtype: Any = None, manager: Any = None, name: str | None = None,
-                 nullspace: Any = None, rhs: int | None = None):
-        grad = grad_source(A, None, call="Solver(A)")
-        op, kind = as_operator(A, call="Solver(A)")
+                 nullspace: Any = None, rhs: int | None = None, _call: str | None = None):
+        # _call: the call every error names, set-up's and solves' (solve() passes "solve(A, B)").
+        call = _call or "Solver(A)"
+        grad = grad_source(A, None, call=call)
+        op, kind = as_operator(A, call=call)
         n = int(op.shape[0]) if len(op.shape) == 2 else 0
         data = op.data if kind == "csr" else op
         xp = _backend.array_module(data) if kind != "operator" else np
-        dt = check_dtype(getattr(op, "dtype", np.float64), call="Solver(A)", arg="A")
+        dt = check_dtype(getattr(op, "dtype", np.float64), call=call, arg="A")
         zeros = xp.zeros(max(n, 1), dtype=dt if dt.kind == "f" else np.float64)
         # A LinearSystem with a zero b validates A and the options once.
         system = LinearSystem(op, zeros[:n] if n else zeros, rtol=rtol, atol=atol,
                               maxiter=maxiter, method=method, M=M, name=name, dtype=dtype,
-                              nullspace=nullspace, _call="Solver(A)")
+                              nullspace=nullspace, _call=call)
+        self._call = _call
         self._open(system, device=device, manager=manager, callback=callback, rhs=rhs)
         self.grad = grad
 
@@ -164,17 +159,19 @@ class Solver:
                     rhs: int | None = None) -> Solver:
         """A Solver for a validated :class:`LinearSystem` (its b and x0 count in the reservation)."""
         self = object.__new__(cls)
-        self._open(system, device=device, manager=manager, callback=callback, rhs=rhs)
+        self._call = None  # errors name Solver's own calls
+        self._open(system, device=device, manager=manager, callback=callback, rhs=rhs,
+                   call="Solver.from_system")
         return self
 
     # ------------------------------------------------------------------ set-up
     def _open(self, system: LinearSystem, *, device: Any, manager: Any, callback: Any,
-              rhs: int | None = None) -> None:
-        from .manager import default_manager
+              rhs: int | None = None, call: str = "Solver") -> None:
+        from .manager import manager_or_default
 
         # Calls take turns: the engines work in workspaces of their own.
         self._lock = threading.RLock()
-        mgr = manager if manager is not None else default_manager()
+        mgr = manager_or_default(manager, call)
         on = device if device is not None else \
             (system.device if cuda_ordinal(system.device) is not None else None)
         dev = named_device(on, mgr) if on is not None else None
@@ -222,11 +219,10 @@ class Solver:
     def _scale_matrix(self) -> None:
         """Scale a matrix of extreme magnitude by a power of two for its engines (exact).
 
-        Krylov scalars (``p . A p``, ``r . r``) overflow or underflow for
-        entries far from 1; the engines then see ``A / a_scale`` (and
-        right-hand sides scaled alike, see :meth:`_run`), and answers are
-        scaled back. Residuals and statuses are always those of the
-        caller's A and b.
+        Krylov scalars (``p . A p``, ``r . r``) overflow or underflow for entries far from 1;
+        the engines then see ``A / a_scale`` (and right-hand sides scaled alike, see
+        :meth:`_run`), and answers are scaled back. Residuals and statuses are always those of
+        the caller's A and b.
         """
         system = self.system
         self.a_scale = 1.0
@@ -242,11 +238,8 @@ class Solver:
                                                   else scaled)
 
     def _set_up_now(self) -> None:
-        """Prepare the chosen method's engine here, so that every solve costs the solve only.
-
-        An out-of-memory error is left to the first solve, which reports it as
-        the result's DEVICE_ERROR status.
-        """
+        """Prepare the chosen method's engine here, so that every solve costs the solve only (an
+        out-of-memory error is left to the first solve: its result's DEVICE_ERROR status)."""
         system, mgr = self.system, self.manager
         sig = (*system.signature[:3], self.method, system.kind, system.rtol)
         first_check = mgr.predict(sig, device=self.device).iterations if mgr is not None else None
@@ -281,11 +274,14 @@ class Solver:
         ``column_status`` holds each column's status and ``status`` is
         CONVERGED only when every column converged.
         """
-        return self.attach(self._solve(b, x0, transpose=False), self._source(b))
+        call = self._call or "Solver.solve"
+        return self.attach(self._solve(b, x0, call, transpose=False), self._source(b, call))
 
     def solve_transpose(self, b: Any, x0: Any = None) -> SolveResult:
         """Solve ``A^T x = b`` on the same set-up (the adjoint solve of a gradient)."""
-        return self.attach(self._solve(b, x0, transpose=True), self._source(b), transpose=True)
+        call = self._call or "Solver.solve_transpose"
+        return self.attach(self._solve(b, x0, call, transpose=True), self._source(b, call),
+                           transpose=True)
 
     # ------------------------------------------------------------------ gradients
     def attach(self, result: SolveResult, source: GradSource | None, *,
@@ -313,7 +309,8 @@ class Solver:
         uses the engines' transposed solve (the factors' transpose, or the
         Krylov method on A^T, prepared once).
         """
-        return self._solve(g, None, transpose=not (transpose or self._symmetric()))
+        return self._solve(g, None, "Solver.adjoint", arg="g",
+                           transpose=not (transpose or self._symmetric()))
 
     def release(self) -> None:
         """Close now or, while autograd graphs still need this solver, when the last is freed."""
@@ -337,9 +334,9 @@ class Solver:
             self._symmetric_adjoint = bool(matrix_symmetry(self.system))
         return self._symmetric_adjoint
 
-    def _source(self, b: Any) -> GradSource | None:
+    def _source(self, b: Any, call: str) -> GradSource | None:
         """A's and b's tensors that require grad for a solve of b (None: nothing to attach)."""
-        source = grad_source(None, b, call="Solver.solve")
+        source = grad_source(None, b, call=call)
         if self.grad is None:
             return source
         return self.grad if source is None else replace(self.grad, b=source.b)
@@ -347,21 +344,19 @@ class Solver:
     def update(self, A: Any) -> None:
         """New values of the prepared matrix, all or nothing.
 
-        A sparse solver takes A's stored values in ``A.data``'s order (a 1-D
-        NumPy, CuPy or torch array) or a matrix of the same pattern (SciPy or
-        cupyx sparse, torch sparse CSR/COO, a ``(crow, col, values)`` tuple);
-        a dense solver takes a dense matrix of its shape. Only the numeric
-        set-up is redone (a new factorisation, a new preconditioner). Values
-        of another form, pattern, shape or dtype are refused before anything
-        changes; where the new set-up raises (Jacobi on a zero diagonal) the
-        solver keeps its previous matrix and set-up.
+        A sparse solver takes A's stored values in ``A.data``'s order (a 1-D NumPy, CuPy or
+        torch array) or a matrix of the same pattern (SciPy or cupyx sparse, torch sparse
+        CSR/COO, a ``(crow, col, values)`` tuple); a dense solver takes a dense matrix of its
+        shape. Only the numeric set-up is redone (a new factorisation, a new preconditioner).
+        Values of another form, pattern, shape or dtype are refused before anything changes;
+        where the new set-up raises (Jacobi on a zero diagonal) the solver keeps its previous
+        matrix and set-up.
 
-        Results of earlier solves still attached to autograd keep the matrix
-        and set-up they were solved with: their backward solves the adjoint
-        of *that* matrix (as a Newton or time-stepping loss over several
-        steps needs). The solver then sets up afresh for the new values
-        instead of updating in place, and the earlier set-up is released
-        when the last of those graphs is freed.
+        Results of earlier solves still attached to autograd keep the matrix and set-up they
+        were solved with: their backward solves the adjoint of *that* matrix (as a Newton or
+        time-stepping loss over several steps needs). The solver then sets up afresh for the new
+        values instead of updating in place, and the earlier set-up is released when the last
+        of those graphs is freed.
         """
         with self._lock:
             self._check_open()
@@ -441,18 +436,26 @@ class Solver:
         if self.closed:
             raise RuntimeError("Solver: this solver was closed; make a new one.")
 
-    def _rhs(self, v: Any, what: str) -> Any:
-        """b or x0 as an (n,) or (n, k) array of the solver's dtype on its device."""
-        system = self.system
-        n = system.n
+    def _rhs(self, v: Any, what: str, call: str, like: tuple | None = None) -> Any:
+        """b (or x0, of b's shape ``like``): an (n,) or (n, k) array of the solver's dtype there."""
+        system, n = self.system, self.system.n
         if _backend.is_torch_tensor(v):  # a view through DLPack (mps copied, meta refused)
-            v = torch_to_array(v, call="Solver.solve", arg=what)
+            v = torch_to_array(v, call=call, arg=what)
         elif not (isinstance(v, np.ndarray) or _backend.is_cupy_array(v)):
-            v = np.asarray(v)
-        if v.ndim not in (1, 2) or v.shape[0] != n or (v.ndim == 2 and v.shape[1] < 1):
-            raise ValueError(f"Solver.solve: {what} must have shape ({n},) or ({n}, k) with "
-                             f"k >= 1, got shape {tuple(v.shape)}.")
-        check_dtype(v.dtype, call="Solver.solve", arg=what)
+            try:
+                v = np.asarray(v)
+            except (TypeError, ValueError) as exc:  # ragged lists
+                raise TypeError(f"{call}: {what} must be a numeric array ({exc})") from exc
+        shape, column = tuple(v.shape), ((n,), (n, 1))
+        if like is not None and shape != like and shape in column and like in column:
+            v = v.reshape(like)  # one guess for one right-hand side, as (n,) or (n, 1)
+        elif like is not None and shape != like:
+            raise ValueError(f"{call}: {what} must have shape {like}, b's: one initial guess per "
+                             f"right-hand side; got shape {shape}.")
+        elif v.ndim not in (1, 2) or shape[0] != n or (v.ndim == 2 and shape[1] < 1):
+            raise ValueError(f"{call}: {what} must have shape ({n},) or ({n}, k) with k >= 1, "
+                             f"got shape {shape}; A has shape ({n}, {n}).")
+        check_dtype(v.dtype, call=call, arg=what)
         xp = _backend.array_module(system.b)
         if _backend.array_module(v) is not xp:
             v = xp.asarray(v) if xp is not np else _backend.to_host(v)
@@ -466,19 +469,16 @@ class Solver:
                 bad = _backend.to_host(xp.flatnonzero(~xp.isfinite(v).all(axis=0))).tolist()
                 where = f" in column{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad[:10]))}" \
                     + (" and more" if len(bad) > 10 else "")
-            raise ValueError(f"Solver.solve: {what} has NaN or Inf entries{where}")
+            raise ValueError(f"{call}: {what} has NaN or Inf entries{where}; replace them with "
+                             "finite values.")
         return v
 
-    def _solve(self, b: Any, x0: Any, *, transpose: bool) -> SolveResult:
+    def _solve(self, b: Any, x0: Any, call: str, *, transpose: bool,
+               arg: str = "b") -> SolveResult:
         with self._lock:
             self._check_open()
-            B = self._rhs(b, "b")
-            X0 = self._rhs(x0, "x0") if x0 is not None else None
-            if X0 is not None and X0.ndim != B.ndim and X0.size == B.size:
-                X0 = X0.reshape(B.shape)  # one guess for one column, as (n,) or (n, 1)
-            if X0 is not None and X0.ndim != B.ndim:
-                raise ValueError(f"Solver.solve: x0 has shape {tuple(X0.shape)}, b {tuple(B.shape)}; "
-                                 "give one initial guess per right-hand side.")
+            B = self._rhs(b, arg, call)
+            X0 = self._rhs(x0, "x0", call, tuple(B.shape)) if x0 is not None else None
             if B.ndim == 1:
                 return self.solve_one(B, X0, transpose=transpose)
             return self._solve_block(B, X0, transpose=transpose)
@@ -559,10 +559,9 @@ class Solver:
              block: tuple | None = None) -> tuple[list[SolveResult], Any]:
         """Solve the columns ``bs`` (one engine call for a block), verify and fall back per column.
 
-        Returns the results and, for a ``block`` whose engine answered with
-        one new (n, k) array (:class:`~managed_solve.solvers.engine.BlockOutcomes`)
-        that every column's answer still is, that array (else None: the
-        caller stacks the columns).
+        Returns the results and, for a ``block`` whose engine answered with one new (n, k)
+        array (:class:`~managed_solve.solvers.engine.BlockOutcomes`) that every column's answer
+        still is, that array (else None: the caller stacks the columns).
         """
         system, dev, mgr = self.system, self.device, self.manager
         method = self.method

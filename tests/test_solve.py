@@ -371,7 +371,8 @@ def test_a_manager_argument_that_is_not_a_manager_is_named():
     A, b = poisson2d(3), np.ones(9)
     calls = {"solve": lambda: solve(A, b, manager="cpu"),
              "solve_many": lambda: solve_many([(A, b)], manager="cpu"),
-             "solve ": lambda: solve(A, b, devices=["sim:0", "sim:1"], manager="cpu")}
+             "solve ": lambda: solve(A, b, devices=["sim:0", "sim:1"], manager="cpu"),
+             "solve  ": lambda: solve(A, np.ones((9, 2)), manager="cpu")}
     for name, call in calls.items():
         with pytest.raises(TypeError, match=rf"^{name.strip()}\(manager='cpu'\): expected a "
                                             r"DeviceManager or None.*device='cpu'"):
@@ -427,3 +428,65 @@ def test_a_b_of_the_wrong_shape_names_the_block_form_solve_takes():
     with pytest.raises(ValueError, match=r"shape \(16, 2, 1\).*columns of a \(16, k\) array to "
                                          r"solve\(\) or a Solver.*solve_many"):
         solve(A, np.ones((16, 2, 1)), device="cpu")
+
+
+def _nan_in(col, shape=(9, 2)):
+    v = np.ones(shape)
+    v[2, col] = np.nan
+    return v
+
+
+@pytest.mark.parametrize(
+    "A,B,kwargs,exc,pattern",
+    [
+        (poisson2d(3), np.ones((8, 2)), {}, ValueError,
+         r"b must have shape \(9,\) or \(9, k\) with k >= 1, got shape \(8, 2\); A has shape"),
+        (poisson2d(3), _nan_in(1), {}, ValueError,
+         r"b has NaN or Inf entries in column 1; replace them with finite values"),
+        (poisson2d(3), np.ones((9, 2)), {"x0": np.ones((9, 3))}, ValueError,
+         r"x0 must have shape \(9, 2\), b's: one initial guess per right-hand side; got shape "
+         r"\(9, 3\)"),
+        (poisson2d(3), np.ones((9, 2)), {"x0": np.ones(9)}, ValueError,
+         r"x0 must have shape \(9, 2\), b's.*got shape \(9,\)"),
+        (poisson2d(3), np.ones((9, 2)), {"x0": _nan_in(0)}, ValueError,
+         r"x0 has NaN or Inf entries in column 0; replace"),
+        (poisson2d(3), np.ones((9, 2), complex), {}, TypeError, r"b has complex dtype"),
+        (poisson2d(3), np.ones((9, 2)), {"x0": np.ones((9, 2), complex)}, TypeError,
+         r"x0 has complex dtype"),
+        (poisson2d(3), np.ones((9, 2)), {"maxiter": -1}, ValueError,
+         r"maxiter must be a positive integer, got -1"),
+        (poisson2d(3), np.ones((9, 2)), {"rtol": -1.0}, ValueError, r"rtol must be a finite"),
+        (poisson2d(3), np.ones((9, 2)), {"method": "qr"}, ValueError, r"method='qr' is not known"),
+        (poisson2d(3), np.ones((9, 2)), {"dtype": np.int32}, TypeError, r"dtype"),
+        (poisson2d(3), np.ones((9, 2)), {"nullspace": np.ones(8)}, ValueError,
+         r"nullspace must have shape \(9,\)"),
+        (sp.random(4, 5, density=0.5, format="csr", random_state=0), np.ones((4, 2)), {},
+         ValueError, r"A must be square"),
+        (None, np.ones((4, 2)), {}, TypeError, r"A is None"),
+        (sp.csr_matrix(np.full((3, 3), np.nan)), np.ones((3, 2)), {}, ValueError,
+         r"A has NaN or Inf entries"),
+    ],
+)
+def test_a_block_b_names_solve_a_b_and_the_argument_in_every_error(A, B, kwargs, exc, pattern):
+    """solve(A, B) sets up a Solver, yet its errors name the call the user made, never the Solver
+    nor an engine; x0 of another shape than B's is refused before any engine sees it."""
+    with pytest.raises(exc, match=r"^solve\(A, B\): " + pattern):
+        solve(A, B, device="cpu", **kwargs)
+
+
+def test_a_block_of_torch_tensors_names_solve_a_b():
+    torch = pytest.importorskip("torch")
+    A = poisson2d(3)
+    with pytest.raises(TypeError, match=r"^solve\(A, B\): b is a tensor on the meta device"):
+        solve(A, torch.ones((9, 2), device="meta"))
+    with pytest.raises(ValueError, match=r"^solve\(A, B\): x0 must have shape \(9, 2\)"):
+        solve(A, torch.ones((9, 2), dtype=torch.float64),
+              x0=torch.ones((9, 3), dtype=torch.float64), device="cpu")
+
+
+@pytest.mark.parametrize("shape", [(9,), (9, 1)])
+def test_one_guess_for_a_one_column_block_is_taken_as_a_vector_or_a_column(shape):
+    A = poisson2d(3)
+    B = np.arange(1.0, 10.0).reshape(9, 1)
+    res = solve(A, B, x0=np.ones(shape), method="cg", rtol=1e-12, device="cpu")
+    np.testing.assert_allclose(res.x[:, 0], sla.spsolve(A.tocsc(), B[:, 0]), rtol=1e-9)

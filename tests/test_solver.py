@@ -592,7 +592,39 @@ def test_a_block_with_bad_columns_names_them_and_reports_its_preconditioner(back
     B[3, 1], B[7, 3] = np.nan, np.inf
     Ad, Bd = on(backend, A, B)
     with Solver(Ad, method="cg", M="jacobi") as solver:
-        with pytest.raises(ValueError, match=r"b has NaN or Inf entries in columns 1, 3$"):
+        with pytest.raises(ValueError, match=r"^Solver\.solve: b has NaN or Inf entries in "
+                                             r"columns 1, 3; replace them with finite values"):
             solver.solve(Bd)
         good = solver.solve(Bd[:, [0, 2]])
     assert good.converged and good.info["preconditioner"] == "jacobi"
+
+
+def test_every_error_names_the_solver_call_and_the_argument(backend):
+    """Set-up errors name Solver(A), a solve's its own method; x0 of another shape than b's is the
+    Solver's check (naming x0 and b's shape), not an engine's."""
+    A = poisson2d(4)
+    with pytest.raises(ValueError, match=r"^Solver\(A\): maxiter must be a positive integer"):
+        Solver(A, maxiter=-1)
+    with pytest.raises(TypeError, match=r"^Solver\(manager='cpu'\): expected a DeviceManager"):
+        Solver(A, manager="cpu")
+    B = np.ones((16, 2))
+    Ad, Bd = on(backend, A, B)
+    for method in ("cg", "direct"):  # the fused CG core and a factorisation
+        with Solver(Ad, method=method) as solver:
+            for x0, got in ((np.ones((16, 3)), r"\(16, 3\)"), (np.ones(16), r"\(16,\)"),
+                            (np.ones((15, 2)), r"\(15, 2\)")):
+                with pytest.raises(ValueError, match=r"^Solver\.solve: x0 must have shape "
+                                                     rf"\(16, 2\), b's.*got shape {got}"):
+                    solver.solve(Bd, on(backend, x0))
+            with pytest.raises(ValueError, match=r"^Solver\.solve: x0 must have shape \(16,\)"):
+                solver.solve(Bd[:, 0], np.ones((16, 2)))
+            with pytest.raises(ValueError, match=r"^Solver\.solve_transpose: b must have shape"):
+                solver.solve_transpose(np.ones(15))
+            with pytest.raises(ValueError, match=r"^Solver\.adjoint: g has NaN or Inf entries; "
+                                                 "replace them"):
+                solver.adjoint(np.full(16, np.inf))
+            with pytest.raises(TypeError, match=r"^Solver\.solve: b must be a numeric array"):
+                solver.solve([[1.0, 2.0], [3.0]])
+            ref = sla.spsolve(A.tocsc(), B)
+            got = solver.solve(Bd, on(backend, np.zeros((16, 2))))
+            np.testing.assert_allclose(host(got.x), ref, rtol=1e-7)
