@@ -76,9 +76,13 @@ def solve(A_or_system: Any, b: Any = None, *, x0: Any = None, rtol: float = 1e-8
         path, which has no per-iteration hook, to the generic one.
     device : str or Device, optional
         ``"cpu"``, ``"cuda:1"``, ``"sim:0"`` (a simulated GPU: runs on the
-        CPU backend, but "auto" chooses methods as for a GPU). None: inputs already on a GPU stay there; host inputs
-        go where the DeviceManager places them, with ``nbytes +
-        workspace_bytes(method)`` reserved for the duration of the solve.
+        CPU backend, but "auto" chooses methods as for a GPU). None: an input
+        pinned with the manager (:meth:`DeviceManager.pin`: the LinearSystem,
+        else A, else b, as given or as converted) goes to its device, moved
+        there from another GPU if need be (as in ``solve_many``); other inputs
+        already on a GPU stay there; host inputs go where the DeviceManager
+        places them, with ``nbytes + workspace_bytes(method)`` reserved for
+        the duration of the solve.
         ``"all"`` (or a list of names) shards the system over every GPU
         (see ``devices``).
     dtype : {float32, float64}, optional
@@ -143,7 +147,7 @@ def solve(A_or_system: Any, b: Any = None, *, x0: Any = None, rtol: float = 1e-8
         solver = Solver(A_or_system, method=method, M=M, rtol=rtol, atol=atol, maxiter=maxiter,
                         callback=callback, device=device, dtype=dtype,
                         manager=manager_or_default(manager, "solve"), nullspace=nullspace,
-                        rhs=int(np.shape(b)[1]), _call="solve(A, B)")
+                        rhs=int(np.shape(b)[1]), _call="solve(A, B)", _given=(b,))
         try:
             return solver.solve(b, x0)
         finally:
@@ -157,7 +161,11 @@ def solve(A_or_system: Any, b: Any = None, *, x0: Any = None, rtol: float = 1e-8
             raise ValueError("solve(A, b, devices=...): a sharded solve gives no gradient, and A "
                              "or b requires grad; solve on one device, or detach the inputs.")
         return _sharded(system, many, mgr)
-    solver = Solver.from_system(system, device=device, manager=mgr, callback=callback, rhs=1)
+    # Pins are looked for on the inputs as given (validation may have converted them) first.
+    given = (A_or_system, A_or_system.A, A_or_system.b) if isinstance(A_or_system, LinearSystem) \
+        else (A_or_system, b)
+    solver = Solver.from_system(system, device=device, manager=mgr, callback=callback, rhs=1,
+                                _call="solve", _given=given)
     try:
         # Attached to autograd when A's values or b require grad: the solver
         # then stays open for the one adjoint solve of backward.

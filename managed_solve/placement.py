@@ -18,14 +18,16 @@ from .system import LinearSystem
 log = logging.getLogger("managed_solve")
 
 
-def named_device(device: Any, mgr: Any) -> Device:
+def named_device(device: Any, mgr: Any, *, call: str) -> Device:
     """The Device ``device`` names (a Device, "cpu", "cuda:1", "sim:0"), for one solve.
 
     The caller's explicit choice is obeyed where this process can: a Device
     object as given, a CUDA GPU the manager does not manage (it then runs
     unreserved); a name that is nowhere is a RuntimeError naming the fix.
+    Errors name ``call``, the function the user called (``"solve"``,
+    ``"Solver"``): ``Solver(device='tpu:0')``.
     """
-    return resolve_device(device, mgr.inventory, call="solve", arg="device",
+    return resolve_device(device, mgr.inventory, call=call, arg="device",
                           fix=f"{NOT_MANAGED_FIX}; or device=None to let the manager choose",
                           as_given=True, any_cuda=True)
 
@@ -34,11 +36,13 @@ def pinned_input(mgr: Any, *objs: Any) -> Any:
     """The first of ``objs`` pinned with ``mgr`` (:meth:`DeviceManager.pin`), else None.
 
     A system the manager places goes where it is pinned, else where its
-    matrix is, else where its right-hand side is: ``solve`` asks
-    ``pinned_input(mgr, system, system.A, system.b)`` (:func:`reserve_for`),
-    ``solve_many`` the same of each input as given (an ``(A, b)`` pair: A,
-    then b), so that a pinned matrix is found even where validation
-    converted it.
+    matrix is, else where its right-hand side is. ``solve`` and ``Solver``
+    ask it of the inputs as the caller gave them (a LinearSystem, its A, its
+    b; else A, then b), then of the validated system, its A and its b;
+    ``solve_many`` of each input as given: a pinned matrix is found even
+    where validation converted it (a COO matrix, a torch tensor). A pin wins
+    over where the arrays lie (an input on one GPU pinned to another moves
+    there); an explicit ``device=`` wins over a pin.
     """
     for obj in objs:
         if obj is not None and mgr.pinned(obj) is not None:
@@ -46,16 +50,17 @@ def pinned_input(mgr: Any, *objs: Any) -> Any:
     return None
 
 
-def reserve_for(mgr: Any, nbytes: int, dev: Device | None, system: LinearSystem, method: str):
+def reserve_for(mgr: Any, nbytes: int, dev: Device | None, system: LinearSystem, method: str,
+                pinned: Any = None, call: str = "solve"):
     """The manager's reservation for one solve (None for a device it does not manage).
 
-    Without ``dev`` the manager chooses, unless the system, its A or its b
-    is pinned (:func:`pinned_input`): then there, or a ``MemoryError``
-    naming the device and the fix.
+    Without ``dev`` the manager chooses, unless ``pinned`` (the input
+    :func:`pinned_input` found pinned) is given: then its device, or a
+    ``MemoryError`` naming the device and the fix. A ``dev`` that cannot give
+    the bytes is used all the same, with a warning naming ``call``.
     """
     sig = (*system.signature[:3], method, system.kind)
     if dev is None:
-        pinned = pinned_input(mgr, system, system.A, system.b)
         return mgr.reserve(nbytes, disperse=True, signature=sig,
                            obj=system if pinned is None else pinned)
     try:
@@ -63,7 +68,7 @@ def reserve_for(mgr: Any, nbytes: int, dev: Device | None, system: LinearSystem,
     except ValueError:  # a device this manager does not manage: run unreserved
         return None
     except MemoryError as exc:  # the caller asked for this device: obey, but say so
-        log.warning("managed_solve: solve(device=%s) runs beyond the ledger: %s", dev, exc)
+        log.warning("managed_solve: %s(device=%s) runs beyond the ledger: %s", call, dev, exc)
         return None
 
 

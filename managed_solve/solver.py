@@ -21,7 +21,7 @@ import numpy as np
 from . import _backend, autograd
 from .device_args import cuda_ordinal
 from .devices import Device
-from .placement import block_passes, move_to, named_device, reserve_for
+from .placement import block_passes, move_to, named_device, pinned_input, reserve_for
 from .result import SolveResult, Status
 from .solvers import batched, verify
 from .solvers._common import (
@@ -135,8 +135,10 @@ class Solver:
                  atol: float = 0.0, maxiter: int | None = None,
                  callback: Callable[[Any], None] | None = None, device: Any = None,
                  dtype: Any = None, manager: Any = None, name: str | None = None,
-                 nullspace: Any = None, rhs: int | None = None, _call: str | None = None):
-        # _call: the call every error names, set-up's and solves' (solve() passes "solve(A, B)").
+                 nullspace: Any = None, rhs: int | None = None, _call: str | None = None,
+                 _given: tuple = ()):
+        # _call: the call every error names (solve() passes "solve(A, B)"); _given: more of the
+        # caller's inputs whose pins place the solver (solve's B, or its inputs as given).
         call = _call or "Solver(A)"
         grad = grad_source(A, None, call=call)
         op, kind = as_operator(A, call=call)
@@ -150,51 +152,51 @@ class Solver:
                               maxiter=maxiter, method=method, M=M, name=name, dtype=dtype,
                               nullspace=nullspace, _call=call)
         self._call = _call
-        self._open(system, device=device, manager=manager, callback=callback, rhs=rhs)
+        self._open(system, device=device, manager=manager, callback=callback, rhs=rhs,
+                   call=call.split("(", 1)[0], given=(A, *_given))
         self.grad = grad
 
     @classmethod
     def from_system(cls, system: LinearSystem, *, device: Any = None, manager: Any = None,
-                    callback: Callable[[Any], None] | None = None,
-                    rhs: int | None = None) -> Solver:
+                    callback: Callable[[Any], None] | None = None, rhs: int | None = None,
+                    _call: str | None = None, _given: tuple = ()) -> Solver:
         """A Solver for a validated :class:`LinearSystem` (its b and x0 count in the reservation)."""
         self = object.__new__(cls)
-        self._call = None  # errors name Solver's own calls
+        self._call = _call  # None: errors name Solver's own calls
         self._open(system, device=device, manager=manager, callback=callback, rhs=rhs,
-                   call="Solver.from_system")
+                   call=(_call or "Solver.from_system").split("(", 1)[0], given=_given)
         return self
 
     # ------------------------------------------------------------------ set-up
     def _open(self, system: LinearSystem, *, device: Any, manager: Any, callback: Any,
-              rhs: int | None = None, call: str = "Solver") -> None:
+              rhs: int | None = None, call: str = "Solver", given: tuple = ()) -> None:
         from .manager import manager_or_default
 
         # Calls take turns: the engines work in workspaces of their own.
         self._lock = threading.RLock()
         mgr = manager_or_default(manager, call)
-        on = device if device is not None else \
-            (system.device if cuda_ordinal(system.device) is not None else None)
-        dev = named_device(on, mgr) if on is not None else None
-        # The method and M decide the workspace (an AMG hierarchy counted); "auto" on a
-        # device still unknown is resolved as for an accelerator, then again once placed.
+        # Without device=, a pin on what the caller gave (else on what validation made of it)
+        # places the system, arrays on another GPU moved, as solve_many does; else GPU arrays stay.
+        pinned = None if device is not None else pinned_input(mgr, *given, system, system.A, system.b)
+        on = device if device is not None else (system.device if pinned is None and
+                                                 cuda_ordinal(system.device) is not None else None)
+        dev = named_device(on, mgr, call=call) if on is not None else None
+        # The method and M decide the workspace (an AMG hierarchy counted); "auto" on a device
+        # still unknown is resolved as for an accelerator (or the pinned one), again once placed.
         symmetric = matrix_symmetry(system) if system.method in ("auto", "direct") else None
-        kind = dev.kind if dev is not None else "cuda"
+        target = dev if pinned is None else mgr.pinned(pinned)
+        kind = target.kind if target is not None else "cuda"
         planned = choose_method(system, kind, symmetric=symmetric, rhs=rhs)
         M = choose_preconditioner(system, kind, planned, symmetric=symmetric)
-        # Through the manager's size heuristic (managed_solve.USE_HEURISTIC), as
-        # every reservation of an object is.
+        # Through the manager's size heuristic (USE_HEURISTIC), as every reservation of an object.
         nbytes = mgr.size_of(system.nbytes + system.workspace_bytes(planned, M))
-        self._reservation = reserve_for(mgr, nbytes, dev, system, planned)
+        self._reservation = reserve_for(mgr, nbytes, dev, system, planned, pinned, call)
         self.closed = False
         try:
             placed_here = dev is not None  # the plan above already saw this device's kind
-            if dev is None:
-                dev = self._reservation.device
+            dev = dev if dev is not None else self._reservation.device
             self.system = move_to(system, dev)
-            self.device = dev
-            self.manager = mgr
-            self.symmetric = symmetric
-            self.callback = callback
+            self.device, self.manager, self.symmetric, self.callback = dev, mgr, symmetric, callback
             self.method = planned if placed_here and self.system is system else \
                 choose_method(self.system, dev.kind, symmetric=symmetric, rhs=rhs)
             if dev.kind != kind or self.method != planned:
@@ -204,9 +206,8 @@ class Solver:
             self._engines: dict[str, Prepared | Outcome] = {}
             self._scale_matrix()
             self._set_up_now()
-            # A's tensor that requires grad (b's comes with each solve); graphs
-            # that need this solver for their backward, and whether it closes
-            # once they are freed (release()).
+            # A's tensor that requires grad (b's comes with each solve); graphs that need this
+            # solver for their backward, and whether it closes once they are freed (release()).
             source = system.grad
             self.grad = replace(source, b=None) if source is not None and source.A is not None \
                 else None

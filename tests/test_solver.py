@@ -607,6 +607,19 @@ def test_every_error_names_the_solver_call_and_the_argument(backend):
         Solver(A, maxiter=-1)
     with pytest.raises(TypeError, match=r"^Solver\(manager='cpu'\): expected a DeviceManager"):
         Solver(A, manager="cpu")
+    # A device the call cannot use is named as the user wrote it (not as solve(device=...)).
+    dm = DeviceManager(simulate="2x64MiB")
+    with pytest.raises(ValueError, match=r"^Solver\(device=\.\.\.\): 'tpu:0' is not a device name"):
+        Solver(A, device="tpu:0", manager=dm)
+    with pytest.raises(RuntimeError, match=r"^Solver\(device='sim:7'\): sim:7 is not managed here"):
+        Solver(A, device="sim:7", manager=dm)
+    system = ms.LinearSystem(A, np.ones(16))
+    with pytest.raises(RuntimeError, match=r"^Solver\.from_system\(device='sim:7'\): sim:7 is not"):
+        Solver.from_system(system, device="sim:7", manager=dm)
+    for b in (np.ones(16), np.ones((16, 2)), system):  # solve(A, b), solve(A, B), solve(system)
+        args = (b,) if isinstance(b, ms.LinearSystem) else (A, b)
+        with pytest.raises(RuntimeError, match=r"^solve\(device='sim:7'\): sim:7 is not managed"):
+            solve(*args, device="sim:7", manager=dm)
     B = np.ones((16, 2))
     Ad, Bd = on(backend, A, B)
     for method in ("cg", "direct"):  # the fused CG core and a factorisation
