@@ -289,9 +289,8 @@ class Solver:
                transpose: bool = False) -> SolveResult:
         """Attach ``result`` (a solve by this solver) to autograd through ``source``'s tensors.
 
-        Backward is one :meth:`adjoint` solve on this solver's engines; the
-        solver counts the graph as a user until torch frees it (see
-        :meth:`release`). Nothing happens when ``source`` is None.
+        Backward is one :meth:`adjoint` solve on this solver's engines; the solver counts the
+        graph as a user until torch frees it (:meth:`release`). None: nothing to attach.
         """
         if source is None or result.x is None:
             return result
@@ -306,9 +305,8 @@ class Solver:
     def adjoint(self, g: Any, *, transpose: bool = False) -> SolveResult:
         """Solve the adjoint of a gradient: ``A^T y = g`` (``A y = g`` when the forward was transposed).
 
-        On this solver's set-up: a symmetric A is solved as it is; another
-        uses the engines' transposed solve (the factors' transpose, or the
-        Krylov method on A^T, prepared once).
+        On this solver's set-up: a symmetric A is solved as it is; another uses the engines'
+        transposed solve (the factors' transpose, or the Krylov method on A^T, prepared once).
         """
         return self._solve(g, None, "Solver.adjoint", arg="g",
                            transpose=not (transpose or self._symmetric()))
@@ -363,13 +361,16 @@ class Solver:
             self._check_open()
             new = new_matrix(self.system, A, call="Solver.update(A)")
             grad = update_grad(self.system, A, call="Solver.update(A)")
-            kept = (self.system, self._engine_system, self.a_scale, self.symmetric)
+            kept = (self.system, self._engine_system, self.a_scale, self.symmetric, self.method)
             frozen = _frozen_copy(self) if self._graphs else None
             touched: list[str] = []
             try:
                 self.system = self.system.replaced(A=new)
                 if self.system.method == "auto" or self.system.method == "direct":
                     self.symmetric = matrix_symmetry(self.system)
+                if self.system.method == "auto" and self.symmetric is False \
+                        and self.method in ("cg", "minres"):  # chosen for symmetric values
+                    self.method = verify.fallback_for(self.system, self.method, False)
                 self._scale_matrix()
                 if frozen is not None:  # the live graphs keep the engines; new ones here
                     self._engines = {}
@@ -391,7 +392,7 @@ class Solver:
             except BaseException:
                 # Back to the previous matrix: the engines that took (or half took) the
                 # new values are made again from it, the method's own one now.
-                self.system, self._engine_system, self.a_scale, self.symmetric = kept
+                self.system, self._engine_system, self.a_scale, self.symmetric, self.method = kept
                 if frozen is not None:  # the previous engines were never touched
                     for prepared in self._engines.values():
                         if isinstance(prepared, Prepared):

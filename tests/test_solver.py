@@ -222,6 +222,28 @@ def test_update_with_new_values_equals_a_fresh_set_up(backend, method):
     np.testing.assert_allclose(A2 @ updated, b, rtol=1e-7)
 
 
+def test_update_to_values_that_are_not_symmetric_leaves_cg(backend):
+    """auto chose CG for SPD values; new values on the same pattern that are not symmetric
+    are solved by the method auto gives them (CG would stall to the iteration limit)."""
+    A = poisson2d(20)
+    rng = np.random.default_rng(0)
+    N = A.copy()
+    N.data = A.data * np.where(A.data < 0, rng.uniform(0.2, 1.8, A.nnz), 1.0)
+    b = rng.standard_normal(A.shape[0])
+    Ad, bd, Nd = on(backend, A, b, N)
+    with Solver(Ad, method="auto", M=None, rhs=1) as solver:
+        assert solver.method == "cg"
+        solver.update(Nd)
+        assert solver.symmetric is False and solver.method == "bicgstab"
+        res = solver.solve(bd)
+    assert res.status == Status.CONVERGED and res.method == "bicgstab"
+    assert res.iterations < 10 * A.shape[0]
+    x = host(res.x)
+    assert np.linalg.norm(b - N @ x) <= 1e-8 * np.linalg.norm(b)
+    ref = sla.spsolve(N.tocsc(), b)
+    assert np.linalg.norm(x - ref) <= 1e-5 * np.linalg.norm(ref)
+
+
 def test_update_with_another_pattern_names_the_fix():
     A = poisson2d(6)
     with Solver(A, method="cg") as solver:

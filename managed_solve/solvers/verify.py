@@ -107,12 +107,16 @@ def fallback_for(s: LinearSystem, method: str, symmetric: bool | None = None,
     """The method "auto" runs after ``method`` broke down on ``s``.
 
     A Krylov method goes to :data:`~managed_solve.system.method.FALLBACK`
-    (CG to MINRES, BiCGStab to GMRES); a factorisation that found A singular
-    for this b goes to the auto policy's Krylov method (CG and MINRES
-    converge on a consistent singular system).
+    (CG to MINRES, MINRES and BiCGStab to GMRES); CG or MINRES on a matrix
+    known not to be symmetric (``symmetric=False``: values changed since the
+    method was chosen, ``Solver.update``) to the non-symmetric choice; a
+    factorisation that found A singular for this b goes to the auto policy's
+    Krylov method (CG and MINRES converge on a consistent singular system).
     """
     if method == "direct":
         return krylov_method(s.A, symmetric, cache=cache)
+    if method in ("cg", "minres") and symmetric is False:
+        return krylov_method(s.A, False)
     return FALLBACK[method]
 
 
@@ -313,11 +317,13 @@ def run_rule(system: LinearSystem, method: str, prepared: Any, b: Any, x0: Any, 
     while True:
         fallback = fall_back(system, method, out.code, symmetric)
         if fallback is None and system.method == "auto" and out.code == MAXITER \
-                and method in FALLBACK and out.x is not None and stagnated(A, b, x0, out):
+                and method in ("cg", "bicgstab") and out.x is not None \
+                and stagnated(A, b, x0, out):
             # The iteration limit with the residual where it started: the
             # method does not suit this matrix (singular, indefinite), not
-            # merely slow; the robust method may.
-            fallback = FALLBACK[method]
+            # merely slow; the robust method may (MINRES is the robust one
+            # of a symmetric matrix: its own stall is an answer).
+            fallback = fallback_for(system, method, symmetric)
         if fallback is None or fallback in tried:
             return method, no_worse_than_the_start(A, b, x0, out, tol)
         # "auto" guessed from cheap tests (a positive diagonal does not make a

@@ -84,8 +84,10 @@ def check_preconditioner(M: Any, call: str) -> None:
     raise ValueError(f"{call}: M={M!r} is not a known preconditioner; use one of "
                      f"{', '.join(PRECONDITIONERS)}, an operator, or None")
 # What "auto" turns to when its guess breaks down: MINRES for a symmetric matrix
-# that is not definite, GMRES for a spectrum BiCGStab cannot handle.
-FALLBACK = {"cg": "minres", "bicgstab": "gmres"}
+# that is not definite, GMRES for a spectrum BiCGStab cannot handle and for a
+# preconditioner MINRES cannot take (one that is not positive definite, an AMG
+# or Jacobi of an indefinite matrix), a chain CG, MINRES, GMRES.
+FALLBACK = {"cg": "minres", "bicgstab": "gmres", "minres": "gmres"}
 
 #: Largest sparse system "auto" factorises on the CPU. A 2D LU's fill grows
 #: like n log n, a 3D one like n^(4/3); past this size CG's few vectors win

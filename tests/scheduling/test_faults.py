@@ -146,8 +146,9 @@ def test_an_input_error_found_inside_a_batch_sinks_only_its_system(device):
 @pytest.mark.parametrize("device", ["cpu", "sim:0", pytest.param("cuda:0", marks=pytest.mark.gpu)])
 def test_what_solve_raises_for_one_system_is_that_systems_invalid_input(device):
     """solve() raises for M="amg" on a dense A: solve_many gives that system INVALID_INPUT with
-    the same message, not DEVICE_ERROR. An indefinite preconditioner under MINRES is a
-    BREAKDOWN status in both, with the same message; the other systems are solved."""
+    the same message, not DEVICE_ERROR. An indefinite preconditioner under MINRES breaks
+    it down in both, and both go on to GMRES, which takes any preconditioner; the other
+    systems are solved."""
     n = 30
     negative = sp.diags(-np.linspace(1.0, 10.0, n)).tocsr()  # symmetric negative definite: MINRES
     dense = laplacian1d(n).toarray()
@@ -161,7 +162,10 @@ def test_what_solve_raises_for_one_system_is_that_systems_invalid_input(device):
     assert res[0].status is Status.INVALID_INPUT
     assert res[0].message == f"TypeError: {raised.value}"
     alone = solve(systems[1], device=device, manager=dm)
-    assert alone.status is res[1].status is Status.BREAKDOWN
-    assert "positive definite" in res[1].message and res[1].message == alone.message
+    assert alone.status is res[1].status is Status.CONVERGED
+    assert alone.method == res[1].method == "gmres"
+    assert alone.info["fallback_from"] == res[1].info["fallback_from"] == "minres"
+    for r in (alone, res[1]):
+        assert np.allclose(r.to_numpy(), b / negative.diagonal())
     assert res[2].status is Status.CONVERGED
     assert np.allclose(res[2].to_numpy(), b / negative.diagonal())

@@ -14,6 +14,7 @@ from managed_solve.solvers.verify import (
     ACCEPT,
     STATUS,
     accepted,
+    fallback_for,
     no_worse_than_the_start,
     status_of,
     verdict,
@@ -203,3 +204,19 @@ def test_a_float64_true_residual_short_of_its_tolerance_does_not_advise_float64(
                        rtol=1e-7)
     _, message = status_of(out, "cg", 1e-5, 1e-7, s32)
     assert "dtype='float64'" in message
+
+
+def test_the_fallback_chain_goes_on_to_gmres_where_minres_cannot_take_the_preconditioner():
+    """CG with AMG breaks down on an indefinite matrix with a positive diagonal; MINRES needs a
+    positive definite preconditioner and breaks down too; GMRES takes any and converges."""
+    L = poisson2d(30)
+    H = (L - 0.5 * sp.identity(L.shape[0])).tocsr()  # diagonal 3.5 > 0, indefinite
+    b = np.random.default_rng(0).standard_normal(L.shape[0])
+    res = solve(H, b, M="amg", device="cpu")
+    assert res.status == Status.CONVERGED and res.method == "gmres"
+    assert res.info["fallback_from"] == "minres"
+    assert np.linalg.norm(b - H @ res.x) <= 1e-8 * np.linalg.norm(b)
+    s = LinearSystem(H, b, method="auto")
+    assert fallback_for(s, "minres") == "gmres"
+    assert fallback_for(s, "cg") == "minres" and fallback_for(s, "cg", False) == "bicgstab"
+    assert fallback_for(s, "minres", False) == "bicgstab"
