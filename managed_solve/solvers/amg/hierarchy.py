@@ -12,8 +12,9 @@ A level keeps what the cycle and the numeric re-setup need, and no more:
 ``A``, ``P`` (no ``R = P^T``: the cycles apply ``P^T`` through P), the
 aggregates as int32 and the near-null space (None on the finest level for
 the default constants); the finest level also keeps which of its couplings
-were strong (one bit each). The tentative prolongator, ``P^T`` and ``D^-1``
-are set-up temporaries.
+held an aggregate together (one bit each), and every level the row blocks
+of its two Galerkin products (a few integers). The tentative prolongator,
+``P^T`` and ``D^-1`` are set-up temporaries.
 
 :func:`refresh` is the numeric re-setup: the aggregates are kept (they
 follow the strength graph, which scaling ``D A D`` by a positive diagonal
@@ -21,8 +22,8 @@ leaves as it is) and everything numeric is redone on the new values: the
 near-null space relaxed on the new matrix where the set-up relaxes it
 (PyAMG's), the tentative prolongators refitted to it level by level, the
 damping ``omega`` from the new ``rho(D^-1 A)``, the smoothing of ``P`` and
-the Galerkin products. Where the new values weaken a coupling that held an
-aggregate together (:func:`weakened_inside`: a coefficient jump across it, a
+the Galerkin products (their row blocks, which follow the patterns, kept). Where
+the new values weaken a coupling that held an aggregate together (:func:`weakened_inside`: a coefficient jump across it, a
 new anisotropy direction), the kept aggregates no longer follow the matrix
 and the caller sets up anew.
 """
@@ -30,7 +31,7 @@ and the caller sets up anew.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -86,8 +87,11 @@ class Level:
     agg: Any = None  # the aggregate of every unknown (int32; -1: none)
     count: int = 0  # the number of aggregates
     dinv: Any = None  # set-up temporary (the smoothers keep their own scaling)
-    rho: float = 0.0  # estimate of rho(D^-1 A)
-    strong: Any = None  # finest level: its strong couplings at set-up (strength_bits)
+    rho: float = 0.0  # estimate of rho(D^-1 A) (levels with a P: the coarsest has no smoother)
+    strong: Any = None  # finest level: its couplings that held an aggregate together (held_bits)
+    # The row blocks of the Galerkin products A P and P^T (A P), by name, with the entry
+    # counts of the operands they were sized for (:func:`smooth_and_coarsen`).
+    plans: dict = field(default_factory=dict)
 
     def arrays(self) -> list:
         """The arrays this level holds (matrices as their three arrays)."""
@@ -111,6 +115,14 @@ def as_csr(A: Any) -> Any:
     return A
 
 
+def canonical(M: Any) -> Any:
+    """:func:`as_csr` in place, for a matrix the set-up made itself (a product, a difference):
+    no one else holds it, so it is sorted where it lies rather than copied first."""
+    M = M.tocsr()
+    M.sum_duplicates()  # sorts the indices first (both libraries); nothing where canonical
+    return M
+
+
 def damping(level: Level, xp: Any) -> None:
     """Fill ``dinv`` and ``rho`` of a level from its matrix."""
     level.dinv = safe_inverse(xp, level.A.diagonal())
@@ -128,18 +140,26 @@ def relax_candidates(level: Level, B: Any) -> Any:
     well-scaled Laplacian or elasticity operator are nearly left as they are.
     """
     xp = _backend.array_module(B)
-    A, dinv = level.A, level.dinv[:, None]
     upper = 1.1 * level.rho
     theta, coeffs = chebyshev_coefficients(upper / CANDIDATE_RATIO, upper, CANDIDATE_DEGREE)
     x = B.astype(xp.float64, copy=True)
+    # One candidate (the constants by default) as a vector: a matrix-vector product a step
+    # rather than a product with an (n, 1) block (an SpMM on a GPU).
+    one = x.shape[1] == 1
+    A, dinv = level.A, level.dinv if one else level.dinv[:, None]
+    if one:
+        x = x[:, 0]
     res = -dinv * (A @ x)
     d = res / theta
     x += d
     for a, c in coeffs:
-        res -= dinv * (A @ d)
-        d = a * d + c * res
+        t = A @ d
+        t *= dinv
+        res -= t
+        d *= a
+        d += c * res  # a d + c res, the previous d not read again
         x += d
-    return x
+    return x[:, None] if one else x
 
 
 def smooth_and_coarsen(level: Level, xp: Any, sparse: Any, T: Any) -> Any:
@@ -149,30 +169,66 @@ def smooth_and_coarsen(level: Level, xp: Any, sparse: Any, T: Any) -> Any:
     AT = (A @ T).tocsr()
     scale = (PROLONGATOR_OMEGA / level.rho) * level.dinv
     AT.data *= scale[csr_rows(xp, AT.indptr, AT.data.shape[0])]
-    level.P = as_csr(T - AT)
+    level.P = canonical(T - AT)
     R = as_csr(level.P.T)  # a temporary: SpGEMM wants CSR operands
-    return product(R, product(A, level.P, xp, sparse), xp, sparse)
+    # A P only feeds the next product, which reads its rows in any order: it is not sorted
+    # (the host's SpGEMM leaves its indices unsorted; a GPU's comes sorted).
+    AP = product(A, level.P, xp, sparse, blocks=planned(level, "AP", A, level.P, xp), sort=False)
+    return product(R, AP, xp, sparse, blocks=planned(level, "RAP", R, AP, xp))
 
 
-def product(X: Any, Y: Any, xp: Any, sparse: Any, limit: int = SPGEMM_PRODUCTS) -> Any:
-    """``X @ Y`` (CSR), in row blocks of X of at most ``limit`` intermediate products each.
+def planned(level: Level, name: str, X: Any, Y: Any, xp: Any) -> tuple[int, ...]:
+    """The row blocks of ``level``'s product ``name``, ``X @ Y``: :func:`row_blocks` at set-up,
+    kept for a re-setup while the operands hold as many entries as then.
 
-    A library SpGEMM holds workspace for every intermediate product (an entry
-    of X times a row of Y) at once: 20-25 bytes each on a GPU, 37 GB for one
-    Galerkin product of a 3D 7-point 256^3 hierarchy. Row blocks bound that
-    peak; their rows are the rows of the whole product.
+    The operands' patterns follow the kept aggregates, so a re-setup meets
+    the same products and skips their sizing (a pass over ``X``'s entries
+    and a host read each). On the host, entries that cancel to zero are
+    dropped and the counts can move: the blocks are sized again.
     """
+    key = (int(X.nnz), int(Y.nnz))
+    kept = level.plans.get(name)
+    if kept is None or kept[0] != key:
+        kept = level.plans[name] = (key, row_blocks(X, Y, xp))
+    return kept[1]
+
+
+def row_blocks(X: Any, Y: Any, xp: Any, limit: int | None = None) -> tuple[int, ...]:
+    """Bounds of the row blocks of ``X`` in which ``X @ Y`` forms at most ``limit``
+    (:data:`SPGEMM_PRODUCTS` where None) intermediate products each (``(0, rows)``: one
+    block), for :func:`product`."""
+    limit = SPGEMM_PRODUCTS if limit is None else int(limit)
     counts = xp.diff(Y.indptr).astype(xp.int64)[X.indices]
     cumulative = xp.concatenate([xp.zeros(1, dtype=xp.int64), xp.cumsum(counts)])
     ends = cumulative[X.indptr[1:].astype(xp.int64)]  # products up to the end of each row
     total = int(ends[-1]) if ends.shape[0] else 0  # sync: once a product, set-up only
     if total <= limit:
-        return as_csr(X @ Y)
+        return (0, X.shape[0])
     marks = xp.arange(1, -(-total // limit), dtype=xp.int64) * limit
     cuts = _backend.to_host(xp.searchsorted(ends, marks, side="right"))
-    bounds = sorted({0, X.shape[0], *(int(c) for c in cuts if 0 < c < X.shape[0])})
-    parts = [as_csr(X[a:b] @ Y) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-    return as_csr(sparse.vstack(parts, format="csr"))
+    return tuple(sorted({0, X.shape[0], *(int(c) for c in cuts if 0 < c < X.shape[0])}))
+
+
+def product(X: Any, Y: Any, xp: Any, sparse: Any, limit: int | None = None, *,
+            blocks: tuple[int, ...] | None = None, sort: bool = True) -> Any:
+    """``X @ Y`` (CSR), in row blocks of X of at most ``limit`` intermediate products each
+    (:data:`SPGEMM_PRODUCTS` where None).
+
+    A library SpGEMM holds workspace for every intermediate product (an entry
+    of X times a row of Y) at once: 20-25 bytes each on a GPU, 37 GB for one
+    Galerkin product of a 3D 7-point 256^3 hierarchy. Row blocks bound that
+    peak; their rows are the rows of the whole product. ``blocks``: their
+    bounds, from :func:`row_blocks` where None. ``sort=False`` leaves the
+    indices in the order the SpGEMM gives them (for a product that only
+    feeds another).
+    """
+    if blocks is None:
+        blocks = row_blocks(X, Y, xp, limit)
+    done = canonical if sort else (lambda M: M.tocsr())
+    if len(blocks) <= 2:
+        return done(X @ Y)
+    parts = [done(X[a:b] @ Y) for a, b in zip(blocks[:-1], blocks[1:], strict=True)]
+    return done(sparse.vstack(parts, format="csr"))
 
 
 def build(A: Any, B: Any, xp: Any, sparse: Any, *, theta: float = THETA, blocksize: int = 1,
@@ -187,7 +243,6 @@ def build(A: Any, B: Any, xp: Any, sparse: Any, *, theta: float = THETA, blocksi
     (:data:`WEAK_COARSENING`) is aggregated over all its couplings.
     """
     levels = [Level(as_csr(A), blocksize=int(blocksize), B=B)]
-    levels[0].strong = strength_bits(levels[0].A, theta, levels[0].blocksize, xp, sparse)
     while True:
         level = levels[-1]
         n = level.A.shape[0]
@@ -208,7 +263,7 @@ def build(A: Any, B: Any, xp: Any, sparse: Any, *, theta: float = THETA, blocksi
         T, Bc = fit_candidates(xp, sparse, level.agg, count, B)
         Ac = smooth_and_coarsen(level, xp, sparse, T)
         levels.append(Level(Ac, blocksize=K, B=Bc))
-    damping(levels[-1], xp)
+    levels[0].strong = held_bits(levels[0], theta, xp, sparse)
     return levels
 
 
@@ -231,12 +286,19 @@ def refresh(levels: list[Level], A: Any, xp: Any, sparse: Any, *,
         T, B = fit_candidates(xp, sparse, fine.agg, fine.count, improve(fine, B) if i == 0 else B)
         coarse.A = smooth_and_coarsen(fine, xp, sparse, T)
         coarse.B = B
-    damping(levels[-1], xp)
 
 
-def strength_bits(A: Any, theta: float, blocksize: int, xp: Any, sparse: Any) -> Any:
-    """Which stored couplings of ``A`` (of its block norms) are strong, packed 8 to a byte."""
-    return xp.packbits(strong_entries(node_matrix(A, blocksize, xp, sparse).tocsr(), theta, xp)[1])
+def held_bits(level: Level, theta: float, xp: Any, sparse: Any) -> Any:
+    """Which stored couplings of ``level``'s A (of its block norms) hold one of its aggregates
+    together: strong, and between two nodes of one aggregate. Packed 8 to a byte; None where
+    nothing is aggregated (one level)."""
+    if level.agg is None:
+        return None
+    M = node_matrix(level.A, level.blocksize, xp, sparse).tocsr()
+    rows, strong = strong_entries(M, theta, xp)
+    agg = level.agg[::level.blocksize]  # the aggregate of every node
+    inside = (agg[rows] == agg[M.indices]) & (agg[rows] >= 0)
+    return xp.packbits(strong & inside)
 
 
 def weakened_inside(level: Level, A: Any, theta: float, xp: Any, sparse: Any) -> int:
@@ -250,16 +312,16 @@ def weakened_inside(level: Level, A: Any, theta: float, xp: Any, sparse: Any) ->
     9 (ours) with new aggregates; a jump of 10^6 appearing across the
     middle: 10 against 7 with PyAMG's). Couplings that new values strengthen
     leave every aggregate connected, and kept aggregates then cost at most
-    two iterations; scaling ``D A D`` changes no coupling's strength.
+    two iterations; scaling ``D A D`` changes no coupling's strength. The
+    set-up kept those couplings (:func:`held_bits`), so only A's strength
+    is measured here.
     """
     if level.agg is None or level.strong is None:
         return 0  # one level: nothing aggregated
     M = node_matrix(as_csr(A), level.blocksize, xp, sparse).tocsr()
-    rows, new = strong_entries(M, theta, xp)
-    old = xp.unpackbits(level.strong)[:new.shape[0]].astype(bool)
-    agg = level.agg[::level.blocksize]  # the aggregate of every node
-    inside = (agg[rows] == agg[M.indices]) & (agg[rows] >= 0)
-    return int((old & ~new & inside).sum())  # sync: one read an update
+    _, strong = strong_entries(M, theta, xp)
+    held = xp.unpackbits(level.strong)[:strong.shape[0]].view(bool)
+    return int(xp.count_nonzero(held & ~strong))  # sync: one read an update
 
 
 #: Condition number (1-norm) of the coarsest matrix above which it is taken as

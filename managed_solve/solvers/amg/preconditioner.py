@@ -174,10 +174,10 @@ class AMGPreconditioner:
                               aggregates=None if kept is None else aggregation_operators(kept))
             self._ml = ml
             levels = levels_of(ml, self.xp)
-            # What the aggregates were made from, compared on update (PyAMG's
-            # strength measure is ours, on the scalar entries it was given).
-            levels[0].strong = kept[0].strong if kept is not None else hierarchy.strength_bits(
-                levels[0].A, self.theta, levels[0].blocksize, self.xp, self.sparse)
+            # The couplings that hold the aggregates together, tested on update
+            # (PyAMG's strength measure is ours, on the scalar entries it was given).
+            levels[0].strong = kept[0].strong if kept is not None else hierarchy.held_bits(
+                levels[0], self.theta, self.xp, self.sparse)
         else:
             levels = hierarchy.build(
                 A, B, self.xp, self.sparse, theta=self.theta,
@@ -254,6 +254,7 @@ class AMGPreconditioner:
                 raise ValueError(f"AMGPreconditioner.update(values): expected {A0.nnz} values, "
                                  f"got shape {tuple(data.shape)}.")
         A = self.sparse.csr_matrix((data.astype(A0.dtype), A0.indices, A0.indptr), shape=A0.shape)
+        A.has_canonical_format = True  # A0's pattern, made canonical at set-up: not checked again
         xp, sparse = self.xp, self.sparse
         if hierarchy.weakened_inside(self.levels[0], A, self.theta, xp, sparse):
             self._build(A)  # the kept aggregates no longer follow A's strong couplings

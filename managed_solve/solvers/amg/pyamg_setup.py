@@ -66,7 +66,7 @@ def levels_of(ml: Any, xp: Any) -> list[Level]:
             # PyAMG aggregates nodes (blocks of ``blocksize`` unknowns on coarse levels
             # of a multi-vector near-null space); our levels keep one entry per unknown.
             level.agg = agg[np.arange(level.A.shape[0]) // level.blocksize]
-        damping(level, xp)
+            damping(level, xp)  # for its smoother (the coarsest has none: its inverse)
         levels.append(level)
     return levels
 

@@ -32,20 +32,31 @@ def spectral_radius(A: Any, dinv: Any, xp: Any, *, steps: int = LANCZOS_STEPS) -
     v = uniform(xp, n, 7, xp.float64) + 0.5
     v /= xp.sqrt(xp.dot(v, v))
     v_prev = xp.zeros_like(v)
+    u = xp.empty_like(v)
     beta = xp.zeros((), dtype=xp.float64)
     alphas, betas = [], []
+    # The step's arithmetic in place where a vector is not read again (v_prev
+    # becomes beta v_prev, w the next v): two new vectors a step, not seven.
     for _ in range(k):
-        w = s * (A @ (s * v)).astype(xp.float64, copy=False)
+        xp.multiply(s, v, out=u)
+        w = (A @ u).astype(xp.float64, copy=False)
+        w *= s
         alpha = xp.dot(w, v)
-        w -= alpha * v + beta * v_prev
+        t = alpha * v
+        v_prev *= beta
+        t += v_prev
+        w -= t  # w - (alpha v + beta v_prev)
         beta = xp.sqrt(xp.dot(w, w))
         alphas.append(alpha)
         betas.append(beta)
-        v_prev, v = v, w / xp.where(beta > 0, beta, 1.0)
+        w /= xp.where(beta > 0, beta, 1.0)
+        v_prev, v = v, w
+    # |A| shares A's pattern: only its values are new (abs(A) copies the indices too).
+    absA = type(A)((abs(A.data), A.indices, A.indptr), shape=A.shape)
     # sync: the tridiagonal's entries and the Gershgorin bound, one read at set-up
     a = np.asarray(_host(xp, xp.stack(alphas)), dtype=np.float64)
     b = np.asarray(_host(xp, xp.stack(betas)), dtype=np.float64)
-    gersh = float(_host(xp, (abs(A) @ xp.ones(n, dtype=A.dtype) * abs(dinv)).max()))
+    gersh = float(_host(xp, (absA @ xp.ones(n, dtype=A.dtype) * abs(dinv)).max()))
     # Stop at the first (near) breakdown: the Krylov space is invariant there.
     tiny = np.flatnonzero(b[:-1] <= 1e-12 * max(1.0, abs(a).max()))
     m = int(tiny[0]) + 1 if tiny.size else k

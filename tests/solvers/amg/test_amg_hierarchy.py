@@ -207,6 +207,47 @@ def test_weakened_inside_counts_couplings_that_split_an_aggregate(backend):
     assert weakened(build(backend, jump, max_coarse=40), A) == 0
 
 
+def test_the_finest_level_keeps_the_strong_couplings_inside_its_aggregates(backend):
+    # What update() tests new values against: the couplings that held an aggregate
+    # together at set-up (strong and inside one), one bit a stored entry in CSR order.
+    A = high_contrast_poisson(32)  # the couplings across the jump weak
+    levels = build(backend, A, max_coarse=40)
+    agg = host(levels[0].agg)
+    C = A.tocoo()
+    d = abs(A.diagonal())
+    strong = (C.row != C.col) & (C.data != 0) & (
+        abs(C.data) >= hierarchy.THETA * np.sqrt(d[C.row] * d[C.col]))
+    inside = agg[C.row] == agg[C.col]
+    held = np.unpackbits(host(levels[0].strong))[:A.nnz].astype(bool)
+    assert (strong & ~inside).any()  # strong couplings between aggregates are not kept
+    np.testing.assert_array_equal(held, strong & inside)
+
+
+def test_refresh_reuses_the_row_blocks_of_its_products(backend, monkeypatch):
+    # The Galerkin products' row blocks follow the operands' patterns, which the kept
+    # aggregates fix: sized at set-up, a re-setup on new values takes them as they are,
+    # and its products are still those of the new values.
+    monkeypatch.setattr(hierarchy, "SPGEMM_PRODUCTS", 2000)  # several blocks a product
+    xp, sparse = array_modules(backend)
+    A = poisson2d(32)
+    A2, A3 = scaled(A, seed=1), scaled(A, seed=2)
+    levels = build(backend, A2, max_coarse=40)
+    plans = dict(levels[0].plans)
+    assert set(plans) == {"AP", "RAP"} and all(len(blocks) > 2 for _, blocks in plans.values())
+    hierarchy.refresh(levels, on(backend, A3), xp, sparse)
+    assert all(levels[0].plans[name] is plan for name, plan in plans.items())  # not sized again
+    P = hostm(levels[0].P)
+    want = (P.T @ A3 @ P).toarray()
+    np.testing.assert_allclose(hostm(levels[1].A).toarray(), want, atol=1e-12 * abs(want).max())
+    fresh = build(backend, A3, max_coarse=40)
+    np.testing.assert_allclose(P.toarray(), hostm(fresh[0].P).toarray(),
+                               atol=1e-10 * abs(P).max())
+    # New values whose products hold other counts of entries are sized again.
+    levels[0].plans["AP"] = ((-1, -1), (0, levels[0].A.shape[0]))
+    hierarchy.refresh(levels, on(backend, A3), xp, sparse)
+    assert levels[0].plans["AP"] == plans["AP"]
+
+
 @pytest.mark.parametrize("limit", [1, 50, 10_000, 1 << 40])
 def test_a_product_in_row_blocks_equals_the_whole_product(backend, limit):
     xp, sparse = array_modules(backend)
