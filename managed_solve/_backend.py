@@ -13,6 +13,7 @@ import gc
 import importlib
 import logging
 import os
+import queue
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -185,6 +186,33 @@ def thread_lane(name: str, lanes: int) -> ThreadPoolExecutor:
         pool = thread_pool(f"{name}-{k % max(1, int(lanes))}", 1)
         setattr(_LANES, name, pool)
     return pool
+
+
+_SUBMITTING = threading.local()  # set while this thread is inside on_lane's submit
+_DEFERRED: queue.SimpleQueue = queue.SimpleQueue()  # (lane, fn, args) met inside a submit
+
+
+def on_lane(lane: ThreadPoolExecutor, fn: Callable, *args: Any) -> Future | None:
+    """``lane.submit(fn, *args)``, safe to call from a finaliser (``__del__``).
+
+    The garbage collector may run a finaliser on a thread that is inside a
+    submit, which holds the executor's lock (not re-entrant): a finaliser
+    that submits there waits for itself for ever. So a call made inside one
+    of this thread's submits is queued (returning None) and submitted once
+    that submit has returned.
+    """
+    if getattr(_SUBMITTING, "active", False):
+        _DEFERRED.put((lane, fn, args))
+        return None
+    _SUBMITTING.active = True
+    try:
+        future = lane.submit(fn, *args)
+        while not _DEFERRED.empty():
+            later, f, a = _DEFERRED.get_nowait()
+            later.submit(f, *a)
+    finally:
+        _SUBMITTING.active = False
+    return future
 
 
 # Streams the process keeps per GPU and role (see device_stream).

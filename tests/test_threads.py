@@ -150,3 +150,39 @@ def test_run_ordered_calls_the_kernel_over_every_item_largest_work_first():
     order, bounds = _threads.claim_order(work)
     assert sorted(slices) == sorted(order[a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:], strict=True))
     assert [12] in slices and [13] in slices  # the two large items are tasks of their own
+
+
+def test_a_submit_from_a_finaliser_inside_a_submit_is_deferred_not_deadlocked():
+    """The garbage collector may run a finaliser (a SuperLU factor's free) inside a submit on
+    the same thread, which holds the executor's non-re-entrant lock; the finaliser's own submit
+    through on_lane is queued and made once the outer submit returns."""
+    from managed_solve import _backend
+
+    ran: list[str] = []
+
+    class Lane(ThreadPoolExecutor):
+        """An executor whose submit holds a plain lock, and runs a hook inside it (the GC)."""
+
+        def __init__(self):
+            super().__init__(1)
+            self.lock, self.hook = threading.Lock(), None
+
+        def submit(self, fn, *args):
+            if not self.lock.acquire(timeout=5):
+                raise AssertionError("a submit waited on its own thread's lock")
+            try:
+                hook, self.hook = self.hook, None
+                if hook is not None:
+                    hook()
+                return super().submit(fn, *args)
+            finally:
+                self.lock.release()
+
+    lane = Lane()
+    try:
+        lane.hook = lambda: _backend.on_lane(lane, ran.append, "finaliser")
+        _backend.on_lane(lane, ran.append, "caller").result()
+        lane.submit(lambda: None).result()  # the lane runs in order: both done by now
+        assert ran == ["caller", "finaliser"]
+    finally:
+        lane.shutdown()

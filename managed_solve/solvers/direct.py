@@ -378,7 +378,11 @@ class PreparedDirect(Prepared):
 
     def _settle(self, A: Any, b: Any, x: Any, r: Any, rn: float, b_norm: float, tol: float,
                 trans: bool) -> Outcome:
-        """The outcome of ``x`` with residual ``r = b - A x`` (norm ``rn``): refined, then judged."""
+        """The outcome of ``x`` with residual ``r = b - A x`` (norm ``rn``): refined, then judged.
+
+        A refinement step that helps is written into ``x`` in place: a column of a block is the
+        block's own, refined, whatever the judgement (the residual reported is its own).
+        """
         xp = self.xp
         eps = float(np.finfo(np.dtype(b.dtype)).eps)
         steps = 0
@@ -393,7 +397,8 @@ class PreparedDirect(Prepared):
             steps += 1
             if not rn_new < rn:
                 break
-            x, r, rn = x_new, r_new, rn_new
+            x[...] = x_new
+            r, rn = r_new, rn_new
         info = {"factorisation": self.how, "refinements": steps, **self._extra}
         if np.isfinite(rn) and rn <= tol:
             return Outcome(x, CONVERGED, 1, rn, info=info)
@@ -466,7 +471,7 @@ class _OnLane:
     @classmethod
     def factorise(cls, A: Any, symmetric: bool | None) -> tuple[_OnLane, str]:
         lane = _backend.thread_lane("superlu", _backend.cpu_count())
-        lu, how = lane.submit(superlu, A, symmetric).result()
+        lu, how = _backend.on_lane(lane, superlu, A, symmetric).result()
         return cls(lu, lane), how
 
     @property
@@ -508,7 +513,7 @@ class _OnLane:
     def free(self) -> None:
         if self._box:
             try:
-                self._lane.submit(self._box.clear)
+                _backend.on_lane(self._lane, self._box.clear)  # from __del__ too
             except RuntimeError:  # the interpreter is shutting down: nothing to keep
                 pass
 
