@@ -6,6 +6,7 @@ errors naming the argument, what was expected, what arrived and the fix.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -78,6 +79,8 @@ class LinearSystem:
         solve projects b onto A's range and returns the x orthogonal to the
         null space; a b with a part outside the range gets the
         least-squares answer and the status ``LEAST_SQUARES`` saying so.
+        Checked against A once, here: a vector that A does not annihilate to
+        rounding (:func:`check_nullspace`) is a ValueError naming it.
 
     Attributes
     ----------
@@ -184,7 +187,11 @@ class LinearSystem:
         # "auto" resolves to no preconditioner at once for all but large CSR systems.
         M = settle_auto(M, kind, n, method)
         self.method, self.M, self.name = method, M, name
-        self.nullspace = nullspace_basis(nullspace, n, dt, xp, call=call)
+        # On b's GPU (A's too), not the current one: the check multiplies A by the basis.
+        with b.device if xp is not np else contextlib.nullcontext():
+            self.nullspace = nullspace_basis(nullspace, n, dt, xp, call=call)
+            if self.nullspace is not None:
+                check_nullspace(A, kind, nullspace, self.nullspace, call=call)
         self.dtype = dt
 
     def _host_csr(self, A: Any, b: np.ndarray, rtol: Any, atol: Any, maxiter: Any, method: Any,
@@ -457,3 +464,96 @@ def nullspace_basis(nullspace: Any, n: int, dtype: Any, xp: Any, *, call: str) -
         raise ValueError(f"{call}: the nullspace vectors are linearly dependent (or zero); give "
                          "independent vectors.")
     return xp.asarray(Q.astype(dtype))
+
+
+#: A null vector ``v`` of unit norm passes when ``||A v|| <= NULL_TOLERANCE * eps * ||A||_est``,
+#: eps the system's dtype's. Rounding alone leaves ``A v`` at a few eps ``||A||`` for an
+#: exact null vector: the product in the dtype (row lengths' worth of additions), entries
+#: rounded to float32, a finite-element assembly whose row sums cancel (each entry a sum
+#: of element terms of both signs); measured on mesh Laplacians, under 1 eps. 512 eps
+#: (6.1e-5 in float32, 1.1e-13 in float64) leaves room for all of these, while a vector
+#: that A does not annihilate lies far above: the constant of a Dirichlet grid Laplacian
+#: gives about 1e-2 at a million unknowns. The closest call is a Laplacian with a single
+#: Dirichlet vertex, about 0.28 / sqrt(n): float32 tells it from rounding up to some 2e7
+#: unknowns, float64 always.
+NULL_TOLERANCE = 512
+
+
+def check_nullspace(A: Any, kind: str, given: Any, Q: Any, *, call: str) -> None:
+    """Raise ValueError when a vector of ``nullspace=`` is not (to rounding) in A's null space.
+
+    ``given``: the argument as the caller passed it; ``Q``: its orthonormal
+    basis (:func:`nullspace_basis`), on A's device in the system's dtype.
+    Each given vector ``v``, scaled to unit norm, needs ``||A v|| <=
+    NULL_TOLERANCE * eps * ||A||_est`` with ``||A||_est`` the larger of A's
+    largest absolute row sum and column sum (a bound on ``||A||_2``, and on
+    the rounding of ``A v`` for a non-symmetric A too). One product ``A V``
+    on A's device and one read of the k ratios and the estimate. An
+    operator has no entries to estimate ``||A||`` from: its ``nullspace=``
+    is taken as given.
+    """
+    if kind == "operator":
+        return
+    k = int(Q.shape[1])
+    if k == 1:  # one vector: Q is it, scaled to unit norm
+        V = Q
+    else:
+        N = np.asarray(_backend.to_host(given), dtype=np.float64).reshape(Q.shape)
+        V = _backend.array_module(Q).asarray((N / np.linalg.norm(N, axis=0)).astype(Q.dtype))
+    ratios, est = _null_ratios(A, kind, V)
+    if not (np.all(ratios <= NULL_TOLERANCE) and (est == 0.0 or 2.0 ** -60 < est < 2.0 ** 60)):
+        # A vector that fails, or an A whose products may have overflowed or underflowed
+        # (in float32): measured again on A scaled by a power of two to ||A||_est near 1
+        # (exact), the verdict.
+        ratios, _ = _null_ratios(A, kind, V, rescale=True)
+    bad = np.flatnonzero(~(ratios <= NULL_TOLERANCE))
+    if bad.size == 0:
+        return
+    j = int(bad[0])
+    eps = float(np.finfo(Q.dtype).eps)
+    which = "nullspace='constant'" if isinstance(given, str) else \
+        ("nullspace" if k == 1 else f"nullspace[:, {j}]")
+    raise ValueError(
+        f"{call}: nullspace= is not A's null space: {which} gives ||A v|| / (||A|| ||v||) = "
+        f"{ratios[j] * eps:.3g}, above the {NULL_TOLERANCE * eps:.3g} that rounding explains "
+        f"({NULL_TOLERANCE} eps of {Q.dtype}; ||A|| the largest absolute row or column sum). "
+        "For a nonsingular A drop nullspace=; else pass the vectors A actually annihilates "
+        "(pde.laplacian_nullspace(mesh) for a mesh Laplacian: one constant per connected "
+        "component without Dirichlet vertices).")
+
+
+def _null_ratios(A: Any, kind: str, V: Any, rescale: bool = False) -> tuple[np.ndarray, float]:
+    """``||A v_j|| / (eps ||A||_est)`` for the unit columns ``v_j`` of V, and ``||A||_est``.
+
+    Host float64, from one read. A zero A annihilates everything (ratio 0);
+    an estimate that overflowed gives NaN ratios. ``rescale``: A is scaled by a
+    power of two first, which the ratios do not depend on but the range of
+    the float32 products does.
+    """
+    xp = _backend.array_module(V)
+    k = int(V.shape[1])
+    if rescale:
+        values = A.data if kind == "csr" else A
+        amax = float(xp.abs(values).max()) if values.size else 0.0  # sync: the rare second pass
+        if amax == 0.0:
+            return np.zeros(k), 0.0
+        e = -math.frexp(amax)[1]
+        # In two factors: 2**e alone leaves float32's range for subnormal entries.
+        A = (A * values.dtype.type(2.0 ** (e // 2))) * values.dtype.type(2.0 ** (e - e // 2))
+    absA = abs(A)
+    with np.errstate(over="ignore", invalid="ignore"):  # float32 overflow: the second pass's case
+        if kind == "csr":
+            n = int(A.shape[0])
+            rows = absA @ xp.ones(n, dtype=absA.dtype)
+            cols = xp.bincount(absA.indices, weights=absA.data, minlength=n)
+        else:
+            rows, cols = absA.sum(axis=1), absA.sum(axis=0)
+        est = xp.maximum(rows.max().astype(np.float64), cols.max().astype(np.float64))
+        norms = xp.linalg.norm(A @ V, axis=0).astype(np.float64)
+    got = _backend.to_host(xp.concatenate([norms, est.reshape(1)]))  # sync: one for every vector
+    est = float(got[-1])
+    if est == 0.0:
+        return np.zeros(k), 0.0
+    eps = float(np.finfo(V.dtype).eps)
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        return (got[:-1] / (eps * est) if est < math.inf else np.full(k, math.nan)), est

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
 import scipy.sparse.linalg as sla
 
-from managed_solve import LinearSystem
+from managed_solve import LinearSystem, Solver, mesh, pde, solve, solve_many
 from managed_solve.system.linear_system import host_csr_systems
-from tests._problems import laplacian1d, poisson2d
+from tests._problems import BACKENDS, host, laplacian1d, neumann2d, on, poisson2d
 
 
 def test_facts():
@@ -212,3 +214,132 @@ def test_an_operator_takes_a_matrix_preconditioner(form):
     for r in (res, many):
         assert r.converged, r.message
         assert np.linalg.norm(r.to_numpy() - want) <= 1e-6 * np.linalg.norm(want)
+
+
+# -- nullspace= checked against A, once, where the system is made
+def null_ratio(A, v):
+    """``||A v|| / (||A||_est ||v||)``, ``||A||_est`` the larger absolute row or column sum (dense NumPy)."""
+    D = np.abs(A.toarray())
+    return np.linalg.norm(A @ v) / (max(D.sum(axis=1).max(), D.sum(axis=0).max()) * np.linalg.norm(v))
+
+
+def measured(err):
+    """The ratio an error message reports."""
+    return float(re.search(r"\|\|A v\|\| / \(\|\|A\|\| \|\|v\|\|\) = ([0-9.e+-]+),", str(err)).group(1))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_nullspace_that_A_does_not_annihilate_is_refused_by_every_entry_point(backend, dtype):
+    # A Dirichlet Laplacian is nonsingular: the constant is not in its null space (ratio 0.078).
+    A = poisson2d(12)
+    b = np.random.default_rng(0).standard_normal(144)
+    expected = null_ratio(A, np.ones(144))
+    Ad, bd = on(backend, A.astype(dtype), b.astype(dtype))
+    device = "cpu" if backend == "cpu" else "cuda:0"
+    calls = {
+        "LinearSystem(A, b)": lambda: LinearSystem(Ad, bd, nullspace="constant"),
+        "solve(A, b)": lambda: solve(Ad, bd, method="cg", nullspace="constant", device=device),
+        "solve(A, b) ": lambda: solve(Ad, bd, method="direct", nullspace="constant", device=device),
+        "solve(A, B)": lambda: solve(Ad, bd.reshape(-1, 1).repeat(2, axis=1), nullspace="constant",
+                                     device=device),
+        "Solver(A)": lambda: Solver(Ad, method="cg", nullspace="constant", device=device),
+    }
+    for call, make in calls.items():
+        with pytest.raises(ValueError) as err:
+            make()
+        message = str(err.value)
+        assert message.startswith(f"{call.strip()}: nullspace= is not A's null space"), message
+        assert "nullspace='constant'" in message and "drop nullspace=" in message
+        assert measured(err.value) == pytest.approx(expected, rel=1e-2)
+    # The constants of the pure Neumann Laplacian are its null space: accepted, and solved.
+    N = neumann2d(12)
+    rhs = b - b.mean()
+    Nd, rd = on(backend, N.astype(dtype), rhs.astype(dtype))
+    res = solve(Nd, rd, method="cg", nullspace="constant", device=device, rtol=1e-4)
+    assert res.converged
+    assert np.linalg.norm(N @ host(res.x) - rhs) <= 1e-3 * np.linalg.norm(rhs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_refused_vector_is_named_by_its_index_for_sparse_and_dense_matrices(backend):
+    L = neumann2d(6)
+    A = sp.block_diag([L, 3.0 * L], format="csr")  # two components: one constant each
+    N = np.zeros((72, 2))
+    N[:36, 0] = N[36:, 1] = 1.0
+    bad = N.copy()
+    bad[:, 1] = np.arange(72.0)  # not annihilated
+    b = np.zeros(72)
+    for matrix in (A, A.toarray()):
+        Ad, bd = on(backend, matrix, b)
+        LinearSystem(Ad, bd, nullspace=N)  # the true null space passes, unnormalised
+        with pytest.raises(ValueError, match=re.escape("nullspace[:, 1] gives")) as err:
+            LinearSystem(Ad, bd, nullspace=bad)
+        assert measured(err.value) == pytest.approx(null_ratio(A, bad[:, 1]), rel=1e-2)
+        with pytest.raises(ValueError, match="nullspace gives") as err:
+            LinearSystem(Ad, bd, nullspace=bad[:, 1])
+        assert measured(err.value) == pytest.approx(null_ratio(A, bad[:, 1]), rel=1e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("scale", [1.0, 6e37, 1e-30])
+def test_the_check_holds_at_the_ends_of_the_float_range(backend, dtype, scale):
+    # 6e37: float32 row sums overflow (8 * 6e37); 1e-30: products near float32's underflow.
+    b = np.zeros(144)
+    singular, regular = on(backend, (neumann2d(12) * scale).astype(dtype),
+                           (poisson2d(12) * scale).astype(dtype))
+    bd = on(backend, b.astype(dtype))
+    LinearSystem(singular, bd, nullspace="constant")
+    with pytest.raises(ValueError, match="nullspace='constant'") as err:
+        LinearSystem(regular, bd, nullspace="constant")
+    assert measured(err.value) == pytest.approx(null_ratio(poisson2d(12), np.ones(144)), rel=1e-2)
+
+
+def test_a_rescaled_singular_matrix_and_mesh_laplacians_keep_their_null_space_in_float32():
+    # S N S annihilates S^-1 1, entries spanning e^+-6: rounding stays far below the tolerance.
+    s = np.exp(np.random.default_rng(1).uniform(-3.0, 3.0, 400))
+    A = (sp.diags(s) @ neumann2d(20) @ sp.diags(s)).tocsr().astype(np.float32)
+    LinearSystem(A, np.zeros(400, dtype=np.float32), nullspace=1.0 / s)
+    for m in (mesh.icosphere(3), mesh.grid(12, 12, 4)):
+        f = np.cos(3.0 * m.vertices[:, 0])
+        for dtype in (np.float32, np.float64):
+            # Pure Neumann: the builder sets nullspace=.
+            system = pde.poisson(m, f, dtype=dtype, device="cpu",
+                                 rtol=1e-5 if dtype == np.float32 else 1e-8)
+            assert system.nullspace is not None
+            assert solve(system).converged
+
+
+def test_solve_many_solves_singular_systems_beside_regular_ones_and_a_bad_one_is_refused_where_made():
+    L, P = neumann2d(10), poisson2d(10)
+    b = np.random.default_rng(2).standard_normal(100)
+    with pytest.raises(ValueError, match="LinearSystem\\('bad'\\): nullspace= is not A's null space"):
+        LinearSystem(P, b, nullspace="constant", name="bad")
+    out = solve_many([LinearSystem(L, b - b.mean(), nullspace="constant"), (P, b),
+                      LinearSystem(L, b, nullspace=np.ones(100))], devices="cpu")
+    assert [r.status.name for r in out] == ["CONVERGED", "CONVERGED", "LEAST_SQUARES"]
+
+
+class CountingMatrix(np.ndarray):
+    """A dense matrix that counts its products with one (n, 1) column: the null-space check's."""
+
+    def __matmul__(self, other):
+        if getattr(other, "ndim", 1) == 2 and other.shape[1] == 1:
+            self.checks.append(other.shape)
+        return np.asarray(self) @ other
+
+
+def test_the_nullspace_is_checked_once_per_system_not_per_solve():
+    A = neumann2d(6).toarray().view(CountingMatrix)
+    A.checks = []
+    b = np.random.default_rng(3).standard_normal(36)
+    b -= b.mean()
+    with Solver(A, method="cg", nullspace="constant", device="cpu") as solver:
+        for _ in range(3):
+            assert solver.solve(b).converged
+        assert solver.solve(np.stack([b, 2.0 * b], axis=1)).converged
+    assert A.checks == [(36, 1)]
+    A.checks.clear()
+    assert solve(A, b, method="gmres", nullspace="constant", device="cpu").converged
+    assert A.checks == [(36, 1)]
