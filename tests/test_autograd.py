@@ -19,6 +19,7 @@ from tests._problems import (
     laplacian1d,
     poisson2d,
     random_spd,
+    tridiagonal,
 )
 
 torch = pytest.importorskip("torch")
@@ -659,3 +660,28 @@ def test_a_refused_update_with_graphs_alive_changes_nothing():
     torch.linalg.solve(D, b).sum().backward()
     rows = np.repeat(np.arange(n), np.diff(crow.numpy()))
     close(values.grad, D.grad[rows, col.numpy()], rtol=1e-8)
+
+
+@pytest.mark.parametrize("device,method", [
+    ("cpu", "auto"), ("cpu", "direct"), ("cpu", "bicgstab"),
+    *(pytest.param("cuda:0", m, marks=pytest.mark.gpu) for m in ("direct", "bicgstab"))])
+def test_a_penalised_non_symmetric_matrix_gets_the_transposed_adjoint(method, device):
+    """A 1e15 penalty on the diagonal once made this matrix pass for symmetric (pairs 1.0 apart
+    within 1e-12 * 1e15): the adjoint then solved A instead of A^T and dL/db was 90% off."""
+    n = 50
+    A = tridiagonal(n, -1.5, 2.0, -0.5).tolil()  # upwind convection: mirrors 1.0 apart
+    A[0, 0] = A[n - 1, n - 1] = 1e15  # penalty Dirichlet conditions at both ends
+    A = A.tocsr()
+    values, At, _ = csr_tensor(A, device)
+    b0 = np.ones(n)
+    b0[0] = b0[-1] = 0.0
+    b = torch.tensor(b0, device=device, requires_grad=True)
+    res = ms.solve(At, b, method=method, rtol=1e-10, device=device,
+                   M="jacobi" if method == "bicgstab" else "auto")  # unpreconditioned: 1e15 stalls it
+    assert res.converged, res.message
+    w = torch.linspace(0.0, 1.0, n, dtype=torch.float64, device=device)
+    (res.to_torch() * w).sum().backward()
+    rows, cols, _ = triplets(A)
+    gv, gb = dense_reference(rows, cols, values, b, n, w)
+    close(b.grad, gb)
+    close(values.grad, gv)

@@ -13,9 +13,10 @@ the GIL briefly) and hands out ranges to the host-kernel threads.
 Every address must be that of a C-contiguous array of the dtype of the
 ``like`` argument of the call, alive for the call.
 
-Numba's on-disk cache of these kernels is checked against this file only,
-not against :mod:`.symmetry` whose walk they inline: a change of that walk
-must come with a change here (this file's new timestamp recompiles them).
+Numba's on-disk cache of these kernels is checked against this file only
+(a hash of its text), not against :mod:`.symmetry` whose walk they inline:
+a change of that walk must come with a change of this file's text (a new
+timestamp alone does not recompile them).
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def csr_symmetry_gershgorin_many(lo, hi, ptr_addresses, idx_addresses, data_addr
     ptr_like, idx_like, data_like : arrays
         Any arrays of the dtypes of ``indptr``, ``indices`` and ``data``.
     rel : float
-        The relative tolerance of the symmetry test.
+        ``rel`` of the symmetry rule (:mod:`managed_solve.kernels.symmetry`:
+        each pair against its own size and its two rows' largest entries).
     codes : int8 array
         Each matrix's code (``SYMMETRIC``, ``DIFFERENT_VALUES``, ``DIFFERENT_PATTERN``;
         ``NOT_CANONICAL`` where the row pointers do not start at 0, fall

@@ -5,8 +5,40 @@ every distinct matrix ``solve`` and ``solve_many`` meet. Building the
 transpose and comparing allocates a second matrix and sorts it; for a matrix
 in canonical form (sorted indices, no duplicates) this kernel matches each
 stored ``(i, j)`` with row ``j``'s entries in one O(nnz) pass (one cursor
-per row, the GIL released). CPU only: GPU matrices keep the
-transpose path on the device.
+per row, the GIL released). Matrices on a GPU have a kernel of their own
+(``ms_symmetry_many`` in ``system/checks.cu``).
+
+The symmetry rule
+-----------------
+Every symmetry test of the package applies this one rule: the kernels
+here, their GPU twin and the array version for dense matrices and for patterns these kernels leave
+(:func:`managed_solve.system.properties.symmetric_pairs`). A counts as
+symmetric when every pair ``i != j`` has::
+
+    |a_ij - a_ji| <= rel * max(|a_ij|, |a_ji|, sqrt(r_i) * sqrt(r_j)),   r_i = max_k |a_ik|
+
+with ``rel = SYMMETRY_RTOL``, an unstored entry read as 0 (duplicates
+summed), the arithmetic in float64 whatever the dtype, a NaN left out of
+``r_i``, and a comparison with a NaN counting as no difference (validation
+refuses NaN and Inf).
+
+Each pair is judged against its own size and its own two rows, not against
+``max |a|`` of the whole matrix: one large entry, such as a 1e15 penalty on
+the diagonal for a Dirichlet condition, would otherwise excuse differences
+of 1e3 everywhere else, and CG, Cholesky and the adjoint of a gradient
+would treat a non-symmetric A as symmetric. Here a large entry widens only
+the pairs of its own row (and their mirrors), and by its square root. The
+rows' largest entries give a pair a size when its two sides cancelled to
+rounding level in assembly (1e-17 against a 0, stored or not): that
+rounding is relative to the contributions that cancelled, which are about
+the size of the rows' other entries. The floor scales with the matrix, and
+rows with a zero diagonal (saddle-point matrices, MINRES's case) have one
+too.
+
+Cost: the first two terms need only the pair's two values; the two rows are
+read for their largest entries only for a pair that fails them, which in a
+symmetric matrix is rare (mirrors are mostly equal bit for bit), and no
+pair is compared after the first that fails.
 """
 
 from __future__ import annotations
@@ -15,10 +47,14 @@ import numba
 import numpy as np
 from numba.extending import overload
 
-__all__ = ["NOT_CANONICAL", "abs_max", "csr_gershgorin", "csr_mirror", "csr_mirror_gershgorin",
-           "csr_positive_diagonal", "csr_symmetry", "csr_symmetry_gershgorin", "csr_symmetry_rows",
-           "csr_symmetry_rows_search", "csr_symmetry_rows_window", "csr_symmetry_scaled",
-           "symmetry_gershgorin"]
+__all__ = ["NOT_CANONICAL", "SYMMETRY_RTOL", "csr_gershgorin", "csr_mirror",
+           "csr_mirror_gershgorin", "csr_positive_diagonal", "csr_symmetry",
+           "csr_symmetry_gershgorin", "csr_symmetry_rows", "csr_symmetry_rows_search",
+           "csr_symmetry_rows_window", "csr_symmetry_scaled", "symmetry_gershgorin"]
+
+#: ``rel`` of the symmetry rule (module docstring): far above float64's
+#: rounding (1.1e-16) of an assembly, far below any asymmetry a method must heed.
+SYMMETRY_RTOL = 1e-12
 
 SYMMETRIC, DIFFERENT_VALUES, DIFFERENT_PATTERN = 1, 0, -1
 #: :func:`symmetry_gershgorin`'s code for a pattern not in canonical form (a
@@ -27,10 +63,40 @@ NOT_CANONICAL = -2
 
 
 @numba.njit(nogil=True, cache=True)
-def csr_symmetry(indptr, indices, data, limit):
-    """1 if ``|a_ij - a_ji| <= limit`` for every stored entry, 0 if some pair differs by more,
-    -1 if some stored ``(i, j)`` has no stored ``(j, i)`` (the caller then compares ``A - A.T``,
-    since an unstored entry is a zero and a small stored value may still match it).
+def _beyond_values(a, b, rel):
+    """Whether ``|a - b| > rel * max(|a|, |b|)``, in float64: the rule's first, cheap test."""
+    x, y = np.float64(a), np.float64(b)
+    return abs(x - y) > rel * max(abs(x), abs(y))
+
+
+@numba.njit(nogil=True, cache=True)
+def _row_scale(indptr, data, i):
+    """``max |a_ik|`` over row ``i``'s stored entries, as float64 (NaN left out; 0.0 for an empty row)."""
+    scale = 0.0
+    for p in range(indptr[i], indptr[i + 1]):
+        v = abs(np.float64(data[p]))
+        if v > scale:
+            scale = v
+    return scale
+
+
+@numba.njit(nogil=True, cache=True)
+def _beyond_rows(indptr, data, i, j, a, b, rel):
+    """Whether ``|a - b| > rel * sqrt(r_i) * sqrt(r_j)``: the rule's last test, for a pair that failed the first.
+
+    Reads rows ``i`` and ``j`` within their pointers only (their columns'
+    order does not matter).
+    """
+    ri = _row_scale(indptr, data, i)
+    rj = _row_scale(indptr, data, j)
+    return abs(np.float64(a) - np.float64(b)) > rel * (np.sqrt(ri) * np.sqrt(rj))
+
+
+@numba.njit(nogil=True, cache=True)
+def csr_symmetry(indptr, indices, data, rel):
+    """1 if every stored pair meets the symmetry rule (module docstring) with ``rel``, 0 if one does not,
+    -1 if some stored ``(i, j)`` has no stored ``(j, i)`` (the caller then applies the rule
+    with the missing entries read as zeros: a small stored value may still pass).
 
     ``indices`` must be sorted within each row, without duplicates. Rows are
     walked in order while a cursor per row ``j`` steps through row ``j``'s
@@ -46,19 +112,20 @@ def csr_symmetry(indptr, indices, data, limit):
             if q == indptr[j + 1] or indices[q] != i:
                 return DIFFERENT_PATTERN
             cursor[j] = q + 1
-            if abs(data[p] - data[q]) > limit:
+            if _beyond_values(data[p], data[q], rel) and \
+                    _beyond_rows(indptr, data, i, j, data[p], data[q], rel):
                 return DIFFERENT_VALUES
     return SYMMETRIC
 
 
 @numba.njit(nogil=True, cache=True)
 def csr_symmetry_scaled(indptr, indices, data, rel):
-    """:func:`csr_symmetry` with ``limit = rel * max |a_ij|`` (scale-invariant), the scale found in the same call."""
-    return csr_symmetry(indptr, indices, data, rel * abs_max(data, 0, data.shape[0]))
+    """:func:`csr_symmetry` (the rule is scale-invariant pair by pair: nothing to find first)."""
+    return csr_symmetry(indptr, indices, data, rel)
 
 
 @numba.njit(nogil=True, cache=True)
-def csr_symmetry_rows(indptr, indices, data, limit, lo, hi):
+def csr_symmetry_rows(indptr, indices, data, rel, lo, hi):
     """:func:`csr_symmetry` for the stored entries of rows ``lo:hi`` only (the same codes).
 
     Row ranges are independent, so chunks of one matrix run side by side on
@@ -78,12 +145,12 @@ def csr_symmetry_rows(indptr, indices, data, limit, lo, hi):
             jmin = min(jmin, indices[a])
             jmax = max(jmax, indices[b - 1])
     if jmax - jmin + 1 <= 4 * (hi - lo) + 64:
-        return csr_symmetry_rows_window(indptr, indices, data, limit, lo, hi, jmin, jmax)
-    return csr_symmetry_rows_search(indptr, indices, data, limit, lo, hi)
+        return csr_symmetry_rows_window(indptr, indices, data, rel, lo, hi, jmin, jmax)
+    return csr_symmetry_rows_search(indptr, indices, data, rel, lo, hi)
 
 
 @numba.njit(nogil=True, cache=True)
-def csr_symmetry_rows_window(indptr, indices, data, limit, lo, hi, jmin, jmax):
+def csr_symmetry_rows_window(indptr, indices, data, rel, lo, hi, jmin, jmax):
     """Rows ``lo:hi`` whose columns lie in ``jmin..jmax``: one cursor per row of that window.
 
     As in :func:`csr_symmetry`, the mirrors ``(j, i)`` of rows ``i = lo, lo+1, ...``
@@ -101,13 +168,14 @@ def csr_symmetry_rows_window(indptr, indices, data, limit, lo, hi, jmin, jmax):
             if q == indptr[j + 1] or indices[q] != i:
                 return DIFFERENT_PATTERN
             cursor[j - jmin] = q + 1
-            if abs(data[p] - data[q]) > limit:
+            if _beyond_values(data[p], data[q], rel) and \
+                    _beyond_rows(indptr, data, i, j, data[p], data[q], rel):
                 return DIFFERENT_VALUES
     return SYMMETRIC
 
 
 @numba.njit(nogil=True, cache=True)
-def csr_symmetry_rows_search(indptr, indices, data, limit, lo, hi):
+def csr_symmetry_rows_search(indptr, indices, data, rel, lo, hi):
     """Rows ``lo:hi``, each ``(i, j)`` looked up in row ``j`` by binary search."""
     for i in range(lo, hi):
         for p in range(indptr[i], indptr[i + 1]):
@@ -115,7 +183,8 @@ def csr_symmetry_rows_search(indptr, indices, data, limit, lo, hi):
             a = _first_at_least(indices, indptr[j], indptr[j + 1], i)
             if a == indptr[j + 1] or indices[a] != i:
                 return DIFFERENT_PATTERN
-            if abs(data[p] - data[a]) > limit:
+            if _beyond_values(data[p], data[a], rel) and \
+                    _beyond_rows(indptr, data, i, j, data[p], data[a], rel):
                 return DIFFERENT_VALUES
     return SYMMETRIC
 
@@ -130,17 +199,6 @@ def _first_at_least(indices, a, b, value):
         else:
             b = m
     return a
-
-
-@numba.njit(nogil=True, cache=True)
-def abs_max(data, lo, hi):
-    """``max |data[lo:hi]|`` (0 for an empty range), without a temporary array."""
-    scale = 0.0
-    for k in range(lo, hi):
-        a = abs(data[k])
-        if a > scale:
-            scale = a
-    return scale
 
 
 @numba.njit(nogil=True, cache=True)
@@ -203,10 +261,11 @@ def csr_symmetry_gershgorin(indptr, indices, data, rel):
     every distinct matrix; one walk over the entries reads each once (the
     mirror look-ups of the cursors dominate either pass). A pattern not in
     canonical form (sorted rows, no duplicates) gets the code
-    ``NOT_CANONICAL`` and zeros. The largest mirror
-    difference and ``max |a_ij|`` are tracked to the end, so a matrix whose
-    values differ is read whole (its Gershgorin bounds are wanted too); one
-    whose pattern differs stops comparing mirrors at the first miss.
+    ``NOT_CANONICAL`` and zeros. A matrix whose values differ is still read
+    whole (its Gershgorin bounds are wanted too, and a pattern miss after
+    the first differing pair still gives ``DIFFERENT_PATTERN``), but
+    compares no pair after that one; one whose pattern differs stops
+    comparing mirrors at the first miss.
     """
     return symmetry_gershgorin(indptr, indices, data, rel)
 
@@ -223,11 +282,11 @@ def symmetry_gershgorin(indptr, indices, data, rel):
     look-ups dominate the walk): row ``j``'s cursor starts right of its
     diagonal, and the mirrors ``(j, i)`` of rows ``i = j+1, j+2, ...`` meet
     row ``j``'s entries there in order. Each pair is compared once, from
-    its lower entry (``|a - b|`` is the same either way); the pattern is
+    its lower entry (the rule is the same either way); the pattern is
     symmetric when every lower entry found its mirror and every cursor
-    reached its row's end (no upper entry left without one). ``max`` skips
-    a NaN (it keeps the running value), so the largest difference and
-    scale do not depend on the order either.
+    reached its row's end (no upper entry left without one). A pair that
+    fails the rule's value test reads its two rows for their largest
+    entries, within their pointers (row ``i``'s were checked at its start).
 
     A sorted row is its lower entries, then at most one diagonal entry, then
     its upper entries: three loops, one after the other, rather than a test
@@ -250,8 +309,7 @@ def symmetry_gershgorin(indptr, indices, data, rel):
     one = np.uint64(1)  # an unsigned position plus a plain int would be a float in Numba
     cursor = np.empty(n, dtype=ptr.dtype)  # row j's first entry right of the diagonal not yet met
     same_pattern = True
-    worst = 0.0
-    scale = 0.0
+    same_values = True
     lo, hi = np.inf, -np.inf
     dmin, dmax = np.inf, -np.inf
     nan = False
@@ -273,7 +331,6 @@ def symmetry_gershgorin(indptr, indices, data, rel):
                 return NOT_CANONICAL, 0.0, 0.0, 0.0, 0.0
             least = j + one
             a = data[p]
-            scale = max(scale, abs(a))
             r += abs(a)
             if same_pattern:
                 q = cursor[j]
@@ -281,12 +338,14 @@ def symmetry_gershgorin(indptr, indices, data, rel):
                     same_pattern = False
                 else:
                     cursor[j] = q + one
-                    worst = max(worst, abs(a - data[q]))
+                    b = data[q]
+                    if a != b and same_values and _beyond_values(a, b, rel) and _beyond_rows(
+                            indptr, data, np.int64(i), np.int64(j), a, b, rel):
+                        same_values = False
             p += one
         d = 0.0
         if p < end and idx[p] == i:
             a = data[p]
-            scale = max(scale, abs(a))
             d += a
             p += one
             least = i + one
@@ -296,9 +355,7 @@ def symmetry_gershgorin(indptr, indices, data, rel):
             if j < least or j >= un:
                 return NOT_CANONICAL, 0.0, 0.0, 0.0, 0.0
             least = j + one
-            a = data[p]
-            scale = max(scale, abs(a))
-            r += abs(a)
+            r += abs(data[p])
             p += one
         nan = nan or d != d
         lo = min(lo, d - r)
@@ -313,7 +370,7 @@ def symmetry_gershgorin(indptr, indices, data, rel):
     if not same_pattern:
         code = DIFFERENT_PATTERN
     else:
-        code = SYMMETRIC if worst <= rel * scale else DIFFERENT_VALUES
+        code = SYMMETRIC if same_values else DIFFERENT_VALUES
     if n == 0:
         return code, 0.0, 0.0, 0.0, 0.0
     if nan:
@@ -365,8 +422,7 @@ def csr_mirror_gershgorin(indptr, indices, data, mirror, rel):
     ``SYMMETRIC`` or ``DIFFERENT_VALUES``.
     """
     n = indptr.shape[0] - 1
-    worst = 0.0
-    scale = 0.0
+    same_values = True
     lo, hi = np.inf, -np.inf
     dmin, dmax = np.inf, -np.inf
     nan = False
@@ -375,8 +431,10 @@ def csr_mirror_gershgorin(indptr, indices, data, mirror, rel):
         r = 0.0
         for p in range(indptr[i], indptr[i + 1]):
             a = data[p]
-            scale = max(scale, abs(a))
-            worst = max(worst, abs(a - data[mirror[p]]))
+            b = data[mirror[p]]
+            if a != b and same_values and _beyond_values(a, b, rel) and \
+                    _beyond_rows(indptr, data, i, indices[p], a, b, rel):
+                same_values = False
             if indices[p] == i:
                 d += a
             else:
@@ -386,7 +444,7 @@ def csr_mirror_gershgorin(indptr, indices, data, mirror, rel):
         hi = max(hi, d + r)
         dmin = min(dmin, d)
         dmax = max(dmax, d)
-    code = SYMMETRIC if worst <= rel * scale else DIFFERENT_VALUES
+    code = SYMMETRIC if same_values else DIFFERENT_VALUES
     if n == 0:
         return code, 0.0, 0.0, 0.0, 0.0
     if nan:

@@ -363,14 +363,16 @@ def _csr_nnz(A: Any) -> int | None:
     return None
 
 
-def check_symmetry(mats: Sequence[Any], cache: dict, rel: float = 1e-12) -> None:
+def check_symmetry(mats: Sequence[Any], cache: dict, rel: float | None = None) -> None:
     """The symmetry code and Gershgorin bounds of host CSR matrices into ``cache``, largest first.
 
     ``mats``: distinct matrices passing :func:`symmetry_candidate`. Each
     gets the entries :func:`managed_solve.system.is_symmetric` leaves
     (``cache[id(A)]``, unless its stored pattern is not symmetric: then
-    ``is_symmetric`` compares ``A - A.T`` itself) and the Gershgorin bounds
-    (``cache[("gershgorin", id(A))]``). :func:`symmetry_pass` then
+    ``is_symmetric`` applies the rule to the entries and their mirrors
+    itself) and the Gershgorin bounds (``cache[("gershgorin", id(A))]``),
+    by the same symmetry rule (:mod:`managed_solve.kernels.symmetry`;
+    ``rel`` its ``SYMMETRY_RTOL`` unless given). :func:`symmetry_pass` then
     :meth:`SymmetryPass.run`.
     """
     symmetry_pass(mats, rel).run(cache)
@@ -455,8 +457,10 @@ class SymmetryPass:
         self.store(cache)
 
 
-def symmetry_pass(mats: Sequence[Any], rel: float = 1e-12) -> SymmetryPass:
+def symmetry_pass(mats: Sequence[Any], rel: float | None = None) -> SymmetryPass:
     """:func:`check_symmetry`'s tables: the matrices largest first, by dtypes, with their addresses."""
+    if rel is None:
+        from ..kernels.symmetry import SYMMETRY_RTOL as rel
     exact = _backend.scipy_csr_types()
     sizes = np.fromiter((int(A.indptr[-1]) if type(A) in exact else A.nnz for A in mats),
                         np.int64, len(mats))  # a CSR's nnz, without its property's calls

@@ -34,7 +34,7 @@ __all__ = ["FLAG_BAD_INDEX", "FLAG_BAD_INDPTR", "FLAG_NOT_CANONICAL", "csr_from_
 
 #: Bits of the structure and symmetry flags (the MS_* constants of ``checks.cu``).
 FLAG_BAD_INDPTR, FLAG_BAD_INDEX, FLAG_NOT_CANONICAL = 1, 2, 4
-FLAG_MIRROR_MISSING, FLAG_NAN_DIAGONAL = 8, 16
+FLAG_MIRROR_MISSING, FLAG_NAN_DIAGONAL, FLAG_VALUES_DIFFER = 8, 16, 32
 
 #: Threads per block; grid-stride kernels use at most MAX_BLOCKS blocks.
 THREADS, MAX_BLOCKS = 256, 2048
@@ -138,22 +138,24 @@ def _encode(x: float) -> np.uint64:
     return np.uint64(~b) if b >> np.uint64(63) else np.uint64(b | np.uint64(1 << 63))
 
 
-def symmetry_many(mats: Sequence[Any], rel: float = 1e-12) -> list[tuple[int | None, tuple]]:
+def symmetry_many(mats: Sequence[Any], rel: float | None = None) -> list[tuple[int | None, tuple]]:
     """The symmetry code and Gershgorin bounds of cupyx CSR matrices on one GPU, one launch a dtype pair.
 
     For each matrix ``(code, (lo, hi, dmin, dmax))`` as
     :func:`managed_solve.kernels.symmetry.csr_symmetry_gershgorin` gives on
     the host: ``code`` is ``SYMMETRIC`` when every stored ``(i, j)`` has its
-    mirror stored and ``|a_ij - a_ji| <= rel * max |a|``,
-    ``DIFFERENT_VALUES`` when the mirrors differ by more, and
+    mirror stored and each pair meets the symmetry rule of
+    :mod:`managed_solve.kernels.symmetry` with ``rel`` (default
+    ``SYMMETRY_RTOL``), ``DIFFERENT_VALUES`` when some pair does not, and
     ``DIFFERENT_PATTERN`` when some mirror is not stored; None when a row's
     columns are not strictly increasing (the caller's general test
     decides), as for a matrix whose pointers and indices differ in type. The
     matrices must have valid patterns (:func:`csr_structure`) and at least
     one row.
     """
-    from ..kernels.symmetry import DIFFERENT_PATTERN, DIFFERENT_VALUES, SYMMETRIC
+    from ..kernels.symmetry import DIFFERENT_PATTERN, DIFFERENT_VALUES, SYMMETRIC, SYMMETRY_RTOL
 
+    rel = SYMMETRY_RTOL if rel is None else float(rel)
     cp = _backend.cupy()
     results: list[Any] = [None] * len(mats)
     groups: dict[tuple, list[int]] = {}
@@ -176,9 +178,9 @@ def symmetry_many(mats: Sequence[Any], rel: float = 1e-12) -> list[tuple[int | N
             np.fromiter((A.indices.data.ptr for A in group), np.uint64, len(group)),
             np.fromiter((A.data.data.ptr for A in group), np.uint64, len(group)),
             rows.view(np.uint64)])
-        init = np.zeros((len(group), 8), dtype=np.uint64)
-        init[:, 3] = init[:, 5] = _encode(np.inf)
-        init[:, 4] = init[:, 6] = _encode(-np.inf)
+        init = np.zeros((len(group), 8), dtype=np.uint64)  # flags, lo, hi, dmin, dmax, unused
+        init[:, 1] = init[:, 3] = _encode(np.inf)
+        init[:, 2] = init[:, 4] = _encode(-np.inf)
         with cp.cuda.Device(dev):
             d_tables = cp.asarray(tables)
             d_blocks = cp.asarray(block_matrix)
@@ -188,12 +190,10 @@ def symmetry_many(mats: Sequence[Any], rel: float = 1e-12) -> list[tuple[int | N
             kernel = _kernel(dev, f"ms_symmetry_many<{_type(idt)}, {_type(ddt)}>")
             kernel((len(block_matrix),), (THREADS,),
                    (d_blocks, d_row0, d_tables[:m], d_tables[m:2 * m], d_tables[2 * m:3 * m],
-                    d_tables[3 * m:].view(np.int64), out))
+                    d_tables[3 * m:].view(np.int64), np.float64(rel), out))
             words = out.get()  # sync: one read for the group's matrices
         flags = words[:, 0]
-        scale = words[:, 1].view(np.float64)
-        worst = words[:, 2].view(np.float64)
-        bounds = np.stack([_decode(words[:, c]) for c in (3, 4, 5, 6)], axis=1)
+        bounds = np.stack([_decode(words[:, c]) for c in (1, 2, 3, 4)], axis=1)
         for j, k in enumerate(members):
             f = int(flags[j])
             if f & FLAG_NOT_CANONICAL:
@@ -201,7 +201,7 @@ def symmetry_many(mats: Sequence[Any], rel: float = 1e-12) -> list[tuple[int | N
             if f & FLAG_MIRROR_MISSING:
                 code = DIFFERENT_PATTERN
             else:
-                code = SYMMETRIC if worst[j] <= rel * scale[j] else DIFFERENT_VALUES
+                code = DIFFERENT_VALUES if f & FLAG_VALUES_DIFFER else SYMMETRIC
             b = (float("nan"),) * 4 if f & FLAG_NAN_DIAGONAL \
                 else tuple(float(v) for v in bounds[j])
             results[k] = (int(code), b)

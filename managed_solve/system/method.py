@@ -363,9 +363,17 @@ def matrix_symmetry(system: Any, cache: dict | None = None) -> bool | None:
         return is_symmetric(system.A, cache)
     if system.kind == "dense":
         from .. import _backend
+        from ..kernels.symmetry import SYMMETRY_RTOL
+        from .properties import symmetric_pairs
 
         xp = _backend.array_module(system.A)
         A = system.A
-        scale = float(xp.abs(A).max())  # sync: once, choosing the method
-        return bool(xp.abs(A - A.T).max() <= 1e-12 * scale)  # sync: once
+        i = xp.arange(A.shape[0])
+
+        def row_max() -> Any:
+            size = xp.abs(A)
+            return xp.where(size == size, size, 0).max(axis=1)  # a NaN left out
+
+        # The rule of kernels.symmetry: each pair against its own size and rows (not max |a|).
+        return symmetric_pairs(xp, A, A.T, i[:, None], i[None, :], row_max, SYMMETRY_RTOL)
     return None

@@ -81,14 +81,19 @@ def cg_iteration_bound(A: Any, rtol: float, cache: dict | None = None) -> float:
 
 
 def is_symmetric(A: Any, cache: dict | None = None) -> bool:
-    """Whether a CSR matrix equals its transpose (to 1e-12 relative), on the device A lies on.
+    """Whether a CSR matrix equals its transpose, pair by pair, on the device A lies on.
 
     The one symmetry test of the package (``solve``'s method choice, the
-    ``LinearSystem.is_symmetric_hint`` property, ``solve_many``'s routing).
-    With sorted indices and a symmetric pattern the test is one transpose and
-    three comparisons (about half the cost of ``abs(A - A.T).max()``);
-    otherwise, or when the stored patterns differ (stored values below the
-    tolerance may still make A symmetric), the difference ``A - A.T`` decides.
+    ``LinearSystem.is_symmetric_hint`` property, ``solve_many``'s routing),
+    by the rule of :mod:`managed_solve.kernels.symmetry`: every pair within
+    ``SYMMETRY_RTOL`` (1e-12) of its own size or of its two rows' largest entries, so
+    that one large entry (a penalty on the diagonal) does not excuse
+    differences elsewhere. A canonical matrix (sorted indices, no
+    duplicates) with a symmetric pattern is tested in one pass (a Numba
+    kernel on the host, one launch on a GPU); otherwise, or when the stored
+    patterns differ (a small stored value facing an unstored zero may still
+    pass), :func:`symmetric_pairs` decides on the stored entries and their
+    mirrors.
 
     Parameters
     ----------
@@ -109,6 +114,8 @@ def is_symmetric(A: Any, cache: dict | None = None) -> bool:
     >>> is_symmetric(sp.diags([1.0, 2.0], [0, 1], shape=(4, 4), format="csr"))
     False
     """
+    from ..kernels.symmetry import DIFFERENT_PATTERN, SYMMETRY_RTOL
+
     if cache is not None:
         hit = cache.get(id(A))
         if hit is not None and hit[0] is A:
@@ -119,39 +126,96 @@ def is_symmetric(A: Any, cache: dict | None = None) -> bool:
         xp = _backend.array_module(A.data)
         result = None
         if xp is np and A.has_canonical_format:
-            from ..kernels.symmetry import DIFFERENT_PATTERN
-
-            code = _host_symmetry(A, 1e-12, cache)
+            code = _host_symmetry(A, SYMMETRY_RTOL, cache)
             result = None if code == DIFFERENT_PATTERN else bool(code)
         if xp is not np and getattr(A, "_has_canonical_format", None) is True:
             # Canonical (CuPy knows it, or the input checks found it): one
             # launch and one host read, the bounds kept for the policy too.
             from .device_checks import symmetry_many
 
-            found = symmetry_many([A], 1e-12)[0]
+            found = symmetry_many([A], SYMMETRY_RTOL)[0]
             if found is not None:
-                from ..kernels.symmetry import DIFFERENT_PATTERN
-
                 code, bounds = found
                 if cache is not None:
                     cache[("gershgorin", id(A))] = (A, bounds)
                 result = None if code == DIFFERENT_PATTERN else bool(code)
         if result is None:
-            scale = float(xp.abs(A.data).max())  # sync: one read per distinct matrix
-            limit = 1e-12 * scale
-            if xp is not np and A.has_sorted_indices:
-                T = A.T.tocsr()  # sorted indices, like A
-                if bool(xp.array_equal(T.indptr, A.indptr)) and bool(  # sync: as above
-                        xp.array_equal(T.indices, A.indices)):
-                    result = bool(float(xp.abs(T.data - A.data).max()) <= limit)  # sync: as above
-            if result is None:
-                d = A - A.T
-                result = bool(d.nnz == 0 or float(abs(d).max()) <= limit)  # sync: as above
+            result = _csr_symmetry(A, xp, SYMMETRY_RTOL)
     if cache is not None:
         cache[id(A)] = (A, result)
     return result
 
 
+def symmetric_pairs(xp: Any, a: Any, b: Any, rows: Any, cols: Any, row_max: Any,
+                    rel: float) -> bool:
+    """The symmetry rule of :mod:`managed_solve.kernels.symmetry` on arrays, NumPy or CuPy.
+
+    ``a`` holds entries ``a_ij`` and ``b`` their mirrors ``a_ji`` (0 where
+    not stored); ``rows`` and ``cols`` give each pair's ``i`` and ``j``
+    (arrays broadcasting against ``a``: ``arange(n)[:, None]`` and
+    ``arange(n)[None, :]`` for a dense A). Each pair passes when
+    ``|a - b| <= rel * max(|a|, |b|, sqrt(r_i) * sqrt(r_j))``, in float64,
+    with ``r = row_max()`` each row's largest ``|a_ik|`` (NaN left out),
+    called only when some pair fails the first two terms. One host read,
+    two when it is called.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> i = np.arange(2)
+    >>> def test(A):
+    ...     r = lambda: np.abs(A).max(axis=1)
+    ...     return symmetric_pairs(np, A, A.T, i[:, None], i[None, :], r, 1e-12)
+    >>> test(np.array([[1e15, -0.5], [-1.5, 2.0]]))  # a penalty does not excuse 1.0
+    False
+    >>> test(np.array([[1.0, 1e-17], [0.0, 1.0]]))  # rounding against a zero: within its rows'
+    True
+    """
+    a = a.astype(np.float64, copy=False)
+    b = b.astype(np.float64, copy=False)
+    diff = xp.abs(a - b)
+    beyond = diff > rel * xp.maximum(xp.abs(a), xp.abs(b))  # a NaN compares as no difference
+    if not bool(beyond.any()):  # sync: once, choosing the method
+        return True
+    root = xp.sqrt(xp.asarray(row_max()).astype(np.float64, copy=False))
+    return not bool((beyond & (diff > rel * (root[rows] * root[cols]))).any())  # sync: as above
+
+
+def _csr_symmetry(A: Any, xp: Any, rel: float) -> bool:
+    """:func:`symmetric_pairs` of a CSR matrix in any form: each stored entry against its mirror.
+
+    The pairs come from a float64 copy with duplicates summed; each stored
+    ``(i, j)`` finds ``(j, i)`` by a binary search of the sorted keys
+    ``i n + j`` (0 when not stored), so an entry whose mirror is not stored
+    is judged against a zero, and no transpose is built.
+    """
+    n = A.shape[0]
+    if A.shape[1] != n:
+        return False
+    C = A.astype(np.float64).tocoo()  # a copy: A itself is left as it is
+    C.sum_duplicates()
+    if C.nnz == 0:
+        return True
+    rows = C.row.astype(np.int64)
+    cols = C.col.astype(np.int64)
+    keys = rows * n + cols
+    order = xp.argsort(keys)
+    keys, rows, cols, vals = keys[order], rows[order], cols[order], C.data[order]
+    mirror = cols * n + rows
+    at = xp.minimum(xp.searchsorted(keys, mirror), keys.shape[0] - 1)
+    b = xp.where(keys[at] == mirror, vals[at], 0.0)
+
+    def row_max() -> Any:
+        # Each row's entries by size (a NaN as 0): the last of a row is its largest.
+        size = xp.abs(vals)
+        size = xp.where(size == size, size, 0.0)
+        by = xp.lexsort(xp.stack([size, rows]))
+        last = by[xp.append(rows[by][1:] != rows[by][:-1], True)]
+        out = xp.zeros(n, dtype=np.float64)
+        out[rows[last]] = size[last]
+        return out
+
+    return symmetric_pairs(xp, vals, b, rows, cols, row_max, rel)
 
 
 def _host_symmetry(A: Any, rel: float, cache: dict | None = None) -> int:
@@ -160,7 +224,7 @@ def _host_symmetry(A: Any, rel: float, cache: dict | None = None) -> int:
     The one-pass kernel finds :func:`gershgorin`'s bounds in the same walk;
     they go to ``cache`` for the auto policy, which reads them next.
     """
-    from ..kernels.symmetry import abs_max, csr_symmetry_rows
+    from ..kernels.symmetry import csr_symmetry_rows
 
     workers = symmetry_workers()
     # Chunks cost more in all than the one-pass kernel (a cursor window per
@@ -171,14 +235,8 @@ def _host_symmetry(A: Any, rel: float, cache: dict | None = None) -> int:
             cache[("gershgorin", id(A))] = (A, tuple(float(v) for v in bounds))
         return int(code)
     pool = _backend.thread_pool("symmetry", workers)
-    nnz = A.nnz
-    chunks = _row_chunks(A, 2 * workers)
-    step = -(-nnz // (2 * workers))
-    scale = max(f.result() for f in [pool.submit(abs_max, A.data, k, min(k + step, nnz))
-                                     for k in range(0, nnz, step)])
-    limit = rel * scale
-    codes = [f.result() for f in [pool.submit(csr_symmetry_rows, A.indptr, A.indices, A.data, limit, lo, hi)
-                                  for lo, hi in chunks]]
+    codes = [f.result() for f in [pool.submit(csr_symmetry_rows, A.indptr, A.indices, A.data, rel, lo, hi)
+                                  for lo, hi in _row_chunks(A, 2 * workers)]]
     return min(codes)  # DIFFERENT_PATTERN (-1) < DIFFERENT_VALUES (0) < SYMMETRIC (1)
 
 

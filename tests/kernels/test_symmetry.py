@@ -1,4 +1,4 @@
-"""The one-pass CSR symmetry kernels (kernels/symmetry.py) against the transpose test."""
+"""The one-pass CSR symmetry kernels (kernels/symmetry.py) against the symmetry rule on the dense matrix."""
 
 from __future__ import annotations
 
@@ -10,19 +10,33 @@ from managed_solve.kernels.symmetry import (
     DIFFERENT_PATTERN,
     DIFFERENT_VALUES,
     SYMMETRIC,
-    abs_max,
     csr_symmetry,
     csr_symmetry_rows,
     csr_symmetry_rows_search,
     csr_symmetry_rows_window,
 )
 from managed_solve.system import is_symmetric
-from tests._problems import laplacian1d, poisson2d
+from tests._problems import BACKENDS, laplacian1d, on, poisson2d, tridiagonal
 
 
-def reference(A, limit):
-    d = (A - A.T).tocsr()
-    return d.nnz == 0 or abs(d).max() <= limit
+def reference(A, rel=1e-12):
+    """The symmetry rule on the dense float64 matrix (duplicates summed, NaN as no difference).
+
+    Every pair within ``rel`` of the larger of its two sides, or of
+    ``sqrt(r_i) * sqrt(r_j)`` with ``r_i`` row ``i``'s largest ``|a_ik|`` (NaN left out).
+    """
+    D = A.toarray().astype(np.float64)
+    root = np.sqrt(np.fmax.reduce(np.abs(D), axis=1, initial=0.0))
+    with np.errstate(invalid="ignore"):
+        diff = np.abs(D - D.T)
+        beyond = (diff > rel * np.maximum(np.abs(D), np.abs(D.T))) & \
+            (diff > rel * (root[:, None] * root[None, :]))
+    return not beyond.any()
+
+
+def same_pattern(A):
+    P = sp.csr_matrix((np.ones(A.nnz), A.indices, A.indptr), shape=A.shape)  # stored entries
+    return (P != P.T).nnz == 0
 
 
 @pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
@@ -42,10 +56,10 @@ def test_random_matrices_agree_with_the_transpose(dtype, index_dtype):
         A.sort_indices()
         code = csr_symmetry(A.indptr, A.indices, A.data, 1e-12)
         if code == DIFFERENT_PATTERN:
-            assert A.nnz != (A + A.T).nnz or not reference(A, 1e-12)
+            assert not same_pattern(A)
         else:
-            assert (code == SYMMETRIC) == reference(A, 1e-12)
-        assert is_symmetric(A) == reference(A, 1e-12 * max(float(abs(A.data).max(initial=0)), 1.0))
+            assert (code == SYMMETRIC) == reference(A)
+        assert is_symmetric(A) == reference(A)
 
 
 def test_codes():
@@ -58,21 +72,27 @@ def test_codes():
     assert csr_symmetry(upper.indptr, upper.indices, upper.data, 0.0) == DIFFERENT_PATTERN
 
 
-def test_scaled_variant_finds_the_scale_itself():
+def test_a_pair_is_judged_by_its_own_size_or_its_rows():
     from managed_solve.kernels.symmetry import csr_symmetry_scaled
 
-    A = sp.csr_matrix(np.array([[1e6, 2.0], [2.0 + 1e-5, 1e6]]))  # limit 1e-12 * 1e6 = 1e-6
+    # The rows' largest entries: rel * sqrt(1e6 * 1e6) = 1e-6 for the pair (2, 2 + d).
+    A = sp.csr_matrix(np.array([[1e6, 2.0], [2.0 + 1e-5, 1e6]]))
     assert csr_symmetry_scaled(A.indptr, A.indices, A.data, 1e-12) == DIFFERENT_VALUES
     C = sp.csr_matrix(np.array([[1e6, 2.0], [2.0 + 1e-7, 1e6]]))
     assert csr_symmetry_scaled(C.indptr, C.indices, C.data, 1e-12) == SYMMETRIC
     assert csr_symmetry_scaled(A.indptr, A.indices, A.data, 1e-12 * 1e3) == SYMMETRIC
-    # Scale-invariant: at scale 1e-3 the limit is 1e-15, so 2e-13 against a
+    # Scale-invariant: with rows of 1e-3 the floor is 1e-15, so 2e-13 against a
     # missing entry is an asymmetry (no absolute floor of 1e-12).
     B = sp.csr_matrix(np.array([[1e-3, 2e-13], [0.0, 1e-3]]))
     assert csr_symmetry_scaled(B.indptr, B.indices, B.data, 1e-12) == DIFFERENT_PATTERN
     assert not is_symmetric(B)
     D = sp.csr_matrix(np.array([[1e-3, 2e-19], [0.0, 1e-3]]))  # 2e-19 < 1e-15: symmetric
     assert is_symmetric(D)
+    # Without diagonals: the pair's own size (here also its rows' largest).
+    E = sp.csr_matrix(np.array([[0.0, 1e8], [1e8 + 1e-5, 0.0]]))
+    assert csr_symmetry(E.indptr, E.indices, E.data, 1e-12) == SYMMETRIC  # 1e-5 <= 1e-12 * 1e8
+    F = sp.csr_matrix(np.array([[0.0, 1e8], [1e8 + 1e-3, 0.0]]))
+    assert csr_symmetry(F.indptr, F.indices, F.data, 1e-12) == DIFFERENT_VALUES
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -100,7 +120,7 @@ def test_row_chunks_give_the_one_pass_codes(dtype):
                 assert not (whole == SYMMETRIC or min(codes) == SYMMETRIC)
             else:
                 assert min(codes) == whole
-        assert abs_max(A.data, 0, A.nnz) == (abs(A.data).max() if A.nnz else 0.0)
+                assert (whole == SYMMETRIC) == reference(A, 1e-9)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -207,25 +227,18 @@ def test_fused_walk_codes_match_the_transpose_and_bounds_the_gershgorin_kernel(d
         A.indices = A.indices.astype(index_dtype)
         A.indptr = A.indptr.astype(index_dtype)
         code, *bounds = csr_symmetry_gershgorin(A.indptr, A.indices, A.data, 1e-12)
-        P = sp.csr_matrix((np.ones(A.nnz), A.indices, A.indptr), shape=A.shape)  # stored entries
-        pattern = (P != P.T).nnz == 0
-        if not pattern:
+        if not same_pattern(A):
             assert code == DIFFERENT_PATTERN, trial
         else:
-            diff = np.abs(A.toarray().astype(np.float64) - A.toarray().T.astype(np.float64))
-            vals = np.abs(A.data)
-            worst = float(np.nanmax(diff, initial=0.0)) if not np.isnan(diff).all() else 0.0
-            scale = float(np.nanmax(vals, initial=0.0)) if not np.isnan(vals).all() else 0.0
-            want = SYMMETRIC if worst <= 1e-12 * scale else DIFFERENT_VALUES
-            assert code == want, trial
+            assert code == (SYMMETRIC if reference(A) else DIFFERENT_VALUES), trial
         np.testing.assert_array_equal(bounds, csr_gershgorin(A.indptr, A.indices, A.data))
 
 
 def reference_walk(A, rel):
     """Code, Gershgorin bounds and finite flag of a canonical CSR from SciPy and NumPy.
 
-    The code from ``A - A.T`` (the stored patterns, then the largest
-    difference against ``rel`` times the largest entry, NaN skipped); the
+    The code from the stored patterns, then the symmetry rule on the dense
+    matrix (:func:`reference`); the
     bounds from the diagonal and each row's absolute off-diagonal sum,
     added in the stored order (the rows padded with zeros and summed a
     column at a time), so they can be compared bit for bit.
@@ -234,15 +247,10 @@ def reference_walk(A, rel):
     if n == 0:
         return SYMMETRIC, (0.0, 0.0, 0.0, 0.0), True
     finite = bool(np.isfinite(A.data).all())
-    P = sp.csr_matrix((np.ones(A.nnz), A.indices, A.indptr), shape=A.shape)
-    if (P != P.T).nnz:
+    if not same_pattern(A):
         code = DIFFERENT_PATTERN
     else:
-        with np.errstate(invalid="ignore"):
-            diff = np.abs((A - A.T).tocsr().data)
-        worst = float(np.fmax.reduce(diff, initial=0.0))  # fmax skips NaN
-        scale = float(np.fmax.reduce(np.abs(A.data), initial=0.0))
-        code = SYMMETRIC if worst <= rel * scale else DIFFERENT_VALUES
+        code = SYMMETRIC if reference(A, rel) else DIFFERENT_VALUES
     d = 0.0 + A.diagonal().astype(np.float64)  # 0.0 + -0.0 is 0.0, as a sum from 0.0 gives
     rows = np.repeat(np.arange(n), np.diff(A.indptr))
     padded = np.zeros((n, max(int(np.diff(A.indptr).max()), 1)))
@@ -399,3 +407,130 @@ def test_walk_reports_a_pattern_out_of_canonical_form(index_dtype):
         assert finite[k] == (0 if k == 1 else 1), name
         if "column" not in name and "pointers" not in name:  # SciPy agrees (it checks the order)
             assert not mats[k].has_canonical_format, name
+
+
+def _penalised(A, entries):
+    """A copy of CSR ``A`` with the given diagonal entries set, ``{row: value}``."""
+    B = A.tolil()
+    for i, v in entries.items():
+        B[i, i] = v
+    return B.tocsr()
+
+
+def _with(A, pairs, unstored=()):
+    """A canonical copy of CSR ``A`` with entries stored, ``{(i, j): value}`` (a 0.0 too), and
+    the positions ``unstored`` left out."""
+    C = A.tocoo()
+    gone = set(pairs) | set(unstored)
+    keep = np.array([(i, j) not in gone for i, j in zip(C.row.tolist(), C.col.tolist(), strict=True)])
+    rows = np.r_[C.row[keep], [i for i, _j in pairs]]
+    cols = np.r_[C.col[keep], [j for _i, j in pairs]]
+    B = sp.csr_matrix((np.r_[C.data[keep], list(pairs.values())], (rows, cols)), shape=A.shape)
+    B.sort_indices()
+    return B
+
+
+def rule_gallery():
+    """Matrices that probe the symmetry rule, by name: (A, whether A counts as symmetric)."""
+    n = 50
+    convection = tridiagonal(n, -1.5, 2.0, -0.5)  # mirrors differ by 1.0
+    scaled = (sp.diags(np.logspace(-6, 6, n)) @ laplacian1d(n) @ sp.diags(np.logspace(-6, 6, n))).tocsr()
+    saddle = sp.csr_matrix(np.array([[0.0, 1.0, 1.0], [1.0, 0.0, 1.0], [1.0, 1.0, 2.0]]))
+    out = {
+        # One large entry must not excuse differences elsewhere (the penalty Dirichlet of FEM).
+        "penalty, convection": (_penalised(convection, {0: 1e15, n - 1: 1e15}), False),
+        "penalty, one end": (_penalised(tridiagonal(12, -0.5, 4.0, -1.0), {11: 1e12}), False),
+        "penalty, Laplacian": (_penalised(laplacian1d(n), {0: 1e15, n - 1: 1e15}), True),
+        "penalty 1e300, Laplacian": (_penalised(laplacian1d(n), {0: 1e300}), True),
+        "penalty, tiny matrix": (_penalised(laplacian1d(n) * 1e-300, {0: 1e-285}), True),
+        "penalty, tiny convection": (_penalised(convection * 1e-300, {0: 1e-285}), False),
+        # A symmetric scaling D A D keeps symmetry, whatever the rows' sizes (mirrors rounded apart).
+        "D A D": (scaled, True),
+        "D A D, one pair 1e-9 apart": (_with(scaled, {(30, 31): scaled[30, 31] * (1 + 1e-9)}), False),
+        # Rounding against a zero: within the rows' largest entries, stored or not.
+        "cancelled pair": (_with(laplacian1d(6), {(2, 4): 1e-17, (4, 2): -1e-17}), True),
+        "cancelled, mirror unstored": (_with(laplacian1d(6), {(2, 4): 3e-17}), True),
+        "beyond the rows": (_with(laplacian1d(6), {(2, 4): 1e-11}), False),
+        "beyond the rows, a stored zero": (_with(laplacian1d(6), {(2, 4): 1e-11, (4, 2): 0.0}), False),
+        "cancelled, a stored zero": (_with(laplacian1d(6), {(2, 4): 3e-17, (4, 2): 0.0}), True),
+        # Rows with a zero diagonal (a saddle point: MINRES's case) have the floor too.
+        "zero diagonal, rounding": (_with(saddle, {(0, 1): 1e-17, (1, 0): -1e-17}), True),
+        "zero diagonal, unstored": (_with(saddle, {(0, 1): 1e-17}, unstored=[(1, 0)]), True),
+        "zero diagonal, beyond": (_with(saddle, {(0, 1): 1e-11, (1, 0): -1e-11}), False),
+        "zero diagonal, within its size": (_with(saddle, {(1, 0): 1.0 + 2e-16}), True),
+        # float32: rounded from a symmetric float64 matrix it stays symmetric.
+        "float32 penalty Laplacian": (_penalised(poisson2d(6), {0: 1e15}).astype(np.float32), True),
+        "float32 penalty convection": (_penalised(convection, {0: 1e15}).astype(np.float32), False),
+    }
+    for name, (A, _want) in out.items():
+        A.sort_indices()
+        assert A.has_canonical_format, name
+    return out
+
+
+def unsorted(A):
+    """A copy of CSR ``A`` with each row's entries in reverse order (not canonical)."""
+    data, indices = A.data.copy(), A.indices.copy()
+    for i in range(A.shape[0]):
+        lo, hi = A.indptr[i], A.indptr[i + 1]
+        data[lo:hi], indices[lo:hi] = data[lo:hi][::-1].copy(), indices[lo:hi][::-1].copy()
+    B = sp.csr_matrix((data, indices, A.indptr.copy()), shape=A.shape)
+    assert not B.has_canonical_format or B.nnz == B.shape[0]
+    return B
+
+
+@pytest.mark.parametrize("name", list(rule_gallery()))
+def test_every_host_kernel_applies_the_one_rule(name):
+    """Each pair against its own size or its rows, by every kernel and the array version alike."""
+    from managed_solve.kernels.checks import csr_symmetry_gershgorin_many
+    from managed_solve.kernels.packing import addresses
+    from managed_solve.kernels.symmetry import (
+        csr_mirror,
+        csr_mirror_gershgorin,
+        csr_symmetry_gershgorin,
+        csr_symmetry_scaled,
+    )
+
+    A, want = rule_gallery()[name]
+    assert reference(A) == want
+    n, rel = A.shape[0], 1e-12
+    assert is_symmetric(A) == want
+    assert is_symmetric(unsorted(A)) == want  # not canonical: the array version of the rule
+    if not same_pattern(A):
+        assert csr_symmetry(A.indptr, A.indices, A.data, rel) == DIFFERENT_PATTERN
+        return
+    code = SYMMETRIC if want else DIFFERENT_VALUES
+    assert csr_symmetry(A.indptr, A.indices, A.data, rel) == code
+    assert csr_symmetry_scaled(A.indptr, A.indices, A.data, rel) == code
+    assert csr_symmetry_gershgorin(A.indptr, A.indices, A.data, rel)[0] == code
+    mirror = csr_mirror(A.indptr, A.indices)
+    assert csr_mirror_gershgorin(A.indptr, A.indices, A.data, mirror, rel)[0] == code
+    for pieces in ([(0, n)], [(0, n // 3), (n // 3, n)]):
+        assert min(csr_symmetry_rows(A.indptr, A.indices, A.data, rel, lo, hi) for lo, hi in pieces) == code
+        assert min(csr_symmetry_rows_search(A.indptr, A.indices, A.data, rel, lo, hi)
+                   for lo, hi in pieces) == code
+        assert min(csr_symmetry_rows_window(A.indptr, A.indices, A.data, rel, lo, hi, 0, n - 1)
+                   for lo, hi in pieces) == code
+    codes, bounds, finite = np.full(1, 9, np.int8), np.zeros((1, 4)), np.zeros(1, np.uint8)
+    csr_symmetry_gershgorin_many(0, 1, addresses([A.indptr]), addresses([A.indices]),
+                                 addresses([A.data]), np.array([n]), np.array([A.nnz]),
+                                 A.indptr, A.indices, A.data, rel, codes, bounds, finite)
+    assert codes[0] == code
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_is_symmetric_applies_the_one_rule_on_each_device(backend):
+    """The GPU's one-launch kernel and its array fallback give the host's answers."""
+    gallery = rule_gallery()
+    for name, (A, want) in gallery.items():
+        assert is_symmetric(on(backend, A)) == want, name
+        assert is_symmetric(on(backend, unsorted(A))) == want, name
+    if backend == "cuda":
+        from managed_solve.kernels.symmetry import csr_symmetry_gershgorin
+        from managed_solve.system.device_checks import symmetry_many
+
+        mats = list(gallery.values())
+        for (A, _want), found in zip(mats, symmetry_many([on(backend, A) for A, _w in mats]),
+                                     strict=True):
+            assert found is not None and found[0] == csr_symmetry_gershgorin(
+                A.indptr, A.indices, A.data, 1e-12)[0]
