@@ -16,7 +16,7 @@ from managed_solve.solvers.preconditioners import (
     neumann,
     spectral_radius_bound,
 )
-from tests._problems import BACKENDS, anisotropic_badly_scaled, host, on, poisson2d
+from tests._problems import BACKENDS, anisotropic_badly_scaled, host, laplacian1d, on, poisson2d
 
 
 @pytest.fixture(params=BACKENDS)
@@ -135,3 +135,51 @@ def test_a_diagonal_preconditioner_on_an_operator_names_itself_and_a_wrong_shape
         solve(sla.aslinearoperator(A), b, M="neumann", method="cg", device="cpu")
     with pytest.raises(ValueError, match=r"M has shape \(26, 26\), A has \(25, 25\)"):
         solve(A, b, M=sp.identity(26, format="csr"), method="cg", device="cpu")
+
+
+@pytest.mark.parametrize("dtype,tiny", [(np.float64, 1e-320), (np.float32, 1e-40)])
+@pytest.mark.parametrize("method", ["cg", "bicgstab", "gmres", "minres"])
+def test_a_diagonal_entry_whose_reciprocal_overflows_is_named(method, dtype, tiny, backend):
+    """A non-zero diagonal entry below 1 / max of its float: 1 / d is inf. It went into the
+    scaling, and each method reported a breakdown of its own (CG "A is not positive definite",
+    GMRES and MINRES an overflow blamed on x0 or b) instead of the entry Jacobi cannot take."""
+    A = laplacian1d(6).tolil()
+    A[2, 2] = tiny
+    A = A.tocsr().astype(dtype)
+    Ad, bd = on(backend, A, np.ones(6, dtype=dtype))
+    with pytest.raises(ValueError, match=rf"^solve\(M='jacobi'\): .* 1 diagonal entry whose "
+                                         rf"reciprocal is not finite \(rows \[2\]; A\[2, 2\] = "
+                                         rf"{tiny:.3g}, whose reciprocal overflows "
+                                         rf"{np.dtype(dtype)}\)\. Use M=None"):
+        solve(Ad, bd, method=method, M="jacobi")
+
+
+class _DiagonalOperator:
+    """A symmetric operator with ``matvec`` and ``diagonal()``, the latter as given."""
+
+    def __init__(self, A, diagonal):
+        self.A, self._diagonal = A, diagonal
+        self.shape, self.dtype = A.shape, A.dtype
+
+    def matvec(self, v):
+        return self.A @ v
+
+    def diagonal(self):
+        return self._diagonal
+
+
+@pytest.mark.parametrize("value,why", [(np.nan, "not a number"), (np.inf, "infinite")])
+@pytest.mark.parametrize("M", ["jacobi", "neumann"])
+def test_an_operator_diagonal_that_is_not_finite_is_named(value, why, M):
+    """An operator's diagonal() is not checked as a matrix's entries are. 1 / NaN went into the
+    scaling and GMRES ended in a NaN residual, read as an overflow of x0 or b; 1 / inf = 0 made
+    M singular, and GMRES stopped at MAXITER blaming A's conditioning."""
+    A = poisson2d(4)
+    d = A.diagonal().copy()
+    d[5] = value
+    with pytest.raises(ValueError, match=rf"^solve\(M='{M}'\): .*\(rows \[5\]; "
+                                         rf"A\[5, 5\] = {value}, {why}\)\. Use M=None"):
+        solve(_DiagonalOperator(A, d), np.ones(16), method="gmres", M=M, device="cpu")
+    with pytest.raises(ValueError, match=r"rows \[5\]"):
+        inverse_diagonal(_DiagonalOperator(A, d))
+
