@@ -197,6 +197,12 @@ def _judged(out: Outcome, method: str, residual: float, tol: float, system: Any,
             return Status.MAXITER, (
                 f"direct: the true residual ||b - A x|| = {residual:.3g} exceeds {tol:.3g}; "
                 f"A is too ill-conditioned for rtol={system.rtol:g} in {system.dtype}.")
+        if "returned" in out.info:  # every iterate was worse than the start
+            return Status.MAXITER, (
+                f"{method}: the recurrence met the tolerance but its x was worse than the "
+                f"initial guess, which is returned (||b - A x|| = {residual:.3g} > {tol:.3g}): "
+                "A may be singular with b outside its range (pass nullspace= for a "
+                "least-squares answer), or the preconditioner may not suit A (try M=None).")
         return Status.MAXITER, (
             f"{method}: the recurrence met the tolerance but the true residual "
             f"||b - A x|| = {residual:.3g} exceeds {tol:.3g} after {restarts} restarts; "
@@ -263,6 +269,11 @@ def refine(A: Any, b: Any, prepared: Any, out: Outcome, tol: float, transpose: b
         total += nxt.iterations
         syncs += nxt.host_syncs
         out = nxt
+    if b_norm is not None and out.code == CONVERGED and out.x is not None \
+            and out.checked_residual(out.x) is None:
+        # Drifted: the last restart's x is measured too (the status and the
+        # choice of start or end read it).
+        out.true_residual = (out.x, true_residual_norm(A, b, out.x))
     out.iterations, out.host_syncs = total, syncs
     return out
 
@@ -279,12 +290,16 @@ def no_worse_than_the_start(A: Any, b: Any, x0: Any, out: Outcome, tol: float) -
 
     A breakdown or an exhausted iteration limit can leave an iterate far
     from any solution (CG on an inconsistent singular system grows x along
-    the null space); the caller then gets the better of start and end.
+    the null space), and so can a recurrence that met the tolerance where the
+    true residual, already measured, did not (a preconditioned GMRES on such
+    a system); the caller then gets the better of start and end.
     """
-    if out.code == CONVERGED or out.x is None:
+    if out.x is None:
+        return out
+    end = out.checked_residual(out.x)
+    if end is None and out.code == CONVERGED:  # the recurrence's word, not checked: kept
         return out
     xp = _backend.array_module(b)
-    end = out.checked_residual(out.x)
     end = true_residual_norm(A, b, out.x) if end is None else end
     if end <= tol:
         return out

@@ -220,3 +220,24 @@ def test_the_fallback_chain_goes_on_to_gmres_where_minres_cannot_take_the_precon
     assert fallback_for(s, "minres") == "gmres"
     assert fallback_for(s, "cg") == "minres" and fallback_for(s, "cg", False) == "bicgstab"
     assert fallback_for(s, "minres", False) == "bicgstab"
+
+
+def test_a_drifted_x_worse_than_the_start_is_not_returned_and_the_message_names_nullspace():
+    """GMRES with AMG on a pure Neumann matrix and a b outside its range: the preconditioned
+    recurrence met the tolerance while x grew to 5e8 along the null space (||b - A x|| 5e8
+    times ||b||). The start (x = 0) is handed back instead, and the message points at a
+    singular A (nullspace=) or the preconditioner, not at float64's conditioning."""
+    T = laplacian1d(20).tolil()
+    T[0, 0] = T[-1, -1] = 1.0
+    T = T.tocsr()
+    A = (sp.kron(sp.identity(20), T) + sp.kron(T, sp.identity(20))).tocsr()
+    b = np.random.default_rng(0).standard_normal(400)
+    res = solve(A, b, method="gmres", M="amg", device="cpu")
+    assert res.status == Status.MAXITER
+    assert np.linalg.norm(b - A @ res.x) <= np.linalg.norm(b)
+    assert "nullspace=" in res.message
+    # With the null space named the same call gives the least-squares answer.
+    ls = solve(A, b, method="gmres", M="amg", device="cpu", nullspace="constant")
+    assert ls.status == Status.LEAST_SQUARES
+    x_ls = np.linalg.lstsq(A.toarray(), b, rcond=None)[0]
+    assert np.linalg.norm(b - A @ ls.x) <= np.linalg.norm(b - A @ x_ls) * (1 + 1e-6)
