@@ -212,18 +212,46 @@ def as_preconditioner(M: Any) -> Callable[[Any], Any] | None:
     )
 
 
-def refuse_zero_diagonal(d: Any, fix: str) -> None:
-    """Raise the ValueError of Jacobi on a diagonal ``d`` holding zeros: their count and first row.
+def refuse_unscalable_diagonal(d: Any, call: str) -> Any:
+    """``1 / d`` for Jacobi, or a ValueError naming ``call``, the rows and the fix.
 
-    ``fix``: the message's end, how the caller's user avoids it.
+    Refused: a zero entry, and one whose reciprocal is not finite: NaN or
+    infinite (an operator's ``diagonal()``; a matrix with one is refused
+    before), or so small that ``1 / d`` overflows (below about 5.6e-309 in
+    float64, 2.9e-39 in float32). The scaling would otherwise carry inf or
+    NaN into the first iteration, which reads as a breakdown of the method
+    or an overflow of x0 instead. A GPU may flush a float32 subnormal to
+    zero: it is refused alike, as a zero or by its reciprocal.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> refuse_unscalable_diagonal(np.array([2.0, 4.0]), "solve(M='jacobi')").tolist()
+    [0.5, 0.25]
+    >>> refuse_unscalable_diagonal(np.array([2.0, 1e-320]), "solve(M='jacobi')")
+    ... # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: solve(M='jacobi'): ... (rows [1]; A[1, 1] = 1e-320, whose reciprocal overflows ...
     """
     xp = _backend.array_module(d)
-    zero = int(xp.count_nonzero(d == 0))  # sync: one read at set-up
-    if zero:
-        first = int(xp.flatnonzero(d == 0)[0])  # sync: the error's row, once
-        raise ValueError(f"M='jacobi' needs a non-zero diagonal, but A has {zero} zero diagonal "
-                         f"entr{'y' if zero == 1 else 'ies'} (the first in row {first}), and "
-                         f"Jacobi divides by them; {fix}")
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        inv = 1.0 / d
+    bad = (d == 0) | ~(xp.isfinite(d) & xp.isfinite(inv))
+    if not bool(bad.any()):  # sync: one host read when the preconditioner is built
+        return inv
+    rows = _backend.to_host(xp.flatnonzero(bad)[:5]).tolist()
+    count = int(bad.sum())  # sync: the error's count, once
+    first = rows[0]
+    value = float(d[first])  # sync: as above
+    why = ("zero" if value == 0 else "not a number" if value != value else
+           "infinite" if math.isinf(value) else f"whose reciprocal overflows {np.dtype(d.dtype)}")
+    raise ValueError(
+        f"{call}: Jacobi scaling divides by A's diagonal, so it needs a non-zero diagonal with "
+        f"finite reciprocals, but A has {count} diagonal entr{'y' if count == 1 else 'ies'} it "
+        f"cannot divide by (rows {rows}{', ...' if count > 5 else ''}; A[{first}, {first}] = "
+        f"{value:.3g}, {why}). Use M=None or a user operator, or reorder or scale the system so "
+        "that its diagonal is finite and well away from zero."
+    )
 
 
 def true_residual_norm(A: Any, b: Any, x: Any) -> float:

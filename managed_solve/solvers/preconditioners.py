@@ -23,11 +23,9 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from .. import _backend
 from ..system.method import check_preconditioner
-from ._common import as_matvec, as_preconditioner, refuse_zero_diagonal
+from ._common import as_matvec, as_preconditioner, refuse_unscalable_diagonal
 from .amg import amg
 
 
@@ -55,59 +53,7 @@ def inverse_diagonal(A: Any, *, call: str = "solve(M='jacobi')") -> Any:
     >>> inverse_diagonal(sp.diags([2.0, 4.0]).tocsr()).tolist()
     [0.5, 0.25]
     """
-    d = diagonal(A, call=call)
-    xp = _backend.array_module(d)
-    zero = d == 0
-    if bool(zero.any()):  # sync: one host read when the preconditioner is built
-        rows = _backend.to_host(xp.flatnonzero(zero)[:5]).tolist()
-        count = int(zero.sum())
-        raise ValueError(
-            f"{call}: A has {count} zero diagonal entr{'y' if count == 1 else 'ies'} "
-            f"(rows {rows}{', ...' if count > 5 else ''}); Jacobi scaling divides by the "
-            "diagonal. Use M=None, a user operator, or reorder the system so the diagonal "
-            "is nonzero."
-        )
-    return refuse_unscalable_diagonal(d, call)
-
-
-def refuse_unscalable_diagonal(d: Any, call: str) -> Any:
-    """``1 / d``, or a ValueError where an entry of the diagonal ``d`` has no finite reciprocal.
-
-    A NaN or infinite entry (an operator's ``diagonal()``: a matrix with
-    one is refused before), or a non-zero one so small that ``1 / d``
-    overflows (below about 5.6e-309 in float64, 2.9e-39 in float32): the
-    scaling would carry inf or NaN into the first iteration, which then
-    reads as a breakdown of the method or an overflow of x0 instead.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> refuse_unscalable_diagonal(np.array([2.0, 4.0]), "solve(M='jacobi')").tolist()
-    [0.5, 0.25]
-    >>> refuse_unscalable_diagonal(np.array([2.0, 1e-320]), "solve(M='jacobi')")
-    ... # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ValueError: solve(M='jacobi'): ... (rows [1]; A[1, 1] = 1e-320, whose reciprocal overflows ...
-    """
-    xp = _backend.array_module(d)
-    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        inv = 1.0 / d
-    bad = ~(xp.isfinite(d) & xp.isfinite(inv))
-    if not bool(bad.any()):  # sync: one host read when the preconditioner is built
-        return inv
-    rows = _backend.to_host(xp.flatnonzero(bad)[:5]).tolist()
-    count = int(bad.sum())  # sync: the error's count, once
-    first = rows[0]
-    value = float(d[first])  # sync: as above
-    why = "not a number" if value != value else (
-        "infinite" if math.isinf(value) else f"whose reciprocal overflows {np.dtype(d.dtype)}")
-    raise ValueError(
-        f"{call}: Jacobi scaling takes 1 / diag(A), but A has {count} diagonal "
-        f"entr{'y' if count == 1 else 'ies'} whose reciprocal is not finite (rows {rows}"
-        f"{', ...' if count > 5 else ''}; A[{first}, {first}] = {value:.3g}, {why}). Use M=None "
-        "or a user operator, or scale the system so that its diagonal is well away from zero "
-        "and finite."
-    )
+    return refuse_unscalable_diagonal(diagonal(A, call=call), call)
 
 
 def check_jacobi_diagonal(A: Any) -> None:
@@ -115,13 +61,10 @@ def check_jacobi_diagonal(A: Any) -> None:
 
     The fused core scales by the diagonal at each solve; refused here, the
     matrix is refused by the solver's set-up (or its update, which then
-    keeps the previous matrix), with the message the fused core gives for a
-    zero, and :func:`refuse_unscalable_diagonal`'s for an entry whose
-    reciprocal is not finite.
+    keeps the previous matrix), with :func:`refuse_unscalable_diagonal`'s
+    message.
     """
-    d = diagonal(A)
-    refuse_zero_diagonal(d, "use M=None or reorder the system so that the diagonal is non-zero.")
-    refuse_unscalable_diagonal(d, "solve(M='jacobi')")
+    inverse_diagonal(A)
 
 
 def scale_rows(d: Any, v: Any) -> Any:

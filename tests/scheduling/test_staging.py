@@ -77,7 +77,8 @@ def test_host_pack_names_a_system_jacobi_cannot_scale(chunk_nnz):
     systems[3] = LinearSystem(A.tocsr(), np.ones(16), name="zero-diagonal")
     from managed_solve.solvers.batched import pack_host
 
-    with pytest.raises(ValueError, match="zero-diagonal has a zero on its diagonal"):
+    with pytest.raises(ValueError, match=r"^zero-diagonal \(M='jacobi'\): .*\(rows \[2\]; "
+                                         r"A\[2, 2\] = 0, zero\)\. Use M=None"):
         pack_host(systems, jacobi=True, chunk_nnz=chunk_nnz)
 
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from ... import _backend, _pinned, config
 from ...system.linear_system import default_maxiter
-from .._common import refuse_zero_diagonal
+from .._common import refuse_unscalable_diagonal
 from . import gather
 
 __all__ = ["PackedBatch", "pack_host"]
@@ -275,7 +275,7 @@ class PackedBatch:
                     xx = s.x0 if (idx is not None and _on_cuda(s.x0, idx)) else _backend.to_host(s.x0)
                     _put(x0, lo, hi, xx.astype(dt, copy=False), xp)
                 if jacobi:
-                    _put(dinv, lo, hi, _inverse_diagonal(A, dt, call=f"PackedBatch.pack(systems[{k}])"), xp)
+                    _put(dinv, lo, hi, _inverse_diagonal(A, dt, call=_jacobi_call(s, k)), xp)
             row_sys = xp.asarray(np.repeat(np.arange(len(systems), dtype=np.int32), sizes))
         return cls._of(systems, indptr, indices, data, b, x0, offsets, row_sys, dinv,
                        f"cuda:{idx}" if idx is not None else str(device))
@@ -383,10 +383,14 @@ def _put(out: Any, lo: int, hi: int, part: Any, xp: Any) -> None:
 
 
 def _inverse_diagonal(A: Any, dt: np.dtype, *, call: str) -> Any:
-    """1 / diag(A) for Jacobi; a zero diagonal entry is an error the user can fix."""
-    d = A.diagonal().astype(dt, copy=False)
-    refuse_zero_diagonal(d, f"use M=None (jacobi=False) or reorder the system ({call})")
-    return (1.0 / d).astype(dt, copy=False)
+    """1 / diag(A) for Jacobi, on A's device; an entry without a finite reciprocal is refused."""
+    return refuse_unscalable_diagonal(A.diagonal().astype(dt, copy=False), call).astype(dt, copy=False)
+
+
+def _jacobi_call(system: Any, k: int) -> str:
+    """How a Jacobi refusal names system ``k`` of a batch: by its name (solve_many names an
+    ``(A, b)`` pair ``systems[i]``), and the option that asked for the scaling."""
+    return f"{getattr(system, 'name', None) or f'systems[{k}]'} (M='jacobi')"
 
 
 # Systems are copied into a batch in pieces of about ``config.pack_chunk_nnz``
@@ -493,15 +497,22 @@ def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cp
         if dinv is None:
             shift_blocks(lo, hi, offsets, nnz_off, indptr, indices, row_sys)
             return
-        zero_row = shift_blocks_jacobi(lo, hi, offsets, nnz_off, indptr, indices, row_sys, data, dinv)
-        if zero_row >= 0:
-            zero_diagonal(int(np.searchsorted(offsets, zero_row, side="right")) - 1)
+        shift_blocks_jacobi(lo, hi, offsets, nnz_off, indptr, indices, row_sys, data, dinv)
+        refuse_unscalable(int(offsets[lo]), int(offsets[hi]))
 
-    def zero_diagonal(j: int) -> None:
-        label = systems[j].name or f"systems[{j}]"
-        raise ValueError(f"PackedBatch.pack(jacobi=True): Jacobi needs a non-zero diagonal, "
-                         f"but {label} has a zero on its diagonal; use jacobi=False "
-                         "(solve_many: M=None) or reorder the system")
+    def refuse_unscalable(ra: int, rb: int) -> None:
+        # The kernels' reciprocals: a zero, or an entry so small that 1 / d
+        # overflows, left one infinite. Its system's diagonal is refused as
+        # solve(M='jacobi') refuses it.
+        bad = np.flatnonzero(~np.isfinite(dinv[ra:rb]))
+        if bad.size:
+            row = ra + int(bad[0])
+            j = int(np.searchsorted(offsets, row, side="right")) - 1
+            d = mats[j].diagonal().astype(dt)
+            refuse_unscalable_diagonal(d, _jacobi_call(systems[j], j))
+            # Duplicates summed in the batch's dtype can cancel where scipy's sum does not.
+            d[row - int(offsets[j])] = 0
+            refuse_unscalable_diagonal(d, _jacobi_call(systems[j], j))
 
     def fill_rows(j: int, ra: int, rb: int) -> None:
         # Rows ra:rb of system j alone (a system larger than two pieces is split).
@@ -520,9 +531,8 @@ def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cp
         row_sys[r0 + ra:r0 + rb] = j
         if dinv is not None:
             z1 = int(nnz_off[j + 1])
-            if inverse_diagonal_rows(ra, rb, ptr, indices[z0:z1], data[z0:z1], r0,
-                                     dinv[r0 + ra:r0 + rb]) >= 0:
-                zero_diagonal(j)
+            inverse_diagonal_rows(ra, rb, ptr, indices[z0:z1], data[z0:z1], r0, dinv[r0 + ra:r0 + rb])
+            refuse_unscalable(r0 + ra, r0 + rb)
 
     # Pieces of about chunk_nnz entries: runs of systems cut at system
     # boundaries, and a system of two pieces or more cut into row ranges (a

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import re
 import tracemalloc
 
 import numpy as np
 import pytest
 import scipy.sparse as sp
+import scipy.sparse.linalg as sla
 
 import managed_solve as ms
-from managed_solve import LinearSystem
+from managed_solve import DeviceManager, LinearSystem, Status, solve_many
 from managed_solve.solvers import batched
 from managed_solve.solvers.batched import (
     PackedBatch,
@@ -18,7 +20,7 @@ from managed_solve.solvers.batched import (
     predict_bytes,
 )
 from managed_solve.system.linear_system import default_maxiter
-from tests._problems import laplacian1d, poisson2d
+from tests._problems import laplacian1d, on, poisson2d
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -118,13 +120,15 @@ def test_pack_rejects_bad_input():
     with pytest.raises(TypeError, match="int32 or int64"):
         PackedBatch.pack([good], index_dtype=np.int16)
     zero_diag = LinearSystem(sp.csr_matrix(np.array([[0.0, 1.0], [1.0, 0.0]])), np.ones(2))
-    with pytest.raises(ValueError, match="non-zero diagonal"):
+    with pytest.raises(ValueError, match=r"^systems\[0\] \(M='jacobi'\): .*non-zero diagonal.*"
+                                         r"\(rows \[0, 1\]; A\[0, 0\] = 0, zero\)\. Use M=None"):
         PackedBatch.pack([zero_diag], jacobi=True)
-    # One system's solve names the user's option and the first zero row, not the batch's internals.
+    # One system's solve names the user's call and the zero rows, not the batch's internals.
     A = laplacian1d(25).tolil()
     A[7, 7] = A[9, 9] = 0.0
-    with pytest.raises(ValueError, match=r"^M='jacobi' needs a non-zero diagonal, but A has 2 zero "
-                                         r"diagonal entries \(the first in row 7\).*use M=None"):
+    with pytest.raises(ValueError, match=r"^solve\(M='jacobi'\): .*non-zero diagonal.* 2 diagonal "
+                                         r"entries .*\(rows \[7, 9\]; A\[7, 7\] = 0, zero\)"
+                                         r"\. Use M=None"):
         ms.solve(A.tocsr(), np.ones(25), method="cg", M="jacobi", device="cpu")
 
 
@@ -234,3 +238,38 @@ def test_predict_bytes_of_the_block_route_is_a_tight_upper_bound_gpu():
     predicted = predict_bytes(batch.n, batch.nnz, batch.nsys, batch.dtype, batch.index_dtype, "cg",
                               jacobi=True, x0=False, max_rows=120 * 120)
     assert 0.9 * predicted - 64 * 1024 <= held <= predicted
+
+
+@pytest.mark.parametrize("dtype,tiny", [(np.float64, 1e-320), (np.float32, 1e-40)])
+@pytest.mark.parametrize("device,resident", [
+    ("cpu", False), ("sim:0", False),
+    pytest.param("cuda:0", False, marks=pytest.mark.gpu),  # host systems, packed on the host
+    pytest.param("cuda:0", True, marks=pytest.mark.gpu),  # GPU systems, packed where they lie
+])
+def test_solve_many_refuses_a_jacobi_diagonal_entry_without_a_finite_reciprocal(
+        dtype, tiny, device, resident):
+    """A non-zero diagonal entry whose reciprocal overflows (1e-320 in float64, 1e-40 in float32)
+    made the packed Jacobi diagonal infinite, and that system ended in BREAKDOWN. It is the
+    input error solve(M='jacobi') refuses: INVALID_INPUT naming the system, M, the row and the
+    fix; the other systems are solved. A GPU may read a float32 subnormal as zero (flush to
+    zero): the same refusal, its value read as 0."""
+    rng = np.random.default_rng(11)
+    bad = laplacian1d(12).tolil()
+    bad[4, 4] = tiny
+    mats = [laplacian1d(10), bad.tocsr(), laplacian1d(14)]
+    pairs = [(A.astype(dtype), rng.standard_normal(A.shape[0]).astype(dtype)) for A in mats]
+    given = [on("cuda", A, b) for A, b in pairs] if resident else pairs
+    manager = (DeviceManager([device], simulate="2x64MiB") if device.startswith("sim")
+               else DeviceManager([device]))
+    res = solve_many(given, manager=manager, M="jacobi", method="cg", rtol=1e-6)
+    r = res[1]
+    assert r.status is Status.INVALID_INPUT and r.x is None and r.name == "systems[1]"
+    value = r"(1e-40|0), (whose reciprocal overflows float32|zero)" if dtype == np.float32 \
+        else rf"{tiny:.3g}, whose reciprocal overflows float64"
+    assert re.search(rf"systems\[1\].*M='jacobi'.*1 diagonal entry .*\(rows \[4\]; "
+                     rf"A\[4, 4\] = {value}\)\. Use M=None", r.message), r.message
+    for k in (0, 2):
+        A, b = pairs[k]
+        x = sla.spsolve(A.astype(np.float64).tocsc(), b.astype(np.float64))
+        assert res[k].status is Status.CONVERGED, res[k].message
+        assert np.linalg.norm(res[k].to_numpy() - x) <= 1e-4 * np.linalg.norm(x)
