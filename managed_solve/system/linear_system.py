@@ -189,9 +189,10 @@ class LinearSystem:
         self.method, self.M, self.name = method, M, name
         # On b's GPU (A's too), not the current one: the check multiplies A by the basis.
         with b.device if xp is not np else contextlib.nullcontext():
-            self.nullspace = nullspace_basis(nullspace, n, dt, xp, call=call)
-            if self.nullspace is not None:
-                check_nullspace(A, kind, nullspace, self.nullspace, call=call)
+            N = null_vectors(nullspace, n, call=call)  # read once: the basis and the check
+            self.nullspace = None if N is None else nullspace_basis(N, dt, xp, call=call)
+            if N is not None:
+                check_nullspace(A, kind, nullspace, N, self.nullspace, call=call)
         self.dtype = dt
 
     def _host_csr(self, A: Any, b: np.ndarray, rtol: Any, atol: Any, maxiter: Any, method: Any,
@@ -440,8 +441,8 @@ def host_csr_systems(items: Sequence[Any], *, rtol: Any, method: Any, M: Any,
     return out
 
 
-def nullspace_basis(nullspace: Any, n: int, dtype: Any, xp: Any, *, call: str) -> Any:
-    """An orthonormal (n, k) basis of the given null space on b's device (None stays None)."""
+def null_vectors(nullspace: Any, n: int, *, call: str) -> np.ndarray | None:
+    """``nullspace=`` as an (n, k) host float64 array, checked (None stays None)."""
     if nullspace is None:
         return None
     if isinstance(nullspace, str):
@@ -458,6 +459,11 @@ def nullspace_basis(nullspace: Any, n: int, dtype: Any, xp: Any, *, call: str) -
                              f"1 <= k < {n}, got shape {tuple(np.shape(nullspace))}.")
         if not np.all(np.isfinite(N)):
             raise ValueError(f"{call}: nullspace has NaN or Inf entries.")
+    return N
+
+
+def nullspace_basis(N: np.ndarray, dtype: Any, xp: Any, *, call: str) -> Any:
+    """An orthonormal basis of the columns of ``N`` (:func:`null_vectors`) on b's device."""
     Q, R = np.linalg.qr(N)
     d = np.abs(np.diag(R))
     if d.min() <= 1e-10 * max(d.max(), 1e-300):
@@ -479,11 +485,12 @@ def nullspace_basis(nullspace: Any, n: int, dtype: Any, xp: Any, *, call: str) -
 NULL_TOLERANCE = 512
 
 
-def check_nullspace(A: Any, kind: str, given: Any, Q: Any, *, call: str) -> None:
+def check_nullspace(A: Any, kind: str, given: Any, N: np.ndarray, Q: Any, *, call: str) -> None:
     """Raise ValueError when a vector of ``nullspace=`` is not (to rounding) in A's null space.
 
-    ``given``: the argument as the caller passed it; ``Q``: its orthonormal
-    basis (:func:`nullspace_basis`), on A's device in the system's dtype.
+    ``given``: the argument as the caller passed it, ``N`` its vectors
+    (:func:`null_vectors`); ``Q``: their orthonormal basis
+    (:func:`nullspace_basis`), on A's device in the system's dtype.
     Each given vector ``v``, scaled to unit norm, needs ``||A v|| <=
     NULL_TOLERANCE * eps * ||A||_est`` with ``||A||_est`` the larger of A's
     largest absolute row sum and column sum (a bound on ``||A||_2``, and on
@@ -498,7 +505,6 @@ def check_nullspace(A: Any, kind: str, given: Any, Q: Any, *, call: str) -> None
     if k == 1:  # one vector: Q is it, scaled to unit norm
         V = Q
     else:
-        N = np.asarray(_backend.to_host(given), dtype=np.float64).reshape(Q.shape)
         V = _backend.array_module(Q).asarray((N / np.linalg.norm(N, axis=0)).astype(Q.dtype))
     ratios, est = _null_ratios(A, kind, V)
     if not (np.all(ratios <= NULL_TOLERANCE) and (est == 0.0 or 2.0 ** -60 < est < 2.0 ** 60)):
