@@ -197,9 +197,10 @@ def shift_blocks_jacobi(lo, hi, offsets, nnz_off, indptr, indices, row_sys, data
     Returns
     -------
     int
-        The first row (global) of systems ``lo:hi`` whose diagonal entry is
-        zero, or -1 when there is none. ``dinv`` is then infinite there; the
-        caller reports the system.
+        The first row (global) of systems ``lo:hi`` whose diagonal entry has
+        no finite reciprocal in ``dinv``'s dtype (zero, or so small that
+        ``1 / a_ii`` overflows), or -1 when there is none; the caller reports
+        the system.
     """
     first_zero = -1
     zero = np.zeros(1, dtype=data.dtype)[0]  # sums in the values' dtype, as scipy's diagonal()
@@ -222,9 +223,9 @@ def shift_blocks_jacobi(lo, hi, offsets, nnz_off, indptr, indices, row_sys, data
                 ix[j] = c + r0
             ip[i] += z0
             rs[i] = k
-            if d == 0 and first_zero < 0:
-                first_zero = r0 + i
             di[i] = 1.0 / d
+            if not np.isfinite(di[i]) and first_zero < 0:
+                first_zero = r0 + i
     return first_zero
 
 
@@ -252,7 +253,8 @@ def inverse_diagonal_rows(ra, rb, indptr, indices, data, col0, out):
     Returns
     -------
     int
-        The first row of ``ra:rb`` (own numbering) whose diagonal entry is zero, or -1.
+        The first row of ``ra:rb`` (own numbering) whose diagonal entry has no
+        finite reciprocal in ``out``'s dtype (as :func:`shift_blocks_jacobi`), or -1.
     """
     first_zero = -1
     zero = np.zeros(1, dtype=data.dtype)[0]  # sums in the values' dtype, as scipy's diagonal()
@@ -261,9 +263,9 @@ def inverse_diagonal_rows(ra, rb, indptr, indices, data, col0, out):
         for j in range(indptr[i], indptr[i + 1]):
             if indices[j] == i + col0:
                 d += data[j]
-        if d == 0 and first_zero < 0:
-            first_zero = i
         out[i - ra] = 1.0 / d
+        if not np.isfinite(out[i - ra]) and first_zero < 0:
+            first_zero = i
     return first_zero
 
 

@@ -164,6 +164,25 @@ def test_jacobi_kernel_reports_the_first_zero_diagonal_row():
     assert np.isinf(dinv[5:]).all() and np.isfinite(dinv[:5]).all()
 
 
+@pytest.mark.parametrize("dtype,tiny", [(np.float64, 1e-320), (np.float32, 1e-40)])
+def test_jacobi_kernels_report_a_diagonal_entry_whose_reciprocal_overflows(dtype, tiny):
+    """Not zero, yet 1 / a_ii overflows the batch's dtype: the kernels name its row, in the
+    pass that computes the reciprocals."""
+    from managed_solve.kernels.packing import inverse_diagonal_rows
+
+    A = sp.diags(np.array([1.0, 2.0, tiny, 4.0], dtype=dtype)).tocsr()
+    offsets = np.array([0, 4], dtype=np.int64)
+    nnz_off = np.array([0, A.nnz], dtype=np.int64)
+    indptr = np.concatenate([A.indptr[:-1], [A.nnz]]).astype(np.int32)
+    indices, data = A.indices.astype(np.int32), A.data.copy()
+    dinv = np.empty(4, dtype=dtype)
+    assert shift_blocks_jacobi(0, 1, offsets, nnz_off, indptr, indices, np.empty(4, np.int32),
+                               data, dinv) == 2
+    out = np.empty(4, dtype=dtype)
+    assert inverse_diagonal_rows(0, 4, A.indptr, A.indices, A.data, 0, out) == 2
+    np.testing.assert_array_equal(out[[0, 1, 3]], np.array([1.0, 0.5, 0.25], dtype=dtype))
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.int64])
 def test_gather_by_address_equals_concatenate(dtype):
     from managed_solve.kernels.packing import gather

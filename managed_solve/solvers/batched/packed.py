@@ -497,22 +497,20 @@ def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cp
         if dinv is None:
             shift_blocks(lo, hi, offsets, nnz_off, indptr, indices, row_sys)
             return
-        shift_blocks_jacobi(lo, hi, offsets, nnz_off, indptr, indices, row_sys, data, dinv)
-        refuse_unscalable(int(offsets[lo]), int(offsets[hi]))
+        row = shift_blocks_jacobi(lo, hi, offsets, nnz_off, indptr, indices, row_sys, data, dinv)
+        if row >= 0:
+            refuse_unscalable(row)
 
-    def refuse_unscalable(ra: int, rb: int) -> None:
-        # The kernels' reciprocals: a zero, or an entry so small that 1 / d
-        # overflows, left one infinite. Its system's diagonal is refused as
-        # solve(M='jacobi') refuses it.
-        bad = np.flatnonzero(~np.isfinite(dinv[ra:rb]))
-        if bad.size:
-            row = ra + int(bad[0])
-            j = int(np.searchsorted(offsets, row, side="right")) - 1
-            d = mats[j].diagonal().astype(dt)
-            refuse_unscalable_diagonal(d, _jacobi_call(systems[j], j))
-            # Duplicates summed in the batch's dtype can cancel where scipy's sum does not.
-            d[row - int(offsets[j])] = 0
-            refuse_unscalable_diagonal(d, _jacobi_call(systems[j], j))
+    def refuse_unscalable(row: int) -> None:
+        # The kernels found a diagonal entry without a finite reciprocal (a zero,
+        # or one so small that 1 / d overflows) in the batch's row ``row``: its
+        # system's diagonal is refused as solve(M='jacobi') refuses it.
+        j = int(np.searchsorted(offsets, row, side="right")) - 1
+        d = mats[j].diagonal().astype(dt)
+        refuse_unscalable_diagonal(d, _jacobi_call(systems[j], j))
+        # Duplicates summed in the batch's dtype can cancel where scipy's sum does not.
+        d[row - int(offsets[j])] = 0
+        refuse_unscalable_diagonal(d, _jacobi_call(systems[j], j))
 
     def fill_rows(j: int, ra: int, rb: int) -> None:
         # Rows ra:rb of system j alone (a system larger than two pieces is split).
@@ -531,8 +529,10 @@ def pack_host(systems: Sequence[Any], *, jacobi: bool = False, device: str = "cp
         row_sys[r0 + ra:r0 + rb] = j
         if dinv is not None:
             z1 = int(nnz_off[j + 1])
-            inverse_diagonal_rows(ra, rb, ptr, indices[z0:z1], data[z0:z1], r0, dinv[r0 + ra:r0 + rb])
-            refuse_unscalable(r0 + ra, r0 + rb)
+            row = inverse_diagonal_rows(ra, rb, ptr, indices[z0:z1], data[z0:z1], r0,
+                                        dinv[r0 + ra:r0 + rb])
+            if row >= 0:
+                refuse_unscalable(r0 + row)
 
     # Pieces of about chunk_nnz entries: runs of systems cut at system
     # boundaries, and a system of two pieces or more cut into row ranges (a
