@@ -114,12 +114,13 @@ def is_symmetric(A: Any, cache: dict | None = None) -> bool:
     >>> is_symmetric(sp.diags([1.0, 2.0], [0, 1], shape=(4, 4), format="csr"))
     False
     """
-    from ..kernels.symmetry import DIFFERENT_PATTERN, SYMMETRY_RTOL
-
     if cache is not None:
         hit = cache.get(id(A))
         if hit is not None and hit[0] is A:
             return hit[1]
+    # Here, past the cache (solve_many asks once per system of every matrix it has tested).
+    from ..kernels.symmetry import DIFFERENT_PATTERN, SYMMETRY_RTOL
+
     if A.nnz == 0:
         result = True
     else:
