@@ -338,15 +338,15 @@ def symmetry_candidate(A: Any, least: int | None = None) -> bool:
     nnz = _csr_nnz(A)
     if nnz is None:
         return False
-    data = A.data
+    data, indices, indptr = A.data, A.indices, A.indptr
     # The walk reads indptr[0..n], and indices and data up to its last entry: arrays
     # of other lengths (a matrix changed after SciPy built it) go to the full check.
     return (nnz > 0 and (least is None or nnz < least) and data.dtype in _FLOATS
-            and A.indptr.shape[0] == A.shape[0] + 1 and data.shape[0] == A.indices.shape[0]
+            and indptr.shape[0] == A.shape[0] + 1 and data.shape[0] == indices.shape[0]
             and getattr(A, "_has_canonical_format", True) is not False
             and getattr(A, "_has_sorted_indices", True) is not False
-            and data.flags.c_contiguous and A.indices.flags.c_contiguous
-            and A.indptr.flags.c_contiguous)
+            and data.flags.c_contiguous and indices.flags.c_contiguous
+            and indptr.flags.c_contiguous)
 
 
 def _csr_nnz(A: Any) -> int | None:
@@ -437,19 +437,17 @@ class SymmetryPass:
         """The matrices whose walk checked their whole pattern (after :func:`run_all`).
 
         The walk refuses row pointers that do not start at 0, fall back or
-        run past the entries, and columns not below n; a square matrix it
-        found canonical, whose ``indptr``, ``indices`` and ``data`` have the
-        lengths of its rows and stored entries (the last row pointer among
-        them), is a valid CSR pattern, and
-        LinearSystem need not read it again (its memo of matrices).
+        run past the entries, and columns not below n. A square matrix it
+        found canonical, whose ``data`` it read whole, is a valid CSR
+        pattern (the lengths of ``indptr`` and ``indices`` were checked
+        before the walk, :func:`symmetry_candidate`), and LinearSystem need
+        not read it again (its memo of matrices).
         """
         from ..kernels.symmetry import NOT_CANONICAL
 
-        return [A for group, _args, codes, _bounds, _finite, whole in self.groups
-                for A, code, d in zip(group, codes.tolist(), whole, strict=True)
-                if code != NOT_CANONICAL and d is not None and A.shape[0] == A.shape[1]
-                and A.indices.shape[0] == d.shape[0] and A.indptr.shape[0] == A.shape[0] + 1
-                and int(A.indptr[-1]) == d.shape[0]]
+        return [A for group, args, codes, _bounds, _finite, whole in self.groups
+                for A, code, d, n in zip(group, codes.tolist(), whole, args[3].tolist(), strict=True)
+                if code != NOT_CANONICAL and d is not None and A.shape[1] == n]
 
     def run(self, cache: dict) -> None:
         """Run the kernels over every range, then store the answers in ``cache``."""
