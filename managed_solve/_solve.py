@@ -76,7 +76,8 @@ def solve(A_or_system: Any, b: Any = None, *, x0: Any = None, rtol: float = 1e-8
         path, which has no per-iteration hook, to the generic one.
     device : str or Device, optional
         ``"cpu"``, ``"cuda:1"``, ``"sim:0"`` (a simulated GPU: runs on the
-        CPU backend, but "auto" chooses methods as for a GPU). None: an input
+        CPU backend, but "auto" chooses methods as for a GPU), obeyed over a pin
+        to another device with a UserWarning naming the fix. None: an input
         pinned with the manager (:meth:`DeviceManager.pin`: the LinearSystem,
         else A, else b, as given or as converted) goes to its device, moved
         there from another GPU if need be (as in ``solve_many``); other inputs

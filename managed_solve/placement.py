@@ -9,10 +9,11 @@ CUDA GPU this process can use.
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 from .device_args import NOT_MANAGED_FIX, resolve_device
-from .devices import Device
+from .devices import Device, caller_stacklevel
 from .system import LinearSystem
 
 log = logging.getLogger("managed_solve")
@@ -42,12 +43,40 @@ def pinned_input(mgr: Any, *objs: Any) -> Any:
     ``solve_many`` of each input as given: a pinned matrix is found even
     where validation converted it (a COO matrix, a torch tensor). A pin wins
     over where the arrays lie (an input on one GPU pinned to another moves
-    there); an explicit ``device=`` wins over a pin.
+    there); an explicit ``device=`` wins over a pin (:func:`pin_placing`).
     """
     for obj in objs:
         if obj is not None and mgr.pinned(obj) is not None:
             return obj
     return None
+
+
+def pin_placing(mgr: Any, device: Any, *objs: Any, call: str) -> Any:
+    """The input among ``objs`` whose pin places a solve (:func:`pinned_input`), else None.
+
+    An explicit ``device`` wins over a pin (None is returned), as
+    ``solve_many(devices=)`` does; where it names another device than the
+    pin's, :func:`warn_pin_passed_over` says so, naming ``call``.
+    """
+    obj = pinned_input(mgr, *objs)
+    if obj is None or device is None:
+        return obj
+    pin = mgr.pinned(obj)
+    used = named_device(device, mgr, call=call)
+    if used != pin:
+        shown = device if isinstance(device, str) else str(device)
+        warn_pin_passed_over(f"{call}(device={shown!r})", f"an input (pinned to {pin})",
+                             str(used), arg="device")
+    return None
+
+
+def warn_pin_passed_over(call: str, what: str, used: str, *, arg: str) -> None:
+    """Warn that ``arg=`` (``device`` of solve and Solver, ``devices`` of solve_many) left out
+    the device ``what`` is pinned to: the caller's explicit choice wins over a pin, but not
+    silently, since a pin says where the caller wanted that input to run."""
+    warnings.warn(f"{call}: {what} left out by {arg}=, so solved on {used} instead. Name the "
+                  f"pinned device in {arg}= (or pass {arg}=None) to solve there, or unpin the "
+                  "object (manager.unpin).", UserWarning, stacklevel=caller_stacklevel())
 
 
 def reserve_for(mgr: Any, nbytes: int, dev: Device | None, system: LinearSystem, method: str,

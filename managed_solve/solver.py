@@ -21,7 +21,7 @@ import numpy as np
 from . import _backend, autograd
 from .device_args import cuda_ordinal
 from .devices import Device
-from .placement import block_passes, move_to, named_device, pinned_input, reserve_for
+from .placement import block_passes, move_to, named_device, pin_placing, reserve_for
 from .result import SolveResult, Status
 from .solvers import batched, verify
 from .solvers._common import (
@@ -177,7 +177,7 @@ class Solver:
         mgr = manager_or_default(manager, call)
         # Without device=, a pin on what the caller gave (else on what validation made of it)
         # places the system, arrays on another GPU moved, as solve_many does; else GPU arrays stay.
-        pinned = None if device is not None else pinned_input(mgr, *given, system, system.A, system.b)
+        pinned = pin_placing(mgr, device, *given, system, system.A, system.b, call=call)
         on = device if device is not None else (system.device if pinned is None and
                                                  cuda_ordinal(system.device) is not None else None)
         dev = named_device(on, mgr, call=call) if on is not None else None

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import linecache
+import re
+import warnings
+
 import numpy as np
 import pytest
 
@@ -34,7 +38,8 @@ def test_solve_of_a_pinned_matrix_runs_on_its_device_and_names_it_when_full():
     r = ms.solve(A, b, manager=dm)
     assert r.device == "sim:1" and r.converged
     np.testing.assert_allclose(r.to_numpy(), np.linalg.solve(A.toarray(), b), rtol=1e-6)
-    assert ms.solve(A, b, device="sim:0", manager=dm).device == "sim:0"  # an explicit device wins
+    with pytest.warns(UserWarning, match="pinned to sim:1"):  # an explicit device wins, said
+        assert ms.solve(A, b, device="sim:0", manager=dm).device == "sim:0"
     held = dm.reserve(dm.available_bytes(dm.accelerators[1]) - 100, "sim:1")
     try:
         with pytest.raises(MemoryError, match="pinned to sim:1.*unpin the object"):
@@ -117,6 +122,43 @@ def test_a_pin_on_an_input_as_given_places_solve_solver_and_solve_many_alike(whe
         want = np.linalg.solve(A0, B0 if name == "solve(A, B)" else b0)
         np.testing.assert_allclose(host(r.x), want, rtol=1e-6, atol=1e-6 * abs(want).max(),
                                    err_msg=name)
+
+
+@pytest.mark.parametrize("pinned_to, other", [("sim:1", "cpu"), ("cpu", "sim:0")],
+                         ids=["pinned-to-sim", "pinned-to-cpu"])
+@pytest.mark.parametrize("what", ["A", "b"])
+def test_an_explicit_device_wins_over_a_pin_with_a_warning_naming_the_call_and_the_fix(
+        pinned_to, other, what):
+    """device= naming the pinned device is silent; another device is used, with a warning (as
+    solve_many(devices=) does); device=None follows the pin. solve, Solver and solve(A, B)."""
+    A, b = poisson2d(6), np.arange(36.0) - 10.0
+    B = np.stack([b, 2 * b], axis=1)
+    calls = {"solve": (lambda dm, **kw: ms.solve(A, b, manager=dm, **kw), b),
+             "solve(A, B)": (lambda dm, **kw: ms.solve(A, B, manager=dm, **kw), B)}
+    if what == "A":  # Solver(A) sees b only when it solves
+        calls["Solver"] = (lambda dm, **kw: _solver_solve(A, b, manager=dm, **kw), b)
+    for name, (call, rhs) in calls.items():
+        dm = DeviceManager(simulate="2x64MiB")
+        dm.pin(A if what == "A" else (B if rhs is B else b), pinned_to)
+        want = np.linalg.solve(A.toarray(), rhs)
+        label = name.split("(", 1)[0]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the pinned device named, or none: no warning
+            assert call(dm, device=pinned_to).device == pinned_to, name
+            assert call(dm).device == pinned_to, name
+        with pytest.warns(UserWarning) as record:
+            r = call(dm, device=other)
+        assert r.device == other and r.converged, name
+        np.testing.assert_allclose(host(r.x), want, rtol=1e-6, atol=1e-8, err_msg=name)
+        [w] = [w for w in record if "pinned to" in str(w.message)]
+        assert re.match(rf"{re.escape(label)}\(device='{other}'\): an input \(pinned to "
+                        rf"{pinned_to}\) left out by device=, so solved on {other} instead\. "
+                        rf"Name the pinned device in device= \(or pass device=None\) to solve "
+                        rf"there, or unpin the object \(manager\.unpin\)\.$", str(w.message)), \
+            (name, str(w.message))
+        # The line that called the library, not the library's own.
+        assert w.filename == __file__, name
+        assert re.search(r"\bsolve\(|Solver\(", linecache.getline(w.filename, w.lineno)), name
 
 
 def test_named_device_errors_name_the_call_the_user_made():

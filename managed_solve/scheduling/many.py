@@ -33,7 +33,6 @@ autograd.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -43,7 +42,7 @@ from .. import _backend, config
 from ..device_args import resolve_devices
 from ..devices import Device
 from ..manager import DeviceManager, manager_or_default
-from ..placement import pinned_input
+from ..placement import pinned_input, warn_pin_passed_over
 from ..result import SolveResult
 from ..system import LinearSystem
 from . import adjoint
@@ -171,10 +170,8 @@ def pinned_systems(items: Sequence[Any], systems: Sequence[LinearSystem | None],
         out[i] = dev
     if left_out:
         shown = ", ".join(left_out[:5]) + (f" and {len(left_out) - 5} more" if len(left_out) > 5 else "")
-        warnings.warn(f"solve_many(devices={devices!r}): {shown} left out by devices=, so solved on "
-                      "the devices named instead. Name the pinned device in devices= (or pass "
-                      "devices=None) to solve there, or unpin the object (manager.unpin).",
-                      UserWarning, stacklevel=4)
+        warn_pin_passed_over(f"solve_many(devices={devices!r})", shown, "the devices named",
+                             arg="devices")
     return out
 
 
