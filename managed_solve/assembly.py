@@ -180,6 +180,58 @@ def _check_range(values: Any, bound: float, dt: np.dtype, mesh: Mesh, call: str,
                      f"Mesh(mesh.vertices / {top:.3g}, mesh.faces), or the coefficients{wider}.")
 
 
+def entry_floors(mesh: Mesh) -> dict[str, float]:
+    """Per unit coefficient, the least an element adds to the entries of ``L``, ``M`` and ``D``.
+
+    To its vertices' diagonal of ``L`` a triangle adds at least its shape
+    ``s`` (``sin(a) / (2 sin(b) sin(c))``, its smallest sine being at least
+    ``2 s``), a tetrahedron at least ``s * h`` (a face's area over three times
+    its height, at least ``vol / h**2``); to the consistent mass its measure
+    over 12 (20), to the lumped one over 3 (4). Host arithmetic on the mesh's
+    own facts, cached on it.
+    """
+    hit = mesh.cache.get("assembly_floors")
+    if hit is None:
+        measure, shape = mesh.element_measures(), mesh.element_shapes()
+        tri = mesh.kind == "triangle"
+        with np.errstate(under="ignore"):
+            stiff = shape if tri else np.cbrt(measure * shape * shape)
+        low = float(measure.min())
+        hit = mesh.cache["assembly_floors"] = {"L": float(stiff.min()), "M": low / (12 if tri else 20),
+                                               "D": low / (3 if tri else 4)}
+    return hit
+
+
+def check_floors(mesh: Mesh, dt: np.dtype, call: str, terms: list) -> None:
+    """Refuse a term whose entries fall below ``dt``'s normal range, naming the mesh or the coefficient.
+
+    ``terms``: ``(term, coefficient, its name)`` for each term asked for (a
+    zero coefficient leaves it out). Stored as subnormal numbers or zeros, such
+    entries lose their digits or vanish, and the system solved with them is
+    singular or wrong (a float32 mass of a mesh near 1e-20). Decided on the
+    host from the mesh, before any kernel runs.
+    """
+    tiny, floors = float(np.finfo(dt).tiny), entry_floors(mesh)
+    f32 = dt == np.float32
+    for term, coef, name in terms:
+        low, scale = abs(coef) * floors[term], floors[term] < tiny
+        if coef == 0 or low >= tiny:
+            continue
+        if scale:  # the mesh itself: its term at a unit coefficient is already out of range
+            label = {"L": "the stiffness matrix L", "M": "the mass matrix M",
+                     "D": "the lumped mass D"}[term]
+            fix = (f"the smallest element {'area' if mesh.kind == 'triangle' else 'volume'} is "
+                   f"{float(mesh.element_measures().min()):.3g}: scale the mesh up, e.g. "
+                   f"Mesh(mesh.vertices / {float(np.abs(mesh.vertices).max()):.3g}, mesh.faces)"
+                   + (", or use dtype=np.float64" if f32 else ""))
+        else:
+            label, fix = f"{name} * {term}", f"use a larger {name}" + (", or dtype=np.float64" if f32 else "")
+        raise ValueError(f"{call}({'mesh=...' if scale else f'{name}={coef!r}'}, dtype={dt.name}): "
+                         f"{label} has entries down to about {low:.3g}, below {dt.name}'s smallest "
+                         f"normal number {tiny:.3g}, where they would lose their digits or vanish; "
+                         f"{fix}")
+
+
 def check_flag(value: Any, call: str, name: str) -> bool:
     """``value`` as a bool when it is one (Python's or NumPy's); a TypeError naming ``name`` otherwise.
 
@@ -370,7 +422,11 @@ def assemble(mesh: Mesh, *, stiffness: float = 1.0, mass: float = 0.0, lumped_ma
         near 1e160 in float32, or with huge coefficients); the message names
         the scale and the fix (rescale the vertices). The geometry itself is
         computed scale-free, so any mesh :class:`Mesh` accepts assembles
-        whenever its values are representable.
+        whenever its values are representable. A term asked for whose entries
+        would fall below ``dtype``'s normal range (a float32 mass of a mesh near
+        1e-20, or a tiny coefficient) is refused alike, naming the mesh's
+        scale or the coefficient: stored as subnormal numbers or zeros, they
+        would make the system solved later singular or wrong.
 
     Examples
     --------
@@ -398,6 +454,8 @@ def assemble(mesh: Mesh, *, stiffness: float = 1.0, mass: float = 0.0, lumped_ma
         if not np.isfinite(a):
             raise ValueError(f"{call}({name}={val!r}): expected a finite number")
     stiffness, mass, lumped_mass = (float(_backend.to_host(c)) for c in (stiffness, mass, lumped_mass))
+    check_floors(mesh, dt, call, [("L", stiffness, "stiffness"), ("M", mass, "mass"),
+                                  ("D", lumped_mass, "lumped_mass")])
     p = symbolic(mesh, device=device, index_dtype=index_dtype, backend=backend)
     t = p.target
     kern = _kernels_for(mesh)
@@ -456,7 +514,8 @@ def lumped_mass(mesh: Mesh, *, device: Any = "cpu", dtype: Any = np.float64,
     """The lumped mass of each vertex (a third of the surrounding area, a quarter of the volume).
 
     A ValueError names the scale and the fix (rescale the vertices) where
-    ``dtype`` cannot hold these masses; ``call`` names the caller in it.
+    ``dtype`` cannot hold these masses, too large or below its normal range;
+    ``call`` names the caller in it.
 
     Examples
     --------
@@ -466,6 +525,7 @@ def lumped_mass(mesh: Mesh, *, device: Any = "cpu", dtype: Any = np.float64,
     1.0
     """
     dt = _check_dtype(dtype, call)
+    check_floors(mesh, dt, call, [("D", 1.0, None)])
     p = symbolic(mesh, device=device, backend=backend)
     t = p.target
     kern = _kernels_for(mesh)

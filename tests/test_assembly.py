@@ -147,6 +147,56 @@ def test_values_beyond_the_value_type_are_refused_naming_the_scale_and_the_fix(b
     np.testing.assert_allclose(w, assembly.lumped_mass(hexagon_fan(1.0)) * 0.76e154**2, rtol=1e-13)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_entries_below_the_value_types_normal_range_are_refused_naming_the_scale_and_the_fix(backend):
+    """Triangles near 1e-20 have areas near 1e-40, below float32's smallest normal number
+    (1.2e-38): their mass came out as subnormal numbers or zeros, silently, and the system
+    solved with it was singular or wrong. Refused as pde's builders refuse it."""
+    device = "cuda:0" if backend == "cuda" else "cpu"
+    on = {"device": device, "backend": backend}
+    unit = icosphere(2)
+    tiny = Mesh(unit.vertices * 1e-20, unit.faces)
+
+    def host(A):
+        return A.get() if backend == "cuda" else A
+
+    scale = (r"\(mesh=\.\.\., dtype=float32\): {what} has entries down to about \S+, below "
+             r"float32's smallest normal number 1\.18e-38, where they would lose their digits or "
+             r"vanish; the smallest element area is \S+: scale the mesh up, e\.g\. "
+             r"Mesh\(mesh\.vertices / 1e-20, mesh\.faces\), or use dtype=np\.float64$")
+    for kwargs, what in (({"stiffness": 0.0, "lumped_mass": 1.0}, "the lumped mass D"),
+                         ({"stiffness": 1.0, "mass": 1.0}, "the mass matrix M")):
+        with pytest.raises(ValueError, match="^assemble" + scale.format(what=what)):
+            assembly.assemble(tiny, dtype=np.float32, **kwargs, **on)
+    with pytest.raises(ValueError, match="^assemble" + scale.format(what="the lumped mass D")):
+        assembly.assemble_mass(tiny, dtype=np.float32, **on)
+    with pytest.raises(ValueError, match="^lumped_mass" + scale.format(what="the lumped mass D")):
+        assembly.lumped_mass(tiny, dtype=np.float32, **on)
+    # A coefficient can push a term below the range on a mesh of any scale: it is named.
+    with pytest.raises(ValueError, match=r"^assemble\(stiffness=1e-40, dtype=float32\): stiffness "
+                                         r"\* L has entries down to about .*; use a larger "
+                                         r"stiffness, or dtype=np\.float64$"):
+        assembly.assemble(unit, stiffness=1e-40, dtype=np.float32, **on)
+    with pytest.raises(ValueError, match=r"^assemble\(mass=1e-320, dtype=float64\): mass \* M "
+                                         r".*below float64's smallest normal.*; use a larger mass$"):
+        assembly.assemble(unit, mass=1e-320, **on)
+    # What float32 holds is assembled, and matches the float64 assembly to float32's precision:
+    # the cotangent Laplacian is scale-free, areas near 1e-30 are normal float32s, and a
+    # coefficient that lifts a term into the range is read with it.
+    for mesh, kwargs in ((tiny, {}), (tiny, {"stiffness": 0.0, "lumped_mass": 1e20}),
+                         (Mesh(unit.vertices * 1e-15, unit.faces),
+                          {"stiffness": 1.0, "mass": 1e30, "lumped_mass": 1e30})):
+        A32 = host(assembly.assemble(mesh, dtype=np.float32, **kwargs, **on))
+        A64 = assembly.assemble(mesh, **kwargs)
+        assert A32.dtype == np.float32
+        assert abs(A32 - A64).max() <= 1e-6 * abs(A64).max(), kwargs
+        assert (A32.data != 0).sum() == (A64.data != 0).sum(), kwargs  # nothing vanished
+    small = Mesh(unit.vertices * 1e-15, unit.faces)
+    w = assembly.lumped_mass(small, dtype=np.float32, **on)
+    w = w.get() if backend == "cuda" else w
+    np.testing.assert_allclose(w, assembly.lumped_mass(small), rtol=1e-6)
+
+
 def test_coefficients_and_flags_that_are_not_numbers_name_the_argument():
     m = icosphere(1)
     for kwargs, found in (({"stiffness": "1"}, "str"), ({"mass": None}, "NoneType"),
