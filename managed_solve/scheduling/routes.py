@@ -65,6 +65,31 @@ def host_kernels(dev: Device) -> Any:
 
 
 # --------------------------------------------------------------------------- BATCH
+def packing_systems(systems: Sequence[LinearSystem | None], indices: Sequence[int],
+                    jacobi: bool) -> list[LinearSystem]:
+    """The systems ``indices`` of the call, as the batched engine packs them.
+
+    With Jacobi, packing refuses a diagonal it cannot divide by, naming the
+    system by its name or else by its place in the batch, which after a
+    split (or in any batch but the first) is not the caller's. An unnamed
+    system is therefore packed as a shallow copy (arrays shared) named
+    ``systems[i]``, its position in the caller's list; results are built
+    from the caller's systems, so their names stay as given.
+    """
+    picked = [systems[i] for i in indices]
+    if not jacobi:  # nothing in packing names a system then
+        return picked
+    return [s if s.name else _labelled(s, f"systems[{i}]")
+            for i, s in zip(indices, picked, strict=True)]
+
+
+def _labelled(s: LinearSystem, name: str) -> LinearSystem:
+    t = object.__new__(LinearSystem)
+    t.__dict__.update(s.__dict__)
+    t.name = name
+    return t
+
+
 def compute_batch(prepared: Any, method: str, dev: Device) -> tuple:
     """The device part of a batch on ``dev`` (:func:`run_packed`), under the host-kernel lock there."""
     with host_kernels(dev):

@@ -546,8 +546,8 @@ class Runner(Adjustments):
             dev.check_fault(nbytes)
             fut = None
             if b.route == BATCH:
-                systems = [self.systems[i] for i in b.indices]
                 method, _dt, jacobi = b.group
+                systems = routes.packing_systems(self.systems, b.indices, bool(jacobi))
                 if method == DEFERRED:
                     method = functools.partial(self._batch_method, b)
                 args = (systems, jacobi, dev, method)

@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+import scipy.sparse.linalg as sla
 
 from managed_solve import LinearSystem, Status, config
 from managed_solve.devices import SimulatedOutOfMemory
@@ -83,6 +84,41 @@ def test_a_device_that_always_fails_ends_on_the_cpu():
     results = solve_many(systems, manager=dm)
     assert_solves(systems, results)
     assert {r.device for r in results} == {"cpu"}
+
+
+def test_an_unnamed_system_of_a_split_batch_is_named_by_its_input_position(monkeypatch):
+    """Messages name an unnamed system ``systems[i]`` by the caller's list, not by its batch."""
+    dm = DeviceManager(simulate="1x64MiB")
+    fired = [0]
+
+    def first_fails(dev, nbytes):  # the first batch fails: split, the halves go elsewhere
+        fired[0] += 1
+        if fired[0] == 1:
+            raise SimulatedOutOfMemory(f"{dev}: simulated out of memory for {nbytes} bytes")
+
+    dm.accelerators[0].fault = first_fails
+    rng = np.random.default_rng(41)
+    A = poisson2d(6)
+    systems = [LinearSystem(A, rng.standard_normal(36), rtol=1e-10, M="jacobi") for _ in range(8)]
+    tiny = A.tolil()
+    tiny[3, 3] = 1e-320  # non-zero, but 1 / d overflows: Jacobi refuses it when packing
+    systems[5] = LinearSystem(tiny.tocsr(), rng.standard_normal(36), rtol=1e-10, M="jacobi")
+    systems[2] = LinearSystem(A, rng.standard_normal(36), rtol=1e-10, M="jacobi", maxiter=2)
+    runners = runners_started(monkeypatch)
+    results = solve_many(systems, manager=dm)
+    assert fired[0] >= 1
+    (runner,) = runners
+    assert max(n for _dev, _b, n in runner.batches_run) < len(systems)  # no batch held them all
+    bad = results[5]
+    assert bad.status is Status.INVALID_INPUT
+    assert "systems[5] (M='jacobi')" in bad.message, bad.message
+    assert bad.message.count("systems[") == 1, bad.message
+    assert results[2].status is Status.MAXITER and "systems[" not in results[2].message
+    good = [k for k in range(len(systems)) if k not in (2, 5)]
+    for k in good:
+        assert results[k].status is Status.CONVERGED, (k, results[k].message)
+        ref = sla.spsolve(systems[k].A.tocsc(), systems[k].b)
+        assert np.allclose(results[k].to_numpy(), ref, rtol=1e-7, atol=1e-9), k
 
 
 def test_a_pinned_batch_that_hits_a_device_error_is_split_on_its_device_never_moved(monkeypatch):
