@@ -231,22 +231,34 @@ class AMGPreconditioner:
         """New values of A on the same pattern: keep the aggregates, recompute the rest.
 
         ``values``: A's ``data`` array in CSR order, or a matrix of the same
-        pattern. Everything numeric is set up again on the new values (the
-        relaxed near-null space, the tentative and smoothed prolongators and
-        their damping, the Galerkin levels, the smoothers, the coarse
-        inverse); the aggregates, which follow the strength of A's couplings,
-        are kept unless the new values weaken a coupling inside one of them
-        (:func:`~.hierarchy.weakened_inside`), where the whole set-up is
-        redone. A preconditioner passed as ``M=`` to a
+        pattern (stored any way: unsorted rows and duplicate entries are
+        brought to A's canonical form first). Everything numeric is set up
+        again on the new values (the relaxed near-null space, the tentative
+        and smoothed prolongators and their damping, the Galerkin levels,
+        the smoothers, the coarse inverse); the aggregates, which follow the
+        strength of A's couplings, are kept unless the new values weaken a
+        coupling inside one of them (:func:`~.hierarchy.weakened_inside`),
+        where the whole set-up is redone. A preconditioner passed as ``M=`` to a
         :class:`~managed_solve.Solver` is the caller's: ``Solver.update``
         leaves it as it is, and this method refreshes it.
+
+        Raises
+        ------
+        ValueError
+            A matrix of another pattern (its values would be read on A's
+            pattern), or values of another count; the hierarchy is left as
+            it was.
         """
         A0 = self.levels[0].A
         if hasattr(values, "tocsr"):
-            B = hierarchy.as_csr(values)
-            if B.shape != A0.shape or B.nnz != A0.nnz:
-                raise ValueError(f"AMGPreconditioner.update(A2): A2 has another pattern (shape "
-                                 f"{B.shape}, {B.nnz} entries against {A0.shape}, {A0.nnz}).")
+            B = hierarchy.as_csr(values)  # unsorted or duplicate entries: A0's canonical form
+            if not self._same_pattern(B, A0):
+                raise ValueError(
+                    f"AMGPreconditioner.update(A2): A2 has another sparsity pattern than the "
+                    f"matrix the hierarchy was set up on (shape {B.shape}, {B.nnz} stored entries "
+                    f"against {A0.shape}, {A0.nnz}, or as many in other places); update takes new "
+                    "values on the same pattern. Set up a new preconditioner for the new "
+                    "pattern: amg(A2).")
             data = B.data
         else:
             data = self.xp.asarray(values)
@@ -264,6 +276,21 @@ class AMGPreconditioner:
             hierarchy.refresh(self.levels, A, xp, sparse, improve=improve_candidates
                               if self.setup == "pyamg" else hierarchy.relax_candidates)
             self._make_cycle(checked=getattr(self._cycle, "graph", None) is not None)
+
+    def _same_pattern(self, B: Any, A0: Any) -> bool:
+        """Whether the canonical CSR ``B`` has A0's pattern: its index arrays, or equal ones.
+
+        The re-setup puts B's values on A0's pattern, whose Galerkin products
+        it reuses: values stored elsewhere would make another matrix. Arrays
+        A0 shares need no reading; others are compared where A0 lies.
+        """
+        if B.shape != A0.shape or B.nnz != A0.nnz:
+            return False
+        if B.indptr is A0.indptr and B.indices is A0.indices:
+            return True
+        xp = self.xp
+        return bool(xp.array_equal(xp.asarray(B.indptr), A0.indptr)) and \
+            bool(xp.array_equal(xp.asarray(B.indices), A0.indices))  # sync: once an update
 
     # -- application -------------------------------------------------------------
     def __call__(self, r: Any) -> Any:

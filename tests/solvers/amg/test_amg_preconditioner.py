@@ -350,6 +350,70 @@ def test_update_keeps_the_aggregates_until_new_values_split_one(backend, setup):
     assert all(lev.agg is agg for lev, agg in zip(M.levels, kept, strict=False))
 
 
+def same_pattern_forms(A):
+    """``A`` stored three other ways, one pattern: unsorted rows, a split entry, int64 indices."""
+    rev = A.copy()
+    for r in range(A.shape[0]):  # each row's entries in reverse column order
+        lo, hi = A.indptr[r], A.indptr[r + 1]
+        rev.indices[lo:hi], rev.data[lo:hi] = A.indices[lo:hi][::-1], A.data[lo:hi][::-1]
+    rev = sp.csr_matrix((rev.data, rev.indices, rev.indptr), shape=A.shape)
+    assert not rev.has_sorted_indices
+    # A[0, 0] stored as two halves: one stored entry more, the same pattern once summed.
+    data = np.concatenate([[A.data[0] / 2, A.data[0] / 2], A.data[1:]])
+    indices = np.concatenate([[A.indices[0]], A.indices])
+    indptr = A.indptr + 1
+    indptr[0] = 0
+    dup = sp.csr_matrix((data, indices, indptr), shape=A.shape)
+    wide = sp.csr_matrix((A.data.copy(), A.indices.astype(np.int64), A.indptr.astype(np.int64)),
+                         shape=A.shape)
+    return {"unsorted": rev, "duplicate": dup, "int64": wide}
+
+
+def cg_iterations(A, b, M):
+    out = cg(A, b, rtol=1e-10, M=M)
+    assert out.code == 0, out.code
+    return out, out.info.get("converged_at", out.iterations)
+
+
+@pytest.mark.parametrize("setup", ["native", "pyamg"])
+def test_update_refuses_a_matrix_of_as_many_entries_in_other_places(backend, setup):
+    # P A P^T has A's shape and stored-entry count but not its pattern: its values
+    # on the kept pattern would be another matrix (wrong Galerkin products, silently).
+    if backend != "cpu" and setup == "pyamg":
+        pytest.skip("PyAMG sets up on the host only")
+    A, A2 = new_values("scaled")
+    perm = np.random.default_rng(5).permutation(A.shape[0])
+    P = A2[perm][:, perm].tocsr()
+    assert P.nnz == A.nnz and P.shape == A.shape
+    b = rhs(A.shape[0])
+    Ad, Pd, bd = on(backend, A, P, b)
+    M = amg(Ad, setup=setup)
+    with pytest.raises(ValueError, match=r"update\(A2\).*pattern.*amg\(A2\)"):
+        M.update(Pd)
+    np.testing.assert_array_equal(host(M.levels[0].A.data), A.data)  # nothing changed
+    out, its = cg_iterations(Ad, bd, M)
+    _, ref_its = cg_iterations(Ad, bd, amg(Ad, setup=setup))
+    assert abs(its - ref_its) <= 2, (its, ref_its)
+    assert_matches_spsolve(out.x, A, b, np.float64)
+
+
+@pytest.mark.parametrize("form", ["unsorted", "duplicate", "int64"])
+@pytest.mark.parametrize("setup", ["native", "pyamg"])
+def test_update_takes_the_same_pattern_stored_another_way(backend, setup, form):
+    if backend != "cpu" and setup == "pyamg":
+        pytest.skip("PyAMG sets up on the host only")
+    A, A2 = new_values("scaled")
+    b = rhs(A.shape[0])
+    Ad, A2d, Fd, bd = on(backend, A, A2, same_pattern_forms(A2)[form], b)
+    M = amg(Ad, setup=setup)
+    M.update(Fd)
+    np.testing.assert_allclose(host(M.levels[0].A.data), A2.data, rtol=1e-15)
+    out, its = cg_iterations(A2d, bd, M)
+    _, ref_its = cg_iterations(A2d, bd, amg(A2d, setup=setup))
+    assert abs(its - ref_its) <= 2, (its, ref_its)
+    assert_matches_spsolve(out.x, A2, b, np.float64)
+
+
 def test_pyamg_update_with_unknowns_outside_every_aggregate():
     # PyAMG leaves unknowns without couplings out of its aggregates; the
     # re-setup refits T with zero rows there, as PyAMG's set-up has them.
