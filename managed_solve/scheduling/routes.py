@@ -15,6 +15,7 @@ Every route applies the one verify-and-fall-back rule of
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -84,8 +85,7 @@ def packing_systems(systems: Sequence[LinearSystem | None], indices: Sequence[in
 
 
 def _labelled(s: LinearSystem, name: str) -> LinearSystem:
-    t = object.__new__(LinearSystem)
-    t.__dict__.update(s.__dict__)
+    t = copy.copy(s)  # shallow: the arrays are shared
     t.name = name
     return t
 
