@@ -32,7 +32,7 @@ import scipy.sparse as sp
 from .. import _backend, config
 from ..devices import Device, SimulatedOutOfMemory
 from ..result import SolveResult, Status
-from ..solvers._common import wide_residual
+from ..solvers._common import refuse_unscalable_diagonal, wide_residual
 from ..solvers.engine import BREAKDOWN, CONVERGED, MAXITER, Outcome
 from ..solvers.verify import status_of
 from . import krylov, partition
@@ -350,16 +350,23 @@ class ShardedSystem:
                         distributed=distributed, profile=profile).to_result()
 
     def check_jacobi(self, call: str) -> None:
-        """Raise ValueError when a diagonal entry is zero (Jacobi divides by it)."""
+        """Refuse a diagonal Jacobi cannot divide by, by the rule every solve follows.
+
+        :func:`~managed_solve.solvers._common.refuse_unscalable_diagonal` on each shard's
+        diagonal, where the loops divide by it (a GPU's arithmetic); where one is refused, on
+        the diagonal gathered in A's own order, so that the error names A's rows, not a
+        shard's local ones.
+        """
+        label = f"{call}(M='jacobi')"
         for k, sh in enumerate(self.shards):
             with self.comm.on(k):
-                zero = (sh.diag == 0).any()
-            # sync: once per solve, validating the preconditioner
-            if bool(self.comm.read(k, zero)):
-                raise ValueError(
-                    f"{call}(M='jacobi'): A has a zero on its diagonal; Jacobi needs a "
-                    "non-zero diagonal. Use M=None."
-                )
+                try:
+                    refuse_unscalable_diagonal(sh.diag, label)  # sync: once per shard and solve
+                    continue
+                except ValueError as exc:
+                    local = exc
+            refuse_unscalable_diagonal(self.gather([s.diag for s in self.shards]), label)
+            raise local  # not reached unless the gathered copy reads otherwise: the shard's error
 
     def run(self, b: Any, x0: Any, *, rtol: float, atol: float, maxiter: int, method: str,
             jacobi: bool, check_every: int | None, target: Device | None,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -141,10 +143,43 @@ def test_input_errors():
         sharded.solve_sharded(sp.eye(1, format="csr"), np.ones(1), devices="all", manager=dm)
     with pytest.raises(ValueError, match="gather_to"):
         sharded.solve_sharded(A, b, devices="all", manager=dm, gather_to="sim:9")
-    Z = poisson2d(6).tolil()
-    Z[3, 3] = 0.0
-    with pytest.raises(ValueError, match="zero on its diagonal"):
-        sharded.solve_sharded(Z.tocsr(), b, devices="all", manager=dm, M="jacobi")
+
+
+def _with_diagonal(A, values):
+    """``A`` with the diagonal entries ``values`` ({row: value}) put in."""
+    A = A.tolil()
+    for row, value in values.items():
+        A[row, row] = value
+    return A.tocsr()
+
+
+def _jacobi_refused(call, values, why):
+    """The message of refuse_unscalable_diagonal for the entries ``values`` ({row: value})."""
+    rows, first = sorted(values), min(values)
+    return (rf"^{call}\(M='jacobi'\): Jacobi scaling divides by A's diagonal, so it needs a "
+            rf"non-zero diagonal with finite reciprocals, but A has {len(rows)} diagonal entr\w+ it "
+            rf"cannot divide by \(rows {re.escape(str(rows))}; A\[{first}, {first}\] = "
+            rf"{values[first]:.3g}, {why}\)\. Use M=None")
+
+
+@pytest.mark.parametrize("reorder", ["rcm", None])
+def test_jacobi_refuses_a_diagonal_it_cannot_divide_by_as_every_solve_does(kind, devices_for,
+                                                                           reorder):
+    """The package's one rule and message (refuse_unscalable_diagonal): a zero entry, and one
+    whose reciprocal overflows, naming A's own rows (not a shard's or the reordering's)."""
+    devs, dm = devices_for(kind, 3)
+    A, b = poisson2d(6), np.ones(36)
+    for values, why in (({17: 0.0}, "zero"), ({3: 0.0, 30: 1e-320}, "zero"),
+                        ({30: 1e-320}, "whose reciprocal overflows float64")):
+        with pytest.raises(ValueError, match=_jacobi_refused("solve_sharded", values, why)):
+            sharded.solve_sharded(_with_diagonal(A, values), b, devices=devs, manager=dm,
+                                  M="jacobi", reorder=reorder)
+    engine, _ = _engine(kind, devices_for, nshards=3, reorder=reorder)
+    values = A.data.copy()  # new values in A's pattern: A[17, 17] = 0
+    values[A.indptr[17] + np.flatnonzero(A.indices[A.indptr[17]:A.indptr[18]] == 17)[0]] = 0.0
+    with engine.prepare(A, Options(method="cg", M="jacobi"), devs) as prepared:
+        with pytest.raises(ValueError, match=_jacobi_refused("update", {17: 0.0}, "zero")):
+            prepared.update(values)
 
 
 # ---------------------------------------------------------------- GPU-only checks
@@ -245,7 +280,8 @@ def test_engine_update_rejects_another_pattern(devices_for):
         prepared.update(A)  # the same values again are fine
         assert prepared.solve(np.ones(64)).code == CONVERGED
     with engine.prepare(A, Options(method="cg", M="jacobi"), devs) as prepared:
-        with pytest.raises(ValueError, match="zero on its diagonal"):
+        with pytest.raises(ValueError, match=r"update\(M='jacobi'\): Jacobi scaling divides by "
+                                             r"A's diagonal.*but A has 64 diagonal entries"):
             prepared.update(A.data * (A.indices != np.repeat(np.arange(64), np.diff(A.indptr))))
 
 
