@@ -17,10 +17,16 @@ symmetric when every pair ``i != j`` has::
 
     |a_ij - a_ji| <= rel * max(|a_ij|, |a_ji|, sqrt(r_i) * sqrt(r_j)),   r_i = max_k |a_ik|
 
-with ``rel = SYMMETRY_RTOL``, an unstored entry read as 0 (duplicates
-summed), the arithmetic in float64 whatever the dtype, a NaN left out of
-``r_i``, and a comparison with a NaN counting as no difference (validation
-refuses NaN and Inf).
+with ``rel = symmetry_rtol(A.dtype)`` (``SYMMETRY_RTOL``, 1e-12, for
+float64; 128 eps, about 1.5e-5, for float32), an unstored entry read as 0
+(duplicates summed), the arithmetic in float64 whatever the dtype, a NaN
+left out of ``r_i``, and a comparison with a NaN counting as no difference
+(validation refuses NaN and Inf).
+
+``rel`` follows the dtype because the entries' rounding does: a float32
+matrix assembled from triplets sums the duplicates of ``(i, j)`` and of
+``(j, i)`` in different orders, and its mirrors differ by a few float32
+ulps, which 1e-12 would call an asymmetry.
 
 Each pair is judged against its own size and its own two rows, not against
 ``max |a|`` of the whole matrix: one large entry, such as a 1e15 penalty on
@@ -46,15 +52,58 @@ from __future__ import annotations
 import numba
 import numpy as np
 from numba.extending import overload
+from numpy.typing import DTypeLike
 
-__all__ = ["NOT_CANONICAL", "SYMMETRY_RTOL", "csr_gershgorin", "csr_mirror",
+__all__ = ["ASSEMBLY_ULPS", "NOT_CANONICAL", "SYMMETRY_RTOL", "csr_gershgorin", "csr_mirror",
            "csr_mirror_gershgorin", "csr_positive_diagonal", "csr_symmetry",
            "csr_symmetry_gershgorin", "csr_symmetry_rows", "csr_symmetry_rows_search",
-           "csr_symmetry_rows_window", "csr_symmetry_scaled", "symmetry_gershgorin"]
+           "csr_symmetry_rows_window", "csr_symmetry_scaled", "symmetry_gershgorin",
+           "symmetry_rtol"]
 
-#: ``rel`` of the symmetry rule (module docstring): far above float64's
-#: rounding (1.1e-16) of an assembly, far below any asymmetry a method must heed.
+#: ``rel`` of the symmetry rule (module docstring) for float64: far above
+#: float64's rounding (1.1e-16) of an assembly, far below any asymmetry a method must heed.
 SYMMETRY_RTOL = 1e-12
+#: ``rel`` of a coarser dtype, in its eps. Summing an entry's ``k``
+#: contributions in two orders leaves the two sums at most about
+#: ``(k - 1) eps`` of the contributions' absolute sum apart (each partial
+#: sum rounded by eps / 2), and that sum is about the size the rule measures
+#: a pair by: the pair's own, or, where contributions cancelled, the rows'
+#: largest entries (the diagonal, which gathers contributions of that size).
+#: FE and COO assembly with up to 30 contributions an entry is thus within
+#: 29 eps at worst (random roundings stay near 5: measured on shuffled
+#: triplets), so 128 eps (1.5e-5 for float32) accepts them with room to
+#: spare, while an asymmetry that matters, a convection-diffusion matrix's
+#: 1e-3 or a single skewed pair, is refused by a factor of 60 and more.
+#: Below this, the asymmetry is of the size of the rounding the dtype gives
+#: every entry anyway.
+ASSEMBLY_ULPS = 128
+
+
+def _rtol(dtype: np.dtype) -> float:
+    """:func:`symmetry_rtol` computed (the float dtypes' are kept in ``_RTOLS``)."""
+    if dtype.kind in "fc":
+        return max(SYMMETRY_RTOL, ASSEMBLY_ULPS * float(np.finfo(dtype).eps))
+    return SYMMETRY_RTOL  # integers: exact entries, compared in float64
+
+
+_RTOLS = {np.dtype(t): _rtol(np.dtype(t)) for t in (np.float64, np.float32)}
+
+
+def symmetry_rtol(dtype: DTypeLike) -> float:
+    """``rel`` of the symmetry rule (module docstring) for a matrix of ``dtype``.
+
+    ``SYMMETRY_RTOL`` (1e-12) for float64 and integers, ``ASSEMBLY_ULPS``
+    eps of a coarser float (about 1.5e-5 for float32): the mirrors of a
+    matrix assembled in that dtype differ by its rounding, not float64's.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> symmetry_rtol(np.float64), round(symmetry_rtol(np.float32), 7)
+    (1e-12, 1.53e-05)
+    """
+    rel = _RTOLS.get(dtype)  # a matrix's dtype is found as it is, without np.dtype()
+    return rel if rel is not None else _rtol(np.dtype(dtype))
 
 SYMMETRIC, DIFFERENT_VALUES, DIFFERENT_PATTERN = 1, 0, -1
 #: :func:`symmetry_gershgorin`'s code for a pattern not in canonical form (a

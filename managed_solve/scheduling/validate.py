@@ -372,8 +372,8 @@ def check_symmetry(mats: Sequence[Any], cache: dict, rel: float | None = None) -
     ``is_symmetric`` applies the rule to the entries and their mirrors
     itself) and the Gershgorin bounds (``cache[("gershgorin", id(A))]``),
     by the same symmetry rule (:mod:`managed_solve.kernels.symmetry`;
-    ``rel`` its ``SYMMETRY_RTOL`` unless given). :func:`symmetry_pass` then
-    :meth:`SymmetryPass.run`.
+    ``rel`` the ``symmetry_rtol`` of each matrix's dtype unless given).
+    :func:`symmetry_pass` then :meth:`SymmetryPass.run`.
     """
     symmetry_pass(mats, rel).run(cache)
 
@@ -456,9 +456,11 @@ class SymmetryPass:
 
 
 def symmetry_pass(mats: Sequence[Any], rel: float | None = None) -> SymmetryPass:
-    """:func:`check_symmetry`'s tables: the matrices largest first, by dtypes, with their addresses."""
-    if rel is None:
-        from ..kernels.symmetry import SYMMETRY_RTOL as rel
+    """:func:`check_symmetry`'s tables: the matrices largest first, by dtypes, with their addresses.
+
+    Each dtype's group is judged with its own ``symmetry_rtol`` unless ``rel`` is given.
+    """
+    from ..kernels.symmetry import symmetry_rtol
     exact = _backend.scipy_csr_types()
     sizes = np.fromiter((int(A.indptr[-1]) if type(A) in exact else A.nnz for A in mats),
                         np.int64, len(mats))  # a CSR's nnz, without its property's calls
@@ -476,7 +478,8 @@ def symmetry_pass(mats: Sequence[Any], rel: float | None = None) -> SymmetryPass
         data = [A.data for A in group]
         args = (_addresses([A.indptr for A in group]), _addresses([A.indices for A in group]),
                 _addresses(data), np.fromiter((A.shape[0] for A in group), np.int64, len(group)),
-                nnzs, np.empty(0, pdt), np.empty(0, idt), np.empty(0, ddt), float(rel), codes,
+                nnzs, np.empty(0, pdt), np.empty(0, idt), np.empty(0, ddt),
+                symmetry_rtol(ddt) if rel is None else float(rel), codes,
                 bounds, finite)
         whole = [d if d.shape[0] == nnz else None for d, nnz in zip(data, nnzs.tolist(), strict=True)]
         groups.append((group, args, codes, bounds, finite, whole))

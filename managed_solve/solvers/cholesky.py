@@ -27,8 +27,6 @@ import numpy as np
 LEAF = 24
 #: Columns of a block solved a call (calls spread over the cores).
 SOLVE_COLUMNS = 16
-#: Values equal to their mirror within this fraction of the largest count as symmetric.
-SYMMETRY_RTOL = 1e-12
 
 
 class NotPositiveDefinite(Exception):
@@ -37,7 +35,7 @@ class NotPositiveDefinite(Exception):
 
 def eligible(A: Any) -> str | None:
     """Why a host CSR matrix cannot take a Cholesky factorisation, or None when it may."""
-    from ..kernels.symmetry import SYMMETRIC, csr_symmetry_scaled
+    from ..kernels.symmetry import SYMMETRIC, csr_symmetry_scaled, symmetry_rtol
 
     if np.dtype(A.dtype) not in (np.dtype(np.float32), np.dtype(np.float64)):
         return f"dtype {np.dtype(A.dtype)}"
@@ -45,7 +43,8 @@ def eligible(A: Any) -> str | None:
         return "an empty matrix"
     if not A.has_canonical_format:
         return "unsorted or duplicate CSR entries"
-    if csr_symmetry_scaled(A.indptr, A.indices, A.data, SYMMETRY_RTOL) != SYMMETRIC:
+    # The package's one symmetry rule, as "auto" applies it (its tolerance the dtype's).
+    if csr_symmetry_scaled(A.indptr, A.indices, A.data, symmetry_rtol(A.dtype)) != SYMMETRIC:
         return "values not symmetric"
     return None
 

@@ -145,17 +145,16 @@ def symmetry_many(mats: Sequence[Any], rel: float | None = None) -> list[tuple[i
     :func:`managed_solve.kernels.symmetry.csr_symmetry_gershgorin` gives on
     the host: ``code`` is ``SYMMETRIC`` when every stored ``(i, j)`` has its
     mirror stored and each pair meets the symmetry rule of
-    :mod:`managed_solve.kernels.symmetry` with ``rel`` (default
-    ``SYMMETRY_RTOL``), ``DIFFERENT_VALUES`` when some pair does not, and
+    :mod:`managed_solve.kernels.symmetry` with ``rel`` (default each
+    dtype's ``symmetry_rtol``), ``DIFFERENT_VALUES`` when some pair does not, and
     ``DIFFERENT_PATTERN`` when some mirror is not stored; None when a row's
     columns are not strictly increasing (the caller's general test
     decides), as for a matrix whose pointers and indices differ in type. The
     matrices must have valid patterns (:func:`csr_structure`) and at least
     one row.
     """
-    from ..kernels.symmetry import DIFFERENT_PATTERN, DIFFERENT_VALUES, SYMMETRIC, SYMMETRY_RTOL
+    from ..kernels.symmetry import DIFFERENT_PATTERN, DIFFERENT_VALUES, SYMMETRIC, symmetry_rtol
 
-    rel = SYMMETRY_RTOL if rel is None else float(rel)
     cp = _backend.cupy()
     results: list[Any] = [None] * len(mats)
     groups: dict[tuple, list[int]] = {}
@@ -190,7 +189,8 @@ def symmetry_many(mats: Sequence[Any], rel: float | None = None) -> list[tuple[i
             kernel = _kernel(dev, f"ms_symmetry_many<{_type(idt)}, {_type(ddt)}>")
             kernel((len(block_matrix),), (THREADS,),
                    (d_blocks, d_row0, d_tables[:m], d_tables[m:2 * m], d_tables[2 * m:3 * m],
-                    d_tables[3 * m:].view(np.int64), np.float64(rel), out))
+                    d_tables[3 * m:].view(np.int64),
+                    np.float64(symmetry_rtol(ddt) if rel is None else rel), out))
             words = out.get()  # sync: one read for the group's matrices
         flags = words[:, 0]
         bounds = np.stack([_decode(words[:, c]) for c in (1, 2, 3, 4)], axis=1)

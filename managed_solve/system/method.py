@@ -363,7 +363,7 @@ def matrix_symmetry(system: Any, cache: dict | None = None) -> bool | None:
         return is_symmetric(system.A, cache)
     if system.kind == "dense":
         from .. import _backend
-        from ..kernels.symmetry import SYMMETRY_RTOL
+        from ..kernels.symmetry import symmetry_rtol
         from .properties import symmetric_pairs
 
         xp = _backend.array_module(system.A)
@@ -374,6 +374,7 @@ def matrix_symmetry(system: Any, cache: dict | None = None) -> bool | None:
             size = xp.abs(A)
             return xp.where(size == size, size, 0).max(axis=1)  # a NaN left out
 
-        # The rule of kernels.symmetry: each pair against its own size and rows (not max |a|).
-        return symmetric_pairs(xp, A, A.T, i[:, None], i[None, :], row_max, SYMMETRY_RTOL)
+        # The rule of kernels.symmetry: each pair against its own size and rows (not max |a|),
+        # within the rounding of A's dtype.
+        return symmetric_pairs(xp, A, A.T, i[:, None], i[None, :], row_max, symmetry_rtol(A.dtype))
     return None

@@ -86,10 +86,11 @@ def is_symmetric(A: Any, cache: dict | None = None) -> bool:
     The one symmetry test of the package (``solve``'s method choice, the
     ``LinearSystem.is_symmetric_hint`` property, ``solve_many``'s routing),
     by the rule of :mod:`managed_solve.kernels.symmetry`: every pair within
-    ``SYMMETRY_RTOL`` (1e-12) of its own size or of its two rows' largest entries, so
-    that one large entry (a penalty on the diagonal) does not excuse
-    differences elsewhere. A canonical matrix (sorted indices, no
-    duplicates) with a symmetric pattern is tested in one pass (a Numba
+    ``symmetry_rtol(A.dtype)`` (1e-12 for float64, 1.5e-5 for float32, whose
+    assembly rounds mirrors apart by a few ulps) of its own size or of its
+    two rows' largest entries, so that one large entry (a penalty on the
+    diagonal) does not excuse differences elsewhere. A canonical matrix
+    (sorted indices, no duplicates) with a symmetric pattern is tested in one pass (a Numba
     kernel on the host, one launch on a GPU); otherwise, or when the stored
     patterns differ (a small stored value facing an unstored zero may still
     pass), :func:`symmetric_pairs` decides on the stored entries and their
@@ -119,29 +120,30 @@ def is_symmetric(A: Any, cache: dict | None = None) -> bool:
         if hit is not None and hit[0] is A:
             return hit[1]
     # Here, past the cache (solve_many asks once per system of every matrix it has tested).
-    from ..kernels.symmetry import DIFFERENT_PATTERN, SYMMETRY_RTOL
+    from ..kernels.symmetry import DIFFERENT_PATTERN, symmetry_rtol
 
     if A.nnz == 0:
         result = True
     else:
+        rel = symmetry_rtol(A.dtype)
         xp = _backend.array_module(A.data)
         result = None
         if xp is np and A.has_canonical_format:
-            code = _host_symmetry(A, SYMMETRY_RTOL, cache)
+            code = _host_symmetry(A, rel, cache)
             result = None if code == DIFFERENT_PATTERN else bool(code)
         if xp is not np and getattr(A, "_has_canonical_format", None) is True:
             # Canonical (CuPy knows it, or the input checks found it): one
             # launch and one host read, the bounds kept for the policy too.
             from .device_checks import symmetry_many
 
-            found = symmetry_many([A], SYMMETRY_RTOL)[0]
+            found = symmetry_many([A], rel)[0]
             if found is not None:
                 code, bounds = found
                 if cache is not None:
                     cache[("gershgorin", id(A))] = (A, bounds)
                 result = None if code == DIFFERENT_PATTERN else bool(code)
         if result is None:
-            result = _csr_symmetry(A, xp, SYMMETRY_RTOL)
+            result = _csr_symmetry(A, xp, rel)
     if cache is not None:
         cache[id(A)] = (A, result)
     return result

@@ -14,6 +14,7 @@ from managed_solve.kernels.symmetry import (
     csr_symmetry_rows,
     csr_symmetry_rows_search,
     csr_symmetry_rows_window,
+    symmetry_rtol,
 )
 from managed_solve.system import is_symmetric
 from tests._problems import BACKENDS, laplacian1d, on, poisson2d, tridiagonal
@@ -59,7 +60,15 @@ def test_random_matrices_agree_with_the_transpose(dtype, index_dtype):
             assert not same_pattern(A)
         else:
             assert (code == SYMMETRIC) == reference(A)
-        assert is_symmetric(A) == reference(A)
+        assert is_symmetric(A) == reference(A, symmetry_rtol(dtype))
+
+
+def test_the_rules_tolerance_is_the_dtypes():
+    """float64 keeps 1e-12; float32 allows summation-order rounding, far below a real asymmetry."""
+    eps32 = float(np.finfo(np.float32).eps)
+    assert symmetry_rtol(np.float64) == symmetry_rtol(np.dtype("float64")) == 1e-12
+    assert 30 * eps32 < symmetry_rtol(np.float32) <= 1e-4
+    assert symmetry_rtol(np.int64) == 1e-12  # integers are exact (promoted to float64)
 
 
 def test_codes():
@@ -418,16 +427,25 @@ def _penalised(A, entries):
 
 
 def _with(A, pairs, unstored=()):
-    """A canonical copy of CSR ``A`` with entries stored, ``{(i, j): value}`` (a 0.0 too), and
-    the positions ``unstored`` left out."""
+    """A canonical copy of CSR ``A`` (its dtype) with entries stored, ``{(i, j): value}`` (a 0.0
+    too), and the positions ``unstored`` left out."""
     C = A.tocoo()
     gone = set(pairs) | set(unstored)
     keep = np.array([(i, j) not in gone for i, j in zip(C.row.tolist(), C.col.tolist(), strict=True)])
     rows = np.r_[C.row[keep], [i for i, _j in pairs]]
     cols = np.r_[C.col[keep], [j for _i, j in pairs]]
-    B = sp.csr_matrix((np.r_[C.data[keep], list(pairs.values())], (rows, cols)), shape=A.shape)
+    values = np.r_[C.data[keep], np.array(list(pairs.values()), dtype=A.dtype)]
+    B = sp.csr_matrix((values, (rows, cols)), shape=A.shape)
     B.sort_indices()
     return B
+
+
+def _ulps(value, k):
+    """The float32 ``k`` steps above ``value`` (away from zero)."""
+    x = np.float32(value)
+    for _ in range(k):
+        x = np.nextafter(x, np.float32(np.copysign(np.inf, x)))
+    return x
 
 
 def rule_gallery():
@@ -436,6 +454,7 @@ def rule_gallery():
     convection = tridiagonal(n, -1.5, 2.0, -0.5)  # mirrors differ by 1.0
     scaled = (sp.diags(np.logspace(-6, 6, n)) @ laplacian1d(n) @ sp.diags(np.logspace(-6, 6, n))).tocsr()
     saddle = sp.csr_matrix(np.array([[0.0, 1.0, 1.0], [1.0, 0.0, 1.0], [1.0, 1.0, 2.0]]))
+    f32 = poisson2d(6, np.float32)
     out = {
         # One large entry must not excuse differences elsewhere (the penalty Dirichlet of FEM).
         "penalty, convection": (_penalised(convection, {0: 1e15, n - 1: 1e15}), False),
@@ -461,6 +480,13 @@ def rule_gallery():
         # float32: rounded from a symmetric float64 matrix it stays symmetric.
         "float32 penalty Laplacian": (_penalised(poisson2d(6), {0: 1e15}).astype(np.float32), True),
         "float32 penalty convection": (_penalised(convection, {0: 1e15}).astype(np.float32), False),
+        # float32: mirrors summed in two orders (a few ulps apart) are symmetric; 1e-3 apart are not.
+        "float32, a pair 8 ulps apart": (_with(f32, {(7, 8): _ulps(f32[7, 8], 8)}), True),
+        "float32, rounding against a zero": (_with(f32, {(2, 4): 3e-7, (4, 2): -3e-7}), True),
+        "float32, a pair 1e-3 apart": (_with(f32, {(7, 8): f32[7, 8] * np.float32(1 + 1e-3)}), False),
+        "float32, beyond the rows": (_with(f32, {(2, 4): 1e-3}), False),
+        "float64, a pair float32's 8 ulps apart": (_with(poisson2d(6), {(7, 8): _ulps(f32[7, 8], 8)}),
+                                                   False),
     }
     for name, (A, _want) in out.items():
         A.sort_indices()
@@ -492,8 +518,8 @@ def test_every_host_kernel_applies_the_one_rule(name):
     )
 
     A, want = rule_gallery()[name]
-    assert reference(A) == want
-    n, rel = A.shape[0], 1e-12
+    n, rel = A.shape[0], symmetry_rtol(A.dtype)
+    assert reference(A, rel) == want
     assert is_symmetric(A) == want
     assert is_symmetric(unsorted(A)) == want  # not canonical: the array version of the rule
     if not same_pattern(A):
@@ -533,4 +559,4 @@ def test_is_symmetric_applies_the_one_rule_on_each_device(backend):
         for (A, _want), found in zip(mats, symmetry_many([on(backend, A) for A, _w in mats]),
                                      strict=True):
             assert found is not None and found[0] == csr_symmetry_gershgorin(
-                A.indptr, A.indices, A.data, 1e-12)[0]
+                A.indptr, A.indices, A.data, symmetry_rtol(A.dtype))[0]

@@ -106,3 +106,26 @@ def test_float32_spd_solve():
     assert out.code == 0 and out.x.dtype == np.float32
     assert out.info["factorisation"] == CHOLESKY
     np.testing.assert_allclose(out.x, sla.spsolve(A.astype(np.float64).tocsc(), b), rtol=1e-4)
+
+
+def test_float32_mirrors_a_few_ulps_apart_take_the_cholesky_factor():
+    """float32 summation-order rounding between mirrors is symmetric for Cholesky as for ``auto``.
+
+    Judged with float64's tolerance (1e-12) the factorisation was refused
+    ("values not symmetric") and SuperLU ran; a 1e-3 asymmetry still is.
+    """
+    from managed_solve.solvers.cholesky import eligible
+
+    A = poisson2d(20, np.float32).tolil()
+    A[5, 6] = np.float32(-1.0) - 8 * np.finfo(np.float32).eps  # 8 ulps from its mirror (6, 5)
+    A = A.tocsr()
+    b = np.ones(A.shape[0], np.float32)
+    assert eligible(A) is None
+    out = _engine(A, rtol=1e-5).solve(b)
+    assert out.code == 0 and out.info["factorisation"] == CHOLESKY
+    np.testing.assert_allclose(out.x, sla.spsolve(A.astype(np.float64).tocsc(), b), rtol=1e-4)
+    A[5, 6] = np.float32(-1.001)
+    assert eligible(A) == "values not symmetric"
+    out = _engine(A, rtol=1e-5).solve(b)
+    assert out.code == 0 and out.info["factorisation"] != CHOLESKY
+    np.testing.assert_allclose(out.x, sla.spsolve(A.astype(np.float64).tocsc(), b), rtol=1e-4)
