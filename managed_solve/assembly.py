@@ -190,14 +190,14 @@ def entry_floors(mesh: Mesh) -> dict[str, float]:
     over 12 (20), to the lumped one over 3 (4). Host arithmetic on the mesh's
     own facts, cached on it.
     """
-    hit = mesh.cache.get("assembly_floors")
+    hit = mesh.cache.get("entry_floors")
     if hit is None:
         measure, shape = mesh.element_measures(), mesh.element_shapes()
         tri = mesh.kind == "triangle"
         with np.errstate(under="ignore"):
             stiff = shape if tri else np.cbrt(measure * shape * shape)
         low = float(measure.min())
-        hit = mesh.cache["assembly_floors"] = {"L": float(stiff.min()), "M": low / (12 if tri else 20),
+        hit = mesh.cache["entry_floors"] = {"L": float(stiff.min()), "M": low / (12 if tri else 20),
                                                "D": low / (3 if tri else 4)}
     return hit
 
@@ -206,14 +206,18 @@ def check_floors(mesh: Mesh, dt: np.dtype, call: str, terms: list) -> None:
     """Refuse a term whose entries fall below ``dt``'s normal range, naming the mesh or the coefficient.
 
     ``terms``: ``(term, coefficient, its name)`` for each term asked for (a
-    zero coefficient leaves it out). Stored as subnormal numbers or zeros, such
+    zero coefficient leaves it out), optionally with the arguments to show
+    for the coefficient (``"dt=0.1, kappa=1e-40"`` for ``dt * kappa``; else
+    ``name=coefficient``). Stored as subnormal numbers or zeros, such
     entries lose their digits or vanish, and the system solved with them is
     singular or wrong (a float32 mass of a mesh near 1e-20). Decided on the
     host from the mesh, before any kernel runs.
     """
+    if dt.kind != "f":
+        return  # the assembly refuses the dtype, naming it
     tiny, floors = float(np.finfo(dt).tiny), entry_floors(mesh)
     f32 = dt == np.float32
-    for term, coef, name in terms:
+    for term, coef, name, *shown in terms:
         low, scale = abs(coef) * floors[term], floors[term] < tiny
         if coef == 0 or low >= tiny:
             continue
@@ -226,7 +230,8 @@ def check_floors(mesh: Mesh, dt: np.dtype, call: str, terms: list) -> None:
                    + (", or use dtype=np.float64" if f32 else ""))
         else:
             label, fix = f"{name} * {term}", f"use a larger {name}" + (", or dtype=np.float64" if f32 else "")
-        raise ValueError(f"{call}({'mesh=...' if scale else f'{name}={coef!r}'}, dtype={dt.name}): "
+        given = "mesh=..." if scale else (shown[0] if shown else f"{name}={coef!r}")
+        raise ValueError(f"{call}({given}, dtype={dt.name}): "
                          f"{label} has entries down to about {low:.3g}, below {dt.name}'s smallest "
                          f"normal number {tiny:.3g}, where they would lose their digits or vanish; "
                          f"{fix}")

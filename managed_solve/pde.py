@@ -43,6 +43,7 @@ from .assembly import (
     assemble,
     assemble_grid,
     check_flag,
+    check_floors,
     grid_shape,
     grid_spacing,
     lumped_mass,
@@ -50,7 +51,7 @@ from .assembly import (
 )
 from .mesh import Mesh, real_scalar, scalar_kind
 from .system import LinearSystem
-from .system.inputs import FLOAT_DTYPES, all_finite, check_torch_dtype
+from .system.inputs import all_finite, check_torch_dtype
 
 __all__ = ["laplacian", "laplacian_nullspace", "mass", "poisson", "screened_poisson", "heat_step",
            "poisson_grid"]
@@ -171,53 +172,6 @@ def _tolerance(rtol: Any, call: str) -> float:
     if not (np.isfinite(a) and a > 0):
         raise ValueError(f"{call}(rtol={rtol!r}): expected a finite number > 0, e.g. rtol=1e-08")
     return float(a)
-
-
-def _entry_floors(mesh: Mesh) -> dict[str, float]:
-    """Per unit coefficient, the least an element adds to the entries of ``L``, ``M`` and ``D``.
-
-    To its vertices' diagonal of ``L`` a triangle adds at least its shape
-    ``s`` (``sin(a) / (2 sin(b) sin(c))``, its smallest sine being at least
-    ``2 s``), a tetrahedron at least ``s * h`` (a face's area over three times
-    its height, at least ``vol / h**2``); to the consistent mass its measure
-    over 12 (20), to the lumped one over 3 (4). Host arithmetic on the mesh's
-    own facts, cached on it.
-    """
-    hit = mesh.cache.get("entry_floors")
-    if hit is None:
-        measure, shape = mesh.element_measures(), mesh.element_shapes()
-        tri = mesh.kind == "triangle"
-        with np.errstate(under="ignore"):
-            stiff = shape if tri else np.cbrt(measure * shape * shape)
-        low = float(measure.min())
-        hit = mesh.cache["entry_floors"] = {"L": float(stiff.min()), "M": low / (12 if tri else 20),
-                                            "D": low / (3 if tri else 4)}
-    return hit
-
-
-def _check_floors(mesh: Mesh, vt: np.dtype, call: str, terms: list) -> None:
-    """Refuse a term whose entries fall below ``vt``'s normal range, naming the mesh or the coefficient.
-
-    ``terms``: ``(term, coefficient, its name, its arguments)``, the last two
-    None for a coefficient of 1. Stored as subnormal numbers or zeros, such
-    entries lose their digits or vanish (a float32 mass of a mesh near 1e-20 did).
-    """
-    if vt not in FLOAT_DTYPES:
-        return  # the assembly refuses the dtype, naming it
-    tiny, floors = float(np.finfo(vt).tiny), _entry_floors(mesh)
-    for term, coef, name, args in terms:
-        low, scale = coef * floors[term], floors[term] < tiny
-        if low >= tiny:
-            continue
-        label = f"{name} * {term}" if name and not scale else \
-            {"L": "the stiffness matrix L", "M": "the mass matrix M", "D": "the lumped mass D"}[term]
-        fix = f"use a larger {name}, or dtype=np.float64" if not scale else (
-            f"the smallest element {'area' if mesh.kind == 'triangle' else 'volume'} is "
-            f"{float(mesh.element_measures().min()):.3g}: scale the mesh up, e.g. Mesh(mesh.vertices "
-            f"/ {float(np.abs(mesh.vertices).max()):.3g}, mesh.faces), or use dtype=np.float64")
-        raise ValueError(f"{call}({'mesh=...' if scale else args}, dtype={vt.name}): {label} has "
-                         f"entries down to about {low:.3g}, below {vt.name}'s smallest normal number "
-                         f"{tiny:.3g}, where they would lose their digits or vanish; {fix}")
 
 
 def _vertex_index(index: Any, n: int, where: str) -> np.ndarray:
@@ -422,7 +376,7 @@ def laplacian(mesh: Mesh, *, device: Any = None, dtype: Any = np.float64, manage
     call = "laplacian"
     _check_mesh(mesh, call)
     dt = np.dtype(dtype)
-    _check_floors(mesh, dt, call, [("L", 1.0, None, None)])
+    check_floors(mesh, dt, call, [("L", 1.0, None)])
     t = _target(device, manager, estimate_nbytes(mesh, dt), backend, call)
     A = assemble(mesh, device=t.device, dtype=dt, index_dtype=index_dtype, backend=t.backend,
                  call=call)
@@ -447,7 +401,7 @@ def mass(mesh: Mesh, lumped: bool = True, *, device: Any = None, dtype: Any = np
     _check_mesh(mesh, call)
     check_flag(lumped, call, "lumped")
     dt = np.dtype(dtype)
-    _check_floors(mesh, dt, call, [("D" if lumped else "M", 1.0, None, None)])
+    check_floors(mesh, dt, call, [("D" if lumped else "M", 1.0, None)])
     t = _target(device, manager, estimate_nbytes(mesh, dt), backend, call)
     A = assemble(mesh, stiffness=0.0, mass=0.0 if lumped else 1.0, lumped_mass=1.0 if lumped else 0.0,
                  device=t.device, dtype=dt, index_dtype=index_dtype, backend=t.backend, call=call)
@@ -512,7 +466,7 @@ def poisson(mesh: Mesh, f: Any, *, dirichlet: Any = None, lumped: bool = True, d
     check_flag(lumped, call, "lumped")
     rtol = _tolerance(rtol, call)
     dt = np.dtype(dtype)
-    _check_floors(mesh, dt, call, [("L", 1.0, None, None), ("D" if lumped else "M", 1.0, None, None)])
+    check_floors(mesh, dt, call, [("L", 1.0, None), ("D" if lumped else "M", 1.0, None)])
     t = _target(device, manager, estimate_nbytes(mesh, dt), backend, call)
     with _ctx(t):
         A = assemble(mesh, device=t.device, dtype=dt, index_dtype=index_dtype, backend=t.backend,
@@ -556,8 +510,8 @@ def screened_poisson(mesh: Mesh, f: Any, alpha: float, *, lumped: bool = True, d
     rtol = _tolerance(rtol, call)
     dt = np.dtype(dtype)
     term = "D" if lumped else "M"
-    _check_floors(mesh, dt, call, [("L", 1.0, None, None), (term, 1.0, None, None),
-                                   (term, alpha, "alpha", f"alpha={alpha!r}")])
+    check_floors(mesh, dt, call, [("L", 1.0, None), (term, 1.0, None),
+                                  (term, alpha, "alpha", f"alpha={alpha!r}")])
     t = _target(device, manager, estimate_nbytes(mesh, dt), backend, call)
     with _ctx(t):
         A = assemble(mesh, stiffness=1.0, mass=0.0 if lumped else alpha,
@@ -598,8 +552,8 @@ def heat_step(mesh: Mesh, u: Any, dt: float, kappa: float = 1.0, *, lumped: bool
                          "rescale time (a smaller dt) or the diffusivity")
     rtol = _tolerance(rtol, call)
     vt = np.dtype(dtype)
-    _check_floors(mesh, vt, call, [("D" if lumped else "M", 1.0, None, None),
-                                   ("L", dt * kappa, "dt * kappa", f"dt={dt!r}, kappa={kappa!r}")])
+    check_floors(mesh, vt, call, [("D" if lumped else "M", 1.0, None),
+                                  ("L", dt * kappa, "dt * kappa", f"dt={dt!r}, kappa={kappa!r}")])
     t = _target(device, manager, estimate_nbytes(mesh, vt), backend, call)
     with _ctx(t):
         A = assemble(mesh, stiffness=dt * kappa, mass=0.0 if lumped else 1.0,
