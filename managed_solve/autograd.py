@@ -149,6 +149,21 @@ def transposed(system: LinearSystem) -> Any:
     return transposed_operator(system.A)  # its .T, else one made of rmatvec
 
 
+class Generation:
+    """Which solver the backward of a graph made by a solve uses: its solver, or a frozen copy
+    holding the set-up it was computed with (:meth:`~managed_solve.solver.Solver.update` while
+    graphs live)."""
+
+    __slots__ = ("solver",)
+
+    def __init__(self, solver: Any):
+        self.solver = solver
+
+    def graph_freed(self) -> None:
+        with self.solver._lock:  # noqa: SLF001 - shared with its frozen copies; update swaps solver
+            self.solver.graph_freed()
+
+
 # ---------------------------------------------------------------------- wiring
 
 

@@ -28,6 +28,8 @@ from .solvers._common import (
     column_norms,
     oriented,
     power_of_two_scale,
+    set_up_by,
+    set_up_call,
     stable_norm,
     stop_threshold,
     true_residual_norm,
@@ -46,6 +48,7 @@ from .system.inputs import (
     grad_source,
     torch_to_array,
 )
+from .system.linear_system import check_nullspace
 from .system.method import choose_method, choose_preconditioner, matrix_symmetry
 
 
@@ -59,24 +62,11 @@ def prepare(system: LinearSystem, method: str, device: Device, *, symmetric: boo
                       first_check=first_check)
     if method == "direct":
         if system.kind == "operator":
-            raise ValueError("solve(method='direct'): A is an operator without entries; use "
-                             "method='gmres' or pass A as a sparse matrix.")
+            call = set_up_call("method='direct'")
+            raise ValueError(f"{call}: A is an operator without entries; use method='gmres' or "
+                             "pass A as a sparse matrix.")
         return DirectEngine().prepare(system.A, options, device, nullspace=system.nullspace)
     return KrylovEngine().prepare(system.A, options, device, kind=system.kind)
-
-
-class _Generation:
-    """Which solver the backward of a graph made by a solve uses: its solver, or a frozen copy
-    holding the set-up it was computed with (:meth:`Solver.update` while graphs live)."""
-
-    __slots__ = ("solver",)
-
-    def __init__(self, solver: Solver):
-        self.solver = solver
-
-    def graph_freed(self) -> None:
-        with self.solver._lock:  # noqa: SLF001 - shared with its frozen copies; update swaps solver
-            self.solver.graph_freed()
 
 
 def _frozen_copy(solver: Solver) -> Solver:
@@ -151,20 +141,24 @@ class Solver:
         system = LinearSystem(op, zeros[:n] if n else zeros, rtol=rtol, atol=atol,
                               maxiter=maxiter, method=method, M=M, name=name, dtype=dtype,
                               nullspace=nullspace, _call=call)
-        self._call = _call
+        self._call, self._label = _call, (call.split("(", 1)[0], True)
         self._open(system, device=device, manager=manager, callback=callback, rhs=rhs,
-                   call=call.split("(", 1)[0], given=(A, *_given))
+                   call=self._label[0], given=(A, *_given))
         self.grad = grad
 
     @classmethod
     def from_system(cls, system: LinearSystem, *, device: Any = None, manager: Any = None,
                     callback: Callable[[Any], None] | None = None, rhs: int | None = None,
                     _call: str | None = None, _given: tuple = ()) -> Solver:
-        """A Solver for a validated :class:`LinearSystem` (its b and x0 count in the reservation)."""
+        """A Solver for a validated :class:`LinearSystem` (its b and x0 count in the reservation).
+
+        Without ``_call``, errors name Solver's own calls; set-up errors a named system's name.
+        """
         self = object.__new__(cls)
-        self._call = _call  # None: errors name Solver's own calls
+        self._call, call = _call, (_call or "Solver.from_system").split("(", 1)[0]
+        self._label = (system.name, False) if _call is None and system.name else (call, True)
         self._open(system, device=device, manager=manager, callback=callback, rhs=rhs,
-                   call=(_call or "Solver.from_system").split("(", 1)[0], given=_given)
+                   call=call, given=_given)
         return self
 
     # ------------------------------------------------------------------ set-up
@@ -212,7 +206,7 @@ class Solver:
             self.grad = replace(source, b=None) if source is not None and source.A is not None \
                 else None
             self._graphs, self._closing, self._symmetric_adjoint = 0, False, None
-            self._generation = _Generation(self)
+            self._generation = autograd.Generation(self)
         except BaseException:
             self.close()
             raise
@@ -255,8 +249,10 @@ class Solver:
         got = self._engines.get(method)
         if got is None:
             try:
-                got = prepare(self._engine_system, method, self.device, symmetric=self.symmetric,
-                              callback=self.callback, first_check=first_check)
+                with set_up_by(*self._label):  # set-up errors name the caller
+                    got = prepare(self._engine_system, method, self.device,
+                                  symmetric=self.symmetric, callback=self.callback,
+                                  first_check=first_check)
             except Singular as exc:
                 got = Outcome(None, BREAKDOWN, 0, float("nan"), f"{SINGULAR} ({exc})")
             self._engines[method] = got
@@ -357,10 +353,14 @@ class Solver:
         values instead of updating in place, and the earlier set-up is released when the last
         of those graphs is freed.
         """
-        with self._lock:
+        with self._lock, set_up_by("Solver.update(A)", False):  # set-up errors name it
             self._check_open()
             new = new_matrix(self.system, A, call="Solver.update(A)")
             grad = update_grad(self.system, A, call="Solver.update(A)")
+            if self.system.nullspace is not None:  # given for the values it replaces
+                with self.device.context():
+                    check_nullspace(new, self.system.kind, None, None, self.system.nullspace,
+                                    call="Solver.update(A)")
             kept = (self.system, self._engine_system, self.a_scale, self.symmetric, self.method)
             frozen = _frozen_copy(self) if self._graphs else None
             touched: list[str] = []
@@ -408,7 +408,7 @@ class Solver:
             if frozen is not None:  # under the lock: a graph freed meanwhile counted here
                 frozen._graphs, self._graphs = self._graphs, 0
                 self._generation.solver = frozen
-                self._generation = _Generation(self)
+                self._generation = autograd.Generation(self)
             self.grad = grad
             self._symmetric_adjoint = None
 

@@ -299,3 +299,47 @@ def test_auto_and_solve_many_with_nullspace_on_the_cpu():
     assert [o.status for o in out] == [Status.CONVERGED, Status.LEAST_SQUARES]
     assert all(o.method == "direct" for o in out)
     np.testing.assert_allclose(out[1].x, pinv_solution(A, b + 1.0), rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("method", ["cg", "minres", "direct"])
+def test_an_update_whose_matrix_leaves_the_null_space_is_refused_and_changes_nothing(method,
+                                                                                  backend):
+    """nullspace= was checked against A once, at construction: an update to values that no
+    longer annihilate it was taken, and the solve then projected the wrong space (a wrong x, or
+    MAXITER blamed on A). The update checks it as the constructor does, and a refusal leaves
+    the solver as it was."""
+    n = 30
+    A = laplacian1d(n, neumann=True)
+    b = consistent(A)
+    grounded = A.tolil()
+    grounded[0, 0] += 1.0  # a Dirichlet row: nonsingular, the constants no longer a null space
+    grounded = grounded.tocsr()
+    assert np.array_equal(grounded.indices, A.indices)
+    xp, _sparse = array_modules(backend)
+    with Solver(on(backend, A), method=method, nullspace="constant", rtol=1e-10) as solver:
+        before = solver.solve(xp.asarray(b))
+        for values in (on(backend, grounded), xp.asarray(grounded.data)):
+            with pytest.raises(ValueError, match=r"^Solver\.update\(A\): nullspace= is not the "
+                                                 r"new A's null space: nullspace gives"
+                                                 r".*Solver\(A, nullspace=\.\.\.\)"):
+                solver.update(values)
+        after = solver.solve(xp.asarray(b))
+        assert after.converged, after.message
+        np.testing.assert_array_equal(host(after.x), host(before.x))
+        np.testing.assert_allclose(host(after.x), pinv_solution(A, b), rtol=1e-7, atol=1e-9)
+        solver.update(on(backend, (3.0 * A).tocsr()))  # the same null space: taken
+        scaled = solver.solve(xp.asarray(b))
+        np.testing.assert_allclose(host(scaled.x), pinv_solution(A, b) / 3.0, rtol=1e-7,
+                                   atol=1e-9)
+
+
+def test_an_update_names_the_failing_vector_of_several():
+    L = laplacian1d(15, neumann=True)
+    A = sp.block_diag([L, 2.0 * L], format="csr")
+    N = np.zeros((30, 2))
+    N[:15, 0] = N[15:, 1] = 1.0
+    coupled = A.tolil()
+    coupled[20, 20] += 1.0  # the second component grounded: its constant leaves the null space
+    with Solver(A, method="cg", nullspace=N, device="cpu") as solver:
+        with pytest.raises(ValueError, match=r"^Solver\.update\(A\): .*nullspace\[:, 1\] gives"):
+            solver.update(coupled.tocsr())

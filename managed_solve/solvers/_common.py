@@ -9,7 +9,9 @@ after checking the true residual.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,6 +212,46 @@ def as_preconditioner(M: Any) -> Callable[[Any], Any] | None:
         f"M is a {type(M).__name__}; expected 'jacobi', 'neumann', 'amg', an object with "
         "matvec, a matrix, or a callable r -> M r."
     )
+
+
+# Who set-up errors name (see set_up_by): the engines are prepared through interfaces that
+# carry no call, so the caller that prepares them says who it is around the set-up.
+_SET_UP_BY: ContextVar[tuple[str, bool] | None] = ContextVar("managed_solve_set_up_by",
+                                                            default=None)
+
+
+@contextmanager
+def set_up_by(who: str, arguments: bool = True) -> Iterator[None]:
+    """Set-up errors raised in the block (a preconditioner A cannot have) name ``who``.
+
+    ``arguments``: ``who`` is a function that takes the option, named as
+    ``Solver(M='jacobi')``; else the option follows in parentheses, as in
+    ``Solver.update(A) (M='jacobi')`` or ``systems[3] (M='jacobi')``. The
+    outermost block names them (the call the user made: an update that sets
+    up a solver's engines again), and outside any, ``solve``. Per thread
+    (a context variable).
+    """
+    token = _SET_UP_BY.set((who, arguments)) if _SET_UP_BY.get() is None else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            _SET_UP_BY.reset(token)
+
+
+def set_up_call(option: str) -> str:
+    """How a set-up error names its call and the option that asked for the set-up.
+
+    Examples
+    --------
+    >>> set_up_call("M='jacobi'")
+    "solve(M='jacobi')"
+    >>> with set_up_by("Solver.update(A)", False):
+    ...     set_up_call("M='jacobi'")
+    "Solver.update(A) (M='jacobi')"
+    """
+    who, arguments = _SET_UP_BY.get() or ("solve", True)
+    return f"{who}({option})" if arguments else f"{who} ({option})"
 
 
 def refuse_unscalable_diagonal(d: Any, call: str) -> Any:

@@ -25,14 +25,19 @@ from typing import Any
 
 from .. import _backend
 from ..system.method import check_preconditioner
-from ._common import as_matvec, as_preconditioner, refuse_unscalable_diagonal
+from ._common import as_matvec, as_preconditioner, refuse_unscalable_diagonal, set_up_call
 from .amg import amg
 
 
-def diagonal(A: Any, *, call: str = "solve(M='jacobi')") -> Any:
-    """The main diagonal of a sparse matrix, dense array or operator with ``diagonal()``."""
+def diagonal(A: Any, *, call: str | None = None) -> Any:
+    """The main diagonal of a sparse matrix, dense array or operator with ``diagonal()``.
+
+    ``call``: what an error names; by default the call setting up Jacobi
+    (:func:`~managed_solve.solvers._common.set_up_call`).
+    """
     if hasattr(A, "diagonal"):
         return A.diagonal()
+    call = call or set_up_call("M='jacobi'")
     raise ValueError(
         f"{call}: this preconditioner is built from A's diagonal, but A "
         f"({type(A).__name__}) has no diagonal(); pass M as an operator (an object with "
@@ -40,11 +45,13 @@ def diagonal(A: Any, *, call: str = "solve(M='jacobi')") -> Any:
     )
 
 
-def inverse_diagonal(A: Any, *, call: str = "solve(M='jacobi')") -> Any:
+def inverse_diagonal(A: Any, *, call: str | None = None) -> Any:
     """``1 / diag(A)`` on A's device; a ValueError names the rows it cannot be taken at.
 
     A zero entry, and one whose reciprocal is not finite (NaN, infinite, or
     so small that ``1 / d`` overflows: see :func:`refuse_unscalable_diagonal`).
+    ``call``: what the error names; by default the call setting up Jacobi
+    (:func:`~managed_solve.solvers._common.set_up_call`).
 
     Examples
     --------
@@ -53,6 +60,7 @@ def inverse_diagonal(A: Any, *, call: str = "solve(M='jacobi')") -> Any:
     >>> inverse_diagonal(sp.diags([2.0, 4.0]).tocsr()).tolist()
     [0.5, 0.25]
     """
+    call = call or set_up_call("M='jacobi'")
     return refuse_unscalable_diagonal(diagonal(A, call=call), call)
 
 
@@ -135,7 +143,7 @@ def neumann(A: Any, *, degree: int = 3) -> Callable[[Any], Any]:
     """
     if int(degree) < 0:
         raise ValueError(f"neumann(degree={degree!r}): expected an integer >= 0, e.g. 3")
-    dinv = inverse_diagonal(A, call="solve(M='neumann')")
+    dinv = inverse_diagonal(A, call=set_up_call("M='neumann'"))
     matvec = as_matvec(A)
     omega = 1.0 / spectral_radius_bound(A, dinv)
 
@@ -169,8 +177,8 @@ def make_preconditioner(M: Any, A: Any) -> Callable[[Any], Any] | None:
         return amg(A)
     shape = getattr(M, "shape", None)
     if shape is not None and tuple(shape) != tuple(A.shape):
-        raise ValueError(f"solve(M=...): M has shape {tuple(shape)}, A has {tuple(A.shape)}; "
-                         "M approximates A's inverse and must have A's shape.")
+        raise ValueError(f"{set_up_call('M=...')}: M has shape {tuple(shape)}, A has "
+                         f"{tuple(A.shape)}; M approximates A's inverse and must have A's shape.")
     return as_preconditioner(M)
 
 

@@ -485,12 +485,19 @@ def nullspace_basis(N: np.ndarray, dtype: Any, xp: Any, *, call: str) -> Any:
 NULL_TOLERANCE = 512
 
 
-def check_nullspace(A: Any, kind: str, given: Any, N: np.ndarray, Q: Any, *, call: str) -> None:
+def check_nullspace(A: Any, kind: str, given: Any, N: np.ndarray | None, Q: Any, *,
+                    call: str) -> None:
     """Raise ValueError when a vector of ``nullspace=`` is not (to rounding) in A's null space.
 
     ``given``: the argument as the caller passed it, ``N`` its vectors
     (:func:`null_vectors`); ``Q``: their orthonormal basis
     (:func:`nullspace_basis`), on A's device in the system's dtype.
+    ``given`` None: the null space was given with an earlier matrix that
+    ``A`` replaces (``Solver.update``), ``Q`` its basis (``N`` unused),
+    whose vectors are checked; the error then speaks of the new A and of
+    a solver's fix. The first basis vector that fails names the given
+    vector of its index: each is the part of that vector orthogonal to the
+    ones before it.
     Each given vector ``v``, scaled to unit norm, needs ``||A v|| <=
     NULL_TOLERANCE * eps * ||A||_est`` with ``||A||_est`` the larger of A's
     largest absolute row sum and column sum (a bound on ``||A||_2``, and on
@@ -502,7 +509,7 @@ def check_nullspace(A: Any, kind: str, given: Any, N: np.ndarray, Q: Any, *, cal
     if kind == "operator":
         return
     k = int(Q.shape[1])
-    if k == 1:  # one vector: Q is it, scaled to unit norm
+    if k == 1 or given is None:  # one vector: Q is it, scaled to unit norm
         V = Q
     else:
         V = _backend.array_module(Q).asarray((N / np.linalg.norm(N, axis=0)).astype(Q.dtype))
@@ -519,13 +526,18 @@ def check_nullspace(A: Any, kind: str, given: Any, N: np.ndarray, Q: Any, *, cal
     eps = float(np.finfo(Q.dtype).eps)
     which = "nullspace='constant'" if isinstance(given, str) else \
         ("nullspace" if k == 1 else f"nullspace[:, {j}]")
+    fix = ("For a nonsingular A drop nullspace=; else pass the vectors A actually annihilates "
+           "(pde.laplacian_nullspace(mesh) for a mesh Laplacian: one constant per connected "
+           "component without Dirichlet vertices).") if given is not None else \
+        ("The solver keeps its previous matrix. Pass values that annihilate the null space given "
+         "at construction, or make a new Solver(A, nullspace=...) with the new A's null space "
+         "(no nullspace= for a nonsingular A).")
     raise ValueError(
-        f"{call}: nullspace= is not A's null space: {which} gives ||A v|| / (||A|| ||v||) = "
-        f"{ratios[j] * eps:.3g}, above the {NULL_TOLERANCE * eps:.3g} that rounding explains "
+        f"{call}: nullspace= is not {'A' if given is not None else 'the new A'}'s null space: "
+        f"{which} gives ||A v|| / (||A|| ||v||) = {ratios[j] * eps:.3g}, above the "
+        f"{NULL_TOLERANCE * eps:.3g} that rounding explains "
         f"({NULL_TOLERANCE} eps of {Q.dtype}; ||A|| the largest absolute row or column sum). "
-        "For a nonsingular A drop nullspace=; else pass the vectors A actually annihilates "
-        "(pde.laplacian_nullspace(mesh) for a mesh Laplacian: one constant per connected "
-        "component without Dirichlet vertices).")
+        + fix)
 
 
 def _null_ratios(A: Any, kind: str, V: Any, rescale: bool = False) -> tuple[np.ndarray, float]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -186,3 +188,78 @@ def test_an_operator_diagonal_that_is_not_finite_is_named(value, why, M):
     with pytest.raises(ValueError, match=r"rows \[5\]"):
         inverse_diagonal(_DiagonalOperator(A, d))
 
+
+
+def _holey(n=10):
+    """A 1D Laplacian with an explicit zero at A[3, 3] (the pattern of ``laplacian1d(n)``)."""
+    A = laplacian1d(n).tocsr()
+    A[3, 3] = 0.0  # an entry of the pattern: stored as an explicit zero
+    return A
+
+
+@pytest.mark.parametrize("M", ["jacobi", "neumann"])
+def test_set_up_errors_name_the_call_that_set_up(M):
+    """A diagonal preconditioner on a zero diagonal is refused when the engine is set up, where
+    no call was known: every entry point was named solve(M=...). Each names its own call."""
+    from managed_solve import Solver, Status, solve_many
+
+    A, n = _holey(), 10
+    b = np.ones(n)
+    refusal = rf"\(M='{M}'\): Jacobi scaling divides by A's diagonal.*\(rows \[3\]"
+    with pytest.raises(ValueError, match=rf"^solve{refusal}"):
+        solve(A, b, method="cg", M=M, device="cpu")
+    with pytest.raises(ValueError, match=rf"^solve{refusal}"):
+        solve(A, np.ones((n, 2)), method="cg", M=M, device="cpu")
+    with pytest.raises(ValueError, match=rf"^Solver{refusal}"):
+        Solver(A, method="cg", M=M, device="cpu")
+    good = laplacian1d(n).tocsr()
+    with Solver(good, method="gmres", M=M, device="cpu", rtol=1e-10) as solver:
+        for values in (A, A.data):
+            with pytest.raises(ValueError, match=rf"^Solver\.update\(A\) {refusal}"):
+                solver.update(values)
+        res = solver.solve(b)  # refused: the previous matrix and set-up stay
+        assert res.converged
+        np.testing.assert_allclose(res.x, sla.spsolve(good.tocsc(), b), rtol=1e-8)
+    # MINRES is solved alone (the batched core has none): a Solver names the system as
+    # solve_many names it, as the batched route's Jacobi does.
+    for method in ("minres", "gmres"):
+        res = solve_many([(good, b), (A, b)], method=method, M=M)
+        assert res[0].converged and res[1].status is Status.INVALID_INPUT
+        assert re.search(rf"^ValueError: systems\[1\] {refusal}", res[1].message), res[1].message
+    named = solve_many([ms_system(A, b, M=M, method="minres", name="beam")])[0]
+    assert re.search(rf"^ValueError: beam {refusal}", named.message), named.message
+
+
+def ms_system(A, b, **kw):
+    from managed_solve import LinearSystem
+
+    return LinearSystem(A, b, **kw)
+
+
+def test_a_wrong_shaped_m_and_direct_on_an_operator_name_the_caller():
+    from managed_solve import Solver, Status, solve_many
+
+    A = poisson2d(4)
+    b = np.ones(16)
+    wrong = sp.identity(17, format="csr")
+    shape = r"\(M=\.\.\.\): M has shape \(17, 17\), A has \(16, 16\)"
+    with pytest.raises(ValueError, match=rf"^solve{shape}"):
+        solve(A, b, M=wrong, method="cg", device="cpu")
+    with pytest.raises(ValueError, match=rf"^solve{shape}"):
+        solve(A, np.ones((16, 3)), M=wrong, method="cg", device="cpu")
+    with pytest.raises(ValueError, match=rf"^Solver{shape}"):
+        Solver(A, M=wrong, method="cg", device="cpu")
+    res = solve_many([(A, b), ms_system(A, b, M=wrong, method="cg", name="beam")])
+    assert res[0].converged and res[1].status is Status.INVALID_INPUT
+    assert re.search(rf"^ValueError: beam {shape}", res[1].message), res[1].message
+    # method='direct' needs entries: refused by each call's validation, naming that call.
+    op = sla.aslinearoperator(A)
+    direct = r"method='direct' needs the matrix entries; A is an operator"
+    with pytest.raises(ValueError, match=rf"^solve\(A, b\): {direct}"):
+        solve(op, b, method="direct", device="cpu")
+    with pytest.raises(ValueError, match=rf"^Solver\(A\): {direct}"):
+        Solver(op, method="direct", device="cpu")
+    got = solve_many([(A, b), (op, b)], method="direct")
+    assert got[0].converged and got[1].status is Status.INVALID_INPUT
+    assert "systems[1]" in got[1].message and direct in got[1].message
+    assert "solve(" not in got[1].message, got[1].message
