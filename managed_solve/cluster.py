@@ -151,9 +151,11 @@ def _payload(s: LinearSystem) -> dict:
     """Host arrays and options of a validated system: what travels to a node."""
     if s.device != "cpu":
         s = s.to("cpu")  # sync: one device -> host copy per system, on the driver
+    # The null space as validated: its orthonormal basis, already checked against A.
+    N = None if s.nullspace is None else np.ascontiguousarray(s.nullspace)
     p = {"b": np.ascontiguousarray(s.b), "x0": s.x0, "rtol": s.rtol, "atol": s.atol,
          "maxiter": s.maxiter, "method": s.method, "M": s.M, "name": s.name,
-         "dtype": str(s.dtype), "kind": s.kind}
+         "dtype": str(s.dtype), "kind": s.kind, "nullspace": N}
     if s.kind == "csr":
         p.update(shape=s.A.shape, indptr=s.A.indptr, indices=s.A.indices, data=s.A.data,
                  sorted=bool(s.A.has_sorted_indices))
@@ -172,9 +174,11 @@ def _from_payload(p: dict) -> LinearSystem:
         A.has_sorted_indices = p["sorted"]
     else:
         A = p["A"]
-    return LinearSystem(A, p["b"], x0=p["x0"], rtol=p["rtol"], atol=p["atol"],
-                        maxiter=p["maxiter"], method=p["method"], M=p["M"], name=p["name"],
-                        dtype=p["dtype"], check_finite=False)
+    s = LinearSystem(A, p["b"], x0=p["x0"], rtol=p["rtol"], atol=p["atol"],
+                     maxiter=p["maxiter"], method=p["method"], M=p["M"], name=p["name"],
+                     dtype=p["dtype"], check_finite=False)
+    # The basis the driver checked against A, as it is (not orthonormalised or checked again).
+    return s if p["nullspace"] is None else s.replaced(nullspace=p["nullspace"])
 
 
 # --------------------------------------------------------------------------- the driver side
