@@ -122,18 +122,42 @@ def adjoint_system(system: LinearSystem, forward: Any, g: Any) -> LinearSystem:
     """``A^T lam = g`` for the system that ``forward`` solved (A itself when symmetric).
 
     ``forward``: the forward's result, or anything with its ``method`` and ``name``.
+
+    A symmetric A with a null space (``nullspace=``) is its own adjoint, null
+    space included: g is projected onto A's range and lam returned orthogonal
+    to the null space, so lam is the pseudo-inverse's ``A^+ g`` (the gradient of
+    ``x = A^+ b``), ``LEAST_SQUARES`` where g has a part along the null space.
+
+    Raises
+    ------
+    NotImplementedError
+        A non-symmetric A with a null space: A^T's (the left null space)
+        differs from A's and is not known, and without it the adjoint of a
+        singular A^T fails or drifts along it. A :class:`~managed_solve.solver.Solver`
+        (``solve``, and ``solve_many`` where it keeps the forward's solver)
+        solves the adjoint on the forward's own set-up instead, whose
+        transposed solve needs only A's null space.
     """
     method = forward.method if forward.method in ("cg", "bicgstab", "gmres", "minres",
                                                   "direct") else system.method
     symmetric = method in SYMMETRIC_METHODS or bool(matrix_symmetry(system))
+    if system.nullspace is not None and not symmetric:
+        raise NotImplementedError(
+            f"gradient of {system.name or 'a system'}: A is not symmetric and has a null space "
+            "(nullspace=), and the adjoint system A^T lam = g needs A^T's null space, which "
+            "nullspace= does not give. Solve it with solve() or a Solver, whose adjoint is the "
+            "transposed solve on the forward's own set-up; or give a symmetric A, or a "
+            "nonsingular one (a Dirichlet row) without nullspace=.")
     A = system.A if symmetric else transposed(system)
     # A user preconditioner approximates A^-1; only a named one is rebuilt for A^T.
     M = system.M if symmetric or system.M is None or isinstance(system.M, str) else None
     xp = _backend.array_module(system.b)
     rhs = xp.asarray(g) if xp is not np else np.asarray(_backend.to_host(g))
-    return LinearSystem(A, rhs, rtol=system.rtol, atol=system.atol, maxiter=system.maxiter,
-                        method=method, M=M, dtype=system.dtype, name=f"adjoint of {forward.name}",
-                        check_finite=False)
+    adjoint = LinearSystem(A, rhs, rtol=system.rtol, atol=system.atol, maxiter=system.maxiter,
+                           method=method, M=M, dtype=system.dtype,
+                           name=f"adjoint of {forward.name}", check_finite=False)
+    # The basis as the forward's system holds it (checked against this A already).
+    return adjoint if system.nullspace is None else adjoint.replaced(nullspace=system.nullspace)
 
 
 def transposed(system: LinearSystem) -> Any:

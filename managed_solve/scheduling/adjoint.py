@@ -22,6 +22,12 @@ when torch frees the graph (after a backward without ``retain_graph``, or
 when the graph is dropped); kept batches and factors hold their bytes in
 the manager's ledger until then (a solver holds its own reservation). The
 Ray backend keeps nothing on its nodes: its adjoints take the second way.
+
+A singular system (``nullspace=``) is solved alone (``SINGLE``), and so is
+its adjoint: on its kept solver, whose transposed solve needs only A's null
+space; from its system, a symmetric A keeps its null space and a
+non-symmetric one is refused (:func:`~managed_solve.autograd.adjoint_system`:
+A^T's null space is not known).
 """
 
 from __future__ import annotations
