@@ -31,7 +31,7 @@ from ..manager import DeviceManager
 from ..result import SlicedResult, SolveResult, Status
 from ..sharded import predict_shard_bytes
 from ..solver import Solver
-from ..solvers._common import SAFE_NORM_RANGE, column_norms, stable_norm
+from ..solvers._common import SAFE_NORM_RANGE, column_norms, set_up_by, stable_norm
 from ..solvers.direct import SINGULAR, DirectEngine, Singular, direct
 from ..solvers.engine import BREAKDOWN, CONVERGED, Options, Outcome
 from ..solvers.verify import (
@@ -498,7 +498,7 @@ def single_held_bytes(systems: Sequence[LinearSystem], dev: Device, manager: Dev
     return max(int(planned), manager.size_of(need))
 
 
-def run_single(s: LinearSystem, dev: Device, manager: DeviceManager,
+def run_single(s: LinearSystem, dev: Device, manager: DeviceManager, index: int | None = None,
                keep: Callable[[Solver], None] | None = None,
                tests: dict | None = None) -> SolveResult:
     """One system on ``dev`` as ``solve()`` solves it (its method chosen there, by the same policy).
@@ -507,9 +507,11 @@ def run_single(s: LinearSystem, dev: Device, manager: DeviceManager,
     adjoint of a gradient: the caller releases it); without it the solver
     closes here. Its bytes are those the runner holds for the system there
     (:func:`held_solve`). Never attached to autograd here: ``solve_many``
-    attaches its results itself.
+    attaches its results itself. ``index``: the system's position in the
+    call, which set-up errors of an unnamed system name (``systems[i]``).
     """
-    with host_kernels(dev):
+    label = s.name or (f"systems[{index}]" if index is not None else None)
+    with host_kernels(dev), set_up_by(label, False) if label else nullcontext():
         return held_solve(s, dev, manager, keep=keep, tests=tests)
 
 

@@ -593,7 +593,7 @@ class Runner(Adjustments):
                                           [self._keeper(i, kept and kept.add_factors)
                                            for i in b.indices])
                 else:
-                    out = [routes.run_single(self.systems[i], dev, self.manager, tests=self.tests,
+                    out = [routes.run_single(self.systems[i], dev, self.manager, i, tests=self.tests,
                                              keep=self._keeper(i, kept and kept.add_solver))
                            for i in b.indices]
             seconds = time.perf_counter() - t0

@@ -228,6 +228,11 @@ def test_set_up_errors_name_the_call_that_set_up(M):
         assert re.search(rf"^ValueError: systems\[1\] {refusal}", res[1].message), res[1].message
     named = solve_many([ms_system(A, b, M=M, method="minres", name="beam")])[0]
     assert re.search(rf"^ValueError: beam {refusal}", named.message), named.message
+    # An unnamed LinearSystem solved alone is named by its place in the call too.
+    unnamed = solve_many([ms_system(good, b, M=M, method="minres"),
+                          ms_system(A, b, M=M, method="minres")])
+    assert unnamed[0].converged and unnamed[1].status is Status.INVALID_INPUT
+    assert re.search(rf"^ValueError: systems\[1\] {refusal}", unnamed[1].message), unnamed[1].message
 
 
 def ms_system(A, b, **kw):
