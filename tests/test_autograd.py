@@ -17,6 +17,7 @@ from tests._problems import (
     convection_diffusion,
     high_contrast_poisson,
     laplacian1d,
+    neumann2d,
     poisson2d,
     random_spd,
     tridiagonal,
@@ -520,10 +521,7 @@ def test_a_singular_solves_gradients_are_the_projected_pseudo_inverses(method):
     """A 2D Neumann Laplacian, nullspace='constant', b of zero mean, a loss whose dL/dx has a
     part along the constants: A's values and b get the gradients of x = P pinv(A) P b (dense
     torch; P projects off the constants), through solve() and a Solver's solve."""
-    m = 4
-    T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(m, m)).tolil()
-    T[0, 0] = T[m - 1, m - 1] = 1.0
-    A = sp.kronsum(T.tocsr(), T.tocsr()).tocsr()
+    A = neumann2d(4)
     A.sort_indices()
     n = A.shape[0]
     b0 = np.random.default_rng(5).standard_normal(n)
