@@ -24,17 +24,33 @@ from __future__ import annotations
 import numba
 
 from .packing import address_pointer
-from .symmetry import symmetry_gershgorin
+from .symmetry import symmetry_gershgorin_rows
 
 __all__ = ["all_finite_many", "csr_symmetry_gershgorin_many"]
+
+
+@numba.njit(nogil=True, cache=True)
+def _all_finite(a):
+    """1 when every entry of ``a`` is finite (no NaN, no Inf), else 0.
+
+    ``v - v`` is 0 for a finite ``v`` and NaN for a NaN or an infinity; the
+    test ORs ``v - v != 0`` over the array, a reduction without branches
+    that vectorises. A function of its own rather than a loop written into
+    the kernels that use it: written after the symmetry walk in one body,
+    the loop compiled to code about 2.5 times slower.
+    """
+    bad = False
+    for i in range(a.shape[0]):
+        v = a[i]
+        bad |= (v - v) != 0
+    return 0 if bad else 1
 
 
 @numba.njit(nogil=True, cache=True)
 def all_finite_many(lo, hi, addresses, lengths, like, out):
     """``out[k] = 1`` when every entry of array ``k`` is finite (no NaN, no Inf), else 0, for ``k`` in ``lo:hi``.
 
-    ``v - v`` is 0 for a finite ``v`` and NaN for a NaN or an infinity; the
-    test ORs ``v - v != 0`` over the array, a reduction without branches.
+    Each array by :func:`_all_finite`.
 
     Parameters
     ----------
@@ -49,11 +65,7 @@ def all_finite_many(lo, hi, addresses, lengths, like, out):
     """
     for k in range(lo, hi):
         a = numba.carray(address_pointer(addresses[k]), (lengths[k],), like.dtype)
-        bad = False
-        for i in range(a.shape[0]):
-            v = a[i]
-            bad |= (v - v) != 0
-        out[k] = 0 if bad else 1
+        out[k] = _all_finite(a)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -85,24 +97,24 @@ def csr_symmetry_gershgorin_many(lo, hi, ptr_addresses, idx_addresses, data_addr
         Each matrix's ``(lo, hi, dmin, dmax)``.
     finite : uint8 array
         1 where every stored entry of the matrix is finite, else 0
-        (:func:`all_finite_many`'s test, run on the entries just walked,
-        still in cache: validation then need not read them again). A loop
-        of its own, not a test inside the walk: it vectorises, and costs
-        no more than a test of each row's sums there would (which still
-        needs this loop where a sum overflows from finite entries).
+        (:func:`all_finite_many`'s answer, so validation need not read them
+        again). The walk reads every entry into its rows' sums, so rows
+        whose sums are all finite answer it without another read (that
+        read was about a tenth of the kernel's time); where one is not (a
+        NaN, an infinity, sums that overflow from finite entries) or the
+        walk stopped early, :func:`_all_finite` reads the entries.
     """
     for k in range(lo, hi):
         indptr = numba.carray(address_pointer(ptr_addresses[k]), (rows[k] + 1,), ptr_like.dtype)
         indices = numba.carray(address_pointer(idx_addresses[k]), (nnzs[k],), idx_like.dtype)
         data = numba.carray(address_pointer(data_addresses[k]), (nnzs[k],), data_like.dtype)
-        code, g_lo, g_hi, d_min, d_max = symmetry_gershgorin(indptr, indices, data, rel)
+        code, g_lo, g_hi, d_min, d_max, rows_finite = symmetry_gershgorin_rows(indptr, indices,
+                                                                                data, rel)
         codes[k] = code
         bounds[k, 0] = g_lo
         bounds[k, 1] = g_hi
         bounds[k, 2] = d_min
         bounds[k, 3] = d_max
-        bad = False
-        for i in range(data.shape[0]):
-            v = data[i]
-            bad |= (v - v) != 0
-        finite[k] = 0 if bad else 1
+        # Finite rows of a walk that read every entry: all finite, no second read.
+        whole = rows_finite and indptr[rows[k]] == nnzs[k]
+        finite[k] = 1 if whole else _all_finite(data)

@@ -58,6 +58,7 @@ __all__ = ["ASSEMBLY_ULPS", "NOT_CANONICAL", "SYMMETRY_RTOL", "csr_gershgorin", 
            "csr_mirror_gershgorin", "csr_positive_diagonal", "csr_symmetry",
            "csr_symmetry_gershgorin", "csr_symmetry_rows", "csr_symmetry_rows_search",
            "csr_symmetry_rows_window", "csr_symmetry_scaled", "symmetry_gershgorin",
+           "symmetry_gershgorin_rows",
            "symmetry_rtol"]
 
 #: ``rel`` of the symmetry rule (module docstring) for float64: far above
@@ -320,8 +321,16 @@ def csr_symmetry_gershgorin(indptr, indices, data, rel):
 
 
 @numba.njit(nogil=True, cache=True)
-def symmetry_gershgorin(indptr, indices, data, rel):
+def symmetry_gershgorin_rows(indptr, indices, data, rel):
     """The walk of :func:`csr_symmetry_gershgorin`, the one body of both symmetry kernels.
+
+    Returns :func:`symmetry_gershgorin`'s ``(code, lo, hi, dmin, dmax)``
+    and whether every row's diagonal and sum of off-diagonal magnitudes came
+    out finite: then every entry the walk read is finite (a NaN or an
+    infinity makes its row's sums so), and a caller that needs the finite
+    check of the entries (validation) need not read them again. False
+    (rare: an infinity, a NaN, sums that overflow from finite entries, or a
+    pattern not canonical, whose walk stops early) leaves it to that check.
 
     :func:`managed_solve.kernels.checks.csr_symmetry_gershgorin_many` runs it
     on many matrices in one call, so one matrix gets the same answer, bit
@@ -362,14 +371,15 @@ def symmetry_gershgorin(indptr, indices, data, rel):
     lo, hi = np.inf, -np.inf
     dmin, dmax = np.inf, -np.inf
     nan = False
+    rows_finite = True
     p = np.uint64(ptr[0])  # rows follow one another: row i ends where row i + 1 starts
     un, nnz = np.uint64(n), np.uint64(idx.shape[0])
     if p != 0:
-        return NOT_CANONICAL, 0.0, 0.0, 0.0, 0.0
+        return NOT_CANONICAL, 0.0, 0.0, 0.0, 0.0, False
     for i in range(un):
         end = np.uint64(ptr[i + one])
         if end < p or end > nnz:  # row pointers that fall back or run past the entries
-            return NOT_CANONICAL, 0.0, 0.0, 0.0, 0.0
+            return NOT_CANONICAL, 0.0, 0.0, 0.0, 0.0, False
         r = 0.0
         least = np.uint64(0)  # the smallest column the row's next entry may have
         while p < end:  # left of the diagonal: each entry looks its mirror up
@@ -377,7 +387,7 @@ def symmetry_gershgorin(indptr, indices, data, rel):
             if j >= i:
                 break
             if j < least:  # rows before were canonical: the look-ups so far stayed in them
-                return NOT_CANONICAL, 0.0, 0.0, 0.0, 0.0
+                return NOT_CANONICAL, 0.0, 0.0, 0.0, 0.0, False
             least = j + one
             a = data[p]
             r += abs(a)
@@ -402,11 +412,12 @@ def symmetry_gershgorin(indptr, indices, data, rel):
         while p < end:  # right of the diagonal: the mirrors are met from below
             j = idx[p]
             if j < least or j >= un:
-                return NOT_CANONICAL, 0.0, 0.0, 0.0, 0.0
+                return NOT_CANONICAL, 0.0, 0.0, 0.0, 0.0, False
             least = j + one
             r += abs(data[p])
             p += one
         nan = nan or d != d
+        rows_finite &= (r < np.inf) & (abs(d) < np.inf)  # False for a NaN too: no branch
         lo = min(lo, d - r)
         hi = max(hi, d + r)
         dmin = min(dmin, d)
@@ -421,9 +432,16 @@ def symmetry_gershgorin(indptr, indices, data, rel):
     else:
         code = SYMMETRIC if same_values else DIFFERENT_VALUES
     if n == 0:
-        return code, 0.0, 0.0, 0.0, 0.0
+        return code, 0.0, 0.0, 0.0, 0.0, rows_finite
     if nan:
-        return code, np.nan, np.nan, np.nan, np.nan
+        return code, np.nan, np.nan, np.nan, np.nan, rows_finite
+    return code, lo, hi, dmin, dmax, rows_finite
+
+
+@numba.njit(nogil=True, cache=True)
+def symmetry_gershgorin(indptr, indices, data, rel):
+    """``(code, lo, hi, dmin, dmax)`` of :func:`symmetry_gershgorin_rows` (its walk)."""
+    code, lo, hi, dmin, dmax, _finite = symmetry_gershgorin_rows(indptr, indices, data, rel)
     return code, lo, hi, dmin, dmax
 
 

@@ -9,7 +9,7 @@ import scipy.sparse as sp
 import managed_solve as ms
 from managed_solve import LinearSystem, Status, _threads
 from managed_solve.kernels import checks
-from managed_solve.kernels.symmetry import csr_symmetry_gershgorin
+from managed_solve.kernels.symmetry import NOT_CANONICAL, csr_symmetry_gershgorin
 from managed_solve.manager import DeviceManager
 from managed_solve.scheduling import solve_many, validate
 from managed_solve.system import inputs, is_symmetric
@@ -55,6 +55,46 @@ def test_many_matrix_kernel_agrees_with_the_one_matrix_kernel():
         np.testing.assert_array_equal(bounds[k], ref)  # bit for bit, NaN where NaN
         assert finite[k] == np.isfinite(A.data).all()
     assert 0 in finite.tolist()  # the matrix with a NaN
+
+
+def test_the_many_matrix_kernels_finite_flag_is_numpys_for_every_kind_of_bad_entry():
+    """The flag comes from the walk's row sums where they are all finite, else from a read of the
+    entries: each bad entry (NaN or infinity, off or on the diagonal), finite entries whose row sum
+    overflows, and a pattern whose walk stops early give NumPy's answer."""
+    def spoiled(how):
+        A = poisson2d(5).copy()
+        A.sum_duplicates()
+        if how == "nan_off":
+            A.data[1] = np.nan
+        elif how == "inf_off":
+            A.data[A.indices.tolist().index(0, 3)] = np.inf  # a lower entry (row 1, column 0)
+        elif how == "minus_inf_diagonal":
+            A.data[0] = -np.inf
+        elif how == "nan_diagonal_last_row":
+            A.data[-1] = np.nan
+        elif how == "overflowing_row":
+            A.data[:] = 1e308  # every entry finite, every row's sum infinite
+        elif how == "unsorted_then_nan":  # the walk stops at row 0; a NaN past it
+            A.indices[[0, 1]] = A.indices[[1, 0]]
+            A.data[-2] = np.nan
+        elif how == "unsorted_finite":
+            A.indices[[0, 1]] = A.indices[[1, 0]]
+        return A
+
+    hows = ["clean", "nan_off", "inf_off", "minus_inf_diagonal", "nan_diagonal_last_row",
+            "overflowing_row", "unsorted_then_nan", "unsorted_finite"]
+    mats = [spoiled(h) for h in hows]
+    addr = lambda arrays: np.array([a.ctypes.data for a in arrays], np.int64)  # noqa: E731
+    codes = np.zeros(len(mats), np.int8)
+    finite = np.full(len(mats), 9, np.uint8)
+    checks.csr_symmetry_gershgorin_many(
+        0, len(mats), addr([A.indptr for A in mats]), addr([A.indices for A in mats]),
+        addr([A.data for A in mats]), np.array([A.shape[0] for A in mats]),
+        np.array([A.data.shape[0] for A in mats]), mats[0].indptr, mats[0].indices,
+        mats[0].data, 1e-12, codes, np.zeros((len(mats), 4)), finite)
+    with np.errstate(over="ignore"):
+        assert finite.tolist() == [int(np.isfinite(A.data).all()) for A in mats], hows
+    assert codes[hows.index("unsorted_finite")] == NOT_CANONICAL
 
 
 def test_symmetry_pass_checks_its_matrices_entries_and_the_finite_pass_leaves_them():
