@@ -44,6 +44,9 @@ __all__ = ["DistributedVector", "Shard", "ShardedOutcome", "ShardedSystem", "che
 _STATUS = {CONVERGED: Status.CONVERGED, MAXITER: Status.MAXITER, BREAKDOWN: Status.BREAKDOWN}
 _CODE = {status: code for code, status in _STATUS.items()}
 
+#: What a sharded solve takes instead of Jacobi (its only other preconditioner is none).
+SHARDED_INSTEAD = "M=None"
+
 
 # ====================================================================== shards
 class Shard:
@@ -361,11 +364,13 @@ class ShardedSystem:
         for k, sh in enumerate(self.shards):
             with self.comm.on(k):
                 try:
-                    refuse_unscalable_diagonal(sh.diag, label)  # sync: once per shard and solve
+                    # sync: once per shard and solve
+                    refuse_unscalable_diagonal(sh.diag, label, SHARDED_INSTEAD)
                     continue
                 except ValueError as exc:
                     local = exc
-            refuse_unscalable_diagonal(self.gather([s.diag for s in self.shards]), label)
+            refuse_unscalable_diagonal(self.gather([s.diag for s in self.shards]), label,
+                                       SHARDED_INSTEAD)
             raise local  # not reached unless the gathered copy reads otherwise: the shard's error
 
     def run(self, b: Any, x0: Any, *, rtol: float, atol: float, maxiter: int, method: str,

@@ -254,8 +254,12 @@ def set_up_call(option: str) -> str:
     return f"{who}({option})" if arguments else f"{who} ({option})"
 
 
-def refuse_unscalable_diagonal(d: Any, call: str) -> Any:
+def refuse_unscalable_diagonal(d: Any, call: str,
+                               instead: str = "M=None or a user operator") -> Any:
     """``1 / d`` for Jacobi, or a ValueError naming ``call``, the rows and the fix.
+
+    ``instead``: the preconditioners the caller could take instead (the
+    fix names them).
 
     Refused: a zero entry, and one whose reciprocal is not finite: NaN or
     infinite (an operator's ``diagonal()``; a matrix with one is refused
@@ -291,7 +295,7 @@ def refuse_unscalable_diagonal(d: Any, call: str) -> Any:
         f"{call}: Jacobi scaling divides by A's diagonal, so it needs a non-zero diagonal with "
         f"finite reciprocals, but A has {count} diagonal entr{'y' if count == 1 else 'ies'} it "
         f"cannot divide by (rows {rows}{', ...' if count > 5 else ''}; A[{first}, {first}] = "
-        f"{value:.3g}, {why}). Use M=None or a user operator, or reorder or scale the system so "
+        f"{value:.3g}, {why}). Use {instead}, or reorder or scale the system so "
         "that its diagonal is finite and well away from zero."
     )
 

@@ -159,7 +159,7 @@ def _jacobi_refused(call, values, why):
     return (rf"^{call}\(M='jacobi'\): Jacobi scaling divides by A's diagonal, so it needs a "
             rf"non-zero diagonal with finite reciprocals, but A has {len(rows)} diagonal entr\w+ it "
             rf"cannot divide by \(rows {re.escape(str(rows))}; A\[{first}, {first}\] = "
-            rf"{values[first]:.3g}, {why}\)\. Use M=None")
+            rf"{values[first]:.3g}, {why}\)\. Use M=None, or reorder")  # none other to offer
 
 
 @pytest.mark.parametrize("reorder", ["rcm", None])
