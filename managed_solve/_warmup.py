@@ -27,9 +27,12 @@ from ._solve_many import solve_many
 from ._threads import row_threads
 from .manager import DeviceManager
 from .scheduling.validate import MIN_ARRAYS
+from .system import LinearSystem
 
 #: The methods whose batched kernels :func:`warmup` prepares by default.
 METHODS = ("cg", "bicgstab", "gmres")
+#: Those with a row-parallel layout for one large system on the CPU.
+ROW_LAYOUT_METHODS = ("cg", "bicgstab")
 
 
 # ------------------------------------------------------------------ Numba bookkeeping
@@ -242,12 +245,12 @@ def warmup(device: Any = None, methods: Iterable[str] = METHODS, *,
                 for how in ("auto", m) if m != "gmres" else (m,):
                     solve_many(systems, manager=manager, devices=name, method=how,
                                return_on="host")
-                if dev.kind == "cpu" and row_threads(1 << 40) > 1:
+                if dev.kind == "cpu" and m in ROW_LAYOUT_METHODS and row_threads(1 << 40) > 1:
                     # On this host one large system alone sweeps its rows on
                     # several threads: that layout's kernel too.
-                    with config.override(host_row_parallel_min_rows=1):
-                        solve_many(systems[:1], manager=manager, devices=name, method=m,
-                                   return_on="host")
+                    from .solvers.batched.cpu import warm_row_layout
+
+                    warm_row_layout(LinearSystem(*systems[0], method=m), m)
                 record(device=name, step=f"{m} ({dt.name})", seconds=time.perf_counter() - t0,
                        **compiled_since(before))
     return steps

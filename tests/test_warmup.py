@@ -165,3 +165,41 @@ def test_warming_no_device_or_absent_gpus_is_an_error_not_success(monkeypatch):
     for dtypes in ([], ["foo"], ["int32"]):  # "foo" reached NumPy's bare "not understood"
         with pytest.raises(ValueError, match=r"warmup\(dtypes=.*expected float64 and/or float32"):
             ms.warmup("cpu", dtypes=dtypes)
+
+
+def test_warmup_compiles_the_row_layout_without_changing_a_setting_other_threads_read():
+    """On a host where one large system sweeps its rows on several threads, warmup compiles
+    that layout's kernels; it used to do so under a settings override that every thread of the
+    process read while it lasted (a concurrent call then swept even tiny systems' rows that way)."""
+    import threading
+
+    from managed_solve import config
+    from managed_solve._warmup import compiled_since, jit_snapshot
+    from managed_solve.kernels import krylov
+
+    seen, done = set(), threading.Event()
+
+    def reader():  # another thread of the process, reading the setting all along
+        while not done.is_set():
+            seen.add(config.current().host_row_parallel_min_rows)
+
+    with config.override(host_threads=2, host_row_parallel_min_cores=2):
+        watcher = threading.Thread(target=reader)
+        watcher.start()
+        try:
+            ms.warmup("cpu", methods=["cg", "bicgstab"])
+        finally:
+            done.set()
+            watcher.join()
+        assert seen == {config.current().host_row_parallel_min_rows}
+        assert krylov.cg_rows.signatures and krylov.bicgstab_rows.signatures
+        # A system large enough for the row layout then compiles nothing more.
+        m = 520  # n = 270,400 rows: above host_row_parallel_min_rows
+        A, b = poisson2d(m), np.ones(m * m)
+        before = jit_snapshot()
+        for method in ("cg", "bicgstab"):
+            res = ms.solve_many([(A, b)], devices=["cpu"], method=method, rtol=1e-2,
+                                return_on="host")
+            assert res[0].converged
+            assert np.linalg.norm(b - A @ res[0].x) <= 1e-2 * np.linalg.norm(b)
+        assert compiled_since(before)["compiled"] == []

@@ -39,8 +39,13 @@ from .packed import PackedBatch
 ROWS_LAYOUT_MIN = 10_000
 
 
-def solve_fused(batch: PackedBatch, method: str) -> BatchOutcome:
-    """CG or BiCGStab: allocate the workspace once and run the Numba kernels of the right layout."""
+def solve_fused(batch: PackedBatch, method: str, rows: int | None = None) -> BatchOutcome:
+    """CG or BiCGStab: allocate the workspace once and run the Numba kernels of the right layout.
+
+    ``rows``: the threads one system's rows are swept on (None: the host's
+    rule, :func:`~managed_solve._threads.row_threads`; several systems
+    always run one thread each).
+    """
     n, dt, nsys = batch.n, batch.dtype, batch.nsys
     x = batch.x0.copy() if batch.x0 is not None else np.zeros(n, dtype=dt)
     has_x0 = batch.x0 is not None
@@ -51,7 +56,7 @@ def solve_fused(batch: PackedBatch, method: str) -> BatchOutcome:
     rr = np.zeros(nsys, dtype=np.float64)
     st = np.zeros(nsys, dtype=np.int8)
     true, bb = np.zeros(nsys), np.zeros(nsys)
-    rows = _threads.row_threads(n) if nsys == 1 else 1
+    rows = 1 if nsys > 1 else _threads.row_threads(n) if rows is None else rows
     if method == "cg":
         r, p, q = (np.empty(n, dtype=dt) for _ in range(3))
         z = np.empty(n, dtype=dt) if jac else r
@@ -77,6 +82,18 @@ def solve_fused(batch: PackedBatch, method: str) -> BatchOutcome:
         norms = (np.sqrt(true), np.sqrt(bb))
     return BatchOutcome(x=x, iterations=its, residual_norms=np.sqrt(rr), status=st, host_syncs=0,
                         true_norms=norms)
+
+
+def warm_row_layout(system: Any, method: str) -> None:
+    """Compile (or load from Numba's cache) the row-parallel kernels of ``method`` ("cg", "bicgstab").
+
+    ``system`` (a small CSR LinearSystem) is solved with its rows swept on
+    two threads, the layout one large system alone takes on a host of many
+    cores, so that such a system's first solve does not compile them. A call
+    of its own rather than a settings override, which every thread of the
+    process would read while it lasted.
+    """
+    solve_fused(PackedBatch.pack([system], device="cpu"), method, rows=2)
 
 
 def solve_gmres(batch: PackedBatch, restart: int) -> BatchOutcome:
