@@ -178,13 +178,14 @@ class Generation:
     holding the set-up it was computed with (:meth:`~managed_solve.solver.Solver.update` while
     graphs live)."""
 
-    __slots__ = ("solver",)
+    __slots__ = ("lock", "solver")
 
-    def __init__(self, solver: Any):
-        self.solver = solver
+    def __init__(self, solver: Any, lock: Any):
+        # ``lock``: the solver's, shared with its frozen copies; an update swaps ``solver`` under it.
+        self.solver, self.lock = solver, lock
 
     def graph_freed(self) -> None:
-        with self.solver._lock:  # noqa: SLF001 - shared with its frozen copies; update swaps solver
+        with self.lock:
             self.solver.graph_freed()
 
 

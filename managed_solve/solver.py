@@ -206,7 +206,7 @@ class Solver:
             self.grad = replace(source, b=None) if source is not None and source.A is not None \
                 else None
             self._graphs, self._closing, self._symmetric_adjoint = 0, False, None
-            self._generation = autograd.Generation(self)
+            self._generation = autograd.Generation(self, self._lock)
         except BaseException:
             self.close()
             raise
@@ -408,7 +408,7 @@ class Solver:
             if frozen is not None:  # under the lock: a graph freed meanwhile counted here
                 frozen._graphs, self._graphs = self._graphs, 0
                 self._generation.solver = frozen
-                self._generation = autograd.Generation(self)
+                self._generation = autograd.Generation(self, self._lock)
             self.grad = grad
             self._symmetric_adjoint = None
 
