@@ -321,12 +321,12 @@ class Solver:
             self.close()
 
     def _symmetric(self) -> bool:
-        if self.symmetric is not None:
-            return bool(self.symmetric)
-        if self.method in autograd.SYMMETRIC_METHODS:
-            return True
+        # The adjoint solves A itself only where A = A^T by float64's rule: float32's looser one
+        # picks methods, but a gradient through A for A^T would carry the asymmetry it allows.
         if self._symmetric_adjoint is None:
-            self._symmetric_adjoint = bool(matrix_symmetry(self.system))
+            exact = matrix_symmetry(self.system, exact=True)  # None: an operator, as its method says
+            self._symmetric_adjoint = self.method in autograd.SYMMETRIC_METHODS if exact is None \
+                else bool(exact)
         return self._symmetric_adjoint
 
     def _source(self, b: Any, call: str) -> GradSource | None:

@@ -795,3 +795,54 @@ def test_a_penalised_non_symmetric_matrix_gets_the_transposed_adjoint(method, de
     gv, gb = dense_reference(rows, cols, values, b, n, w)
     close(b.grad, gb)
     close(values.grad, gv)
+
+
+@pytest.mark.parametrize("how,device", [
+    ("solve", "cpu"), ("Solver cg", "cpu"), ("solve_many cg batch", "cpu"),
+    ("from the system", "cpu"), pytest.param("solve", "cuda:0", marks=pytest.mark.gpu),
+    pytest.param("Solver cg", "cuda:0", marks=pytest.mark.gpu),
+    pytest.param("solve_many cg batch", "cuda:0", marks=pytest.mark.gpu)])
+def test_a_float32_matrix_symmetric_only_to_float32s_rule_has_the_transposes_adjoint(how, device):
+    """float32's symmetry rule (128 ulps) picks CG or Cholesky for a matrix assembled with its
+    mirrors a few ulps apart; the adjoint must still solve A^T, not A: through A the gradient
+    carried the asymmetry the rule allows (1e-4 off here, against a float64 dense reference)."""
+    from managed_solve.autograd import adjoint_system
+
+    P = poisson2d(20).tocoo()
+    d = P.data.copy()
+    d[P.row < P.col] *= 1 + 1.2e-5  # inside float32's rule, far outside float64's
+    A = sp.csr_matrix((d, (P.row, P.col)), shape=P.shape).astype(np.float32)
+    A.sort_indices()
+    n = A.shape[0]
+    rng = np.random.default_rng(0)
+    b0, w0 = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    D = torch.tensor(A.toarray().astype(np.float64), requires_grad=True)
+    bd = torch.tensor(b0.astype(np.float64), requires_grad=True)
+    (torch.tensor(w0.astype(np.float64)) * torch.linalg.solve(D, bd)).sum().backward()
+    want_b = bd.grad
+    want_v = D.grad[A.tocoo().row, A.tocoo().col]  # dL/dA at the stored entries (COO = CSR order)
+    crow, col = torch.tensor(A.indptr.astype(np.int64)), torch.tensor(A.indices.astype(np.int64))
+    v = torch.tensor(A.data, requires_grad=True)
+    b = torch.tensor(b0, requires_grad=True)
+    w = torch.tensor(w0)
+    if how == "from the system":  # the adjoint a solve_many without a kept solver solves
+        s = ms.LinearSystem(A, b0, rtol=1e-6, method="cg")
+        lam = ms.solve(adjoint_system(s, s, w0), device=device)
+        assert lam.converged
+        got = torch.tensor(np.asarray(lam.x, np.float64))
+        close(got, want_b, 2e-5)
+        return
+    if how == "solve":
+        res = ms.solve((crow, col, v), b, rtol=1e-6, device=device)
+    elif how == "Solver cg":
+        solver = ms.Solver((crow, col, v), method="cg", rtol=1e-6, device=device)
+        res = solver.solve(b)
+    else:  # two systems of one size: one CG batch, its adjoints one batched solve
+        other = torch.tensor(b0[::-1].copy(), requires_grad=True)
+        res, _ = ms.solve_many([ms.LinearSystem((crow, col, v), b, rtol=1e-6),
+                                ms.LinearSystem((crow, col, v), other, rtol=1e-6)],
+                               method="cg", devices=[device])
+    assert res.converged, res.message
+    (w * res.to_torch().cpu()).sum().backward()
+    close(b.grad.double(), want_b, 2e-5)
+    close(v.grad.double(), want_v, 2e-5)

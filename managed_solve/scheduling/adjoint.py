@@ -8,7 +8,7 @@ route prepared and the adjoint ``A^T lam = g`` can reuse (:class:`Kept`):
 - ``BATCH``: the packed batch on its device (matrices, Jacobi diagonal,
   offsets, each system's tolerance); the adjoints of one batch are one
   batched solve of it with the gradients as right-hand sides (A^T packed
-  by one transpose of the batch when the method is not CG);
+  by one transpose of the batch unless it is a CG batch of exactly symmetric matrices);
 - ``SINGLE``: the open :class:`~managed_solve.solver.Solver` (engines,
   preconditioner, hierarchy or factors), through its adjoint solve.
 
@@ -46,7 +46,7 @@ from .. import _backend, autograd
 from ..devices import Device
 from ..manager import DeviceManager
 from ..result import SolveResult, Status
-from ..system import LinearSystem
+from ..system import LinearSystem, is_symmetric
 from . import routes
 from .validate import with_x0
 
@@ -81,6 +81,7 @@ class KeptBatch:
 
         self.indices = list(indices)
         self.method = method
+        self._symmetric: bool | None = None
         self.device = device
         self.reservation = reservation
         # The operator part only: the forward's b, x0, workspace and pinned
@@ -98,8 +99,21 @@ class KeptBatch:
 
     @property
     def symmetric(self) -> bool:
-        """CG batches hold symmetric systems: their own adjoints."""
-        return self.method in autograd.SYMMETRIC_METHODS
+        """Whether the batch is its own adjoint: a CG batch whose matrices equal their transposes
+        by float64's rule, whatever the dtype (float32's looser rule let them into a CG batch,
+        but a gradient through A for A^T would carry the asymmetry it allows). Tested once,
+        on the block-diagonal matrix."""
+        if self._symmetric is None:
+            self._symmetric = self.method in autograd.SYMMETRIC_METHODS and self._exact()
+        return self._symmetric
+
+    def _exact(self) -> bool:
+        p = self.packed
+        arrays, xp = (p.data, p.indices, p.indptr), p.xp
+        if xp is not np and p.index_dtype != np.int32:  # cuSPARSE's CSR takes int32 indices only
+            arrays, xp = tuple(_backend.to_host(a) for a in arrays), np
+        A = _backend.sparse_module(xp).csr_matrix(arrays, shape=(p.n, p.n))
+        return is_symmetric(A, exact=True)
 
     def operator(self) -> Any:
         """The packed batch of the adjoints' matrices: A itself, or A^T (block-diagonal too)."""

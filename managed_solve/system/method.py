@@ -357,13 +357,17 @@ def choose_method(system: Any, device_kind: str, *, symmetric: bool | None = Non
         else "bicgstab"
 
 
-def matrix_symmetry(system: Any, cache: dict | None = None) -> bool | None:
-    """A's symmetry (CSR and dense; None for an operator), on the device A lies on."""
+def matrix_symmetry(system: Any, cache: dict | None = None, *, exact: bool = False) -> bool | None:
+    """A's symmetry (CSR and dense; None for an operator), on the device A lies on.
+
+    ``exact``: by float64's rule whatever the dtype (:func:`is_symmetric`): whether A
+    may stand for ``A^T``, as an adjoint asks, not whether a symmetric method suits it.
+    """
     if system.kind == "csr":
-        return is_symmetric(system.A, cache)
+        return is_symmetric(system.A, cache, exact=exact)
     if system.kind == "dense":
         from .. import _backend
-        from ..kernels.symmetry import symmetry_rtol
+        from ..kernels.symmetry import SYMMETRY_RTOL, symmetry_rtol
         from .properties import symmetric_pairs
 
         xp = _backend.array_module(system.A)
@@ -376,5 +380,6 @@ def matrix_symmetry(system: Any, cache: dict | None = None) -> bool | None:
 
         # The rule of kernels.symmetry: each pair against its own size and rows (not max |a|),
         # within the rounding of A's dtype.
-        return symmetric_pairs(xp, A, A.T, i[:, None], i[None, :], row_max, symmetry_rtol(A.dtype))
+        rel = SYMMETRY_RTOL if exact else symmetry_rtol(A.dtype)
+        return symmetric_pairs(xp, A, A.T, i[:, None], i[None, :], row_max, rel)
     return None

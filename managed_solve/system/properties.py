@@ -80,7 +80,7 @@ def cg_iteration_bound(A: Any, rtol: float, cache: dict | None = None) -> float:
     return 0.5 * float(np.sqrt(hi / lo)) * float(np.log(2.0 / max(rtol, 1e-300)))
 
 
-def is_symmetric(A: Any, cache: dict | None = None) -> bool:
+def is_symmetric(A: Any, cache: dict | None = None, *, exact: bool = False) -> bool:
     """Whether a CSR matrix equals its transpose, pair by pair, on the device A lies on.
 
     The one symmetry test of the package (``solve``'s method choice, the
@@ -102,6 +102,10 @@ def is_symmetric(A: Any, cache: dict | None = None) -> bool:
     cache : dict, optional
         Answers by matrix object, for callers that meet one matrix many times
         within a call (``solve_many``); an entry is reused for the same object only.
+    exact : bool
+        Judge by float64's ``SYMMETRY_RTOL`` (1e-12) whatever A's dtype:
+        whether A may stand for ``A^T`` in a solve (a gradient's adjoint),
+        rather than whether a method for symmetric matrices suits it.
 
     Returns
     -------
@@ -115,17 +119,18 @@ def is_symmetric(A: Any, cache: dict | None = None) -> bool:
     >>> is_symmetric(sp.diags([1.0, 2.0], [0, 1], shape=(4, 4), format="csr"))
     False
     """
+    key = id(A) if not exact or A.dtype == np.float64 else ("exact", id(A))
     if cache is not None:
-        hit = cache.get(id(A))
+        hit = cache.get(key)
         if hit is not None and hit[0] is A:
             return hit[1]
     # Here, past the cache (solve_many asks once per system of every matrix it has tested).
-    from ..kernels.symmetry import DIFFERENT_PATTERN, symmetry_rtol
+    from ..kernels.symmetry import DIFFERENT_PATTERN, SYMMETRY_RTOL, symmetry_rtol
 
     if A.nnz == 0:
         result = True
     else:
-        rel = symmetry_rtol(A.dtype)
+        rel = SYMMETRY_RTOL if exact else symmetry_rtol(A.dtype)
         xp = _backend.array_module(A.data)
         result = None
         if xp is np and A.has_canonical_format:
@@ -145,7 +150,7 @@ def is_symmetric(A: Any, cache: dict | None = None) -> bool:
         if result is None:
             result = _csr_symmetry(A, xp, rel)
     if cache is not None:
-        cache[id(A)] = (A, result)
+        cache[key] = (A, result)
     return result
 
 
