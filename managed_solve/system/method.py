@@ -202,10 +202,14 @@ def predict_cg_iterations(A: Any, rtol: float, cache: dict | None = None) -> flo
     >>> round(predict_cg_iterations(A, 1e-8))
     57
     """
+    from ..kernels.symmetry import symmetry_rtol
+
     n, nnz = A.shape[0], A.nnz
     lo, _hi, dmin, dmax = gershgorin(A, cache)
     its = cg_iteration_bound(A, rtol, cache)
-    if not dmin > 0 or not lo >= -1e-12 * abs(dmax):
+    # Weakly dominant to the rounding of an assembly in A's dtype (a row sum that cancels
+    # leaves a few ulps of its diagonal): the rule that judges symmetry in that dtype.
+    if not dmin > 0 or not lo >= -symmetry_rtol(A.dtype) * abs(dmax):
         return its
     if nnz <= CHAIN_MAX_ROW_NNZ * n:
         return min(its, float(n))

@@ -135,3 +135,23 @@ def test_each_device_takes_the_dtypes_tolerance(backend):
     out = ms.solve_many([on(backend, A * np.float32(2.0 ** k), b) for k in range(16)], rtol=1e-5)
     assert [r.method for r in out] == ["cg"] * 16
     assert host(out[0].x).dtype == np.float32
+
+
+def test_a_float32_grid_operator_gets_the_method_its_float64_copy_gets():
+    """A variable-coefficient diffusion operator built in float32: its row sums cancel to a few
+    float32 ulps below zero (Gershgorin's lo about -4e-8 of the diagonal), which float64's 1e-12
+    read as not weakly dominant: CG's count was unpredictable and the CPU chose an LU for float32
+    only. Both dtypes now choose CG and solve to the tolerance."""
+    from managed_solve import pde
+    from managed_solve.system.method import choose_method
+
+    c = np.exp(np.random.default_rng(0).uniform(-1.0, 1.0, (60, 60)))
+    chosen = []
+    for dt in (np.float64, np.float32):
+        s = pde.poisson_grid((60, 60), np.ones((60, 60)), coefficient=c, dtype=dt, rtol=1e-4)
+        res = ms.solve(s, device="cpu")
+        chosen.append((choose_method(s, "cpu"), res.method))
+        assert res.converged
+        A = s.A.astype(np.float64)
+        assert np.linalg.norm(s.b - A @ res.x) <= 1e-4 * np.linalg.norm(s.b) * 1.01
+    assert chosen == [("cg", "cg"), ("cg", "cg")]
