@@ -34,6 +34,7 @@ import numpy as np
 
 from . import _backend
 from .mesh import Mesh, real_scalar, scalar_kind
+from .value_range import check_floors, check_grid_range
 
 _INT32_MAX = np.iinfo(np.int32).max
 BACKENDS = ("cpu", "cuda", "cudasim")
@@ -178,63 +179,6 @@ def _check_range(values: Any, bound: float, dt: np.dtype, mesh: Mesh, call: str,
                      f"{float(mesh.element_measures().max()):.3g}); the mesh is valid, but these "
                      f"values cannot be stored. Rescale the mesh, e.g. "
                      f"Mesh(mesh.vertices / {top:.3g}, mesh.faces), or the coefficients{wider}.")
-
-
-def entry_floors(mesh: Mesh) -> dict[str, float]:
-    """Per unit coefficient, the least an element adds to the entries of ``L``, ``M`` and ``D``.
-
-    To its vertices' diagonal of ``L`` a triangle adds at least its shape
-    ``s`` (``sin(a) / (2 sin(b) sin(c))``, its smallest sine being at least
-    ``2 s``), a tetrahedron at least ``s * h`` (a face's area over three times
-    its height, at least ``vol / h**2``); to the consistent mass its measure
-    over 12 (20), to the lumped one over 3 (4). Host arithmetic on the mesh's
-    own facts, cached on it.
-    """
-    hit = mesh.cache.get("entry_floors")
-    if hit is None:
-        measure, shape = mesh.element_measures(), mesh.element_shapes()
-        tri = mesh.kind == "triangle"
-        with np.errstate(under="ignore"):
-            stiff = shape if tri else np.cbrt(measure * shape * shape)
-        low = float(measure.min())
-        hit = mesh.cache["entry_floors"] = {"L": float(stiff.min()), "M": low / (12 if tri else 20),
-                                               "D": low / (3 if tri else 4)}
-    return hit
-
-
-def check_floors(mesh: Mesh, dt: np.dtype, call: str, terms: list) -> None:
-    """Refuse a term whose entries fall below ``dt``'s normal range, naming the mesh or the coefficient.
-
-    ``terms``: ``(term, coefficient, its name)`` for each term asked for (a
-    zero coefficient leaves it out), optionally with the arguments to show
-    for the coefficient (``"dt=0.1, kappa=1e-40"`` for ``dt * kappa``; else
-    ``name=coefficient``). Stored as subnormal numbers or zeros, such
-    entries lose their digits or vanish, and the system solved with them is
-    singular or wrong (a float32 mass of a mesh near 1e-20). Decided on the
-    host from the mesh, before any kernel runs.
-    """
-    if dt.kind != "f":
-        return  # the assembly refuses the dtype, naming it
-    tiny, floors = float(np.finfo(dt).tiny), entry_floors(mesh)
-    f32 = dt == np.float32
-    for term, coef, name, *shown in terms:
-        low, scale = abs(coef) * floors[term], floors[term] < tiny
-        if coef == 0 or low >= tiny:
-            continue
-        if scale:  # the mesh itself: its term at a unit coefficient is already out of range
-            label = {"L": "the stiffness matrix L", "M": "the mass matrix M",
-                     "D": "the lumped mass D"}[term]
-            fix = (f"the smallest element {'area' if mesh.kind == 'triangle' else 'volume'} is "
-                   f"{float(mesh.element_measures().min()):.3g}: scale the mesh up, e.g. "
-                   f"Mesh(mesh.vertices / {float(np.abs(mesh.vertices).max()):.3g}, mesh.faces)"
-                   + (", or use dtype=np.float64" if f32 else ""))
-        else:
-            label, fix = f"{name} * {term}", f"use a larger {name}" + (", or dtype=np.float64" if f32 else "")
-        given = "mesh=..." if scale else (shown[0] if shown else f"{name}={coef!r}")
-        raise ValueError(f"{call}({given}, dtype={dt.name}): "
-                         f"{label} has entries down to about {low:.3g}, below {dt.name}'s smallest "
-                         f"normal number {tiny:.3g}, where they would lose their digits or vanish; "
-                         f"{fix}")
 
 
 def check_flag(value: Any, call: str, name: str) -> bool:
@@ -644,12 +588,18 @@ def face_coefficients(shape: tuple[int, ...], coefficient: Any, spacing: tuple[f
 
 def assemble_grid(shape: tuple[int, ...], *, coefficient: Any = None, lengths: Any = 1.0,
                   device: Any = "cpu", dtype: Any = np.float64, index_dtype: Any = None,
-                  backend: str | None = None) -> Any:
+                  backend: str | None = None, call: str = "assemble_grid") -> Any:
     """The 5-point (2-D) or 7-point (3-D) matrix of ``-div(c grad u)``, Dirichlet u = 0 outside.
 
     The unknowns are the ``prod(shape)`` interior nodes of a box of side
     ``lengths`` (default the unit square/cube), spacing ``h = L/(n+1)`` per
     axis, numbered in C order; the matrix is symmetric positive definite.
+    Its entries are ``c / h**2``: a box or coefficient that puts them
+    outside ``dtype``'s normal range (below its smallest normal number,
+    where they lose their digits or vanish, or beyond its largest) is a
+    ValueError naming ``lengths`` and the fix, before any kernel runs.
+    ``call``: the name errors give the call (:func:`managed_solve.pde.poisson_grid`
+    passes its own).
 
     Examples
     --------
@@ -658,7 +608,6 @@ def assemble_grid(shape: tuple[int, ...], *, coefficient: Any = None, lengths: A
     >>> A.shape, A.nnz, float(A[4, 4])   # h = 1/4: centre 4/h^2, neighbours -1/h^2
     ((9, 9), 33, 64.0)
     """
-    call = "assemble_grid"
     shape = grid_shape(shape, call=call)
     dt = _check_dtype(dtype, call)
     idt = _check_index_dtype(index_dtype, call)
@@ -667,7 +616,9 @@ def assemble_grid(shape: tuple[int, ...], *, coefficient: Any = None, lengths: A
     cx, cy, cz = face_coefficients(shape, coefficient, h, call=call)
     nx, ny, nz = shape + (1,) * (3 - len(shape))
     n = nx * ny * nz
-    ih = [1.0 / (s * s) for s in h] + [1.0] * (3 - len(shape))
+    with np.errstate(over="ignore", under="ignore", divide="ignore"):  # refused just below
+        ih = [float(1.0 / np.float64(s) ** 2) for s in h] + [1.0] * (3 - len(shape))
+    check_grid_range((cx, cy, cz)[:len(shape)], ih, dt, call, lengths)
     from .kernels import stencil as ks
 
     xp = t.xp

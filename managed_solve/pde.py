@@ -43,7 +43,6 @@ from .assembly import (
     assemble,
     assemble_grid,
     check_flag,
-    check_floors,
     grid_shape,
     grid_spacing,
     lumped_mass,
@@ -52,6 +51,7 @@ from .assembly import (
 from .mesh import Mesh, real_scalar, scalar_kind
 from .system import LinearSystem
 from .system.inputs import all_finite, check_torch_dtype
+from .value_range import check_floors
 
 __all__ = ["laplacian", "laplacian_nullspace", "mass", "poisson", "screened_poisson", "heat_step",
            "poisson_grid"]
@@ -632,7 +632,7 @@ def poisson_grid(shape: tuple[int, ...], f: Any, coefficient: Any = None, *, len
     t = _target(device, manager, nbytes, backend, call)
     with _ctx(t):
         A = assemble_grid(shape, coefficient=coefficient, lengths=lengths, device=t.device,
-                          dtype=vt, index_dtype=index_dtype, backend=t.backend)
+                          dtype=vt, index_dtype=index_dtype, backend=t.backend, call=call)
         b = t.xp.asarray(fv)  # a copy of fv on a GPU: finite as fv was
         return _system(A, b, vt, f"poisson_grid({'x'.join(map(str, shape))})", checked=(b,), rtol=rtol)
 

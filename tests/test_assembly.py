@@ -215,3 +215,35 @@ def test_coefficients_and_flags_that_are_not_numbers_name_the_argument():
         assembly.assemble_mass(m, lumped="no")
     np.testing.assert_array_equal(assembly.assemble_mass(m, lumped=np.False_).toarray(),
                                   assembly.assemble(m, stiffness=0.0, mass=1.0).toarray())
+
+
+@pytest.mark.parametrize("lengths,dtype,words", [
+    (1e25, np.float32, "down to about 8.1e-49, below float32's smallest normal"),
+    (1e160, np.float64, "below float64's smallest normal"),
+    (1e-20, np.float32, "beyond float32's largest"),
+    (1e-170, np.float64, "beyond float64's largest"),
+])
+def test_a_grid_whose_entries_leave_the_value_type_is_refused_naming_lengths(lengths, dtype, words):
+    """A grid's entries are c / h**2: a box far from unit size puts them below the value type's
+    normal range (every entry 0.0 or subnormal, the solve then MAXITER on a 'singular' A) or
+    beyond it. assemble_grid and poisson_grid refuse it, naming lengths and the fix."""
+    from managed_solve import pde
+    from managed_solve.assembly import assemble_grid
+
+    given = re.escape(repr(lengths))
+    with pytest.raises(ValueError, match=rf"^assemble_grid\(lengths={given}, "
+                                         rf"dtype={np.dtype(dtype).name}\): .*{words}.*scale the box"):
+        assemble_grid((8, 8), lengths=lengths, dtype=dtype)
+    with pytest.raises(ValueError, match=rf"^poisson_grid\(lengths={given}.*{words}"):
+        pde.poisson_grid((8, 8), np.ones(64, dtype=dtype), lengths=lengths, dtype=dtype)
+
+
+def test_a_grid_within_the_value_type_is_assembled_as_in_float64():
+    from managed_solve.assembly import assemble_grid
+
+    c = np.exp(np.random.default_rng(1).uniform(-1.0, 1.0, (8, 8)))
+    for lengths in (1e15, 1e-15, (2.0, 3e-3)):
+        ref = assemble_grid((8, 8), coefficient=c, lengths=lengths, dtype=np.float64)
+        got = assemble_grid((8, 8), coefficient=c, lengths=lengths, dtype=np.float32)
+        assert (got != 0).nnz == ref.nnz
+        np.testing.assert_allclose(got.toarray(), ref.toarray(), rtol=1e-6)
