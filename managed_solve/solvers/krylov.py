@@ -336,19 +336,20 @@ class PreparedKrylov(Prepared):
         self._transposed = None
 
 
-def same_pattern(A: Any, values: Any, kind: str, *, call: str) -> Any:
+def same_pattern(A: Any, values: Any, kind: str, *, call: str, arg: str = "A2") -> Any:
     """A new CSR matrix with A's pattern and ``values`` (an array of A.nnz values or a matrix).
 
     A dense A's pattern is its shape: ``values`` is then a matrix of that
-    shape. A matrix of another pattern is a ValueError naming the fix.
+    shape. A matrix of another pattern is a ValueError naming the fix, and
+    the new matrix as the caller's argument ``arg`` (``Solver.update(A)``).
     """
     if kind == "dense":
         xp = _backend.array_module(A)
         new = xp.asarray(values) if xp is not np else np.asarray(_backend.to_host(values))
         if new.shape != A.shape:
-            raise ValueError(f"{call}(A2): expected a matrix of shape {A.shape}, got "
+            raise ValueError(f"{call}({arg}): expected a matrix of shape {A.shape}, got "
                              f"{tuple(new.shape)}; prepare a new solver for a new shape.")
-        check_dtype(new.dtype, call=f"{call}(A2)", arg="A2")
+        check_dtype(new.dtype, call=f"{call}({arg})", arg=arg)
         return new.astype(A.dtype, copy=False)
     if kind != "csr":
         raise ValueError(f"{call}(values): an operator has no values to update; prepare a new "
@@ -360,7 +361,7 @@ def same_pattern(A: Any, values: Any, kind: str, *, call: str) -> Any:
                 bool(xp.array_equal(xp.asarray(B.indptr), A.indptr))  # sync: pattern check, once
                 and bool(xp.array_equal(xp.asarray(B.indices), A.indices))):  # sync: as above
             raise ValueError(
-                f"{call}(A2): A2 has another sparsity pattern than the prepared matrix "
+                f"{call}({arg}): {arg} has another sparsity pattern than the prepared matrix "
                 f"(shape {B.shape}, {B.nnz} stored entries against {A.shape}, {A.nnz}); "
                 "only values may change. Prepare a new solver for a new pattern.")
         data = xp.asarray(B.data)

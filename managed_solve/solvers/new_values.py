@@ -88,7 +88,7 @@ def _sparse(system: Any, A: Any, call: str) -> Any:
             values = _backend.to_host(values)
         elif sparse:
             values = _backend.sparse_module(xp).csr_matrix(values)
-    return same_pattern(system.A, values, "csr", call="Solver.update")
+    return same_pattern(system.A, values, "csr", call="Solver.update", arg="A")
 
 
 def _dense(system: Any, A: Any, call: str) -> Any:
@@ -105,4 +105,4 @@ def _dense(system: Any, A: Any, call: str) -> Any:
     if A.shape != system.A.shape:
         raise ValueError(f"{call}: expected a matrix of shape {system.A.shape}, got "
                          f"{tuple(A.shape)}; prepare a new Solver for a new shape.")
-    return same_pattern(system.A, A, "dense", call="Solver.update")
+    return same_pattern(system.A, A, "dense", call="Solver.update", arg="A")
