@@ -44,8 +44,10 @@ SINGULAR = (
 )
 
 # A direct solve is exact up to rounding; a residual above this multiple of
-# eps * (||A|| ||x|| + ||b||) means the factorisation hid a singularity.
-_BACKWARD_ERROR_LIMIT = 1e6
+# eps * (||A|| ||x|| + ||b||) means the factorisation hid a singularity. So does
+# ||A|| ||x|| above 1 / (64 eps) ||b|| (a pivot of rounding size) where
+# refinement leaves the residual above sqrt(eps) ||b||.
+_BACKWARD_ERROR_LIMIT, SINGULAR_GROWTH_EPS = 1e6, 1 / 64
 
 
 def direct(A: Any, b: Any, *, symmetric: bool | None = None, rtol: float | None = None,
@@ -402,16 +404,13 @@ class PreparedDirect(Prepared):
         info = {"factorisation": self.how, "refinements": steps, **self._extra}
         if np.isfinite(rn) and rn <= tol:
             return Outcome(x, CONVERGED, 1, rn, info=info)
-        # After refinement, a residual above sqrt(eps) ||b|| means b is not
-        # (numerically) in A's range: A is singular for this b. So does a
-        # large backward error (a factorisation that went wrong).
-        if not np.isfinite(rn) or rn > np.sqrt(eps) * b_norm \
-                or not _backward_stable(A, x, b, rn, xp):
+        # b not (numerically) in A's range, or a factorisation that went wrong (see
+        # SINGULAR_GROWTH_EPS); else a regular A too ill-conditioned for the dtype (MAXITER).
+        stable, growth = _backward_stable(A, x, b, rn, xp) if np.isfinite(rn) else (False, 0.0)
+        if not stable or (rn > np.sqrt(eps) * b_norm and growth * eps > SINGULAR_GROWTH_EPS):
             return Outcome(None, BREAKDOWN, 1, rn, SINGULAR if self.grounding is None
                            else NOT_SOLVED, info=info)
-        # Backward stable and close, yet the residual misses the tolerance:
-        # the matrix is too ill-conditioned (or the dtype too short) for it.
-        # The answer is kept and the status says so.
+        # Backward stable, yet the residual misses the tolerance: x is kept, the status says why.
         return Outcome(x, MAXITER, 1, rn, (
             f"the LU solution's residual {rn:.3g} exceeds the tolerance {tol:.3g} after {steps} "
             f"refinement steps: A is too ill-conditioned for rtol in {np.dtype(b.dtype)} "
@@ -681,8 +680,9 @@ def _residual(A: Any, b: Any, x: Any, xp: Any) -> Any:
     return b - A @ x
 
 
-def _backward_stable(A: Any, x: Any, b: Any, rn: float, xp: Any) -> bool:
-    """False when the backward error ``||b - A x|| / (||A|| ||x|| + ||b||)`` is far above rounding.
+def _backward_stable(A: Any, x: Any, b: Any, rn: float, xp: Any) -> tuple[bool, float]:
+    """(False when the backward error ``||b - A x|| / (||A|| ||x|| + ||b||)`` is far above
+    rounding, the growth ``||A|| ||x|| / ||b||``: at most cond(A), about 1/eps if singular).
 
     A factorisation that went wrong (a singular matrix, a breakdown inside
     the GPU library) leaves a large backward error; an ill-conditioned but
@@ -694,5 +694,7 @@ def _backward_stable(A: Any, x: Any, b: Any, rn: float, xp: Any) -> bool:
         a_norm = float(abs(A).sum(axis=1).max())  # sync: infinity norm, once
     else:
         a_norm = float(xp.abs(A).sum(axis=1).max())  # sync: infinity norm, once
-    scale = a_norm * stable_norm(xp, x) + b_norm  # sync: once
-    return rn <= _BACKWARD_ERROR_LIMIT * eps * max(scale, np.finfo(np.float64).tiny) * np.sqrt(b.shape[0])
+    ax = a_norm * stable_norm(xp, x)  # sync: once
+    tiny = np.finfo(np.float64).tiny
+    stable = rn <= _BACKWARD_ERROR_LIMIT * eps * max(ax + b_norm, tiny) * np.sqrt(b.shape[0])
+    return bool(stable), ax / max(b_norm, tiny)

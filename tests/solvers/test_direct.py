@@ -7,7 +7,7 @@ import pytest
 import scipy.sparse as sp
 import scipy.sparse.linalg as sla
 
-from managed_solve import solve
+from managed_solve import Status, solve
 from managed_solve.solvers.direct import CHOLESKY, DirectEngine, Singular, direct
 from managed_solve.solvers.engine import Options
 from tests._problems import (
@@ -561,3 +561,24 @@ def test_superlu_factors_are_made_and_freed_on_a_long_lived_lane(monkeypatch):
     engine.close()  # from this thread: the factor's last reference goes to its lane
     assert freed.wait(60)  # the lane runs the release soon after
     assert freed_on == made_on
+
+
+def test_an_ill_conditioned_float32_lu_is_maxiter_with_its_answer_not_singular():
+    """A regular float32 matrix of condition 3.7e4 whose LU residual refinement cannot bring to
+    rtol 1e-6: the answer is kept (its error 1e-7 of the float64 one) and the status says the
+    matrix is too ill-conditioned for the dtype, not that it is singular. A singular one (pure
+    Neumann, b outside its range) is still BREAKDOWN, A singular."""
+    n = 300
+    d = np.full(n, 2.0)
+    d[0] = d[-1] = 3.0
+    A = sp.diags([-np.ones(n - 1), d, -np.ones(n - 1) * (1 + 1e-3)], [-1, 0, 1],
+                 format="csr").astype(np.float32)  # non-symmetric: SuperLU
+    b = np.ones(n, np.float32)
+    res = solve(A, b, rtol=1e-6, method="direct", device="cpu")
+    assert res.status is Status.MAXITER, res.message
+    assert "too ill-conditioned for rtol in float32" in res.message
+    ref = sla.spsolve(A.astype(np.float64).tocsc(), b.astype(np.float64))
+    assert np.linalg.norm(np.asarray(res.x, np.float64) - ref) <= 1e-5 * np.linalg.norm(ref)
+    assert np.linalg.norm(b - A @ res.x) > 1e-6 * np.linalg.norm(b)  # the status is honest
+    singular = solve(laplacian1d(n, np.float32, neumann=True), b, method="direct", device="cpu")
+    assert singular.status is Status.BREAKDOWN and "singular" in singular.message
