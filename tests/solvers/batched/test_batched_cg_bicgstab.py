@@ -513,7 +513,9 @@ def test_gpu_batches_with_and_without_graphs_agree_and_report_gpu_time(settings,
     # Graph replays read statuses every 24 iterations, launches every CHECK_EVERY.
     assert graphs.checkpoints <= -(-int(graphs.iterations.max()) // 24) + 2
     assert launches.checkpoints > graphs.checkpoints
-    margin = 1 if method == "cg" else 2 + 0.2 * launches.iterations
+    # BiCGStab's count moves with the rounding of its reductions (graphs and launches sum
+    # in other orders): a third either way on these skewed systems.
+    margin = 1 if method == "cg" else 2 + 0.4 * launches.iterations
     assert (np.abs(graphs.iterations - launches.iterations) <= margin).all()
     assert 0 < graphs.gpu_seconds <= wall
     for out in (graphs, launches):
