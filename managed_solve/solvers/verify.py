@@ -300,13 +300,16 @@ def no_worse_than_the_start(A: Any, b: Any, x0: Any, out: Outcome, tol: float) -
     if end is None and out.code == CONVERGED:  # the recurrence's word, not checked: kept
         return out
     xp = _backend.array_module(b)
-    end = true_residual_norm(A, b, out.x) if end is None else end
+    if end is None:  # measured once: the caller's status reads it (checked_residual)
+        end = true_residual_norm(A, b, out.x)
+        out.true_residual = (out.x, end)
     if end <= tol:
         return out
     start_x = xp.zeros_like(b) if x0 is None else x0
     start = true_residual_norm(A, b, start_x) if x0 is not None else stable_norm(xp, b)
     if not end <= start:  # a NaN end (an overflowed iterate) is worse than any start
         out.x = start_x.copy()
+        out.true_residual = (out.x, start)
         out.info["returned"] = "initial guess (the last iterate was worse)"
     return out
 
