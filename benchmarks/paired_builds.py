@@ -12,6 +12,10 @@ call next to it) with a bootstrap interval of that median.
 
     python benchmarks/paired_builds.py --old ../before --new . --rounds 20
 
+A checkout whose ``kernels/`` sits beside the package (installed through a
+``package-dir`` mapping) runs from its tree once that directory is linked
+into it: ``ln -s ../kernels managed_solve/kernels``.
+
 Each workload is built and called three times (untimed) in each worker
 before its rounds; each call is timed between two synchronisations of
 the GPU. Every call's answer is checked (W1: the iterations run; W2:
