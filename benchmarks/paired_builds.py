@@ -89,9 +89,14 @@ def serve(phases: bool) -> None:
     import managed_solve as ms
 
     spent: dict[str, float] = {}
-    if phases:
+    try:
         from managed_solve.scheduling import many
-
+    except ImportError:  # a build without the scheduling package: no steps to time
+        many = None
+        if phases:
+            print(f"--phases: {ms.__file__} has no managed_solve.scheduling; its steps are "
+                  "not timed", file=sys.stderr)
+    if phases and many is not None:
         for module, name in PHASES:
             mod = getattr(many, module)
             mod.__dict__[name] = _timed_step(mod.__dict__[name], name, spent)
@@ -131,7 +136,11 @@ def drive(args) -> None:
         cmd = [sys.executable, os.path.abspath(__file__), "--serve"] + (["--phases"] if args.phases else [])
         env = dict(os.environ, PYTHONPATH=os.path.abspath(path))
         p = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        print(f"{label}: {json.loads(p.stdout.readline())['ready']}", flush=True)
+        first = p.stdout.readline()
+        if not first.startswith("{"):
+            raise SystemExit(f"--{label} {path}: its worker did not start (its error is above); "
+                             "the path must be a checkout holding the managed_solve package")
+        print(f"{label}: {json.loads(first)['ready']}", flush=True)
         workers[label] = p
 
     def call(label: str, name: str) -> dict:
