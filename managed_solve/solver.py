@@ -636,9 +636,12 @@ class Solver:
                 finished = []
                 for j, (b, out) in enumerate(zip(bs, outs, strict=True)):
                     x0 = None if x0s is None else x0s[j]
+                    # ||b|| as the engine saw it, read above (a projected b's is not known).
+                    bn = b_norms[j] / b_scales[j] if N is None else None
                     finished.append(run_rule(self.system, method, prepared, b, x0, out, tols[j],
                                              transpose, A, symmetric=self.symmetric,
-                                             engine=self._engine, callback=self.callback))
+                                             engine=self._engine, callback=self.callback,
+                                             b_norm=bn))
                 dev.synchronize()
         except MemoryError as exc:  # SimulatedOutOfMemory, cupy's OutOfMemoryError
             seconds = time.perf_counter() - t0

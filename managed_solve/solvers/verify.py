@@ -239,17 +239,18 @@ def status_outside_range(out: Outcome, method: str, residual: float, projected: 
     return status, f"{outside}; {message}"
 
 
-def refine(A: Any, b: Any, prepared: Any, out: Outcome, tol: float, transpose: bool) -> Outcome:
+def refine(A: Any, b: Any, prepared: Any, out: Outcome, tol: float, transpose: bool,
+           b_norm: float | None = None) -> Outcome:
     """Restart from x while the recurrence converged but the true residual did not.
 
     An x as far off as a hopeless guess (its residual above ``||b||`` and
     beyond what rounding resolves toward ``tol``: :func:`hopeless_start`),
     left by a recurrence that ran from such a guess, is no start for a
-    restart: x = 0 is.
+    restart: x = 0 is. ``b_norm``: ``||b||`` where the caller has read it.
     """
     total, syncs = out.iterations, out.host_syncs
     maxiter = prepared.maxiter
-    b_norm = None
+    restarted = False
     for _ in range(REFINEMENTS):
         if out.code != CONVERGED or out.x is None:
             break
@@ -262,6 +263,7 @@ def refine(A: Any, b: Any, prepared: Any, out: Outcome, tol: float, transpose: b
             break
         if b_norm is None:
             b_norm = stable_norm(_backend.array_module(b), b)  # sync: once, on drift only
+        restarted = True
         start = None if hopeless_start(residual, b_norm, tol, b.dtype) else out.x
         nxt = prepared.solve_limited(b, start, left, transpose=transpose)
         if start is None:
@@ -269,7 +271,7 @@ def refine(A: Any, b: Any, prepared: Any, out: Outcome, tol: float, transpose: b
         total += nxt.iterations
         syncs += nxt.host_syncs
         out = nxt
-    if b_norm is not None and out.code == CONVERGED and out.x is not None \
+    if restarted and out.code == CONVERGED and out.x is not None \
             and out.checked_residual(out.x) is None:
         # Drifted: the last restart's x is measured too (the status and the
         # choice of start or end read it).
@@ -278,37 +280,47 @@ def refine(A: Any, b: Any, prepared: Any, out: Outcome, tol: float, transpose: b
     return out
 
 
-def stagnated(A: Any, b: Any, x0: Any, out: Outcome) -> bool:
+def stagnated(A: Any, b: Any, x0: Any, out: Outcome, b_norm: float | None = None) -> bool:
     """Whether ``out`` left the true residual at 90% of the start's or above."""
-    xp = _backend.array_module(b)
-    start = true_residual_norm(A, b, x0) if x0 is not None else stable_norm(xp, b)
-    return not true_residual_norm(A, b, out.x) < 0.9 * start
+    start = _start_norm(A, b, x0, b_norm)
+    end = out.checked_residual(out.x)
+    if end is None:  # measured once: the rule's last step and the status read it again
+        end = true_residual_norm(A, b, out.x)
+        out.true_residual = (out.x, end)
+    return not end < 0.9 * start
 
 
-def no_worse_than_the_start(A: Any, b: Any, x0: Any, out: Outcome, tol: float) -> Outcome:
+def _start_norm(A: Any, b: Any, x0: Any, b_norm: float | None) -> float:
+    """``||b - A x0||`` (``||b||`` for x0 = None: the caller's reading where it has one)."""
+    if x0 is not None:
+        return true_residual_norm(A, b, x0)
+    return b_norm if b_norm is not None else stable_norm(_backend.array_module(b), b)
+
+
+def no_worse_than_the_start(A: Any, b: Any, x0: Any, out: Outcome, tol: float,
+                            b_norm: float | None = None) -> Outcome:
     """A failed solve whose x is worse than its initial guess hands back the initial guess.
 
     A breakdown or an exhausted iteration limit can leave an iterate far
     from any solution (CG on an inconsistent singular system grows x along
     the null space), and so can a recurrence that met the tolerance where the
     true residual, already measured, did not (a preconditioned GMRES on such
-    a system); the caller then gets the better of start and end.
+    a system); the caller then gets the better of start and end. ``b_norm``:
+    ``||b||`` where the caller has read it (the start's residual for x0 = None).
     """
     if out.x is None:
         return out
     end = out.checked_residual(out.x)
     if end is None and out.code == CONVERGED:  # the recurrence's word, not checked: kept
         return out
-    xp = _backend.array_module(b)
     if end is None:  # measured once: the caller's status reads it (checked_residual)
         end = true_residual_norm(A, b, out.x)
         out.true_residual = (out.x, end)
     if end <= tol:
         return out
-    start_x = xp.zeros_like(b) if x0 is None else x0
-    start = true_residual_norm(A, b, start_x) if x0 is not None else stable_norm(xp, b)
+    start = _start_norm(A, b, x0, b_norm)
     if not end <= start:  # a NaN end (an overflowed iterate) is worse than any start
-        out.x = start_x.copy()
+        out.x = _backend.array_module(b).zeros_like(b) if x0 is None else x0.copy()
         out.true_residual = (out.x, start)
         out.info["returned"] = "initial guess (the last iterate was worse)"
     return out
@@ -316,34 +328,36 @@ def no_worse_than_the_start(A: Any, b: Any, x0: Any, out: Outcome, tol: float) -
 
 def run_rule(system: LinearSystem, method: str, prepared: Any, b: Any, x0: Any, out: Outcome,
              tol: float, transpose: bool, A: Any, *, symmetric: bool | None,
-             engine: Callable[[str], Any], callback: Callable[[Any], None] | None = None
-             ) -> tuple[str, Outcome]:
+             engine: Callable[[str], Any], callback: Callable[[Any], None] | None = None,
+             b_norm: float | None = None) -> tuple[str, Outcome]:
     """The verify rule for one column of one system: restart after drift, fall back ("auto").
 
     ``prepared`` is ``method``'s prepared engine (or the Outcome of its failed
     set-up), ``out`` its answer for ``b`` from ``x0``, ``A`` the matrix
     solved (transposed for a transposed solve); ``engine(method)`` gives the
-    prepared engine of a fall-back method. Returns the method that answered
-    and its outcome, its iterations counting every method tried.
+    prepared engine of a fall-back method. ``b_norm``: ``||b||`` where the
+    caller has read it (each host read costs a synchronisation on a GPU).
+    Returns the method that answered and its outcome, its iterations
+    counting every method tried.
     """
     if method == "direct":
         if callback is not None and out.x is not None:
             callback(out.x)
     elif isinstance(prepared, Prepared):
-        out = refine(A, b, prepared, out, tol, transpose)
+        out = refine(A, b, prepared, out, tol, transpose, b_norm)
     tried = [method]
     while True:
         fallback = fall_back(system, method, out.code, symmetric)
         if fallback is None and system.method == "auto" and out.code == MAXITER \
                 and method in ("cg", "bicgstab") and out.x is not None \
-                and stagnated(A, b, x0, out):
+                and stagnated(A, b, x0, out, b_norm):
             # The iteration limit with the residual where it started: the
             # method does not suit this matrix (singular, indefinite), not
             # merely slow; the robust method may (MINRES is the robust one
             # of a symmetric matrix: its own stall is an answer).
             fallback = fallback_for(system, method, symmetric)
         if fallback is None or fallback in tried:
-            return method, no_worse_than_the_start(A, b, x0, out, tol)
+            return method, no_worse_than_the_start(A, b, x0, out, tol, b_norm)
         # "auto" guessed from cheap tests (a positive diagonal does not make a
         # symmetric matrix definite; a factorisation may meet a singular
         # matrix): retry with the robust method (a chain: LU, CG, MINRES).
@@ -360,7 +374,7 @@ def run_rule(system: LinearSystem, method: str, prepared: Any, b: Any, x0: Any, 
         else:
             again = then.solve_transpose(b, x0) if transpose else then.solve(b, x0)
             if fallback != "direct":
-                again = refine(A, b, then, again, tol, transpose)
+                again = refine(A, b, then, again, tol, transpose, b_norm)
         again.iterations += spent
         again.info["fallback_from"] = method
         method, out = fallback, again

@@ -67,6 +67,11 @@ RUNNING = -1
 # Iterations per captured CUDA graph: a multiple of the CG (3) and BiCGStab
 # (4) slot counts, so every replay starts at slot 0.
 GRAPH_CHUNK = 24
+# The same for one system: its graph is captured while the GPU waits (nothing
+# else is queued; a batch's is captured ahead, beside another batch's
+# compute), so a shorter graph starts the GPU sooner. Checkpoints stay
+# GRAPH_CHUNK apart.
+SINGLE_GRAPH_CHUNK = 12
 # Checkpoint spacing without graphs (large systems: one iteration is long).
 CHECK_EVERY = 8
 # Checkpoints' worth of iterations the host keeps queued beyond the last it read.
@@ -153,7 +158,7 @@ def prepare(batch: Any, method: str) -> None:
         solver = FusedSolve(cp, batch, method, dev)
         stream = cp.cuda.get_current_stream()
         # The CUDA graph of the first iterations too: its capture launches every
-        # kernel of GRAPH_CHUNK iterations from Python, slow while other threads
+        # kernel of a chunk of iterations from Python, slow while other threads
         # hold the GIL. Capture needs a stream other than the default ones.
         if solver.uses_graph and stream.ptr not in (0, 1, 2):
             solver.graph = solver._capture(stream)
@@ -234,11 +239,16 @@ class FusedSolve(FusedWorkspace):
                 self.maxiter, self.tol2, self.res2))
 
     # -- the loop -------------------------------------------------------------------
+    @property
+    def chunk(self) -> int:
+        """Iterations a captured graph replays."""
+        return SINGLE_GRAPH_CHUNK if self.nsys == 1 else GRAPH_CHUNK
+
     def _capture(self, stream: Any) -> Any:
-        """A CUDA graph of GRAPH_CHUNK iterations with the current row set."""
+        """A CUDA graph of :meth:`chunk` iterations with the current row set."""
         stream.begin_capture()
         try:
-            for it in range(GRAPH_CHUNK):
+            for it in range(self.chunk):
                 self._iteration(it)
         finally:
             graph = stream.end_capture()
@@ -360,7 +370,7 @@ class FusedSolve(FusedWorkspace):
         # The batch was written on the caller's stream; ours must see it.
         stream.wait_event(caller.record())
         use_graph = self.uses_graph
-        unit = GRAPH_CHUNK if use_graph else 1
+        unit = self.chunk if use_graph else 1
         maxmax = self.maxmax
         last = -(-maxmax // unit) * unit  # iterations launched at most
         spacing = int(check_every) if check_every is not None else (GRAPH_CHUNK if use_graph else CHECK_EVERY)
@@ -387,7 +397,7 @@ class FusedSolve(FusedWorkspace):
                     while launched < target:
                         if graph is not None:
                             graph.launch(stream)
-                            launched += GRAPH_CHUNK
+                            launched += unit
                         else:
                             self._iteration(launched)
                             launched += 1
