@@ -636,12 +636,10 @@ class Solver:
                 finished = []
                 for j, (b, out) in enumerate(zip(bs, outs, strict=True)):
                     x0 = None if x0s is None else x0s[j]
-                    # ||b|| as the engine saw it, read above (a projected b's is not known).
-                    bn = b_norms[j] / b_scales[j] if N is None else None
-                    finished.append(run_rule(self.system, method, prepared, b, x0, out, tols[j],
-                                             transpose, A, symmetric=self.symmetric,
-                                             engine=self._engine, callback=self.callback,
-                                             b_norm=bn))
+                    finished.append(run_rule(  # ||b|| as the engine saw it (a projected b's: unread)
+                        self.system, method, prepared, b, x0, out, tols[j], transpose, A,
+                        symmetric=self.symmetric, engine=self._engine, callback=self.callback,
+                        b_norm=b_norms[j] / b_scales[j] if N is None else None))
                 dev.synchronize()
         except MemoryError as exc:  # SimulatedOutOfMemory, cupy's OutOfMemoryError
             seconds = time.perf_counter() - t0
@@ -672,8 +670,7 @@ class Solver:
             elif x is not None:  # the engine's own true residual of this x, where it made one
                 known = None if scaled or N is not None else out.checked_residual(x)
                 residual = known if known is not None else true_residual_norm(A, b, x)
-                # That read waited for the solve's queued masked iterations: free what
-                # the fused GPU core kept alive for them (nothing on other paths).
+                # That read waited for the fused core's masked iterations: free what they kept.
                 batched.release_done()
             else:
                 residual = out.residual_norm

@@ -170,6 +170,26 @@ def test_an_overflowed_iterate_hands_back_the_start():
     assert out.x is not x0 and "initial guess" in out.info["returned"]
 
 
+def test_the_start_is_judged_by_the_callers_norm_of_b_and_from_zero_without_x0():
+    # From x = 0 the start's residual is ||b||: the caller's reading is used as it is
+    # (it read ||b|| already, a GPU synchronisation each), and the start handed back is 0.
+    A = laplacian1d(5)
+    b = np.ones(5)
+    worse = np.full(5, 100.0)  # a residual far above the start's
+    end = float(np.linalg.norm(b - A @ worse))
+    assert end > np.linalg.norm(b)
+
+    def failed():
+        return Outcome(worse.copy(), MAXITER, 3, end)
+
+    kept = no_worse_than_the_start(A, b, None, failed(), 1e-8, b_norm=2 * end)
+    np.testing.assert_array_equal(kept.x, worse)
+    assert "returned" not in kept.info and kept.checked_residual(kept.x) == pytest.approx(end)
+    back = no_worse_than_the_start(A, b, None, failed(), 1e-8)  # ||b|| read here
+    np.testing.assert_array_equal(back.x, np.zeros(5))
+    assert back.checked_residual(back.x) == pytest.approx(np.linalg.norm(b))
+
+
 @pytest.mark.parametrize("code", [BREAKDOWN, MAXITER])
 def test_a_true_residual_within_the_tolerance_is_converged_whatever_the_method_said(code):
     s = LinearSystem(sp.identity(4, format="csr"), np.ones(4), rtol=1e-8)

@@ -307,14 +307,34 @@ def test_gpu_maxiter_reached_drains_the_queue_once():
     out_b = cg_batched(PackedBatch.from_csr(*_to_gpu(A, b), rtol=1e-30, atol=0.0, maxiter=1000))
     assert out_a.iterations[0] == 100 and out_b.iterations[0] == 1000
     assert out_a.status[0] == 1 and out_b.status[0] == 1
-    # One checkpoint per 24-iteration graph chunk (100 -> 120, 1000 -> 1008), each
-    # read while the next chunk is queued; only the last wait has nothing behind it.
+    # One checkpoint per 24 iterations (two replays of one system's 12-iteration graph;
+    # 100 -> 108, 1000 -> 1008), each read while the next replays are queued; only the
+    # last wait has nothing behind it.
     assert out_a.host_syncs == 1 and out_a.checkpoints == 5
     assert out_b.host_syncs == 1 and out_b.checkpoints == 42
     fixed = cg_batched(PackedBatch.from_csr(*_to_gpu(A, b), rtol=1e-30, maxiter=1000), check_every=1000)
     assert fixed.host_syncs == 1 and fixed.checkpoints == 1 and fixed.iterations[0] == 1000
     # Atomic sums make the last bits differ from run to run; both are solutions.
     np.testing.assert_allclose(host(fixed.x), host(out_b.x), rtol=1e-8, atol=1e-8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["cg", "bicgstab"])
+@pytest.mark.parametrize("maxiter", [1, 11, 12, 13, 25, 50])
+def test_gpu_one_system_stops_at_maxiter_inside_a_graph_replay(method, maxiter):
+    """One system replays shorter graphs than a batch; a limit inside one stops x there."""
+    from managed_solve.solvers.batched.gpu import GRAPH_CHUNK, SINGLE_GRAPH_CHUNK
+
+    assert GRAPH_CHUNK % SINGLE_GRAPH_CHUNK == 0  # checkpoints fall between replays
+    A = poisson2d(24)
+    b = np.random.default_rng(11).standard_normal(A.shape[0])
+    solve = cg_batched if method == "cg" else bicgstab_batched
+    gpu = solve(PackedBatch.from_csr(*_to_gpu(A, b), rtol=1e-30, maxiter=maxiter))
+    cpu = solve(PackedBatch.from_csr(A, b, rtol=1e-30, maxiter=maxiter))
+    assert int(gpu.iterations[0]) == int(cpu.iterations[0]) == maxiter
+    assert gpu.status[0] == cpu.status[0] == 1
+    # The host twin's iterate after the same iterations (reductions sum in other orders).
+    np.testing.assert_allclose(host(gpu.x), cpu.x, rtol=1e-7, atol=1e-9 * np.abs(cpu.x).max())
 
 
 @pytest.mark.gpu
