@@ -333,8 +333,11 @@ def test_gpu_one_system_stops_at_maxiter_inside_a_graph_replay(method, maxiter):
     cpu = solve(PackedBatch.from_csr(A, b, rtol=1e-30, maxiter=maxiter))
     assert int(gpu.iterations[0]) == int(cpu.iterations[0]) == maxiter
     assert gpu.status[0] == cpu.status[0] == 1
-    # The host twin's iterate after the same iterations (reductions sum in other orders).
-    np.testing.assert_allclose(host(gpu.x), cpu.x, rtol=1e-7, atol=1e-9 * np.abs(cpu.x).max())
+    # The host twin's iterate after the same iterations. Reductions sum in other orders,
+    # which BiCGStab amplifies (4e-4 of an entry after 50 iterations here) where CG's
+    # iterates agree to 1e-7; a step more or less moves CG's x by far more than that.
+    err = np.linalg.norm(host(gpu.x) - cpu.x) / np.linalg.norm(cpu.x)
+    assert err <= (1e-7 if method == "cg" else 1e-3)
 
 
 @pytest.mark.gpu
