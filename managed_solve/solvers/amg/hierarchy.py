@@ -46,11 +46,10 @@ from .tentative import fit_candidates
 
 #: Default strength threshold. Galerkin operators below the finest level hold
 #: many small couplings; aggregating along them (threshold 0) makes poor
-#: coarse levels. CG iterations to rtol 1e-8 with our set-up, threshold
-#: 0 / 0.04 / 0.08 / 0.12: 2D Poisson 2048^2 18 / 11 / 11 / 18, 4096^2
-#: 20 / 12 / 12 / 18; 3D 7-point 128^3 11 / 9 / 11 / 11; rotated anisotropic
-#: 512^2 134 / 82 / 80 / 78; elasticity 256^2 with rigid-body modes
-#: 14 / 11 / 11 / 13 (H100). The operator complexity grows by 2% (2D) to 17% (3D) at 0.04.
+#: coarse levels. 0.04 gave the fewest CG iterations over 2D and 3D Poisson,
+#: a rotated anisotropic problem and elasticity, at an operator complexity
+#: 2-17% above threshold 0's (the figures: ``docs/performance.md``, "Tuning
+#: constants").
 THETA = 0.04
 #: Prolongator damping over rho(D^-1 A) (PyAMG's and the literature's 4/3).
 PROLONGATOR_OMEGA = 4.0 / 3.0

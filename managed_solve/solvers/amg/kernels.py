@@ -12,11 +12,9 @@ grid-stride, with at most :data:`WAVES` waves of blocks (a wave: 8 blocks
 of 256 threads per multiprocessor), so any ``n`` (17M rows and beyond) is
 covered by a bounded grid. Eight waves rather than one: the block
 scheduler then evens out rows of unequal cost and the last, partial pass
-over the rows. Per-iteration times of AMG-CG on an H100, 2D Poisson, one
-wave against eight: 4096^2 float64 5.74 against 5.29 ms, float32 4.03
-against 3.81; 2048^2 float64 1.45 against 1.42, float32 1.08 against 1.05.
-More waves again gain on the cycle's kernels at 4096^2 but lose on the
-loop's sums (one atomic addition a block).
+over the rows; more waves gain on the cycle's kernels but lose on the
+loop's sums (one atomic addition a block). The figures behind both
+choices: ``docs/performance.md``, "Tuning constants".
 """
 
 from __future__ import annotations
@@ -62,14 +60,10 @@ def group_size(n: int, nnz: int, itemsize: int = 8) -> int:
 
     Few lanes a row: a row's scalar work (its b, dinv and x, the write of
     the result) is done by one lane of its group, so narrow groups keep more
-    lanes loading. Per-kernel times of the cycle at 2D Poisson 2048^2 and
-    4096^2 on an H100 (levels of 5, 11 and 22 entries a row, P of 2.5-3.7):
-    float64 fastest with 2 lanes up to 16 entries (a 5-entry smoothing step
-    at 4096^2: 625 us with 2 lanes against 972 with 4), float32 with 1 lane
-    below 8 entries and 2 from 8 (the 11-entry level's first smoothing step
-    at 4096^2: 264 us with 1 lane against 176 with 2; its 5-entry steps:
-    384 us with 1 against 673 with 4). Longer rows get about one lane per 5
-    entries, up to a warp.
+    lanes loading. The cycle's kernels were fastest with 2 lanes up to 16
+    entries a row in float64, and in float32 with 1 lane below 8 entries and
+    2 from 8 (``docs/performance.md``, "Tuning constants"); longer rows get
+    about one lane per 5 entries, up to a warp.
     """
     mean = nnz / max(n, 1)
     if mean < (8.0 if itemsize <= 4 else 4.0):
